@@ -1,0 +1,33 @@
+"""Stage 1, cold-start SFT: teach the base model the `<think>...</think><answer>...</answer>` shape.
+
+R1 fine-tunes DeepSeek-V3-Base on thousands of long, readable chain-of-thought examples before any RL, so that RL
+starts from a model that already answers in a readable, parseable form. Here the rows are the synthetic task's
+worked solutions (or a user dataset with `prompt` and `response` columns), and the held-out split measures what
+the model learned.
+
+Run alone:  r1 stage cold_start_sft   (or deploy `cold_start_sft` and start it from the Prefect UI)
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from grpo.config import ColdStartSFTConfig
+from tasks.sft import evaluate_model, prepare_sft_data, train_sft_model
+from tasks.stage import StageResult, stage_run
+
+STAGE = "cold_start_sft"
+
+
+@flow(name=STAGE, log_prints=True)
+def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run_id: str | None = None) -> StageResult:
+    """Fine-tune the base model on chain-of-thought rows; return the checkpoint URI and held-out metrics."""
+    with stage_run(STAGE, config, parent_run_id) as run_id:
+        data = prepare_sft_data(run_id, config.data)
+        checkpoint = train_sft_model(run_id, STAGE, config.model, data.train, config.train)
+        metrics = {}
+        if data.heldout:
+            metrics = evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
+                                     step=config.train.max_steps)
+    return StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
+                       metrics=metrics)

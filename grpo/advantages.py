@@ -1,0 +1,107 @@
+"""Group-relative advantages for GRPO.
+
+Rewards arrive flat, laid out group by group: rows ``0..G-1`` are prompt 0's G
+samples, rows ``G..2G-1`` prompt 1's, and so on. Each sample's advantage is its
+reward minus its group's mean, optionally divided by a spread (the group's std,
+the batch's std, or nothing -- the Dr. GRPO variant).
+
+Stds are torch's default unbiased ones (correction=1). The std of a single
+element is undefined (NaN) under that definition, so here it is taken as 0:
+a group of one sample then has advantage exactly 0 (it has nothing to be
+compared against), never NaN.
+"""
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    """View flat rewards ``[B*G]`` as ``[B, G]``, with clear errors for bad input."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B*G], got shape {tuple(rewards.shape)}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards length {rewards.numel()} is not a multiple of group_size {group_size}"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    return rewards.view(-1, group_size)  # [B, G]
+
+
+def _std(x: Tensor) -> Tensor:
+    """Unbiased std over the last dim; 0 (not NaN) when that dim holds one element."""
+    if x.shape[-1] < 2:
+        return torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
+    return x.std(dim=-1)
+
+
+def group_std(rewards: Tensor, group_size: int) -> Tensor:
+    """Unbiased reward std of each group: ``[B*G] -> [B]`` (0 for groups of one).
+
+    >>> group_std(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2)
+    tensor([0.7071, 0.0000])
+    """
+    return _std(_grouped(rewards, group_size))  # [B]
+
+
+def zero_std_fraction(rewards: Tensor, group_size: int) -> float:
+    """Share of groups whose rewards all agree, i.e. that carry no learning signal.
+
+    Compares values exactly rather than testing ``std == 0``: the float mean of
+    identical values can round, so a std-based test could miss them.
+
+    >>> zero_std_fraction(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2)
+    0.5
+    """
+    grouped = _grouped(rewards, group_size)  # [B, G]
+    if grouped.shape[0] == 0:
+        return 0.0
+    agree = (grouped == grouped[:, :1]).all(dim=1)  # [B]
+    return agree.float().mean().item()
+
+
+# Scalers map (centered [B, G], grouped rewards [B, G], eps) -> advantages [B, G].
+Scaler = Callable[[Tensor, Tensor, float], Tensor]
+
+
+def _scale_by_group(centered: Tensor, grouped: Tensor, eps: float) -> Tensor:
+    return centered / (_std(grouped) + eps).unsqueeze(1)  # [B, G]
+
+
+def _scale_by_batch(centered: Tensor, grouped: Tensor, eps: float) -> Tensor:
+    # One spread for the whole batch, so easy and hard prompts keep their relative scale.
+    return centered / (_std(grouped.flatten()) + eps)  # [B, G]
+
+
+def _no_scale(centered: Tensor, grouped: Tensor, eps: float) -> Tensor:
+    # Dr. GRPO: dividing by the group std up-weights near-unanimous groups; don't.
+    return centered  # [B, G]
+
+
+SCALERS: dict[str, Scaler] = {
+    "group": _scale_by_group,
+    "batch": _scale_by_batch,
+    "none": _no_scale,
+}
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
+) -> Tensor:
+    """Group-relative advantages ``[B*G] -> [B*G]``, in the same order as ``rewards``.
+
+    scale: "group" divides by each group's std + eps, "batch" by the whole
+    batch's std + eps, "none" only subtracts the group mean. Groups of one get 0.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, scale="none")
+    tensor([ 0.5000, -0.5000, -0.5000,  0.5000])
+    """
+    if scale not in SCALERS:
+        raise ValueError(f"unknown scale {scale!r}; expected one of {sorted(SCALERS)}")
+    grouped = _grouped(rewards, group_size)  # [B, G]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [B, G]
+    return SCALERS[scale](centered, grouped, eps).flatten()  # [B*G]

@@ -1,0 +1,66 @@
+"""One frozen config object per stage, and the recipe that holds them all.
+
+Each stage config is at once the stage flow's Prefect parameter (the UI renders it as a form), a section of a
+recipe YAML file, and the params logged on the stage's MLflow run. Defaults are the `tiny` recipe's values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from grpo.data import DataConfig
+from grpo.evaluate import EvalConfig
+from grpo.models import ModelConfig
+from grpo.sft import SFTConfig
+
+STAGES = ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo")
+
+
+class ColdStartSFTConfig(BaseModel):
+    """Stage 1: supervised fine-tuning of the base model on a few thousand chain-of-thought rows."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # the base model
+    data: DataConfig = Field(default_factory=DataConfig)  # the cold-start rows (prompt, response)
+    train: SFTConfig = Field(default_factory=SFTConfig)  # the training loop
+    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation after training
+
+
+class Recipe(BaseModel):
+    """A whole pipeline's settings: one section per stage."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "tiny"  # shown in MLflow as the pipeline run's `recipe` tag
+    description: str = ""  # one line for people
+    cold_start_sft: ColdStartSFTConfig = Field(default_factory=ColdStartSFTConfig)
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+class RecipeError(ValueError):
+    """A recipe file that cannot be used, naming the file and the field."""
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A recipe by name (`recipes/<name>.yaml`) or by path; unknown or mistyped fields fail here, naming them."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+        raise RecipeError(f"no recipe {str(name_or_path)!r} (looked for {path}); known recipes: {known}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise RecipeError(f"{path}: {problems}") from None

@@ -1,0 +1,188 @@
+"""Supervised fine-tuning with the loss on response tokens only.
+
+The loop is plain and visible: tokenize every row up front (so a row that cannot fit fails before any training),
+draw batches by step number (so a resumed run sees exactly the batches it would have seen), and step through
+Hugging Face Accelerate, which handles device placement, mixed precision, gradient accumulation and multi-GPU
+launches. Every `checkpoint_every` steps the model, optimizer, scheduler and RNG state are saved; a run that finds
+a checkpoint in its output folder resumes from it and loses at most the steps since.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+from accelerate import Accelerator
+from pydantic import BaseModel, ConfigDict
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+
+from grpo.data import DataError
+from grpo.generation import render_prompts
+
+MetricsCallback = Callable[[int, dict[str, float]], None]
+
+
+class SFTConfig(BaseModel):
+    """The supervised fine-tuning loop."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_steps: int = 500  # optimizer steps
+    batch_size: int = 32  # rows per micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    learning_rate: float = 2e-3  # peak learning rate (a from-scratch tiny model takes a large one; real models ~1e-5)
+    lr_scheduler: str = "cosine"  # any transformers scheduler name
+    warmup_steps: int = 20  # linear warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping
+    max_seq_len: int = 384  # prompt + response tokens; longer rows are cut at the end of the response
+    mixed_precision: str = "bf16"  # "bf16", "fp16" (GPU) or "no"; bf16 autocast is faster on CPU too
+    gradient_checkpointing: bool = False  # trade compute for memory on real models
+    checkpoint_every: int = 100  # steps between resumable checkpoints (0 = only at the end)
+    keep_checkpoints: int = 1  # resumable checkpoints kept on disk
+    log_every: int = 10  # steps between metric callbacks
+    seed: int = 0  # data order and dropout
+
+
+class Example(NamedTuple):
+    input_ids: list[int]  # prompt + response + end-of-turn
+    labels: list[int]  # -100 on prompt tokens
+
+
+class SFTResult(NamedTuple):
+    model_dir: Path  # the final model, loadable with from_pretrained
+    steps: int  # optimizer steps taken in total (including resumed ones)
+    final_loss: float  # mean training loss over the last logging window
+
+
+def tokenize_rows(rows: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, source: str = "dataset") -> list[Example]:
+    """Chat-format each row and mask the prompt out of the labels; a prompt that leaves no room fails here."""
+    prompts = render_prompts(tokenizer, rows["prompt"].tolist())
+    examples = []
+    for i, (prompt, response) in enumerate(zip(prompts, rows["response"].tolist())):
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(response + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        if len(p) >= max_seq_len:
+            raise DataError(f"{source}: row {i}, column 'prompt': {len(p)} tokens leave no room for the response "
+                            f"within max_seq_len={max_seq_len}")
+        ids = (p + r)[:max_seq_len]
+        examples.append(Example(ids, ([-100] * len(p) + r)[:max_seq_len]))
+    return examples
+
+
+def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id)  # [B, T] right-padded
+    labels = torch.full((len(batch), width), -100)  # [B, T]
+    mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
+    for i, e in enumerate(batch):
+        ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+        mask[i, : len(e.input_ids)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def batch_indices(n_rows: int, batch_size: int, micro_step: int, seed: int) -> list[int]:
+    """Row indices of micro-batch number `micro_step`: a fresh permutation per epoch, a pure function of the step."""
+    per_epoch = max(1, n_rows // batch_size)
+    epoch, k = divmod(micro_step, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+    return perm[k * batch_size : (k + 1) * batch_size].tolist()
+
+
+def _latest_checkpoint(root: Path) -> Path | None:
+    done = [p for p in root.glob("step-*") if (p / "trainer_state.json").exists()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def _save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int) -> None:
+    path = root / f"step-{step}"
+    acc.save_state(str(path), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
+    # written last: a checkpoint without it was interrupted mid-save and is ignored on resume
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: pd.DataFrame,
+    cfg: SFTConfig,
+    output_dir: str | Path,
+    on_metrics: MetricsCallback | None = None,
+    *,
+    source: str = "dataset",
+    progress: bool = True,
+) -> SFTResult:
+    """Fine-tune `model` on `rows` (`prompt`, `response`) and save it to `output_dir/model`; resumes if it can."""
+    output_dir = Path(output_dir)
+    ckpt_root = output_dir / "checkpoints"
+    examples = tokenize_rows(rows, tokenizer, cfg.max_seq_len, source)  # fails before any training
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps,
+                      cpu=not torch.cuda.is_available())
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+                              num_training_steps=cfg.max_steps)
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+
+    start = 0
+    resume_from = _latest_checkpoint(ckpt_root)
+    if resume_from is not None:
+        acc.load_state(str(resume_from))
+        start = json.loads((resume_from / "trainer_state.json").read_text())["step"]
+
+    model.train()
+    window: list[float] = []
+    last_loss = math.nan
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", disable=not progress or not acc.is_main_process,
+               mininterval=2.0)
+    for step in range(start, cfg.max_steps):
+        for micro in range(cfg.grad_accum_steps):
+            idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
+            batch = {k: v.to(acc.device) for k, v in collate([examples[i] for i in idx], tokenizer.pad_token_id).items()}
+            with acc.accumulate(model):
+                loss = model(**batch).loss  # mean over response tokens (labels -100 elsewhere)
+                acc.backward(loss)
+                grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if acc.sync_gradients else None
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            window.append(loss.item())
+        bar.update(1)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.max_steps:
+            last_loss = sum(window) / len(window)
+            window.clear()
+            bar.set_postfix(loss=f"{last_loss:.3f}")
+            if on_metrics:
+                on_metrics(done, {"train/loss": last_loss, "train/learning_rate": scheduler.get_last_lr()[0],
+                                  "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                                  "train/epoch": done * cfg.grad_accum_steps * cfg.batch_size / len(examples)})
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+            _save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints)
+    bar.close()
+
+    model_dir = output_dir / "model"
+    unwrapped = acc.unwrap_model(model)
+    if cfg.gradient_checkpointing:
+        unwrapped.gradient_checkpointing_disable()
+        unwrapped.config.use_cache = True
+    unwrapped.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    shutil.rmtree(ckpt_root, ignore_errors=True)  # the run finished: the final model supersedes its checkpoints
+    return SFTResult(model_dir, cfg.max_steps, last_loss)

@@ -1,0 +1,152 @@
+"""MLflow plumbing shared by every stage: where tracking lives, runs by explicit id, params, metrics, datasets.
+
+MLflow's active run is thread-local and Prefect runs tasks in worker threads, so nothing here relies on
+`mlflow.start_run()`: every call names its run id through an `MlflowClient`.
+
+Where things go:
+- `MLFLOW_TRACKING_URI` when set (a team's `mlflow server`), else `sqlite:///<R1_HOME>/mlflow.db` with artifacts
+  under `<R1_HOME>/mlartifacts` (the embedded default);
+- `R1_HOME` when set, else `.r1/` at the project root.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.entities import DatasetInput, InputTag, Metric, Param
+from pydantic import BaseModel
+
+from tasks.env import PROJECT_ROOT
+DEFAULT_EXPERIMENT = "r1-pipeline"
+
+
+def r1_home() -> Path:
+    home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{r1_home() / 'mlflow.db'}"
+
+
+def client() -> MlflowClient:
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)  # so mlflow.artifacts / mlflow.data helpers resolve runs:/ URIs the same way
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(name: str | None = None) -> str:
+    """The experiment's id, created on first use (with a local artifact folder in the embedded default)."""
+    name = name or os.environ.get("R1_EXPERIMENT", DEFAULT_EXPERIMENT)
+    c = client()
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if tracking_uri().startswith("sqlite:"):  # a local store: keep artifacts beside it, not in the working folder
+        location = (r1_home() / "mlartifacts").as_uri()
+    try:
+        return c.create_experiment(name, artifact_location=location)
+    except mlflow.exceptions.MlflowException:  # another thread or process created it first
+        return c.get_experiment_by_name(name).experiment_id
+
+
+def flatten(config: BaseModel | dict, prefix: str = "") -> dict[str, str]:
+    """`{"train": {"learning_rate": 0.001}}` -> `{"train.learning_rate": "0.001"}`: a config as MLflow params."""
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = str(value)
+    return out
+
+
+def start_run(name: str, *, tags: dict[str, str], parent_run_id: str | None = None,
+              config: BaseModel | None = None) -> str:
+    """Create a run (nested under `parent_run_id` if given), log the config as params, return its id."""
+    c = client()
+    all_tags = dict(tags)
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    run = c.create_run(experiment_id(), run_name=name, tags=all_tags)
+    if config is not None:
+        log_params(run.info.run_id, flatten(config))
+    return run.info.run_id
+
+
+def log_params(run_id: str, params: dict[str, Any]) -> None:
+    items = [Param(k, str(v)) for k, v in params.items()]
+    for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+        client().log_batch(run_id, params=items[i : i + 100])
+
+
+def end_run(run_id: str, status: str = "FINISHED") -> None:
+    client().set_terminated(run_id, status=status)
+
+
+class MetricsLogger:
+    """A metrics callback for `grpo` loops: `logger(step, {"train/loss": 0.1})` writes one batch to the run."""
+
+    def __init__(self, run_id: str):
+        self.run_id, self.client = run_id, client()
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        import time
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v == v]  # drop NaN
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+
+def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, context: str) -> None:
+    """Record `df` as a dataset input of the run (MLflow's Datasets tab), with a digest that tells versions apart."""
+    shown = df.copy()
+    shown["prompt"] = shown["prompt"].astype(str)  # chat messages are lists; MLflow's schema wants scalars
+    try:  # a file path or URL MLflow knows how to describe
+        dataset = mlflow.data.from_pandas(shown, source=source, name=name)
+    except mlflow.exceptions.MlflowException:  # generated in code (the synthetic task) or a hub name
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+
+        dataset = mlflow.data.from_pandas(shown, source=CodeDatasetSource(tags={"source": source}), name=name)
+    inp = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+    client().log_inputs(run_id, datasets=[inp])
+
+
+def log_table(run_id: str, df: pd.DataFrame, artifact_file: str) -> None:
+    client().log_table(run_id, data=df, artifact_file=artifact_file)
+
+
+def log_dir(run_id: str, local_dir: str | Path, artifact_path: str) -> str:
+    """Upload a folder as an artifact and return its `runs:/` URI, the handle the next stage takes."""
+    client().log_artifacts(run_id, str(local_dir), artifact_path)
+    return f"runs:/{run_id}/{artifact_path}"
+
+
+def log_frame(run_id: str, df: pd.DataFrame, artifact_path: str, filename: str = "data.parquet") -> str:
+    """Write `df` as Parquet under an artifact folder and return the folder's `runs:/` URI."""
+    with tempfile.TemporaryDirectory() as tmp:
+        df.to_parquet(Path(tmp) / filename)
+        return log_dir(run_id, tmp, artifact_path)
+
+
+def download(uri: str, dst: str | Path | None = None) -> Path:
+    """A `runs:/`, `models:/` or other artifact URI as a local path; a plain local path is returned as is."""
+    if Path(uri).exists():
+        return Path(uri)
+    if "://" not in uri and not uri.startswith(("runs:", "models:")):
+        raise FileNotFoundError(f"{uri!r} is neither a local path nor an MLflow artifact URI")
+    client()
+    dst = Path(dst or tempfile.mkdtemp(prefix="r1-artifact-"))
+    dst.mkdir(parents=True, exist_ok=True)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))

@@ -1,0 +1,44 @@
+"""Session-wide fixtures: a temporary R1_HOME, a real MLflow on SQLite in it, and one Prefect test harness.
+
+Environment variables are set at import, before `tasks` or Prefect read them, so nothing a test does touches the
+developer's own `.r1/` folder or servers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_HOME = Path(tempfile.mkdtemp(prefix="r1-tests-"))
+os.environ["R1_HOME"] = str(_HOME)
+os.environ["PREFECT_HOME"] = str(_HOME / "prefect")
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_HOME / 'mlflow.db'}"
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def r1_home() -> Path:
+    return _HOME
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect API for the whole session (it takes ~10 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def mlflow_client():
+    from tasks import tracking
+
+    return tracking.client()

@@ -1,0 +1,93 @@
+"""The synthetic task and the loaders: determinism, disjoint splits, and errors that name file, row and column."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from grpo.data import (
+    DataConfig, DataError, TaskConfig, format_response, generate_problems, load_rl_data, load_sft_data, read_table,
+)
+
+
+def test_problems_are_deterministic_and_correct():
+    cfg = TaskConfig(max_operand=9, seed=3)
+    a, b = generate_problems(cfg, 50, "train"), generate_problems(cfg, 50, "train")
+    assert a == b
+    assert generate_problems(TaskConfig(seed=4), 50, "train") != a
+    for p in a:
+        # each step "x op y = z" is true arithmetic, and the last step's result is the answer
+        for step in p.steps:
+            lhs, rhs = step.split(" = ")
+            assert eval(lhs) == int(rhs)  # noqa: S307 (our own generated digits and operators)
+        assert int(p.steps[-1].split(" = ")[1]) == p.answer
+        assert p.answer >= 0
+
+
+def test_train_and_heldout_never_share_a_question():
+    cfg = TaskConfig(max_operand=9)
+    train = {p.question for p in generate_problems(cfg, 3000, "train")}
+    heldout = {p.question for p in generate_problems(cfg, 200, "heldout")}
+    assert len(heldout) == 200 and len(train) == 3000
+    assert not train & heldout
+
+
+def test_response_has_the_think_answer_shape():
+    p = generate_problems(TaskConfig(), 1, "train")[0]
+    r = format_response(p)
+    assert r.startswith("<think>") and r.endswith(f"</think><answer>{p.answer}</answer>")
+
+
+def test_too_small_question_space_fails_clearly():
+    with pytest.raises(ValueError, match="fewer than"):
+        generate_problems(TaskConfig(max_operand=1, templates=("coins",)), 50, "train")
+
+
+def test_jsonl_with_a_missing_column_names_file_and_column(tmp_path):
+    path = tmp_path / "cold.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer_text": "x"}) for i in range(3)))
+    with pytest.raises(DataError) as e:
+        load_sft_data(DataConfig(source=str(path)))
+    assert str(path) in str(e.value) and "'response'" in str(e.value)
+
+
+def test_mistyped_cell_names_row_and_column(tmp_path):
+    path = tmp_path / "cold.parquet"
+    pd.DataFrame({"prompt": ["a", "b", "c"], "response": ["x", "", "z"]}).to_parquet(path)
+    with pytest.raises(DataError, match=r"row 1, column 'response'"):
+        load_sft_data(DataConfig(source=str(path)))
+
+
+def test_bad_json_line_is_named(tmp_path):
+    path = tmp_path / "rl.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", \n')
+    with pytest.raises(DataError, match="line 2"):
+        read_table(str(path))
+
+
+def test_user_formats_load(tmp_path):
+    import datasets
+
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": 4}, {"prompt": "3+3?", "answer": "6"}]
+    jsonl = tmp_path / "rl.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    train, _ = load_rl_data(DataConfig(source=str(jsonl), num_heldout=0))
+    assert train["answer"].tolist() == ["4", "6"]  # numbers become text
+    assert train["prompt"][0] == [{"role": "user", "content": "2+2?"}]
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list([{"prompt": "q", "response": "<think>t</think><answer>1</answer>"}]).save_to_disk(folder)
+    train, _ = load_sft_data(DataConfig(source=str(folder), num_heldout=0))
+    assert train["response"].tolist() == ["<think>t</think><answer>1</answer>"]
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_sft_data(DataConfig(source=str(tmp_path / "nope.jsonl")))
+
+
+def test_synthetic_loaders_give_both_splits():
+    train, heldout = load_sft_data(DataConfig(num_train=100, num_heldout=20))
+    assert list(train.columns) == ["prompt", "response"] and len(train) == 100
+    assert list(heldout.columns) == ["prompt", "answer"] and len(heldout) == 20
+    assert not set(train["prompt"]) & set(heldout["prompt"])

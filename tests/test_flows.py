@@ -1,0 +1,85 @@
+"""Stage and pipeline flows under a real Prefect test harness, logging to a real MLflow (SQLite in a temp folder)."""
+
+import json
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM
+
+from grpo.config import ColdStartSFTConfig, RecipeError, load_recipe
+
+TINY_STAGE = {
+    "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "num_key_value_heads": 1}},
+    "data": {"num_train": 64, "num_heldout": 8},
+    "train": {"max_steps": 4, "batch_size": 8, "log_every": 2, "checkpoint_every": 0, "mixed_precision": "no"},
+    "eval": {"num_prompts": 8, "num_samples": 2, "max_new_tokens": 24, "num_logged_samples": 4},
+}
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump({"name": "test", "cold_start_sft": TINY_STAGE}))
+    return path
+
+
+def test_cold_start_stage_tracks_everything(prefect_harness, mlflow_client, tmp_path):
+    from flows.cold_start_sft import cold_start_sft
+
+    result = cold_start_sft(ColdStartSFTConfig.model_validate(TINY_STAGE))
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["stage"] == "cold_start_sft"
+    assert "prefect.flow_run_id" in run.data.tags
+    assert run.data.params["train.max_steps"] == "4" and run.data.params["model.name_or_path"] == "tiny"
+    losses = mlflow_client.get_metric_history(result.run_id, "train/loss")
+    assert [m.step for m in losses] == [2, 4]
+    for key in ("eval/accuracy", "eval/format_rate", "eval/mean_completion_length", "eval/pass_at_k"):
+        assert key in run.data.metrics and key in result.metrics
+    assert 0 < run.data.metrics["eval/mean_completion_length"] <= 24
+    contexts = {i.tags[0].value: i.dataset.name for i in run.inputs.dataset_inputs}
+    assert contexts == {"training": "sft_train", "evaluation": "heldout"}
+
+    assert result.uris["checkpoint"] == f"runs:/{result.run_id}/checkpoint"
+    from tasks.tracking import download
+
+    model = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"], tmp_path / "ckpt"))
+    assert model.config.num_hidden_layers == 2
+    table = json.loads((download(f"runs:/{result.run_id}/eval/samples.json", tmp_path / "t")).read_text())
+    assert table["columns"] == ["prompt", "answer", "completion", "correct", "formatted"] and len(table["data"]) == 4
+
+
+def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, recipe_file):
+    from flows.r1_pipeline import r1_pipeline
+
+    result = r1_pipeline(recipe=str(recipe_file))
+    parent = mlflow_client.get_run(result.run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["recipe"] == "test"
+    assert "prefect.flow_run_id" in parent.data.tags
+    child = mlflow_client.get_run(result.stages["cold_start_sft"].run_id)
+    assert child.data.tags["mlflow.parentRunId"] == result.run_id
+    assert child.data.tags["stage"] == "cold_start_sft"
+
+
+def test_a_bad_user_dataset_fails_the_stage_before_training(prefect_harness, mlflow_client, tmp_path):
+    from flows.cold_start_sft import cold_start_sft
+
+    bad = tmp_path / "cold.jsonl"
+    bad.write_text('{"prompt": "2+2?", "completion": "4"}\n')
+    cfg = ColdStartSFTConfig.model_validate({**TINY_STAGE, "data": {"source": str(bad)}})
+    with pytest.raises(Exception, match=r"cold\.jsonl: missing column\(s\) \['response'\]"):
+        cold_start_sft(cfg)
+    failed = mlflow_client.search_runs([r.experiment_id for r in mlflow_client.search_experiments()],
+                                       "tags.stage = 'cold_start_sft' and attributes.status = 'FAILED'")
+    assert failed and not any(a.path == "checkpoint" for a in mlflow_client.list_artifacts(failed[0].info.run_id))
+
+
+def test_recipe_errors_name_the_field(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"cold_start_sft": {"train": {"max_step": 3}}}))
+    with pytest.raises(RecipeError, match=r"bad\.yaml: cold_start_sft\.train\.max_step"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match="known recipes"):
+        load_recipe("no-such-recipe")
+    assert load_recipe("tiny").name == "tiny"

@@ -1,0 +1,248 @@
+"""grpo.loss.grpo_loss against hand-worked numbers and a naive per-token loop (CPU)."""
+
+import math
+
+import pytest
+import torch
+
+from grpo.loss import grpo_loss
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo"]
+
+
+def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_type):
+    """Plain per-token loop over 0-d tensors; returns (loss, stats) like grpo_loss."""
+    B, T = logps.shape
+    seq_sums, seq_counts = [], []
+    pg_sums = []
+    kl_sum = ratio_sum = 0.0
+    n_low = n_high = 0
+    for b in range(B):
+        seq_sum = pg_sum = 0.0
+        count = 0
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            count += 1
+            ratio = torch.exp(logps[b, t] - old[b, t])
+            lo, hi = 1 - eps_low, 1 + eps_high
+            if ratio < lo:
+                clipped_ratio = torch.tensor(lo, dtype=logps.dtype)  # constant: no gradient
+            elif ratio > hi:
+                clipped_ratio = torch.tensor(hi, dtype=logps.dtype)
+            else:
+                clipped_ratio = ratio
+            unclipped_term = ratio * adv[b]
+            clipped_term = clipped_ratio * adv[b]
+            if clipped_term < unclipped_term:  # the min picks the clipped term
+                term = clipped_term
+                if adv[b] < 0:
+                    n_low += 1
+                else:
+                    n_high += 1
+            else:
+                term = unclipped_term
+            token_loss = -term
+            pg_sum = pg_sum + token_loss.item()
+            if beta != 0:
+                d = ref[b, t].item() - logps[b, t]
+                kl = torch.exp(d) - d - 1
+                token_loss = token_loss + beta * kl
+                kl_sum += kl.item()
+            ratio_sum += ratio.item()
+            seq_sum = seq_sum + token_loss
+        seq_sums.append(seq_sum)
+        pg_sums.append(pg_sum)
+        seq_counts.append(count)
+
+    n = sum(seq_counts)
+    if loss_type == "grpo":
+        loss = sum(s / max(c, 1) for s, c in zip(seq_sums, seq_counts)) / B
+        pg = sum(s / max(c, 1) for s, c in zip(pg_sums, seq_counts)) / B
+    elif loss_type == "bnpo":
+        loss = sum(seq_sums) / max(n, 1)
+        pg = sum(pg_sums) / max(n, 1)
+    else:  # dr_grpo
+        loss = sum(seq_sums) / (B * T)
+        pg = sum(pg_sums) / (B * T)
+    stats = {
+        "kl": kl_sum / n,
+        "clip_ratio": (n_low + n_high) / n,
+        "clip_ratio/low": n_low / n,
+        "clip_ratio/high": n_high / n,
+        "ratio_mean": ratio_sum / n,
+        "pg_loss": pg,
+    }
+    return loss, stats
+
+
+def random_case(seed=0):
+    """B=5, T=6 in float64; ratios spread ~exp(±0.6) so clipping fires on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 5, 6
+    old = -1.0 - torch.rand(B, T, generator=g, dtype=torch.float64)  # [B, T]
+    logps = (old + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # [B, T]
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)  # [B]
+    lengths = torch.tensor([6, 3, 0, 1, 5])  # ragged, row 2 empty
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()  # [B, T]
+    return logps, old, ref, adv, mask
+
+
+def test_random_case_exercises_both_clip_sides():
+    # guard for the comparison test below: it must actually hit low and high clipping
+    logps, old, _, adv, mask = random_case()
+    ratio = torch.exp(logps.detach() - old)
+    on = mask.bool()
+    low = (ratio < 0.8) & (adv[:, None] < 0) & on
+    high = (ratio > 1.28) & (adv[:, None] > 0) & on
+    assert low.any() and high.any()
+    assert (mask.sum(1) == 0).any()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("epsilon_high", [None, 0.28])
+def test_matches_naive_loop(loss_type, beta, epsilon_high):
+    logps, old, ref, adv, mask = random_case()
+    eps = 0.2
+    eps_high = eps if epsilon_high is None else epsilon_high
+
+    loss, stats = grpo_loss(
+        logps, old, ref, adv, mask,
+        epsilon=eps, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
+    )
+    (grad,) = torch.autograd.grad(loss, logps)
+
+    want_loss, want_stats = naive_grpo_loss(logps, old, ref, adv, mask, eps, eps_high, beta, loss_type)
+    (want_grad,) = torch.autograd.grad(want_loss, logps)
+
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grad, want_grad)
+    assert stats["clip_ratio/low"] > 0 and stats["clip_ratio/high"] > 0
+    for key, value in want_stats.items():
+        assert stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    assert all(isinstance(v, float) for v in stats.values())
+    # masked-out tokens (incl. the empty row) get no gradient
+    assert (grad[mask == 0] == 0).all()
+
+
+def test_hand_worked_clipping():
+    # eps = 0.2, beta = 0, loss_type "grpo"
+    # row 0, A = +1: logps [0.5, 0] vs old [0, 0]
+    #   token 0: ρ = e^0.5 = 1.6487 > 1.2 -> min(1.6487, 1.2) = 1.2 (clipped) -> loss -1.2, grad 0
+    #   token 1: ρ = 1 -> loss -1, d(-ρA)/dlogp = -ρA = -1
+    #   row mean (-1.2 - 1) / 2 = -1.1
+    # row 1, A = -1: logps [-0.5, 0]
+    #   token 0: ρ = e^-0.5 = 0.6065 < 0.8 -> min(-0.6065, -0.8) = -0.8 (clipped) -> loss 0.8, grad 0
+    #   token 1: ρ = 1 -> loss +1, d(-ρA)/dlogp = -ρA = +1
+    #   row mean (0.8 + 1) / 2 = 0.9
+    # loss = (-1.1 + 0.9) / 2 = -0.1; each token's grad is scaled by 1/2 (row mean) * 1/2 (batch mean)
+    logps = torch.tensor([[0.5, 0.0], [-0.5, 0.0]], requires_grad=True)
+    old = torch.zeros(2, 2)
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = grpo_loss(logps, old, None, adv, torch.ones(2, 2), epsilon=0.2, beta=0.0)
+    (grad,) = torch.autograd.grad(loss, logps)
+
+    assert loss.item() == pytest.approx(-0.1, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.25], [0.0, 0.25]]))
+    assert stats["clip_ratio"] == pytest.approx(0.5)  # 2 of 4 tokens clipped
+    assert stats["clip_ratio/low"] == pytest.approx(0.25)
+    assert stats["clip_ratio/high"] == pytest.approx(0.25)
+    # ratio mean (1.6487 + 1 + 0.6065 + 1) / 4 = 1.0638
+    assert stats["ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(-0.5) + 2) / 4, rel=1e-6)
+    assert stats["kl"] == 0.0
+    assert stats["pg_loss"] == pytest.approx(-0.1, abs=1e-6)
+
+
+def test_epsilon_high_widens_only_upper_bound():
+    # ρ = e^0.2 = 1.2214, A = +1: clipped at 1.2 with ε_high = ε = 0.2 ...
+    # ... but inside [0.8, 1.28] with ε_high = 0.28 -> loss -1.2214, grad -1.2214
+    logps = torch.tensor([[0.2]], requires_grad=True)
+    old, adv, mask = torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1)
+    loss, stats = grpo_loss(logps, old, None, adv, mask, beta=0.0)
+    assert loss.item() == pytest.approx(-1.2, abs=1e-6)
+    assert stats["clip_ratio/high"] == 1.0
+    loss, stats = grpo_loss(logps, old, None, adv, mask, epsilon_high=0.28, beta=0.0)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == pytest.approx(-math.exp(0.2), rel=1e-6)
+    assert grad.item() == pytest.approx(-math.exp(0.2), rel=1e-6)
+    assert stats["clip_ratio"] == 0.0
+
+
+def test_hand_worked_k3_kl():
+    # A = 0 kills the policy term; logp = 0, ref = ln 2 -> d = ref - logp = ln 2
+    # k3 = e^d - d - 1 = 2 - 0.6931 - 1 = 0.3069; loss = β · k3 = 0.1 · 0.3069 = 0.03069
+    # d k3 / d logp = -e^d + 1 = -2 + 1 = -1 -> grad = β · (-1) = -0.1
+    # (the reversed estimator, d = logp - ref, would give 0.5 + 0.6931 - 1 = 0.1931)
+    logps = torch.zeros(1, 1, requires_grad=True)
+    ref = torch.full((1, 1), math.log(2.0), requires_grad=True)
+    loss, stats = grpo_loss(logps, None, ref, torch.zeros(1), torch.ones(1, 1), beta=0.1)
+    grad_logps, grad_ref = torch.autograd.grad(loss, [logps, ref], allow_unused=True)
+    k3 = 2 - math.log(2.0) - 1
+    assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6)
+    assert stats["kl"] == pytest.approx(k3, rel=1e-6)
+    assert grad_logps.item() == pytest.approx(-0.1, rel=1e-6)
+    assert grad_ref is None  # the reference is a constant
+
+
+def test_old_logps_none_is_ratio_one_with_live_gradient():
+    # μ = 1: ρ = 1 everywhere, loss = -A, and d(-ρA)/dlogp = -A per token (not 0)
+    # A = [2, -1], T = 2, grpo mean: loss (-2 + 1) / 2 = -0.5; grad -A / (2 tokens · 2 rows)
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    loss, stats = grpo_loss(logps, None, None, adv, torch.ones(2, 2), beta=0.0)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == pytest.approx(-0.5)
+    torch.testing.assert_close(grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]]))
+    assert stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["clip_ratio"] == 0.0
+
+
+def test_aggregations_differ_on_ragged_mask():
+    # per-token loss = -A (ρ = 1); A = [1, 3]; mask rows have 1 and 3 tokens, T = 4
+    #   grpo:    mean(-1/1, -9/3) = (-1 - 3) / 2 = -2
+    #   bnpo:    (-1 - 9) / 4 tokens = -2.5
+    #   dr_grpo: (-1 - 9) / (2 · 4) = -1.25
+    logps = torch.zeros(2, 4)
+    adv = torch.tensor([1.0, 3.0])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    want = {"grpo": -2.0, "bnpo": -2.5, "dr_grpo": -1.25}
+    for loss_type, value in want.items():
+        loss, _ = grpo_loss(logps, None, None, adv, mask, beta=0.0, loss_type=loss_type)
+        assert loss.item() == pytest.approx(value), loss_type
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_all_zero_mask_is_finite(loss_type):
+    logps = torch.randn(2, 3, requires_grad=True)
+    loss, stats = grpo_loss(
+        logps, None, torch.randn(2, 3), torch.tensor([1.0, -1.0]), torch.zeros(2, 3),
+        loss_type=loss_type,
+    )
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == 0.0
+    assert torch.isfinite(grad).all()
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+def test_beta_zero_without_ref_works():
+    logps = torch.randn(2, 3)
+    loss, stats = grpo_loss(logps, None, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.0)
+    assert torch.isfinite(loss)
+    assert stats["kl"] == 0.0
+
+
+def test_beta_positive_without_ref_raises():
+    with pytest.raises(ValueError, match="ref_logps"):
+        grpo_loss(torch.randn(2, 3), None, None, torch.ones(2), torch.ones(2, 3), beta=0.04)
+
+
+def test_unknown_loss_type_lists_valid_ones():
+    with pytest.raises(ValueError, match="dr_grpo"):
+        grpo_loss(torch.randn(2, 3), None, None, torch.ones(2), torch.ones(2, 3), beta=0.0, loss_type="sft")
+
+
+def test_bad_advantages_shape_raises():
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(torch.randn(2, 3), None, None, torch.ones(3), torch.ones(2, 3), beta=0.0)
