@@ -2,6 +2,7 @@
 
     r1 run [--recipe tiny] [--stages cold_start_sft,...]
     r1 stage cold_start_sft [--recipe tiny]
+    r1 stage reasoning_grpo --checkpoint runs:/<run id>/checkpoint
     r1 where                      # where state, MLflow and Prefect live, and how to open their UIs
 """
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     stage = sub.add_parser("stage", help="run one stage alone with its section of the recipe")
     stage.add_argument("name", help="stage name, e.g. cold_start_sft")
     stage.add_argument("--recipe", default="tiny")
+    stage.add_argument("--checkpoint", default=None, help="the upstream checkpoint URI (runs:/<id>/checkpoint)")
     sub.add_parser("where", help="print where state, MLflow and Prefect live")
     args = parser.parse_args(argv)
 
@@ -73,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.name not in stage_flows.FLOWS:
             print(f"r1: unknown stage {args.name!r}; available: {sorted(stage_flows.FLOWS)}", file=sys.stderr)
             return 2
-        result = stage_flows.FLOWS[args.name](getattr(recipe, args.name))
+        config = getattr(recipe, args.name)
+        if args.name in stage_flows.NEEDS_CHECKPOINT:
+            if not args.checkpoint:
+                print(f"r1: stage {args.name} needs --checkpoint runs:/<run id>/checkpoint", file=sys.stderr)
+                return 2
+            result = stage_flows.FLOWS[args.name](args.checkpoint, config)
+        else:
+            result = stage_flows.FLOWS[args.name](config)
         print()
         _print_stage(args.name, result)
     print("\n" + _where())

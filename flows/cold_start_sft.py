@@ -13,7 +13,9 @@ from __future__ import annotations
 from prefect import flow
 
 from grpo.config import ColdStartSFTConfig
-from tasks.sft import evaluate_model, prepare_sft_data, train_sft_model
+from tasks.data import prepare_data
+from tasks.evaluate import evaluate_model
+from tasks.sft import train_sft_model
 from tasks.stage import StageResult, stage_run
 
 STAGE = "cold_start_sft"
@@ -23,7 +25,7 @@ STAGE = "cold_start_sft"
 def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run_id: str | None = None) -> StageResult:
     """Fine-tune the base model on chain-of-thought rows; return the checkpoint URI and held-out metrics."""
     with stage_run(STAGE, config, parent_run_id) as run_id:
-        data = prepare_sft_data(run_id, config.data)
+        data = prepare_data(run_id, config.data, "sft")
         checkpoint = train_sft_model(run_id, STAGE, config.model, data.train, config.train)
         metrics = {}
         if data.heldout:

@@ -15,6 +15,7 @@ from grpo.data import DataConfig
 from grpo.evaluate import EvalConfig
 from grpo.models import ModelConfig
 from grpo.sft import SFTConfig
+from grpo.trainer import GRPOConfig
 
 STAGES = ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo")
 
@@ -30,6 +31,18 @@ class ColdStartSFTConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation after training
 
 
+class ReasoningGRPOConfig(BaseModel):
+    """Stage 2: GRPO from the cold-start checkpoint with rule rewards (accuracy, format, language)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
+    data: DataConfig = Field(default_factory=DataConfig)  # prompts with reference answers (prompt, answer)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)  # the GRPO loop and its rewards
+    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation
+    eval_before: bool = True  # also score the starting checkpoint (step 0), so the run shows what RL changed
+
+
 class Recipe(BaseModel):
     """A whole pipeline's settings: one section per stage."""
 
@@ -38,6 +51,7 @@ class Recipe(BaseModel):
     name: str = "tiny"  # shown in MLflow as the pipeline run's `recipe` tag
     description: str = ""  # one line for people
     cold_start_sft: ColdStartSFTConfig = Field(default_factory=ColdStartSFTConfig)
+    reasoning_grpo: ReasoningGRPOConfig = Field(default_factory=ReasoningGRPOConfig)
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"

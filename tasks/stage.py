@@ -48,10 +48,18 @@ def prefect_tags() -> dict[str, str]:
 
 
 @contextmanager
-def stage_run(stage: str, config: BaseModel, parent_run_id: str | None) -> Iterator[str]:
-    """An MLflow child run tagged `stage=<stage>` with the config as params; marked FAILED if the body raises."""
-    run_id = tracking.start_run(stage, tags={"stage": stage, **prefect_tags()}, parent_run_id=parent_run_id,
-                                config=config)
+def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
+              inputs: dict[str, str] | None = None) -> Iterator[str]:
+    """An MLflow child run tagged `stage=<stage>` with the config as params; marked FAILED if the body raises.
+
+    `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from.
+    """
+    inputs = inputs or {}
+    run_id = tracking.start_run(stage, tags={"stage": stage, **prefect_tags(), **{f"input.{k}": v for k, v in
+                                                                                 inputs.items()}},
+                                parent_run_id=parent_run_id, config=config)
+    if inputs:
+        tracking.log_params(run_id, {f"input.{k}": v for k, v in inputs.items()})
     try:
         yield run_id
     except BaseException:

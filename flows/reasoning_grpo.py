@@ -1,0 +1,39 @@
+"""Stage 2, reasoning GRPO: reinforce what the cold-start model sometimes gets right, with rule rewards only.
+
+R1 runs GRPO from the cold-start checkpoint on reasoning prompts with verifiable answers, rewarding answer
+correctness and format (and language consistency, to keep the chain of thought readable); no value model, no
+neural reward model. Here the prompts are the synthetic task's (or a user dataset with `prompt` and `answer`), and
+the held-out split is scored before and after, so the change RL made is visible in one MLflow run.
+
+Run alone:  r1 stage reasoning_grpo --checkpoint runs:/<cold-start run id>/checkpoint
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from grpo.config import ReasoningGRPOConfig
+from tasks.data import prepare_data
+from tasks.evaluate import evaluate_model
+from tasks.grpo import train_grpo_model
+from tasks.stage import StageResult, stage_run
+
+STAGE = "reasoning_grpo"
+
+
+@flow(name=STAGE, log_prints=True)
+def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningGRPOConfig(),
+                   parent_run_id: str | None = None) -> StageResult:
+    """GRPO from `checkpoint_uri` (the cold-start model); return the new checkpoint URI and held-out metrics."""
+    with stage_run(STAGE, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
+        data = prepare_data(run_id, config.data, "rl")
+        metrics = {}
+        if data.heldout and config.eval_before:
+            before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0)
+            metrics.update({f"{k}_before": v for k, v in before.items()})
+        checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo)
+        if data.heldout:
+            metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
+                                          step=config.grpo.max_steps))
+    return StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
+                       metrics=metrics)

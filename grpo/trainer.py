@@ -1,0 +1,353 @@
+"""GRPO: sample G completions per prompt, score them with rule rewards, and push each toward its group's best.
+
+One step, as in the DeepSeekMath/R1 papers:
+  1. sample G completions for each of `prompts_per_step` prompts from the current policy (pi_old);
+  2. score them: a weighted sum of reward functions;
+  3. advantages relative to the group: (r - group mean) / group std; no value model;
+  4. `num_iterations` (mu) passes of the clipped objective with a k3 KL penalty to a frozen reference model
+     (no reference at all when beta = 0), one optimizer step per pass.
+The sampling log-probs serve as pi_old's, so nothing is recomputed for the ratio. Optional dynamic sampling (DAPO)
+drops groups whose rewards all agree, which carry no gradient, and samples more prompts to refill the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Mapping, NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+from accelerate import Accelerator
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+
+from grpo.advantages import group_advantages
+from grpo.generation import GenerationBackend, Rollout, SamplingConfig, TransformersBackend
+from grpo.loss import grpo_loss
+from grpo.rewards import REWARD_FUNCTIONS, score_completions
+
+MetricsCallback = Callable[[int, dict[str, float]], None]
+SamplesCallback = Callable[[int, pd.DataFrame], None]
+
+
+class GRPOConfig(BaseModel):
+    """The GRPO loop (names follow TRL's GRPOConfig where they mean the same thing)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_steps: int = 200  # optimizer steps (times num_iterations)
+    prompts_per_step: int = 4  # distinct prompts sampled per step
+    num_generations: int = 8  # G: completions per prompt
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)  # temperature, completion budget
+    learning_rate: float = 1e-5  # AdamW learning rate; large ones destroy a tiny model's skills
+    lr_scheduler: str = "constant_with_warmup"  # any transformers scheduler name
+    warmup_steps: int = 0  # linear warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping
+    beta: float = 0.04  # KL coefficient (DeepSeekMath); 0 skips the reference model entirely
+    epsilon: float = 0.2  # lower clip range of the ratio
+    epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); None = epsilon
+    num_iterations: int = 1  # mu: optimisation passes per batch of samples
+    loss_type: str = "grpo"  # grpo (sequence mean), bnpo (token mean) or dr_grpo (Dr. GRPO)
+    scale_rewards: str = "group"  # advantage scaling: group, batch or none (Dr. GRPO)
+    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
+    dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
+    max_refill_rounds: int = 3  # extra sampling rounds per step when dynamic sampling
+    micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation inside a step)
+    mixed_precision: str = "no"  # "bf16" autocast for speed; "no" keeps ratios exact at 1 when mu = 1
+    log_every: int = 1  # steps between metric callbacks
+    samples_every: int = 25  # steps between sample-completion tables
+    checkpoint_every: int = 50  # steps between resumable checkpoints (0 = only the final model)
+    seed: int = 0  # prompt order and sampling
+
+
+class Batch(NamedTuple):
+    """One step's scored samples, ready for the loss (N = prompts x G sequences, grouped by prompt)."""
+
+    input_ids: torch.Tensor  # [N, P+C] prompt (left-padded) then completion (right-padded)
+    attention_mask: torch.Tensor  # [N, P+C]
+    completion_mask: torch.Tensor  # [N, C]
+    old_logps: torch.Tensor  # [N, C] sampling-policy log-probs
+    ref_logps: torch.Tensor | None  # [N, C] reference log-probs, None when beta = 0
+    advantages: torch.Tensor  # [N]
+
+
+class GRPOResult(NamedTuple):
+    model_dir: Path  # final policy, loadable with from_pretrained
+    steps: int  # optimizer steps taken in total
+
+
+def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the last `n_completion` tokens of each row under `model` (and their entropy if asked)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L] left padding is skipped
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=n_completion + 1).logits[:, :-1].float()  # [N, C, V]
+    if temperature > 0:
+        logits = logits / temperature  # the distribution the tokens were sampled from
+    logp_all = torch.log_softmax(logits, -1)  # [N, C, V]
+    targets = input_ids[:, -n_completion:]  # [N, C]
+    logps = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, C]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, C]
+    return logps, entropy
+
+
+def prompt_order(n_prompts: int, step: int, per_step: int, seed: int, draw: int = 0) -> list[int]:
+    """Prompt indices for a step (and refill draw): an epoch-wise permutation, a pure function of the step."""
+    k = step * (1 + 16) + draw  # room for refill draws without overlapping the next step's prompts
+    per_epoch = max(1, n_prompts // per_step)
+    epoch, i = divmod(k, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n_prompts)
+    return perm[i * per_step : (i + 1) * per_step].tolist()
+
+
+class GRPOTrainer:
+    """Holds the policy, the reference model, the optimizer and the data; `train()` runs the loop."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
+                 cfg: GRPOConfig, output_dir: str | Path, *, backend: GenerationBackend | None = None,
+                 on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
+                 reward_functions: Mapping[str, Callable] | None = None, progress: bool = True):
+        if "prompt" not in prompts.columns:
+            raise ValueError(f"GRPO prompts need a 'prompt' column; found {list(prompts.columns)}")
+        # the rule rewards by name, plus any the caller brings (a reward model's scorer, say)
+        self.reward_functions = dict(REWARD_FUNCTIONS if reward_functions is None else reward_functions)
+        unknown = sorted(set(cfg.rewards) - set(self.reward_functions))
+        if unknown:  # fail now, not after the first rollout
+            raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(self.reward_functions)}")
+        self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
+        self.output_dir = Path(output_dir)
+        self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
+        self.acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+        # the reference is a frozen copy of the starting policy; with beta = 0 it is never built
+        self.ref_model = None
+        if cfg.beta != 0:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(self.acc.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+                                  num_training_steps=cfg.max_steps * cfg.num_iterations)
+        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
+        self.backend = backend or TransformersBackend(self.acc.unwrap_model(self.model), tokenizer,
+                                                      autocast=cfg.mixed_precision == "bf16")
+        self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
+
+    # -- one step, in the paper's order ------------------------------------------------------------------------
+
+    def sample(self, idx: list[int]) -> Rollout:
+        return self.backend.generate([self.prompts["prompt"][i] for i in idx], self.cfg.num_generations,
+                                     self.cfg.sampling)
+
+    def score(self, rollout: Rollout, idx: list[int]):
+        G = self.cfg.num_generations
+        columns = {k: [v[i] for i in idx for _ in range(G)] for k, v in self.columns.items()}
+        lengths = rollout.completion_mask.sum(-1).tolist()
+        return score_completions(rollout.texts, self.cfg.rewards,
+                                 {**columns, "completion_lengths": lengths,
+                                  "max_completion_length": [self.cfg.sampling.max_new_tokens] * len(lengths)},
+                                 registry=self.reward_functions)
+
+    def collect(self, step: int) -> tuple[Rollout, list[int], object, dict[str, float]]:
+        """Sample and score one step's groups (refilling dropped ones when dynamic sampling is on)."""
+        G, want = self.cfg.num_generations, self.cfg.prompts_per_step
+        idx = prompt_order(len(self.prompts), step, want, self.cfg.seed)
+        rollout = self.sample(idx)
+        scores = self.score(rollout, idx)
+        stats = {"dynamic/refill_rounds": 0.0}
+        if not self.cfg.dynamic_sampling:
+            return rollout, idx, scores, stats
+        parts = [(rollout, scores, idx, _spread_groups(scores.total, G))]
+        stats["dynamic/spread_groups_first_draw"] = float(len(parts[0][3]))
+        for draw in range(1, self.cfg.max_refill_rounds + 1):
+            if sum(len(p[3]) for p in parts) >= want:
+                break
+            more = prompt_order(len(self.prompts), step, want, self.cfg.seed, draw)
+            r = self.sample(more)
+            s = self.score(r, more)
+            parts.append((r, s, more, _spread_groups(s.total, G)))
+            stats["dynamic/refill_rounds"] = float(draw)
+        rollout, idx, scores = _concat_groups(parts, G, want, self.tokenizer.pad_token_id)
+        stats["dynamic/groups"] = float(len(idx))
+        return rollout, idx, scores, stats
+
+    def build_batch(self, rollout: Rollout, rewards: list[float]) -> Batch:
+        cfg = self.cfg
+        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.num_generations,
+                                      scale=cfg.scale_rewards)  # [N]
+        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
+        attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
+        C = rollout.completion_ids.size(1)
+        ref_logps = None
+        if self.ref_model is not None:
+            with torch.no_grad(), self.acc.autocast():
+                ref_logps = torch.cat([
+                    token_logps(self.ref_model, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
+                    for s in _chunks(input_ids.size(0), cfg.micro_batch_size)])  # [N, C]
+        return Batch(input_ids, attention_mask, rollout.completion_mask.to(self.acc.device).float(),
+                     rollout.logprobs.to(self.acc.device), ref_logps, advantages.to(self.acc.device))
+
+    def optimise(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the clipped objective over the batch, in micro-batches."""
+        cfg, N = self.cfg, batch.input_ids.size(0)
+        C = batch.completion_mask.size(1)
+        sums: dict[str, float] = {}
+        self.model.train()
+        for s in _chunks(N, cfg.micro_batch_size):
+            with self.acc.autocast():
+                logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
+                                             cfg.sampling.temperature, with_entropy=True)
+            loss, stats = grpo_loss(logps, batch.old_logps[s], None if batch.ref_logps is None else batch.ref_logps[s],
+                                    batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
+                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type)
+            share = (s.stop - s.start) / N  # micro-batch losses are means: weight them by their share of the batch
+            self.acc.backward(loss * share)
+            mask = batch.completion_mask[s]
+            stats["train/loss"] = loss.item()
+            stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v * share
+        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums["grad_norm"] = float(grad_norm)
+        return sums
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def train(self) -> GRPOResult:
+        cfg = self.cfg
+        ckpt_root = self.output_dir / "checkpoints"
+        start = self._resume(ckpt_root)
+        bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", disable=not self.progress, mininterval=2.0)
+        for step in range(start, cfg.max_steps):
+            torch.manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run samples what it would have sampled
+            t0 = time.perf_counter()
+            rollout, idx, scores, metrics = self.collect(step)
+            t_gen = time.perf_counter() - t0
+            batch = self.build_batch(rollout, scores.total)
+            for _ in range(cfg.num_iterations):
+                opt_stats = self.optimise(batch)
+            elapsed = time.perf_counter() - t0
+            done = step + 1
+            metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen))
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/total']:.3f}")
+            if self.on_metrics and (done % cfg.log_every == 0 or done == cfg.max_steps):
+                self.on_metrics(done, metrics)
+            if self.on_samples and cfg.samples_every and (done % cfg.samples_every == 0 or done == 1):
+                self.on_samples(done, self._samples_table(rollout, idx, scores))
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+                self._save(ckpt_root, done)
+        bar.close()
+        model_dir = self.output_dir / "model"
+        self.acc.unwrap_model(self.model).save_pretrained(model_dir)
+        self.tokenizer.save_pretrained(model_dir)
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+        return GRPOResult(model_dir, cfg.max_steps)
+
+    def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float) -> dict[str, float]:
+        G = self.cfg.num_generations
+        total = torch.tensor(scores.total)  # [N]
+        lengths = rollout.completion_mask.sum(-1).float()  # [N]
+        m = {f"reward/{name}": _mean_scored(vals) for name, vals in scores.per_function.items()}
+        m.update({f"reward_failures/{name}": float(n) for name, n in scores.failures.items()})
+        groups = total.view(-1, G)  # [B, G]
+        m.update({
+            "reward/total": total.mean().item(),
+            "reward/std": groups.std(-1).mean().item() if G > 1 else 0.0,
+            "reward/zero_std_groups": (groups.max(-1).values == groups.min(-1).values).float().mean().item(),
+            "completion_length": lengths.mean().item(),
+            "completion_truncated": rollout.truncated.float().mean().item(),
+            "tokens_per_s": lengths.sum().item() / elapsed,
+            "time/step_s": elapsed,
+            "time/generation_s": t_gen,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+        })
+        m.update(opt)
+        return m
+
+    def _samples_table(self, rollout: Rollout, idx: list[int], scores) -> pd.DataFrame:
+        G = self.cfg.num_generations
+        rows = {"prompt": [str(self.prompts["prompt"][idx[i // G]]) for i in range(len(rollout.texts))],
+                "completion": rollout.texts, "reward": scores.total}
+        for name, vals in scores.per_function.items():
+            rows[f"reward/{name}"] = vals
+        return pd.DataFrame(rows)
+
+    def _save(self, root: Path, step: int) -> None:
+        path = root / f"step-{step}"
+        self.acc.save_state(str(path), safe_serialization=False)
+        (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+        for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _resume(self, root: Path) -> int:
+        done = [p for p in root.glob("step-*") if (p / "trainer_state.json").exists()]
+        if not done:
+            return 0
+        latest = max(done, key=lambda p: int(p.name.split("-")[1]))
+        self.acc.load_state(str(latest))
+        return json.loads((latest / "trainer_state.json").read_text())["step"]
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _mean_scored(values: list[float | None]) -> float:
+    scored = [v for v in values if v is not None]
+    return sum(scored) / len(scored) if scored else math.nan
+
+
+def _spread_groups(total: list[float], G: int) -> list[int]:
+    """Indices of groups whose rewards differ (the only ones that carry a gradient)."""
+    groups = torch.tensor(total).view(-1, G)  # [B, G]
+    return [g for g in range(groups.size(0)) if groups[g].max() > groups[g].min()]
+
+
+def _concat_groups(parts, G: int, want: int, pad_id: int):
+    """Keep up to `want` groups with reward spread from several draws; with none at all, keep the first draw.
+
+    `parts` holds (rollout, scores, prompt indices, kept group numbers) per draw; returns the same three things
+    `collect` returns for a plain step.
+    """
+    from grpo.generation import _pad_right
+
+    chosen = [(r, s, g, idx[g]) for r, s, idx, kept in parts for g in kept][:want]
+    if not chosen:  # no group had spread: train on the first draw (zero advantages; only the KL term acts)
+        r, s, idx, _ = parts[0]
+        chosen = [(r, s, g, idx[g]) for g in range(len(idx))]
+    rows = lambda g: slice(g * G, (g + 1) * G)  # noqa: E731
+    prompt_w = max(r.prompt_ids.size(1) for r, *_ in chosen)
+
+    def left(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (prompt_w - t.size(1), 0), value=value)
+
+    rollout = Rollout(
+        prompt_ids=torch.cat([left(r.prompt_ids[rows(g)], pad_id) for r, _, g, _ in chosen]),
+        prompt_mask=torch.cat([left(r.prompt_mask[rows(g)], 0) for r, _, g, _ in chosen]),
+        completion_ids=_pad_right([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
+        completion_mask=_pad_right([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
+        logprobs=_pad_right([r.logprobs[rows(g)] for r, _, g, _ in chosen], 0.0),
+        truncated=torch.cat([r.truncated[rows(g)] for r, _, g, _ in chosen]),
+        texts=[t for r, _, g, _ in chosen for t in r.texts[rows(g)]],
+    )
+    first = chosen[0][1]
+    scores = type(first)(
+        per_function={name: [v for _, s, g, _ in chosen for v in s.per_function[name][rows(g)]]
+                      for name in first.per_function},
+        total=[v for _, s, g, _ in chosen for v in s.total[rows(g)]],
+        failures={name: sum(s.failures.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
+                  for name in first.failures},
+    )
+    return rollout, [i for *_, i in chosen], scores

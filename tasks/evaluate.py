@@ -1,0 +1,25 @@
+"""Task: score a checkpoint on held-out prompts and log the figures and a table of completions."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from grpo.evaluate import EvalConfig, evaluate
+from grpo.generation import TransformersBackend
+from grpo.models import ModelConfig, load_model_and_tokenizer
+from tasks import tracking
+from tasks.data import read_frame
+from tasks.stage import resolve_model
+
+
+@task(name="evaluate_model")
+def evaluate_model(run_id: str, checkpoint_uri: str, model_cfg: ModelConfig, heldout_uri: str, cfg: EvalConfig,
+                   step: int = 0) -> dict[str, float]:
+    """Load the checkpoint back with from_pretrained, score it on the held-out rows, log metrics and samples."""
+    model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
+    result = evaluate(TransformersBackend(model, tokenizer), read_frame(heldout_uri), cfg)
+    tracking.MetricsLogger(run_id)(step, result.metrics)
+    tracking.log_table(run_id, result.samples, f"eval/samples_step_{step}.json")
+    get_run_logger().info("held-out at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in result.metrics.items()))
+    return result.metrics

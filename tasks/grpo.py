@@ -1,0 +1,30 @@
+"""Task: GRPO from a checkpoint (reasoning RL, and alignment RL)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from grpo.models import ModelConfig, load_model_and_tokenizer
+from grpo.trainer import GRPOConfig, GRPOTrainer
+from tasks import tracking
+from tasks.data import read_frame
+from tasks.stage import resolve_model, work_dir
+
+
+@task(name="train_grpo_model")
+def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_uri: str, train_uri: str,
+                     cfg: GRPOConfig) -> str:
+    """Run GRPO from the checkpoint on the training prompts; log metrics and sample tables; return the new checkpoint."""
+    rows = read_frame(train_uri)
+    model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
+    out = work_dir(stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist())
+
+    def log_samples(step, table):
+        tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
+
+    trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, on_metrics=tracking.MetricsLogger(run_id),
+                          on_samples=log_samples)
+    result = trainer.train()
+    get_run_logger().info("GRPO finished: %d steps", result.steps)
+    return tracking.log_dir(run_id, result.model_dir, "checkpoint")
