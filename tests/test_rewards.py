@@ -1,0 +1,423 @@
+"""Hand-picked checks of grpo.rewards (CPU; symbolic checks run in threads, some tests start the process pool)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from grpo import rewards
+from grpo.rewards import (
+    REWARD_FUNCTIONS,
+    RewardScores,
+    UnknownRewardError,
+    accuracy_reward,
+    check_accuracy,
+    completion_text,
+    extract_answer,
+    format_reward,
+    format_reward_strict,
+    language_consistency_reward,
+    make_format_reward,
+    make_overlong_penalty,
+    overlong_penalty,
+    prepare_for_math_verify,
+    score_completions,
+    tag_count_reward,
+)
+
+GOOD = "<think>\nadd them\n</think>\n<answer>\n5\n</answer>"
+
+
+def _math_verify_verdict(gold: str, pred: str) -> bool:
+    """Plain math-verify on the same strings (main thread, default settings)."""
+    from math_verify import parse, verify
+
+    return verify(parse(prepare_for_math_verify(gold)), parse(prepare_for_math_verify(pred)))
+
+
+# ----------------------------------------------------------------- completion text
+
+
+def test_completion_text_takes_last_assistant_message():
+    chat = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "first"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "<answer>"}, {"type": "text", "text": "5</answer>"}
+        ]},
+    ]
+    assert completion_text(chat) == "<answer>5</answer>"
+    assert completion_text([{"role": "user", "content": "only user"}]) == "only user"
+    assert completion_text(None) == ""
+
+
+# ----------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize(
+    "text, lenient, strict",
+    [
+        (GOOD, 1.0, 1.0),
+        ("<think></think><answer>5</answer>", 1.0, 1.0),  # empty think block is still the structure
+        ("  <think>a</think>\n\n<answer>5</answer>\n  ", 1.0, 1.0),  # whitespace around/between
+        ("Sure! <think>a</think> so <answer>5</answer> done", 1.0, 0.0),  # text around the blocks
+        ("<think>a</think><answer>5</answer> trailing", 1.0, 0.0),  # text after </answer>
+        ("<think>a</think>between<answer>5</answer>", 1.0, 0.0),  # text between blocks
+        ("<think>a</think><think>b</think><answer>5</answer>", 1.0, 0.0),  # think tag twice
+        ("<answer>5</answer><think>a</think>", 0.0, 0.0),  # wrong order
+        ("<think>a</think> 5", 0.0, 0.0),  # no answer block
+        ("<think>a <answer>5</answer>", 0.0, 0.0),  # think never closed
+        ("just 5", 0.0, 0.0),
+    ],
+)
+def test_format_reward_lenient_and_strict(text, lenient, strict):
+    assert format_reward([text]) == [lenient]
+    assert format_reward([text], strict=True) == [strict]
+    assert format_reward_strict([text]) == [strict]
+
+
+def test_format_reward_prefilled_think():
+    completion = "reasoning here\n</think>\n<answer>5</answer>"
+    assert format_reward([completion]) == [0.0]  # no opening tag in the completion
+    assert format_reward([completion], prefilled_think=True) == [1.0]
+    assert format_reward([completion], prefilled_think=True, strict=True) == [1.0]
+    # The template opened <think>; repeating it is a second opening tag.
+    assert format_reward(["<think>" + completion], prefilled_think=True, strict=True) == [0.0]
+
+
+def test_format_reward_custom_tags_chat_messages_and_factory():
+    text = "<reasoning>r</reasoning><solution>5</solution>"
+    chat = [{"role": "assistant", "content": text}]
+    tags = {"think_tags": ("<reasoning>", "</reasoning>"), "answer_tags": ("<solution>", "</solution>")}
+    assert format_reward([chat], strict=True, **tags) == [1.0]
+    assert format_reward([chat]) == [0.0]  # default tags are absent
+    custom = make_format_reward("reasoning_format", strict=True, **tags)
+    assert custom.__name__ == "reasoning_format"
+    assert custom([chat, GOOD], answer=["5", "5"]) == [1.0, 0.0]  # extra columns are ignored
+    with pytest.raises(TypeError):
+        make_format_reward(strcit=True)
+
+
+def test_tag_count_reward():
+    assert tag_count_reward([GOOD]) == [1.0]
+    assert tag_count_reward(["<think>a</think><answer>5"]) == [0.75]
+    assert tag_count_reward(["<think><think>a</think><answer>5</answer>"]) == [0.75]
+    assert tag_count_reward(["nothing"]) == [0.0]
+    prefilled = "a</think><answer>5</answer>"
+    assert tag_count_reward([prefilled]) == [0.75]
+    assert tag_count_reward([prefilled], prefilled_think=True) == [1.0]
+    assert tag_count_reward(["<think>" + prefilled], prefilled_think=True) == [0.75]
+
+
+# ----------------------------------------------------------------- extraction
+
+
+def test_extract_answer_prefers_last_answer_block():
+    text = "<answer>1</answer> then \\boxed{2} <answer> 3 </answer>"
+    assert extract_answer(text) == "3"
+    assert extract_answer("no tags, \\boxed{7}") == "7"
+    assert extract_answer("nothing here") is None
+    assert extract_answer("<answer>unclosed \\boxed{4}") == "4"
+
+
+def test_extract_boxed_nested_and_escaped_braces():
+    assert extract_answer("so \\boxed{\\frac{1}{\\sqrt{2}}}.") == "\\frac{1}{\\sqrt{2}}"
+    assert extract_answer("\\boxed{1} and finally \\boxed{\\{1, 2\\}}") == "\\{1, 2\\}"
+    # A truncated last box is skipped in favour of the previous complete one.
+    assert extract_answer("\\boxed{x^{2}} ... \\boxed{\\frac{1}{2") == "x^{2}"
+
+
+# ----------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [
+        ("7,425,000", "7425000"),
+        ("\\frac13", "1/3"),
+        ("0.5", "1/2"),
+        ("$277$", "277"),
+        ("277.", "277"),
+        ("\\dfrac{3}{4}", "0.75"),
+        ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"),  # symbolic path
+        ("x(x+3)", "x^2+3x"),  # symbolic path
+    ],
+)
+def test_accuracy_equivalences(pred, gold):
+    assert accuracy_reward([f"<think>t</think><answer>{pred}</answer>"], [gold]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [
+        ("7,425,001", "7425000"),
+        ("1/4", "1/3"),
+        ("0.51", "1/2"),
+        ("-277", "277"),
+        ("\\sqrt{3}", "\\sqrt{2}"),
+        ("x^2+2x", "x^2+3x"),
+    ],
+)
+def test_accuracy_wrong_answers(pred, gold):
+    assert accuracy_reward([f"<answer>{pred}</answer>"], [gold]) == [0.0]
+
+
+def test_accuracy_missing_answer_bad_reference_and_chat_input():
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "so \\boxed{12}"}]
+    scores = accuracy_reward(
+        ["no answer at all", chat, "<answer>5</answer>", "<answer>5</answer>"],
+        ["5", "12", "the answer", None],
+        trainer_state=object(),  # unknown kwargs are ignored
+    )
+    assert scores == [0.0, 1.0, None, None]
+
+
+def test_accuracy_gsm8k_style_reference():
+    assert accuracy_reward(["<answer>72</answer>"], ["She sold 48 + 24 = 72 clips.\n#### 72"]) == [1.0]
+
+
+def test_fast_and_symbolic_paths_agree_with_math_verify():
+    pairs = [  # (pred, gold)
+        ("42", "42"), ("1,000", "1000"), ("3.50", "3.5"), ("-7", "7"), ("0.333333", "1/3"),
+        ("1.5", "\\frac{3}{2}"), ("2.0001", "2"), ("12", "12.000001"),
+        ("\\sqrt{8}", "2\\sqrt{2}"), ("\\frac{\\pi}{2}", "90"), ("2x+2", "2(x+1)"),
+        ("\\{1,2\\}", "\\{2,1\\}"), ("x=5", "5"), ("50\\%", "0.5"), ("1.4142136", "\\sqrt{2}"),
+        ("3\\sqrt{2}", "\\sqrt{17}"), ("\\frac{5\\pi}{6}", "\\frac{5}{6}\\pi"), ("y^2", "x^2"),
+    ]  # fmt: skip
+    report = check_accuracy([f"<answer>{p}</answer>" for p, _ in pairs], [g for _, g in pairs])
+    assert report.fast_path > 0 and report.symbolic > 0 and report.timeouts == 0
+    expected = [float(_math_verify_verdict(g, p)) for p, g in pairs]
+    assert report.scores == expected
+    assert 0.0 in expected and 1.0 in expected
+
+
+def test_latex_shortcut_matches_math_verify_values():
+    # The subset evaluator only ever proves "different"; its reading of each
+    # string must match math-verify's own parse.
+    import sympy
+    from math_verify import parse
+
+    samples = [
+        "2\\sqrt{3}", "\\frac{5\\pi}{6}", "x^2+3x", "x(x+3)", "\\sqrt[3]{27}", "\\frac12+\\dfrac{1}{3}",
+        "-x^2+2", "2^{x}", "\\left(x+1\\right)^2", "3\\cdot 4", "6/4", "\\sqrt2 y", "a^2 b", "\\pi r^2",
+        "\\frac{\\sqrt{2}}{2}", "2.5x", "x^{1/2}", "\\tfrac{1}{4}\\pi",
+    ]  # fmt: skip
+    for s in samples:
+        ours = rewards._latex_value(s)
+        assert ours is not None, s
+        expr = next(e for e in parse(prepare_for_math_verify(s)) if isinstance(e, sympy.Basic))
+        value = float(expr.evalf(30, subs={sym: rewards._probe(sym.name) for sym in expr.free_symbols}))
+        assert math.isclose(ours, value, rel_tol=1e-9), (s, ours, value)
+    # Outside the subset: left to math-verify.
+    for s in ["2\\frac{1}{2}", "1/2x", "5m", "xy", "{1,2}", "x", "e^2", "\\sqrt{-1}", "1,5"]:
+        assert rewards._latex_value(s) is None, s
+
+
+def test_accuracy_from_worker_threads():
+    completions = ["<answer>\\frac{\\sqrt{2}}{2}</answer>", "<answer>7,425,000</answer>", "<answer>\\sqrt{3}</answer>"]
+    answers = ["\\frac{1}{\\sqrt{2}}", "7425000", "\\sqrt{2}"]
+    results = []
+    thread = threading.Thread(target=lambda: results.append(accuracy_reward(completions, answers,
+                                                                              symbolic_backend="process")))
+    thread.start()
+    thread.join(60)
+    assert results == [[1.0, 1.0, 0.0]]
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: accuracy_reward(completions, answers), range(2)))
+    assert outs == [[1.0, 1.0, 0.0]] * 2
+    # The process backend gives the same verdicts.
+    assert accuracy_reward(completions, answers, symbolic_backend="process") == [1.0, 1.0, 0.0]
+
+
+def _slow_expression(terms: int = 400) -> str:
+    return "+".join(f"\\frac{{{i}}}{{{i + 1}}}x^{{{i}}}" for i in range(1, terms))
+
+
+def test_pathological_input_times_out_in_worker_process():
+    accuracy_reward(["<answer>\\sqrt{2}</answer>"], ["\\sqrt{2}"], symbolic_backend="process")  # pool started first
+    slow = _slow_expression()
+    start = time.perf_counter()
+    report = check_accuracy([f"<answer>{slow}</answer>", "<answer>3</answer>"], [slow + "+1", "3"], timeout_s=0.2,
+                            symbolic_backend="process")
+    elapsed = time.perf_counter() - start
+    assert report.scores == [0.0, 1.0]
+    assert report.timeouts == 1
+    assert elapsed < 5.0  # without the limit this parse takes far longer
+
+
+def test_hung_check_in_thread_fallback_is_abandoned(monkeypatch):
+    def hang(*args, **kwargs):
+        time.sleep(5)
+        return [rewards._EQUAL]
+
+    monkeypatch.setattr(rewards, "_check_group", hang)
+    start = time.perf_counter()
+    report = check_accuracy(["<answer>\\sqrt{2}</answer>"], ["\\sqrt{2}+0"], timeout_s=0.1, symbolic_backend="thread")
+    assert time.perf_counter() - start < 2.0
+    assert report.scores == [0.0] and report.timeouts == 1
+
+
+def test_stuck_pool_is_killed_and_counted_as_timeouts(monkeypatch):
+    pool = rewards._SymbolicPool()
+    monkeypatch.setattr(pool, "_STARTUP_GRACE_S", 0.0)
+    monkeypatch.setattr(pool, "_BACKSTOP_SLACK_S", -1.95)  # budget 1.0*2 - 1.95 = 0.05 s: workers cannot even start
+    start = time.perf_counter()
+    results = pool.run([[("\\sqrt{2}", ["\\sqrt{2}"])]], timeout_s=1.0)
+    assert time.perf_counter() - start < 5.0
+    assert results == [None]
+    assert pool._executor is None  # killed and forgotten; the next call builds a new one
+    monkeypatch.setattr(pool, "_BACKSTOP_SLACK_S", 10.0)
+    monkeypatch.setattr(pool, "_STARTUP_GRACE_S", 60.0)
+    assert pool.run([[("\\sqrt{2}", ["\\sqrt{2}", "\\sqrt{3}"])]], timeout_s=2.0) == [[[1, 0]]]
+    pool.shutdown()
+
+
+# ----------------------------------------------------------------- language consistency
+
+
+def test_language_consistency():
+    english = "<think>We add the two numbers to get five.</think><answer>5</answer>"
+    mixed = "<think>we compute 我们计算</think><answer>5</answer>"  # 2 English words, 4 Han characters
+    assert language_consistency_reward([english]) == [1.0]
+    assert language_consistency_reward([mixed]) == [pytest.approx(2 / 6)]
+    assert language_consistency_reward([mixed], language="zh") == [pytest.approx(4 / 6)]
+    # Math, LaTeX commands and single-letter variables count for no language.
+    # counted: "so", "and", 我, 们 -> 2 of 4 English
+    assert language_consistency_reward(["<think>so $\\frac{ab}{cd}$ and x = 2 \\cdot 我们</think>"]) == [0.5]
+    assert language_consistency_reward(["<think>2+2=4</think>", "<think></think>x"]) == [0.0, 0.0]
+    # No think block: the whole completion; prefilled think: everything before </think>.
+    assert language_consistency_reward(["只有中文"], language="zh") == [1.0]
+    assert language_consistency_reward(["English reasoning</think><answer>中文</answer>"]) == [1.0]
+    with pytest.raises(ValueError, match="supported"):
+        language_consistency_reward(["x"], language="fr")
+
+
+# ----------------------------------------------------------------- overlong
+
+
+def test_overlong_penalty_soft_punishment():
+    # max 100, cache 20: free up to 80, then linear to -1 at 100, -1 beyond.
+    lengths = [50, 80, 90, 95, 100, 130]
+    scores = overlong_penalty(["c"] * 6, max_completion_length=100, soft_cache=20, completion_lengths=lengths)
+    assert scores == [0.0, 0.0, -0.5, -0.75, -1.0, -1.0]
+    # TRL passes completion_ids: their lengths are the token counts.
+    ids = [[1] * 7, [1] * 3]
+    assert overlong_penalty(["a", "b"], max_completion_length=10, soft_cache=5, completion_ids=ids) == [-0.4, 0.0]
+    # Default cache: a fifth of the maximum (DAPO's 4096 of 20480).
+    assert overlong_penalty(["a"], max_completion_length=100, completion_lengths=[90]) == [-0.5]
+
+
+def test_overlong_penalty_character_fallback_and_factory():
+    with pytest.warns(RuntimeWarning, match="character"):
+        assert overlong_penalty(["x" * 9], max_completion_length=10, soft_cache=2) == [-0.5]
+    with pytest.raises(ValueError, match="max_completion_length"):
+        overlong_penalty(["x"], completion_lengths=[1])
+    penalty = make_overlong_penalty(100, soft_cache=20)
+    assert penalty.__name__ == "overlong_penalty"
+    assert penalty(["a", "b"], completion_lengths=[90, 10], answer=["1", "2"]) == [-0.5, 0.0]
+    with pytest.raises(ValueError):
+        make_overlong_penalty(100, soft_cache=200)
+
+
+# ----------------------------------------------------------------- registry and scoring
+
+
+def test_registry_names():
+    names = {"format", "format_strict", "accuracy", "tag_count", "language_consistency", "overlong"}
+    assert set(REWARD_FUNCTIONS) == names
+    assert REWARD_FUNCTIONS["format_strict"](["<think>a</think><answer>1</answer> x"]) == [0.0]
+
+
+def test_score_completions_weights_hand_computed():
+    completions = [GOOD, "<think>a</think> x <answer>4</answer> y", "nothing"]
+    result = score_completions(
+        completions,
+        {"format": 1.0, "format_strict": 2.0, "tag_count": 0.5, "accuracy": 3.0},
+        {"answer": ["5", "5", "5"]},
+    )
+    assert isinstance(result, RewardScores)
+    assert result.per_function["format"] == [1.0, 1.0, 0.0]
+    assert result.per_function["format_strict"] == [1.0, 0.0, 0.0]
+    assert result.per_function["tag_count"] == [1.0, 1.0, 0.0]
+    assert result.per_function["accuracy"] == [1.0, 0.0, 0.0]
+    # 1*1 + 2*1 + 0.5*1 + 3*1 = 6.5 ; 1*1 + 0 + 0.5*1 + 0 = 1.5 ; 0
+    assert result.total == [6.5, 1.5, 0.0]
+    assert result.failures == {"format": 0, "format_strict": 0, "tag_count": 0, "accuracy": 0}
+
+
+def _registry(**extra):
+    return {"format": format_reward, **extra}
+
+
+def test_score_completions_isolates_a_raising_completion():
+    calls = []
+
+    def picky(completions, **_):
+        calls.append(len(completions))
+        if "bad" in completions:
+            raise RuntimeError("cannot score 'bad'")
+        return [2.0] * len(completions)
+
+    result = score_completions(["ok", "bad", "ok2"], [("picky", 1.0), ("format", 1.0)], registry=_registry(picky=picky))
+    assert calls == [3, 1, 1, 1]  # batch first, then one by one
+    assert result.per_function["picky"] == [2.0, None, 2.0]
+    assert result.failures == {"picky": 1, "format": 0}
+    assert result.total == [2.0, 0.0, 2.0]
+
+
+def test_score_completions_nan_inf_non_numbers_and_none():
+    def odd(completions, **_):
+        return [math.nan, math.inf, "1.0", None, 0.5]
+
+    result = score_completions(list("abcde"), {"odd": 2.0}, registry=_registry(odd=odd))
+    assert result.per_function["odd"] == [None, None, None, None, 0.5]
+    assert result.failures == {"odd": 4}
+    assert result.total == [0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_score_completions_wrong_length_fails_every_completion():
+    result = score_completions(
+        [GOOD, GOOD], {"short": 1.0, "format": 1.0}, registry=_registry(short=lambda completions, **_: [1.0])
+    )
+    assert result.per_function["short"] == [None, None]
+    assert result.failures["short"] == 2
+    assert result.total == [1.0, 1.0]  # only format counts
+
+
+def test_score_completions_passes_columns_per_completion_on_fallback():
+    def needs_answer(completions, answer, **_):
+        if len(completions) > 1:
+            raise RuntimeError("batch broken")
+        return [float(completions[0] == answer[0])]
+
+    result = score_completions(["1", "2"], {"x": 1.0}, {"answer": ["1", "3"]}, registry={"x": needs_answer})
+    assert result.per_function["x"] == [1.0, 0.0]
+    assert result.failures == {"x": 0}
+
+
+def test_score_completions_bad_specs_raise_before_scoring():
+    calls = []
+
+    def spy(completions, **_):
+        calls.append(1)
+        return [1.0] * len(completions)
+
+    registry = _registry(spy=spy)
+    with pytest.raises(UnknownRewardError) as err:
+        score_completions(["a"], {"spy": 1.0, "acuracy": 1.0}, registry=registry)
+    assert isinstance(err.value, KeyError) and isinstance(err.value, ValueError)
+    assert "acuracy" in str(err.value) and "format" in str(err.value) and "spy" in str(err.value)
+    with pytest.raises(ValueError):
+        score_completions(["a"], [("spy", 1.0), ("spy", 2.0)], registry=registry)
+    with pytest.raises(ValueError):
+        score_completions(["a"], {"spy": math.nan}, registry=registry)
+    with pytest.raises(ValueError):
+        score_completions(["a", "b"], {"spy": 1.0}, {"answer": ["1"]}, registry=registry)
+    assert calls == []
+    with pytest.raises(KeyError, match="accuracy"):
+        score_completions(["a"], {"nope": 1.0})  # default registry lists its names
