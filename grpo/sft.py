@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
+from grpo.accelerate_utils import make_accelerator
 from grpo.data import DataError
 from grpo.generation import render_prompts
 
@@ -130,8 +131,7 @@ def train_sft(
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps,
-                      cpu=not torch.cuda.is_available())
+    acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

@@ -6,7 +6,8 @@ One step, as in the DeepSeekMath/R1 papers:
   3. advantages relative to the group: (r - group mean) / group std; no value model;
   4. `num_iterations` (mu) passes of the clipped objective with a k3 KL penalty to a frozen reference model
      (no reference at all when beta = 0), one optimizer step per pass.
-The sampling log-probs serve as pi_old's, so nothing is recomputed for the ratio. Optional dynamic sampling (DAPO)
+With mu = 1 pi_old is the policy being optimised, so the ratio is exactly 1 and nothing is recomputed; with
+mu > 1 pi_old's log-probs are computed once, before the first update. Optional dynamic sampling (DAPO)
 drops groups whose rewards all agree, which carry no gradient, and samples more prompts to refill the batch.
 """
 
@@ -23,11 +24,11 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 import pandas as pd
 import torch
-from accelerate import Accelerator
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
+from grpo.accelerate_utils import make_accelerator
 from grpo.advantages import group_advantages
 from grpo.generation import GenerationBackend, Rollout, SamplingConfig, TransformersBackend
 from grpo.loss import grpo_loss
@@ -74,7 +75,7 @@ class Batch(NamedTuple):
     input_ids: torch.Tensor  # [N, P+C] prompt (left-padded) then completion (right-padded)
     attention_mask: torch.Tensor  # [N, P+C]
     completion_mask: torch.Tensor  # [N, C]
-    old_logps: torch.Tensor  # [N, C] sampling-policy log-probs
+    old_logps: torch.Tensor | None  # [N, C] pi_old log-probs before the first update; None when mu = 1
     ref_logps: torch.Tensor | None  # [N, C] reference log-probs, None when beta = 0
     advantages: torch.Tensor  # [N]
 
@@ -103,11 +104,16 @@ def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask:
 
 
 def prompt_order(n_prompts: int, step: int, per_step: int, seed: int, draw: int = 0) -> list[int]:
-    """Prompt indices for a step (and refill draw): an epoch-wise permutation, a pure function of the step."""
-    k = step * (1 + 16) + draw  # room for refill draws without overlapping the next step's prompts
-    per_epoch = max(1, n_prompts // per_step)
-    epoch, i = divmod(k, per_epoch)
-    perm = np.random.default_rng([seed, epoch]).permutation(n_prompts)
+    """Prompt indices for a step: epoch-wise permutations walked in order, a pure function of the step.
+
+    Draw 0 is the step's own batch; refill draws (dynamic sampling) come from a separate random stream, so they
+    never shift which prompts later steps see.
+    """
+    if draw:
+        return np.random.default_rng([seed, 1, step, draw]).choice(n_prompts, per_step, replace=False).tolist()
+    per_epoch = n_prompts // per_step
+    epoch, i = divmod(step, per_epoch)
+    perm = np.random.default_rng([seed, 0, epoch]).permutation(n_prompts)
     return perm[i * per_step : (i + 1) * per_step].tolist()
 
 
@@ -120,6 +126,8 @@ class GRPOTrainer:
                  reward_functions: Mapping[str, Callable] | None = None, progress: bool = True):
         if "prompt" not in prompts.columns:
             raise ValueError(f"GRPO prompts need a 'prompt' column; found {list(prompts.columns)}")
+        if len(prompts) < cfg.prompts_per_step:
+            raise ValueError(f"{len(prompts)} prompts cannot fill a step of prompts_per_step={cfg.prompts_per_step}")
         # the rule rewards by name, plus any the caller brings (a reward model's scorer, say)
         self.reward_functions = dict(REWARD_FUNCTIONS if reward_functions is None else reward_functions)
         unknown = sorted(set(cfg.rewards) - set(self.reward_functions))
@@ -128,7 +136,7 @@ class GRPOTrainer:
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
         self.output_dir = Path(output_dir)
         self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
-        self.acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+        self.acc = make_accelerator(cfg.mixed_precision)
         # the reference is a frozen copy of the starting policy; with beta = 0 it is never built
         self.ref_model = None
         if cfg.beta != 0:
@@ -192,8 +200,16 @@ class GRPOTrainer:
                 ref_logps = torch.cat([
                     token_logps(self.ref_model, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
                     for s in _chunks(input_ids.size(0), cfg.micro_batch_size)])  # [N, C]
+        old_logps = None  # mu = 1: pi_old is the policy being optimised, so the ratio is exactly 1
+        if cfg.num_iterations > 1:
+            # Recomputed rather than taken from the sampler: sampling may use top-p/top-k, bf16 or another
+            # engine (vLLM), whose log-probs differ from this forward pass and would bias the ratio.
+            with torch.no_grad(), self.acc.autocast():
+                old_logps = torch.cat([
+                    token_logps(self.model, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
+                    for s in _chunks(input_ids.size(0), cfg.micro_batch_size)])  # [N, C]
         return Batch(input_ids, attention_mask, rollout.completion_mask.to(self.acc.device).float(),
-                     rollout.logprobs.to(self.acc.device), ref_logps, advantages.to(self.acc.device))
+                     old_logps, ref_logps, advantages.to(self.acc.device))
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""
@@ -205,10 +221,11 @@ class GRPOTrainer:
             with self.acc.autocast():
                 logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
                                              cfg.sampling.temperature, with_entropy=True)
-            loss, stats = grpo_loss(logps, batch.old_logps[s], None if batch.ref_logps is None else batch.ref_logps[s],
+            loss, stats = grpo_loss(logps, None if batch.old_logps is None else batch.old_logps[s],
+                                    None if batch.ref_logps is None else batch.ref_logps[s],
                                     batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
                                     epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type)
-            share = (s.stop - s.start) / N  # micro-batch losses are means: weight them by their share of the batch
+            share = _share(cfg.loss_type, s, N, batch.completion_mask)
             self.acc.backward(loss * share)
             mask = batch.completion_mask[s]
             stats["train/loss"] = loss.item()
@@ -298,6 +315,13 @@ class GRPOTrainer:
         latest = max(done, key=lambda p: int(p.name.split("-")[1]))
         self.acc.load_state(str(latest))
         return json.loads((latest / "trainer_state.json").read_text())["step"]
+
+
+def _share(loss_type: str, s: slice, n_rows: int, mask: torch.Tensor) -> float:
+    """A micro-batch's weight in the batch loss: its share of tokens for bnpo (a batch token mean), of rows else."""
+    if loss_type == "bnpo":
+        return float(mask[s].sum() / mask.sum().clamp(min=1))
+    return (s.stop - s.start) / n_rows
 
 
 def _chunks(n: int, size: int) -> list[slice]:

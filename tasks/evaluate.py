@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -18,6 +19,8 @@ def evaluate_model(run_id: str, checkpoint_uri: str, model_cfg: ModelConfig, hel
                    step: int = 0) -> dict[str, float]:
     """Load the checkpoint back with from_pretrained, score it on the held-out rows, log metrics and samples."""
     model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
+    if torch.cuda.is_available():
+        model = model.cuda()
     result = evaluate(TransformersBackend(model, tokenizer), read_frame(heldout_uri), cfg)
     tracking.MetricsLogger(run_id)(step, result.metrics)
     tracking.log_table(run_id, result.samples, f"eval/samples_step_{step}.json")

@@ -11,7 +11,9 @@ Where things go:
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -141,12 +143,27 @@ def log_frame(run_id: str, df: pd.DataFrame, artifact_path: str, filename: str =
 
 
 def download(uri: str, dst: str | Path | None = None) -> Path:
-    """A `runs:/`, `models:/` or other artifact URI as a local path; a plain local path is returned as is."""
+    """A `runs:/`, `models:/` or other artifact URI as a local path; a plain local path is returned as is.
+
+    A run's artifacts never change once logged, so `runs:/` downloads are kept under R1_HOME/downloads and
+    reused: a stage that loads the same checkpoint three times (evaluate, train, evaluate) copies it once.
+    """
     if Path(uri).exists():
         return Path(uri)
     if "://" not in uri and not uri.startswith(("runs:", "models:")):
         raise FileNotFoundError(f"{uri!r} is neither a local path nor an MLflow artifact URI")
     client()
+    if dst is None and uri.startswith("runs:/"):
+        key = hashlib.sha256(f"{tracking_uri()} {uri}".encode()).hexdigest()[:16]
+        cached = r1_home() / "downloads" / key
+        done = cached / ".complete"
+        if done.exists():
+            return cached / done.read_text()
+        shutil.rmtree(cached, ignore_errors=True)  # a half-finished earlier copy
+        cached.mkdir(parents=True)
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(cached)))
+        done.write_text(str(local.relative_to(cached)))
+        return local
     dst = Path(dst or tempfile.mkdtemp(prefix="r1-artifact-"))
     dst.mkdir(parents=True, exist_ok=True)
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))

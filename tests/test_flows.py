@@ -17,17 +17,31 @@ TINY_STAGE = {
 }
 
 
+TINY_GRPO = {
+    "model": TINY_STAGE["model"],
+    "data": {"num_train": 32, "num_heldout": 8},
+    "grpo": {"max_steps": 2, "prompts_per_step": 2, "num_generations": 4, "sampling": {"max_new_tokens": 16},
+             "samples_every": 1, "checkpoint_every": 0},
+    "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 4},
+}
+
+
 @pytest.fixture
 def recipe_file(tmp_path):
     path = tmp_path / "test.yaml"
-    path.write_text(yaml.safe_dump({"name": "test", "cold_start_sft": TINY_STAGE}))
+    path.write_text(yaml.safe_dump({"name": "test", "cold_start_sft": TINY_STAGE, "reasoning_grpo": TINY_GRPO}))
     return path
 
 
-def test_cold_start_stage_tracks_everything(prefect_harness, mlflow_client, tmp_path):
+@pytest.fixture(scope="module")
+def cold_start(prefect_harness):
     from flows.cold_start_sft import cold_start_sft
 
-    result = cold_start_sft(ColdStartSFTConfig.model_validate(TINY_STAGE))
+    return cold_start_sft(ColdStartSFTConfig.model_validate(TINY_STAGE))
+
+
+def test_cold_start_stage_tracks_everything(cold_start, mlflow_client, tmp_path):
+    result = cold_start
     run = mlflow_client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["stage"] == "cold_start_sft"
@@ -46,8 +60,30 @@ def test_cold_start_stage_tracks_everything(prefect_harness, mlflow_client, tmp_
 
     model = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"], tmp_path / "ckpt"))
     assert model.config.num_hidden_layers == 2
-    table = json.loads((download(f"runs:/{result.run_id}/eval/samples.json", tmp_path / "t")).read_text())
+    table = json.loads((download(f"runs:/{result.run_id}/eval/samples_step_4.json", tmp_path / "t")).read_text())
     assert table["columns"] == ["prompt", "answer", "completion", "correct", "formatted"] and len(table["data"]) == 4
+
+
+def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, mlflow_client, tmp_path):
+    from flows.reasoning_grpo import reasoning_grpo
+    from grpo.config import ReasoningGRPOConfig
+    from tasks.tracking import download
+
+    ckpt = cold_start.uris["checkpoint"]
+    result = reasoning_grpo(ckpt, ReasoningGRPOConfig.model_validate(TINY_GRPO))
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["stage"] == "reasoning_grpo"
+    assert run.data.params["input.checkpoint_uri"] == ckpt and run.data.params["grpo.beta"] == "0.04"
+    for key in ("reward/accuracy", "reward/format", "reward/total", "kl", "clip_ratio", "completion_length",
+                "entropy", "reward/zero_std_groups", "tokens_per_s"):
+        assert [m.step for m in mlflow_client.get_metric_history(result.run_id, key)] == [1, 2], key
+    # held-out accuracy before (step 0) and after (step 2) GRPO, on the same run
+    assert [m.step for m in mlflow_client.get_metric_history(result.run_id, "eval/accuracy")] == [0, 2]
+    assert "eval/accuracy_before" in result.metrics and "eval/accuracy" in result.metrics
+    samples = json.loads(download(f"runs:/{result.run_id}/samples/step_00001.json", tmp_path / "s").read_text())
+    assert {"prompt", "completion", "reward", "reward/accuracy"} <= set(samples["columns"])
+    model = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"], tmp_path / "ckpt"))
+    assert model.config.num_hidden_layers == 2  # (the trainer's own tests check that GRPO moves the weights)
 
 
 def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, recipe_file):
@@ -57,9 +93,27 @@ def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, 
     parent = mlflow_client.get_run(result.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["recipe"] == "test"
     assert "prefect.flow_run_id" in parent.data.tags
-    child = mlflow_client.get_run(result.stages["cold_start_sft"].run_id)
-    assert child.data.tags["mlflow.parentRunId"] == result.run_id
-    assert child.data.tags["stage"] == "cold_start_sft"
+    assert list(result.stages) == ["cold_start_sft", "reasoning_grpo"]
+    for name, stage in result.stages.items():
+        child = mlflow_client.get_run(stage.run_id)
+        assert child.data.tags["mlflow.parentRunId"] == result.run_id
+        assert child.data.tags["stage"] == name
+    # reasoning GRPO started from this pipeline's own cold-start checkpoint
+    grpo_run = mlflow_client.get_run(result.stages["reasoning_grpo"].run_id)
+    assert grpo_run.data.params["input.checkpoint_uri"] == result.stages["cold_start_sft"].uris["checkpoint"]
+    assert "cold_start_sft/eval/accuracy" in parent.data.metrics
+
+
+def test_pipeline_can_start_from_an_earlier_checkpoint(cold_start, mlflow_client, recipe_file):
+    from flows.r1_pipeline import r1_pipeline
+
+    with pytest.raises(ValueError, match="cold_start_checkpoint"):
+        r1_pipeline(recipe=str(recipe_file), stages=["reasoning_grpo"])
+    result = r1_pipeline(recipe=str(recipe_file), stages=["reasoning_grpo"],
+                         from_uris={"cold_start_checkpoint": cold_start.uris["checkpoint"]})
+    assert list(result.stages) == ["reasoning_grpo"]
+    parent = mlflow_client.get_run(result.run_id)
+    assert parent.data.params["from.cold_start_checkpoint"] == cold_start.uris["checkpoint"]
 
 
 def test_a_bad_user_dataset_fails_the_stage_before_training(prefect_harness, mlflow_client, tmp_path):

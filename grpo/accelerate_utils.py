@@ -1,0 +1,19 @@
+"""One Accelerator per training loop, whatever the loop before it asked for."""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+
+def make_accelerator(mixed_precision: str, gradient_accumulation_steps: int = 1) -> Accelerator:
+    """An Accelerator with these settings, even if an earlier stage in this process used others.
+
+    Accelerate keeps its state process-global and refuses a second, different mixed-precision setting; the
+    pipeline runs several stages in one process (cold-start SFT in bf16, then GRPO in fp32, say), so each loop
+    starts from a clean state. Under `accelerate launch` the distributed setup is re-read from the environment.
+    """
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
+                       cpu=not torch.cuda.is_available())
