@@ -22,6 +22,10 @@ os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Prefect binds its console log handler to the sys.stderr of the moment it is first imported; import it now,
+# under the session's capture, not inside a test whose captured stream is closed when that test ends.
+import prefect.main  # noqa: E402,F401  (runs setup_logging)
+
 
 @pytest.fixture(scope="session")
 def r1_home() -> Path:
