@@ -21,7 +21,8 @@ def _where() -> str:
     if uri.startswith("sqlite:"):
         lines.append(f"  browse it  : mlflow ui --backend-store-uri {uri} --port 5000   (then http://127.0.0.1:5000)")
     api = os.environ.get("PREFECT_API_URL")
-    lines.append(f"Prefect      : {api or 'temporary local API, database under ' + os.environ['PREFECT_HOME']}")
+    home = os.environ.get('PREFECT_HOME', '~/.prefect')
+    lines.append(f"Prefect      : {api or 'temporary local API, database under ' + home}")
     if not api:
         lines.append("  browse it  : prefect server start   (then http://127.0.0.1:4200)")
     return "\n".join(lines)
