@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from grpo.accelerate_utils import make_accelerator
-from grpo.data import DataError
+from grpo.data import DataError, as_messages
 from grpo.generation import render_prompts
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -68,15 +68,29 @@ def tokenize_rows(rows: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_se
     """Chat-format each row and mask the prompt out of the labels; a prompt that leaves no room fails here."""
     prompts = render_prompts(tokenizer, rows["prompt"].tolist())
     examples = []
-    for i, (prompt, response) in enumerate(zip(prompts, rows["response"].tolist())):
+    for i, (cell, prompt, response) in enumerate(zip(rows["prompt"].tolist(), prompts, rows["response"].tolist())):
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(response + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        r = tokenizer(_response_text(tokenizer, cell, prompt, response), add_special_tokens=False)["input_ids"]
         if len(p) >= max_seq_len:
             raise DataError(f"{source}: row {i}, column 'prompt': {len(p)} tokens leave no room for the response "
                             f"within max_seq_len={max_seq_len}")
         ids = (p + r)[:max_seq_len]
         examples.append(Example(ids, ([-100] * len(p) + r)[:max_seq_len]))
     return examples
+
+
+def _response_text(tokenizer: PreTrainedTokenizerBase, cell, prompt: str, response: str) -> str:
+    """The response as the chat template closes an assistant turn (e.g. `...<|im_end|>` for Qwen).
+
+    Rendering the whole conversation and cutting off the prompt keeps whatever end-of-turn marker the template
+    uses, which for base models is often not `tokenizer.eos_token`. Templates that rewrite earlier turns (some
+    strip reasoning from history) do not render the prompt as a prefix; those fall back to response + eos.
+    """
+    full = tokenizer.apply_chat_template(as_messages(cell) + [{"role": "assistant", "content": response}],
+                                         tokenize=False)
+    if full.startswith(prompt) and response in full[len(prompt):]:
+        return full[len(prompt):]
+    return response + tokenizer.eos_token
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

@@ -174,7 +174,9 @@ class GRPOTrainer:
         if not self.cfg.dynamic_sampling:
             return rollout, idx, scores, stats
         parts = [(rollout, scores, idx, _spread_groups(scores.total, G))]
-        stats["dynamic/spread_groups_first_draw"] = float(len(parts[0][3]))
+        # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too
+        stats["dynamic/first_draw_reward"] = sum(scores.total) / len(scores.total)
+        stats["dynamic/first_draw_zero_std_groups"] = 1 - len(parts[0][3]) / len(idx)
         for draw in range(1, self.cfg.max_refill_rounds + 1):
             if sum(len(p[3]) for p in parts) >= want:
                 break

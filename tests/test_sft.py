@@ -20,7 +20,7 @@ def test_labels_cover_the_response_only():
     (ex,) = tokenize_rows(ROWS.head(1), tok, 256)
     n_prompt = sum(1 for label in ex.labels if label == -100)
     response = tok.decode([t for t, label in zip(ex.input_ids, ex.labels) if label != -100])
-    assert response == ROWS.response[0] + tok.eos_token
+    assert response == ROWS.response[0] + tok.eos_token + "\n"  # the turn as the chat template closes it
     assert tok.decode(ex.input_ids[:n_prompt]).endswith("assistant\n")
 
 

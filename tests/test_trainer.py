@@ -123,12 +123,22 @@ def test_unknown_reward_fails_before_any_sampling(tmp_path):
 
 
 def test_dynamic_sampling_refills_groups_with_spread(tmp_path):
+    from grpo.trainer import prompt_order
+
+    first = set(prompt_order(len(PROMPTS), 0, 2, seed=0))  # the step's own prompts
+
+    def flat_on_first_draw(completions, answer, **_):
+        """No spread for the step's own prompts, digit counts (spread) for any other prompt."""
+        return [0.0 if int(a) in first else float(sum(ch.isdigit() for ch in c)) for c, a in zip(completions, answer)]
+
+    REGISTRY["flat_on_first_draw"] = flat_on_first_draw
     torch.manual_seed(0)
-    trainer, seen = make_trainer(tmp_path, {"digits": 1.0}, dynamic_sampling=True, max_refill_rounds=3, beta=0.0,
-                                 sampling=SamplingConfig(max_new_tokens=24))
+    trainer, seen = make_trainer(tmp_path, {"flat_on_first_draw": 1.0}, dynamic_sampling=True, max_refill_rounds=4,
+                                 beta=0.0, sampling=SamplingConfig(max_new_tokens=24))
     trainer.train()
-    assert seen[1]["dynamic/groups"] == 2.0  # refilled to the full batch of prompts
-    assert seen[1]["reward/zero_std_groups"] == 0.0
+    m = seen[1]
+    assert m["dynamic/first_draw_zero_std_groups"] == 1.0 and m["dynamic/refill_rounds"] >= 1
+    assert m["dynamic/groups"] == 2.0 and m["reward/zero_std_groups"] == 0.0  # refilled with groups that have spread
 
 
 class Interrupt(Exception):
