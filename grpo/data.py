@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -110,12 +111,19 @@ class TaskConfig(BaseModel):
     max_operand: int = 9  # largest number drawn; the difficulty dial (single digits are learnable in minutes)
     templates: tuple[str, ...] = tuple(TEMPLATES)  # which problem templates to draw from
     heldout_percent: int = 20  # share of problems reserved for held-out, by hash of the name-free problem
-    seed: int = 0  # the same seed draws the same problems
+    seed: int = 0  # the same seed draws the same training problems (the held-out split never changes)
+    restate_givens: bool = True  # the chain of thought starts by copying out the problem's numbers
 
 
-def format_response(p: Problem) -> str:
-    """The cold-start target: the equations as the chain of thought, the bare integer as the answer."""
-    return f"<think>{' '.join(s + '.' for s in p.steps)}</think><answer>{p.answer}</answer>"
+def format_response(p: Problem, restate_givens: bool = True) -> str:
+    """The cold-start target: the chain of thought, then the bare integer as the answer.
+
+    The chain of thought first restates the problem's numbers in order ("Given 8, 5, 2."), then solves it one
+    equation per step. A small model's main failure is fetching the right numbers from the question into its
+    equations; copying them out in order first is an easy pattern, and afterwards they sit a few tokens away.
+    """
+    givens = f"Given {', '.join(re.findall(r'[0-9]+', p.question))}. " if restate_givens else ""
+    return f"<think>{givens}{' '.join(s + '.' for s in p.steps)}</think><answer>{p.answer}</answer>"
 
 
 def is_heldout(question: str, percent: int) -> bool:
@@ -128,7 +136,8 @@ def generate_problems(cfg: TaskConfig, n: int, split: Literal["train", "heldout"
     unknown = [t for t in cfg.templates if t not in TEMPLATES]
     if unknown:
         raise ValueError(f"unknown task templates {unknown}; known: {sorted(TEMPLATES)}")
-    rng = random.Random(f"{cfg.seed}-{split}-{seed_offset}")
+    # the held-out draw ignores the seed: every stage that shares the task scores on the same problems
+    rng = random.Random(f"{cfg.seed}-train-{seed_offset}" if split == "train" else f"heldout-{seed_offset}")
     want_heldout = split == "heldout"
     seen: set[str] = set()
     out: list[Problem] = []
@@ -148,8 +157,9 @@ def generate_problems(cfg: TaskConfig, n: int, split: Literal["train", "heldout"
                      f"(max_operand={cfg.max_operand}); raise max_operand or ask for fewer rows")
 
 
-def sft_rows(problems: list[Problem]) -> pd.DataFrame:
-    return pd.DataFrame({"prompt": [p.question for p in problems], "response": [format_response(p) for p in problems]})
+def sft_rows(problems: list[Problem], restate_givens: bool = True) -> pd.DataFrame:
+    return pd.DataFrame({"prompt": [p.question for p in problems],
+                         "response": [format_response(p, restate_givens) for p in problems]})
 
 
 def rl_rows(problems: list[Problem]) -> pd.DataFrame:
@@ -263,9 +273,10 @@ def normalise_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _load(cfg: DataConfig, schema: dict[str, str], synthetic: Callable[[list[Problem]], pd.DataFrame]) -> pd.DataFrame:
+def _load(cfg: DataConfig, schema: dict[str, str],
+          synthetic: Callable[[list[Problem], TaskConfig], pd.DataFrame]) -> pd.DataFrame:
     if cfg.source == "synthetic":
-        return synthetic(generate_problems(cfg.task, cfg.num_train, "train"))
+        return synthetic(generate_problems(cfg.task, cfg.num_train, "train"), cfg.task)
     df = normalise_rows(validate_rows(read_table(cfg.source, cfg.split), schema, cfg.source))
     return df.head(cfg.num_train) if cfg.num_train else df
 
@@ -282,12 +293,12 @@ def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Training rows (prompt, response) and held-out rows (prompt, answer), both validated before any training."""
-    return _load(cfg, SFT_SCHEMA, sft_rows), load_heldout(cfg)
+    return _load(cfg, SFT_SCHEMA, lambda ps, task: sft_rows(ps, task.restate_givens)), load_heldout(cfg)
 
 
 def load_rl_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Training prompts with reference answers (prompt, answer) and held-out rows, validated up front."""
-    return _load(cfg, RL_SCHEMA, rl_rows), load_heldout(cfg)
+    return _load(cfg, RL_SCHEMA, lambda ps, task: rl_rows(ps)), load_heldout(cfg)
 
 
 def as_messages(prompt) -> list[dict]:

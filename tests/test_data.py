@@ -98,3 +98,10 @@ def test_synthetic_loaders_give_both_splits():
     assert list(train.columns) == ["prompt", "response"] and len(train) == 100
     assert list(heldout.columns) == ["prompt", "answer"] and len(heldout) == 20
     assert not set(train["prompt"]) & set(heldout["prompt"])
+
+
+def test_every_seed_scores_on_the_same_heldout_problems():
+    a = generate_problems(TaskConfig(seed=0), 50, "heldout")
+    b = generate_problems(TaskConfig(seed=1), 50, "heldout")
+    assert a == b
+    assert generate_problems(TaskConfig(seed=0), 50, "train") != generate_problems(TaskConfig(seed=1), 50, "train")
