@@ -58,7 +58,8 @@ def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.
         logp = torch.log_softmax(logits, -1)
         tok = logp.argmax(-1)  # [B]
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-    logits = logits / s.temperature
+    if s.temperature != 1.0:  # dividing by 1 changes nothing: skip the full-vocab pass
+        logits = logits / s.temperature
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -68,8 +69,20 @@ def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.
         drop = cum - sorted_logits.softmax(-1) > s.top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     logp = torch.log_softmax(logits, -1)  # [B, V]
-    tok = torch.multinomial(logp.exp(), 1).squeeze(-1)  # [B]
+    tok = _draw(logp.exp())  # [B]
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row, drawn with probability probs[b, i] / probs[b].sum() by inverting the CDF.
+
+    One uniform per row instead of multinomial's one exponential per vocabulary entry (most of a small model's
+    sampling time). The CDF is float64 so a long tail of tiny probabilities keeps its mass; u lies in (0, total],
+    so the first index whose CDF reaches u always exists and never has zero probability (top-k/top-p cut-offs).
+    """
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    u = (1 - torch.rand_like(cdf[:, -1:])) * cdf[:, -1:]  # [B, 1]
+    return torch.searchsorted(cdf, u).squeeze(-1)  # [B]
 
 
 @torch.inference_mode()
@@ -81,30 +94,208 @@ def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
     B = ids.size(0)
     eos = torch.tensor(eos_ids, device=device)
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] positions that ignore left padding
-    cache = DynamicCache()
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with amp:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        logits, cache = _prefill(model, ids, mask, pos)  # [B, V]
+    next_pos = pos[:, -1] + 1  # [B]
+    # autocast changes every op's dtype, which the lean path does not mirror: it keeps to the HF loop
+    step = None if autocast else _LeanDecoder.build(model, cache, mask, next_pos, s.max_new_tokens)
+    if step is None:
+        step = _HFDecoder(model, cache, mask, next_pos, amp)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     toks, lps, alive = [], [], []
-    next_pos = pos[:, -1:] + 1  # [B, 1]
     for _ in range(s.max_new_tokens):
         tok, lp = _pick(logits, s)  # [B], [B]
         alive.append(~done)
-        toks.append(torch.where(done, torch.full_like(tok, pad_id), tok))
-        lps.append(torch.where(done, torch.zeros_like(lp), lp))
+        toks.append(tok.masked_fill(done, pad_id))
+        lps.append(lp.masked_fill(done, 0.0))
         done = done | torch.isin(tok, eos)
         if bool(done.all()):
             break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [B, P+t+1]
-        with amp:
-            logits = model(input_ids=toks[-1][:, None], attention_mask=mask, position_ids=next_pos,
-                           past_key_values=cache, use_cache=True).logits[:, -1]  # [B, V]
-        next_pos = next_pos + 1
+        logits = step(toks[-1])  # [B, V]
     completion_ids = torch.stack(toks, 1)  # [B, C]
     completion_mask = torch.stack(alive, 1).long()  # [B, C]
     return completion_ids.cpu(), completion_mask.cpu(), torch.stack(lps, 1).float().cpu(), (~done).cpu()
+
+
+def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
+             pos: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+    """Next-token logits and the KV cache of every row, running each distinct prompt only once.
+
+    The n rows of a group share their prompt, so one forward per prompt and a row gather of its cache give the
+    same numbers as N forwards for a fraction of the work.
+    """
+    inverse, first = distinct_rows(torch.cat([ids, mask.to(ids.dtype)], 1))  # [B], [U]
+    cache = DynamicCache()
+    logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first], past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+    if first.numel() < ids.size(0):
+        cache.reorder_cache(inverse)  # [U, ...] -> [B, ...]
+    return logits[inverse], cache  # [B, V]
+
+
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a [B, W] tensor: (inverse [B], first [U]) with rows[first][inverse] == rows and rows[first] distinct."""
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [B]
+    n_unique = int(inverse.max()) + 1
+    order = torch.arange(rows.size(0), device=rows.device)  # [B]
+    first = torch.full((n_unique,), rows.size(0), device=rows.device).scatter_reduce(0, inverse, order, "amin")
+    return inverse, first  # [B], [U]
+
+
+class _HFDecoder:
+    """One decode step through the model's own forward: works for any causal LM that takes a DynamicCache."""
+
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
+                 amp):
+        self.model, self.cache, self.mask, self.pos, self.amp = model, cache, mask, next_pos[:, None], amp
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)  # [B, P+t+1]
+        with self.amp:
+            logits = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.pos,
+                                past_key_values=self.cache, use_cache=True).logits[:, -1]  # [B, V]
+        self.pos = self.pos + 1
+        return logits
+
+
+# Llama-family decoders (RMSNorm, rotary, grouped-query attention, SwiGLU MLP) whose decode step _LeanDecoder
+# reproduces from the weights alone. Anything else, or anything unusual in these, decodes through _HFDecoder.
+_LEAN_ARCHITECTURES = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
+_STATIC_ROPE = {"default", "linear", "llama3"}  # rope types whose cos/sin depend on the position alone
+
+
+class _LeanLayer(NamedTuple):
+    """One decoder layer's weights as the lean step reads them."""
+
+    ln1: torch.Tensor  # [H] input RMSNorm weight
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H] q, k and v projections fused: one matmul instead of three
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    wo: torch.Tensor  # [H, Hq D]
+    bo: torch.Tensor | None
+    ln2: torch.Tensor  # [H] post-attention RMSNorm weight
+    wgu: torch.Tensor  # [2 I, H] gate and up projections fused
+    bgu: torch.Tensor | None
+    wdown: torch.Tensor  # [H, I]
+    bdown: torch.Tensor | None
+
+
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
+                                                          device=m.weight.device) for b, m in zip(biases, linears)])
+
+
+def _lean_layer(layer) -> _LeanLayer:
+    """The layer's weights as the lean step uses them (fused copies: the policy changes between generate calls)."""
+    a, m = layer.self_attn, layer.mlp
+    return _LeanLayer(layer.input_layernorm.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                      _cat_bias(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight, a.o_proj.bias,
+                      layer.post_attention_layernorm.weight, torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                      _cat_bias(m.gate_proj, m.up_proj), m.down_proj.weight, m.down_proj.bias)
+
+
+def lean_decode_supported(model: PreTrainedModel) -> bool:
+    """True when `model` is a plain Qwen2/Llama decoder that `_LeanDecoder` computes exactly."""
+    if type(model).__name__ not in _LEAN_ARCHITECTURES:
+        return False
+    cfg, core = model.config, getattr(model, "model", None)
+    rotary = getattr(core, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", None) not in _STATIC_ROPE or cfg.hidden_act != "silu":
+        return False
+    sliding = getattr(cfg, "use_sliding_window", False) or any(
+        t != "full_attention" for t in getattr(cfg, "layer_types", None) or [])
+    if sliding:  # the lean step attends to the whole cache
+        return False
+    linear = torch.nn.Linear
+    for layer in core.layers:
+        a, m = layer.self_attn, layer.mlp
+        if not all(type(x) is linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                                m.down_proj, model.lm_head)):  # not LoRA-wrapped or quantized
+            return False
+    return True
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2/Llama RMSNorm: statistics in fp32, the weight applied in the input dtype."""
+    if x.dtype == weight.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)  # fewer ops; the same numbers in fp32
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class _LeanDecoder:
+    """Decode steps computed straight from the model's weights, without the per-layer Python of transformers.
+
+    Per step and layer: one fused QKV matmul, rotary from a table built once, K/V written in place into a
+    preallocated cache, one SDPA call with the query heads of a KV group folded into the query axis (GQA without
+    copying K/V), the output projection, and one fused gate/up matmul. The padding mask is built once and sliced.
+    """
+
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
+                 max_new: int):
+        core, cfg = model.model, model.config
+        B, P = mask.shape
+        attn = core.layers[0].self_attn
+        self.n_kv, self.head_dim, self.scale = cfg.num_key_value_heads, attn.head_dim, attn.scaling
+        self.n_q = cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.embed, self.norm, self.head = core.embed_tokens.weight, core.norm.weight, model.lm_head
+        self.layers = [_lean_layer(layer) for layer in core.layers]
+        self.k, self.v = [], []
+        for layer in cache.layers:  # [B, Hkv, P, D] each -> [B, Hkv, P + max_new, D], prompt part filled
+            for prefilled, out in ((layer.keys, self.k), (layer.values, self.v)):
+                buf = prefilled.new_empty(B, self.n_kv, P + max_new, self.head_dim)
+                buf[:, :, :P] = prefilled
+                out.append(buf)
+        # every completion slot is attended to, left padding never; additive, which SDPA on CPU runs faster than bool
+        keep = torch.cat([mask.bool(), mask.new_ones(B, max_new, dtype=torch.bool)], 1)  # [B, P+max_new]
+        dtype = self.embed.dtype
+        self.bias = torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~keep, torch.finfo(dtype).min)[:, None, None]  # [B, 1, 1, P+max_new]
+        positions = next_pos[:, None] + torch.arange(max_new, device=mask.device)  # [B, max_new]
+        table = torch.arange(int(positions.max()) + 1, device=mask.device)[None]  # [1, T]
+        cos, sin = core.rotary_emb(self.embed[:1], position_ids=table)  # [1, T, D] each, HF's own numbers
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == flip_halves(x) * sin_signed: the halves swapped and the first half negated
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+        self.cos, self.sin = cos[0][positions], sin[0][positions]  # [B, max_new, D]
+        self.prompt_len, self.t = P, P  # self.t: cache slot of the next token
+
+    @classmethod
+    def build(cls, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
+              max_new: int) -> "_LeanDecoder | None":
+        layers = getattr(cache, "layers", None)
+        if not lean_decode_supported(model) or not layers or not all(hasattr(x, "keys") for x in layers):
+            return None
+        return cls(model, cache, mask, next_pos, max_new)
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        B, t, D, Hkv, Hq = tok.size(0), self.t, self.head_dim, self.n_kv, self.n_q
+        cos, sin = self.cos[:, t - self.prompt_len, None], self.sin[:, t - self.prompt_len, None]  # [B, 1, D]
+        bias = self.bias[..., : t + 1]  # [B, 1, 1, t+1]
+        x = torch.nn.functional.embedding(tok, self.embed)  # [B, H]
+        for i, w in enumerate(self.layers):
+            h = _rms_norm(x, w.ln1, self.eps)  # [B, H]
+            qkv = torch.nn.functional.linear(h, w.wqkv, w.bqkv)  # [B, (Hq+2Hkv) D]
+            qk = qkv[:, : (Hq + Hkv) * D].view(B, Hq + Hkv, D)  # rotary goes on q and k together
+            qk = qk * cos + qk.view(B, Hq + Hkv, 2, D // 2).flip(2).view(B, Hq + Hkv, D) * sin
+            self.k[i][:, :, t] = qk[:, Hq:]  # [B, Hkv, D]
+            self.v[i][:, :, t] = qkv[:, (Hq + Hkv) * D :].view(B, Hkv, D)
+            q = qk[:, :Hq].reshape(B, Hkv, Hq // Hkv, D)  # query head h reads KV head h // (Hq/Hkv)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, self.k[i][:, :, : t + 1], self.v[i][:, :, : t + 1], attn_mask=bias,
+                scale=self.scale)  # [B, Hkv, Hq/Hkv, D]
+            x = x + torch.nn.functional.linear(o.reshape(B, Hq * D), w.wo, w.bo)
+            h = _rms_norm(x, w.ln2, self.eps)
+            gate, up = torch.nn.functional.linear(h, w.wgu, w.bgu).chunk(2, -1)  # [B, I] each
+            x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w.wdown, w.bdown)
+        self.t = t + 1
+        return torch.nn.functional.linear(_rms_norm(x, self.norm, self.eps), self.head.weight,
+                                          self.head.bias)  # [B, V]
 
 
 def _pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:

@@ -64,3 +64,61 @@ def test_greedy_matches_transformers_generate_and_logprobs_match_a_forward_pass(
     assert torch.equal(s.prompt_ids[0], s.prompt_ids[2])
     ended = [(row[m.bool()][-1].item() == tok.eos_token_id) for row, m in zip(s.completion_ids, s.completion_mask)]
     assert [not e for e in ended] == s.truncated.tolist()
+
+
+def _grouped_batch(tok, groups: int = 3, G: int = 4, C: int = 12):
+    """Rows in groups sharing a left-padded prompt (of different lengths), then right-padded completions."""
+    torch.manual_seed(0)
+    enc = tok(["Hi", "What is 2 + 3?", "Longer prompt here, please."][:groups], padding=True, return_tensors="pt",
+              add_special_tokens=False)
+    prompt_ids, prompt_mask = enc["input_ids"].repeat_interleave(G, 0), enc["attention_mask"].repeat_interleave(G, 0)
+    completion_ids = torch.randint(0, 250, (groups * G, C))
+    completion_mask = (torch.arange(C) < torch.randint(1, C + 1, (groups * G, 1))).long()  # ends at random
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
+    return torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), C
+
+
+def _plain_logps(model, ids, mask, C):
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+
+
+def test_token_logps_runs_a_shared_prompt_once_with_the_plain_forwards_values_and_gradients(monkeypatch):
+    from grpo.trainer import token_logps
+
+    model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
+    model.train()
+    ids, mask, C = _grouped_batch(tok)
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(k["input_ids"].shape) or forward(*a, **k))
+    logps, entropy = token_logps(model, ids, mask, C, 1.0, with_entropy=True)
+    assert calls[0][0] == 3 and calls[1] == (12, C - 1)  # 3 distinct prompts once, then the 12 completions
+    cm = mask[:, -C:].float()
+    (logps * cm).sum().backward()
+    shared = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected = _plain_logps(model, ids, mask, C)
+    (expected * cm).sum().backward()
+    assert torch.allclose(logps * cm, expected * cm, atol=1e-5)
+    assert torch.isfinite(logps).all() and torch.isfinite(entropy).all()
+    for n, p in model.named_parameters():
+        assert torch.allclose(shared[n], p.grad, rtol=1e-4, atol=1e-6), n
+
+
+def test_token_logps_without_shared_prompts_is_one_plain_forward(monkeypatch):
+    from grpo.trainer import token_logps
+
+    model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
+    ids, mask, C = _grouped_batch(tok, groups=3, G=1)
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    with torch.no_grad():
+        logps, _ = token_logps(model, ids, mask, C, 0.7)
+        expected = torch.log_softmax(
+            model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[
+                :, -C - 1 : -1] / 0.7, -1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+    assert len(calls) == 2  # token_logps' one forward, then ours
+    assert torch.allclose(logps * mask[:, -C:], expected * mask[:, -C:], atol=1e-5)

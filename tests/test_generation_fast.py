@@ -1,0 +1,99 @@
+"""The lean decode path: the same tokens and log-probs as transformers' own forward, on Qwen2 and Llama models."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+import grpo.generation as generation
+from grpo.generation import SamplingConfig, TransformersBackend, lean_decode_supported, render_prompts, sample_batch
+from grpo.models import ModelConfig, TinyModelConfig, build_tokenizer, load_model_and_tokenizer
+
+SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2)
+# different lengths, so the batch is left-padded; each prompt is repeated n times in a batch
+PROMPTS = ["What is 2 + 3?", "Hi", [{"role": "user", "content": "A longer prompt with more words in it."}]]
+
+
+def _qwen2():
+    return load_model_and_tokenizer(ModelConfig(tiny=SMALL))
+
+
+def _llama():
+    """A Llama with everything the lean step must honour: biases, untied head, non-unit norms, GQA."""
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norm weights start at 0 and 1: make them matter
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval(), tok
+
+
+def _encode(tok, n: int):
+    enc = tok(render_prompts(tok, PROMPTS), padding=True, return_tensors="pt", add_special_tokens=False)
+    return enc["input_ids"].repeat_interleave(n, 0), enc["attention_mask"].repeat_interleave(n, 0)
+
+
+def _hf_only(monkeypatch):
+    monkeypatch.setattr(generation._LeanDecoder, "build", classmethod(lambda cls, *a, **k: None))
+
+
+@pytest.mark.parametrize("make", [_qwen2, _llama])
+def test_lean_path_is_taken_for_qwen2_and_llama(make):
+    model, _ = make()
+    assert lean_decode_supported(model)
+
+
+def test_other_architectures_fall_back_to_the_transformers_loop():
+    tok = build_tokenizer()
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    assert not lean_decode_supported(mistral)
+    model, tok = _qwen2()
+    model.config.hidden_act = "gelu"  # an MLP the lean step does not compute
+    assert not lean_decode_supported(model)
+    out = TransformersBackend(model, tok).generate(PROMPTS, 2, SamplingConfig(max_new_tokens=5, temperature=0))
+    assert out.completion_ids.shape == (6, 5)
+
+
+@pytest.mark.parametrize("make", [_qwen2, _llama])
+def test_lean_greedy_decode_matches_the_transformers_loop(make, monkeypatch):
+    model, tok = make()
+    ids, mask = _encode(tok, n=2)
+    s = SamplingConfig(max_new_tokens=24, temperature=0)
+    lean = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    _hf_only(monkeypatch)
+    hf = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    assert torch.equal(lean[0], hf[0]) and torch.equal(lean[1], hf[1]) and torch.equal(lean[3], hf[3])
+    assert torch.allclose(lean[2], hf[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [_qwen2, _llama])
+def test_lean_sampled_logprobs_match_a_full_forward_pass(make):
+    model, tok = make()
+    ids, mask = _encode(tok, n=3)
+    torch.manual_seed(0)
+    s = SamplingConfig(max_new_tokens=20, temperature=0.7)
+    completion_ids, completion_mask, logprobs, _ = sample_batch(model, ids, mask, s, [tok.eos_token_id],
+                                                                tok.pad_token_id)
+    full_ids, full_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, completion_mask], 1)
+    pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=full_ids, attention_mask=full_mask, position_ids=pos).logits
+    P = ids.shape[1]
+    expected = torch.log_softmax(logits[:, P - 1 : -1] / 0.7, -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    assert torch.allclose(expected * completion_mask, logprobs, atol=1e-4)
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]]).repeat(5000, 1)
+    tok = generation._draw(probs)  # [10000]
+    counts = torch.zeros_like(probs[:2])
+    for row in range(2):
+        counts[row] = torch.bincount(tok[row::2], minlength=6).float() / 5000
+    assert (counts[probs[:2] == 0] == 0).all()
+    assert torch.allclose(counts, probs[:2], atol=0.03)
