@@ -129,8 +129,9 @@ def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
     cache = DynamicCache()
     logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first], past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
-    if first.numel() < ids.size(0):
-        cache.reorder_cache(inverse)  # [U, ...] -> [B, ...]
+    if not torch.equal(first, torch.arange(ids.size(0), device=ids.device)):
+        # [U, ...] -> [B, ...]; also when every row is distinct, since `first` then lists them in sorted order
+        cache.reorder_cache(inverse)
     return logits[inverse], cache  # [B, V]
 
 

@@ -71,10 +71,14 @@ def test_lean_greedy_decode_matches_the_transformers_loop(make, monkeypatch):
     assert torch.allclose(lean[2], hf[2], atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("make", [_qwen2, _llama])
-def test_lean_sampled_logprobs_match_a_full_forward_pass(make):
+def test_lean_sampled_logprobs_match_a_full_forward_pass(make, n):
     model, tok = make()
-    ids, mask = _encode(tok, n=3)
+    ids, mask = _encode(tok, n=n)
+    # n = 1: every row distinct, listed out of sorted order, so the shared prefill must put each row's cache back
+    _, first = generation.distinct_rows(torch.cat([ids, mask], 1))
+    assert not torch.equal(first, torch.arange(ids.size(0))) or n > 1
     torch.manual_seed(0)
     s = SamplingConfig(max_new_tokens=20, temperature=0.7)
     completion_ids, completion_mask, logprobs, _ = sample_batch(model, ids, mask, s, [tok.eos_token_id],
