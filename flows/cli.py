@@ -3,6 +3,7 @@
     r1 run [--recipe tiny] [--stages cold_start_sft,...]
     r1 stage cold_start_sft [--recipe tiny]
     r1 stage reasoning_grpo --checkpoint runs:/<run id>/checkpoint
+    r1 serve CHECKPOINT [--host 127.0.0.1] [--port 8000]   # an OpenAI-compatible API, e.g. for the judge
     r1 where                      # where state, MLflow and Prefect live, and how to open their UIs
 """
 
@@ -35,6 +36,67 @@ def _print_stage(name: str, result) -> None:
         print(f"  {'':<20} {key}: {uri}")
 
 
+def _log_requests() -> None:
+    """One line per request on stderr: client, method, path, status (never headers, so never a key)."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log = logging.getLogger("grpo.serve")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # the root logger's handlers (if any) would print it twice
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Load the checkpoint (fetching an MLflow URI first) and serve it until Ctrl-C."""
+    from grpo.serve import load_checkpoint, make_server
+
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            print(f"r1: --api-key-env names ${args.api_key_env}, which is not set", file=sys.stderr)
+            return 2
+    if not 0 <= args.port <= 65535:
+        print(f"r1: --port must be in 0..65535 (0 picks a free port), got {args.port}", file=sys.stderr)
+        return 2
+    path = args.checkpoint
+    if path.startswith(("runs:/", "models:/")):
+        from mlflow.exceptions import MlflowException
+
+        from tasks import tracking
+
+        try:
+            path = str(tracking.download(path))
+        except (MlflowException, OSError) as e:
+            print(f"r1: cannot fetch {args.checkpoint} from MLflow at {tracking.tracking_uri()}: {e}",
+                  file=sys.stderr)
+            return 2
+    try:
+        model, tokenizer = load_checkpoint(path, dtype=args.dtype)
+    except (OSError, ValueError) as e:  # a missing or non-model folder, a bad dtype
+        print(f"r1: cannot load checkpoint {args.checkpoint!r}: {e}", file=sys.stderr)
+        return 2
+    try:
+        server = make_server(model, tokenizer, args.host, args.port, model_name=args.model_name or args.checkpoint,
+                             api_key=api_key)
+    except OSError as e:
+        print(f"r1: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    name = server.model_name
+    _log_requests()
+    print(f"serving {name!r} ({type(model).__name__} on {model.device}) at {server.url}", flush=True)
+    print(f"  judge with: backend=http, base_url={server.url}, model={name!r}   (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import tasks  # noqa: F401  (embedded-default environment before Prefect loads)
 
@@ -47,12 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument("name", help="stage name, e.g. cold_start_sft")
     stage.add_argument("--recipe", default="tiny")
     stage.add_argument("--checkpoint", default=None, help="the upstream checkpoint URI (runs:/<id>/checkpoint)")
+    serve = sub.add_parser("serve", help="serve a checkpoint as an OpenAI-compatible chat API")
+    serve.add_argument("checkpoint", help="a checkpoint folder, runs:/<id>/checkpoint, models:/<name>/<version>, "
+                                          "or tiny")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    serve.add_argument("--model-name", default=None, help="the model id clients send (default: CHECKPOINT as given)")
+    serve.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16 or float16")
+    serve.add_argument("--api-key-env", default=None,
+                       help="NAME of an env var holding a key every request must send as a Bearer token")
     sub.add_parser("where", help="print where state, MLflow and Prefect live")
     args = parser.parse_args(argv)
 
     if args.command == "where":
         print(_where())
         return 0
+    if args.command == "serve":
+        return _serve(args)
 
     from grpo.config import RecipeError, load_recipe
 
