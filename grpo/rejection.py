@@ -38,7 +38,7 @@ import threading
 import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import pandas as pd
 import pyarrow as pa
@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from grpo.data import DataError, validate_rows
 from grpo.generation import GenerationBackend, SamplingConfig
+from grpo.judge import Judge, Verdict
 # the same word split and script tests as the language-consistency reward, so the filter and the RL reward agree
 from grpo.rewards import _LANGUAGE_TESTS, _words, accuracy_reward, extract_answer
 
@@ -289,24 +290,6 @@ class Counts(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Correctness: the rule check where there is a reference, a judge otherwise (or both)
-
-class Verdict(Protocol):
-    """The shape of grpo.judge.Verdict: accepted is None when the judge's output could not be parsed."""
-
-    @property
-    def accepted(self) -> bool | None: ...
-
-    @property
-    def rationale(self) -> str: ...
-
-
-class Judge(Protocol):
-    """The shape of grpo.judge.Judge (a local model or an OpenAI-compatible endpoint); only judge_many is used."""
-
-    def judge(self, prompt: str, response: str, reference: str | None) -> Verdict: ...
-
-    def judge_many(self, items: list[tuple[str, str, str | None]]) -> list[Verdict]: ...
-
 
 def prompt_text(prompt: Any) -> str:
     """A prompt cell as plain text: a string as is, chat messages as their contents one per line."""
