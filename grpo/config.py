@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpo.data import DataConfig
 from grpo.evaluate import EvalConfig
+from grpo.judge import JudgeConfig
 from grpo.models import ModelConfig
+from grpo.rejection import RejectionConfig
 from grpo.sft import SFTConfig
 from grpo.trainer import GRPOConfig
 
@@ -43,6 +45,34 @@ class ReasoningGRPOConfig(BaseModel):
     eval_before: bool = True  # also score the starting checkpoint (step 0), so the run shows what RL changed
 
 
+class RejectionSamplingConfig(BaseModel):
+    """Stage 3: many samples per prompt from the reasoning-RL checkpoint; keep the correct, readable ones."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
+    data: DataConfig = Field(default_factory=DataConfig)  # prompts (answer where verifiable); held-out for decontam.
+    rejection: RejectionConfig = Field(default_factory=RejectionConfig)  # samples, filters, shards, target
+    # who checks rows the rule cannot (and, with judge_when="always", every row); None = rule check only.
+    # model "checkpoint" = the checkpoint being sampled, asked in the judge prompt
+    judge: JudgeConfig | None = None
+    non_reasoning_source: str = "synthetic"  # rows (prompt, response) added as non-reasoning data: "synthetic"
+    #                                          (generated general requests) or a file/dataset read like `data`
+
+
+class SFTStageConfig(BaseModel):
+    """Stage 4: SFT of the base model (not the RL model) on the curated rows."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # the base model, as in stage 1
+    train: SFTConfig = Field(default_factory=SFTConfig)  # the training loop
+    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation after training
+    # also train on the cold-start rows (R1 reuses parts of DeepSeek-V3's SFT data; a recipe whose curated set is
+    # small keeps what stage 1 taught this way)
+    include_cold_start: bool = False
+
+
 class Recipe(BaseModel):
     """A whole pipeline's settings: one section per stage."""
 
@@ -52,6 +82,8 @@ class Recipe(BaseModel):
     description: str = ""  # one line for people
     cold_start_sft: ColdStartSFTConfig = Field(default_factory=ColdStartSFTConfig)
     reasoning_grpo: ReasoningGRPOConfig = Field(default_factory=ReasoningGRPOConfig)
+    rejection_sampling: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
+    sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"

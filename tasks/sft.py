@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
+from grpo.data import validate_rows
 from grpo.models import ModelConfig, load_model_and_tokenizer
 from grpo.sft import SFTConfig, train_sft
 from tasks import tracking
@@ -22,3 +24,20 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
     result = train_sft(model, tokenizer, rows, cfg, out, tracking.MetricsLogger(run_id), source=train_uri)
     get_run_logger().info("SFT finished: %d steps, final loss %.4f", result.steps, result.final_loss)
     return tracking.log_dir(run_id, result.model_dir, "checkpoint")
+
+
+@task(name="prepare_sft_mix")
+def prepare_sft_mix(run_id: str, dataset_uri: str, cold_start_uri: str | None = None) -> str:
+    """The stage-4 training rows: the curated dataset, plus the cold-start rows when given; logged as inputs."""
+    curated = read_frame(dataset_uri)
+    validate_rows(curated, {"prompt": "text or chat messages", "response": "text"}, dataset_uri)
+    tracking.log_dataset(run_id, curated, name="curated", source=dataset_uri, context="training")
+    parts = [curated[["prompt", "response"]]]
+    if cold_start_uri:
+        cold = read_frame(cold_start_uri)
+        tracking.log_dataset(run_id, cold, name="cold_start", source=cold_start_uri, context="training")
+        parts.append(cold[["prompt", "response"]])
+    rows = pd.concat(parts, ignore_index=True)
+    get_run_logger().info("SFT rows: %d curated%s", len(curated),
+                          f" + {len(rows) - len(curated)} cold-start" if cold_start_uri else "")
+    return tracking.log_frame(run_id, rows, "dataset/train")

@@ -1,0 +1,36 @@
+"""Stage 3, rejection sampling: many samples per prompt from the RL model; keep the correct, readable ones.
+
+R1 samples several responses per prompt from the reasoning-RL checkpoint and keeps only correct ones: checked by
+rule where the answer is verifiable, by a generative judge (DeepSeek-V3 shown the reference) where it is not; it
+drops mixed-language, overlong or code-laden chains of thought, and adds non-reasoning rows (about 600k + 200k).
+Here the prompts are cut into shards, one Prefect task each (threads by default; a Ray task runner on a cluster);
+each shard writes one Parquet file, and a shard whose file exists is not sampled again, so a killed run resumes
+without losing or duplicating a sample. The merge dedupes, decontaminates against the held-out split and caps to
+the recipe's target.
+
+Run alone:  r1 stage rejection_sampling --checkpoint runs:/<reasoning_grpo run id>/checkpoint
+"""
+
+from __future__ import annotations
+
+from prefect import flow, unmapped
+
+from grpo.config import RejectionSamplingConfig
+from tasks.data import prepare_data
+from tasks.rejection import merge_rejection_shards, plan_rejection_sampling, sample_shard
+from tasks.stage import StageResult, stage_run
+
+STAGE = "rejection_sampling"
+
+
+@flow(name=STAGE, log_prints=True)
+def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = RejectionSamplingConfig(),
+                       parent_run_id: str | None = None) -> StageResult:
+    """Sample from `checkpoint_uri` (the reasoning-RL model); return the curated dataset's URI and the counts."""
+    with stage_run(STAGE, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
+        data = prepare_data(run_id, config.data, "rl")
+        plan = plan_rejection_sampling(run_id, checkpoint_uri, config, data.train)
+        sample_shard.map(unmapped(plan), plan.shards, unmapped(config)).result()  # raises if any shard failed
+        dataset, metrics = merge_rejection_shards(run_id, plan, config, data.heldout)
+    uris = {"dataset": dataset, **({"heldout": data.heldout} if data.heldout else {})}
+    return StageResult(stage=STAGE, run_id=run_id, uris=uris, metrics=metrics)
