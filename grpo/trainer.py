@@ -212,6 +212,8 @@ class GRPOTrainer:
     def score(self, rollout: Rollout, idx: list[int]):
         G = self.cfg.num_generations
         columns = {k: [v[i] for i in idx for _ in range(G)] for k, v in self.columns.items()}
+        # TRL's name for the prompts: a reward model reads the question, not only the answer
+        columns["prompts"] = [self.prompts["prompt"][i] for i in idx for _ in range(G)]
         lengths = rollout.completion_mask.sum(-1).tolist()
         return score_completions(rollout.texts, self.cfg.rewards,
                                  {**columns, "completion_lengths": lengths,
