@@ -1,8 +1,9 @@
 """The `r1` command: run the recipe, or one stage of it, on the embedded default or on configured servers.
 
-    r1 run [--recipe tiny] [--stages cold_start_sft,...]
+    r1 run [--recipe tiny] [--stages cold_start_sft,...] [--from-run <pipeline run id>]
     r1 stage cold_start_sft [--recipe tiny]
     r1 stage reasoning_grpo --checkpoint runs:/<run id>/checkpoint
+    r1 stage sft --dataset runs:/<run id>/dataset/curated [--heldout runs:/<run id>/dataset/heldout]
     r1 serve CHECKPOINT [--host 127.0.0.1] [--port 8000]   # an OpenAI-compatible API, e.g. for the judge
     r1 where                      # where state, MLflow and Prefect live, and how to open their UIs
 """
@@ -104,11 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline (all available stages, or --stages)")
     run.add_argument("--recipe", default="tiny", help="recipe name under recipes/ or a YAML path (default: tiny)")
-    run.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all available)")
+    run.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all five)")
+    run.add_argument("--from-run", default=None, help="an earlier pipeline run (MLflow run id) whose URIs feed the "
+                                                      "stages left out")
     stage = sub.add_parser("stage", help="run one stage alone with its section of the recipe")
     stage.add_argument("name", help="stage name, e.g. cold_start_sft")
     stage.add_argument("--recipe", default="tiny")
     stage.add_argument("--checkpoint", default=None, help="the upstream checkpoint URI (runs:/<id>/checkpoint)")
+    stage.add_argument("--dataset", default=None, help="sft: the curated dataset URI (runs:/<id>/dataset/curated)")
+    stage.add_argument("--heldout", default=None, help="sft: held-out rows to evaluate on (runs:/<id>/dataset/heldout)")
     serve = sub.add_parser("serve", help="serve a checkpoint as an OpenAI-compatible chat API")
     serve.add_argument("checkpoint", help="a checkpoint folder, runs:/<id>/checkpoint, models:/<name>/<version>, "
                                           "or tiny")
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         from flows.r1_pipeline import r1_pipeline
 
         stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
-        result = r1_pipeline(recipe=args.recipe, stages=stages)
+        result = r1_pipeline(recipe=args.recipe, stages=stages, from_run=args.from_run)
         print(f"\nMLflow pipeline run {result.run_id} (recipe {recipe.name}):")
         for name, r in result.stages.items():
             _print_stage(name, r)
@@ -150,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"r1: unknown stage {args.name!r}; available: {sorted(stage_flows.FLOWS)}", file=sys.stderr)
             return 2
         config = getattr(recipe, args.name)
-        if args.name in stage_flows.NEEDS_CHECKPOINT:
-            if not args.checkpoint:
-                print(f"r1: stage {args.name} needs --checkpoint runs:/<run id>/checkpoint", file=sys.stderr)
-                return 2
-            result = stage_flows.FLOWS[args.name](args.checkpoint, config)
-        else:
-            result = stage_flows.FLOWS[args.name](config)
+        given = {"checkpoint_uri": args.checkpoint, "dataset_uri": args.dataset, "heldout_uri": args.heldout}
+        kwargs = {p: given[p] for p in stage_flows.INPUTS[args.name] if given.get(p)}
+        needed = [p for p, uri in stage_flows.INPUTS[args.name].items() if uri not in stage_flows.OPTIONAL]
+        if any(p not in kwargs for p in needed):
+            flags = " ".join(f"--{p.removesuffix('_uri')} runs:/<run id>/..." for p in needed)
+            print(f"r1: stage {args.name} needs {flags}", file=sys.stderr)
+            return 2
+        result = stage_flows.FLOWS[args.name](config=config, **kwargs)
         print()
         _print_stage(args.name, result)
     print("\n" + _where())

@@ -3,50 +3,70 @@
     base model -> 1 cold-start SFT -> 2 reasoning GRPO -> 3 rejection sampling -> 4 SFT -> 5 alignment GRPO
 
 One MLflow parent run per pipeline run (tagged with the Prefect flow run), one child run per stage. A stage that is
-left out of `stages` takes its input from `from_uris` (for example an earlier run's cold-start checkpoint).
+left out of `stages` takes its inputs from `from_uris` or from an earlier pipeline run (`from_run`), whose parent
+run records every URI its stages produced as `uri.<name>` tags.
 
-Run:  r1 run --recipe tiny
+Run:  r1 run --recipe tiny      (or: r1 run --stages sft,alignment_grpo --from-run <pipeline run id>)
 """
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
+from flows.alignment_grpo import alignment_grpo
 from flows.cold_start_sft import cold_start_sft
 from flows.reasoning_grpo import reasoning_grpo
+from flows.rejection_sampling import rejection_sampling
+from flows.sft import sft
+from flows.stages import FLOWS, OUTPUTS, missing_inputs
 from grpo.config import load_recipe
 from tasks import tracking
 from tasks.stage import PipelineResult, StageResult, prefect_tags
 
-AVAILABLE_STAGES = ("cold_start_sft", "reasoning_grpo")
+AVAILABLE_STAGES = tuple(FLOWS)
 
 
 @flow(name="r1_pipeline", log_prints=True)
-def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None,
-                from_uris: dict[str, str] | None = None) -> PipelineResult:
+def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris: dict[str, str] | None = None,
+                from_run: str | None = None) -> PipelineResult:
     """Run the recipe's stages in order under one MLflow parent run; return each stage's result."""
     cfg = load_recipe(recipe)  # a bad recipe fails here, before any run is created
-    stages = list(stages or AVAILABLE_STAGES)
-    unknown = [s for s in stages if s not in AVAILABLE_STAGES]
+    stages = [s for s in AVAILABLE_STAGES if s in (stages or AVAILABLE_STAGES)]
+    unknown = sorted(set(stages or []) - set(AVAILABLE_STAGES))
     if unknown:
-        raise ValueError(f"unknown or not yet available stage(s) {unknown}; available: {list(AVAILABLE_STAGES)}")
-    uris = dict(from_uris or {})  # e.g. {"cold_start_checkpoint": "runs:/<id>/checkpoint"}
-    if "reasoning_grpo" in stages and "cold_start_sft" not in stages and "cold_start_checkpoint" not in uris:
-        raise ValueError("reasoning_grpo without cold_start_sft needs from_uris['cold_start_checkpoint']")
+        raise ValueError(f"unknown stage(s) {unknown}; available: {list(AVAILABLE_STAGES)}")
+    uris = {**(tracking.pipeline_uris(from_run) if from_run else {}), **(from_uris or {})}
+    missing = missing_inputs(stages, uris)
+    if missing:
+        raise ValueError("missing inputs: " + ", ".join(f"{s} needs {u}" for s, u in missing) +
+                         "; run the stage that makes them, or pass from_run=<pipeline run id> or from_uris")
 
     parent = tracking.start_run(f"r1_pipeline:{cfg.name}", tags={"recipe": cfg.name, "stages": ",".join(stages),
+                                                                  **({"from_run": from_run} if from_run else {}),
                                                                   **prefect_tags()})
     tracking.log_params(parent, {"recipe": cfg.name, "stages": ",".join(stages),
+                                 **({"from_run": from_run} if from_run else {}),
                                  **{f"from.{k}": v for k, v in uris.items()}})
     results: dict[str, StageResult] = {}
+
+    def done(result: StageResult) -> None:  # record the stage's URIs on the parent as soon as it finishes
+        results[result.stage] = result
+        new = {name: result.uris[key] for name, key in OUTPUTS[result.stage].items() if key in result.uris}
+        uris.update(new)
+        tracking.set_tags(parent, {f"uri.{k}": v for k, v in new.items()})
+
     try:
         if "cold_start_sft" in stages:
-            results["cold_start_sft"] = cold_start_sft(cfg.cold_start_sft, parent_run_id=parent)
-            uris["cold_start_checkpoint"] = results["cold_start_sft"].uris["checkpoint"]
+            done(cold_start_sft(cfg.cold_start_sft, parent_run_id=parent))
         if "reasoning_grpo" in stages:
-            results["reasoning_grpo"] = reasoning_grpo(uris["cold_start_checkpoint"], cfg.reasoning_grpo,
-                                                       parent_run_id=parent)
-            uris["reasoning_checkpoint"] = results["reasoning_grpo"].uris["checkpoint"]
+            done(reasoning_grpo(uris["cold_start_checkpoint"], cfg.reasoning_grpo, parent_run_id=parent))
+        if "rejection_sampling" in stages:
+            done(rejection_sampling(uris["reasoning_checkpoint"], cfg.rejection_sampling, parent_run_id=parent))
+        if "sft" in stages:
+            done(sft(uris["curated_dataset"], cfg.sft, heldout_uri=uris.get("heldout"),
+                     cold_start_dataset_uri=uris.get("cold_start_dataset"), parent_run_id=parent))
+        if "alignment_grpo" in stages:
+            done(alignment_grpo(uris["sft_checkpoint"], cfg.alignment_grpo, parent_run_id=parent))
     except BaseException:
         tracking.end_run(parent, "FAILED")
         raise

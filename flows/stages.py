@@ -1,7 +1,38 @@
-"""Every stage flow by name, with the upstream URI each needs when run alone."""
+"""Every stage flow by name, and the pipeline URIs each one takes (flow parameter -> pipeline URI name)."""
 
+from flows.alignment_grpo import alignment_grpo
 from flows.cold_start_sft import cold_start_sft
 from flows.reasoning_grpo import reasoning_grpo
+from flows.rejection_sampling import rejection_sampling
+from flows.sft import sft
 
-FLOWS = {"cold_start_sft": cold_start_sft, "reasoning_grpo": reasoning_grpo}
-NEEDS_CHECKPOINT = {"reasoning_grpo"}
+FLOWS = {"cold_start_sft": cold_start_sft, "reasoning_grpo": reasoning_grpo,
+         "rejection_sampling": rejection_sampling, "sft": sft, "alignment_grpo": alignment_grpo}
+
+# what a stage reads: flow parameter -> the pipeline URI it is filled from (required ones first)
+INPUTS = {
+    "cold_start_sft": {},
+    "reasoning_grpo": {"checkpoint_uri": "cold_start_checkpoint"},
+    "rejection_sampling": {"checkpoint_uri": "reasoning_checkpoint"},
+    "sft": {"dataset_uri": "curated_dataset", "heldout_uri": "heldout", "cold_start_dataset_uri": "cold_start_dataset"},
+    "alignment_grpo": {"checkpoint_uri": "sft_checkpoint"},
+}
+OPTIONAL = {"heldout", "cold_start_dataset"}  # a stage runs without these (no eval / no mixing)
+
+# what a stage produces: pipeline URI name -> key in its StageResult.uris
+OUTPUTS = {
+    "cold_start_sft": {"cold_start_checkpoint": "checkpoint", "cold_start_dataset": "dataset"},
+    "reasoning_grpo": {"reasoning_checkpoint": "checkpoint"},
+    "rejection_sampling": {"curated_dataset": "dataset", "heldout": "heldout"},
+    "sft": {"sft_checkpoint": "checkpoint"},
+    "alignment_grpo": {"final_checkpoint": "checkpoint", "registered_model": "registered_model"},
+}
+
+
+def missing_inputs(stages: list[str], uris: dict[str, str]) -> list[tuple[str, str]]:
+    """(stage, URI name) pairs that neither an earlier selected stage nor `uris` will provide."""
+    have, missing = set(uris), []
+    for stage in stages:
+        missing += [(stage, need) for need in INPUTS[stage].values() if need not in have and need not in OPTIONAL]
+        have |= set(OUTPUTS[stage])
+    return missing

@@ -15,7 +15,9 @@ from grpo.data import DataConfig
 from grpo.evaluate import EvalConfig
 from grpo.judge import JudgeConfig
 from grpo.models import ModelConfig
+from grpo.preferences import PreferenceDataConfig
 from grpo.rejection import RejectionConfig
+from grpo.reward_model import RewardModelConfig
 from grpo.sft import SFTConfig
 from grpo.trainer import GRPOConfig
 
@@ -73,6 +75,25 @@ class SFTStageConfig(BaseModel):
     include_cold_start: bool = False
 
 
+class AlignmentGRPOConfig(BaseModel):
+    """Stage 5: GRPO for helpfulness and harmlessness (a reward model) on a mix that keeps reasoning prompts."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
+    data: DataConfig = Field(default_factory=DataConfig)  # reasoning prompts with answers: rule rewards
+    general_prompts: int = 200  # general (non-reasoning) prompts mixed in: scored by the reward model
+    general_source: str = "synthetic"  # "synthetic" (generated requests, some harmful) or a file with `prompt`
+    preferences: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig)  # pairs the reward model learns
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)  # trained in this stage...
+    reward_model_uri: str | None = None  # ...unless this names an existing one (folder, runs:/ URI or hub name)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)  # rewards by name; "reward_model" is the trained scorer
+    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out reasoning evaluation
+    eval_before: bool = True  # also score the starting checkpoint, so the run shows what alignment cost or gained
+    registered_model: str = "r1-tiny"  # MLflow registry name the final model is registered under
+    alias: str = "champion"  # registry alias pointed at the new version (models:/<name>@<alias>)
+
+
 class Recipe(BaseModel):
     """A whole pipeline's settings: one section per stage."""
 
@@ -84,6 +105,7 @@ class Recipe(BaseModel):
     reasoning_grpo: ReasoningGRPOConfig = Field(default_factory=ReasoningGRPOConfig)
     rejection_sampling: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
+    alignment_grpo: AlignmentGRPOConfig = Field(default_factory=AlignmentGRPOConfig)
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"

@@ -40,6 +40,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -328,7 +329,7 @@ def duplicate_mask(rows: pd.DataFrame) -> list[bool]:
 
 def dedupe(rows: pd.DataFrame) -> pd.DataFrame:
     """The rows without repeats of an earlier row's normalised (prompt, response); the first one stays."""
-    return rows[[not d for d in duplicate_mask(rows)]]
+    return rows[np.array([not d for d in duplicate_mask(rows)], dtype=bool)]  # a bool array: [] would pick columns
 
 
 _WORD = re.compile(r"\w+")
@@ -375,7 +376,7 @@ def decontaminate(rows: pd.DataFrame, heldout_prompts: Sequence[Any], n: int = 8
                   threshold: float = 0.8) -> pd.DataFrame:
     """The rows whose prompt + response do not copy a held-out prompt (see `contamination_mask`)."""
     texts = [f"{prompt_text(p)}\n{r}" for p, r in zip(rows["prompt"], rows["response"])]
-    return rows[[not c for c in contamination_mask(texts, heldout_prompts, n, threshold)]]
+    return rows[np.array([not c for c in contamination_mask(texts, heldout_prompts, n, threshold)], dtype=bool)]
 
 
 # ----------------------------------------------------------------------------------------------------------------

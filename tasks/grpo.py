@@ -5,6 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
+from grpo.reward_model import RewardModelScorer, reward_model_reward
+from grpo.rewards import REWARD_FUNCTIONS
 from grpo.models import ModelConfig, load_model_and_tokenizer
 from grpo.trainer import GRPOConfig, GRPOTrainer
 from tasks import tracking
@@ -14,17 +16,24 @@ from tasks.stage import resolve_model, work_dir
 
 @task(name="train_grpo_model")
 def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_uri: str, train_uri: str,
-                     cfg: GRPOConfig) -> str:
-    """Run GRPO from the checkpoint on the training prompts; log metrics and sample tables; return the new checkpoint."""
+                     cfg: GRPOConfig, reward_model_uri: str | None = None) -> str:
+    """Run GRPO from the checkpoint on the training prompts; log metrics and sample tables; return the new checkpoint.
+
+    With `reward_model_uri`, the reward named "reward_model" is that model's score (on rows of kind "general").
+    """
     rows = read_frame(train_uri)
+    reward_functions = None
+    if reward_model_uri:
+        scorer = RewardModelScorer.from_pretrained(tracking.download(reward_model_uri))
+        reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
     model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
-    out = work_dir(stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist())
+    out = work_dir(stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(), reward_model_uri)
 
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
 
     trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, on_metrics=tracking.MetricsLogger(run_id),
-                          on_samples=log_samples)
+                          on_samples=log_samples, reward_functions=reward_functions)
     result = trainer.train()
     get_run_logger().info("GRPO finished: %d steps", result.steps)
     return tracking.log_dir(run_id, result.model_dir, "checkpoint")

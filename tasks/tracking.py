@@ -114,7 +114,9 @@ class MetricsLogger:
 def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, context: str) -> None:
     """Record `df` as a dataset input of the run (MLflow's Datasets tab), with a digest that tells versions apart."""
     shown = df.copy()
-    shown["prompt"] = shown["prompt"].astype(str)  # chat messages are lists; MLflow's schema wants scalars
+    for col in shown.columns:  # chat messages are lists, some columns mix None and text: MLflow's schema wants
+        if shown[col].dtype == object:  # one scalar type per column (and an empty frame cannot be inferred)
+            shown[col] = shown[col].astype(str)
     try:  # a file path or URL MLflow knows how to describe
         dataset = mlflow.data.from_pandas(shown, source=source, name=name)
     except mlflow.exceptions.MlflowException:  # generated in code (the synthetic task) or a hub name
@@ -167,3 +169,18 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
     dst = Path(dst or tempfile.mkdtemp(prefix="r1-artifact-"))
     dst.mkdir(parents=True, exist_ok=True)
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+
+
+def set_tags(run_id: str, tags: dict[str, str]) -> None:
+    c = client()
+    for k, v in tags.items():
+        c.set_tag(run_id, k, v)
+
+
+def pipeline_uris(run_id: str) -> dict[str, str]:
+    """The URIs an earlier pipeline run's stages produced (its `uri.<name>` tags), to start a rerun from."""
+    tags = client().get_run(run_id).data.tags
+    uris = {k[len("uri."):]: v for k, v in tags.items() if k.startswith("uri.")}
+    if not uris:
+        raise ValueError(f"MLflow run {run_id} records no stage URIs (uri.* tags): is it a pipeline run?")
+    return uris

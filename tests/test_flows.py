@@ -26,10 +26,34 @@ TINY_GRPO = {
 }
 
 
+TINY_RS = {
+    "model": TINY_STAGE["model"],
+    "data": {"num_train": 16, "num_heldout": 8},
+    "rejection": {"samples_per_prompt": 2, "sampling": {"max_new_tokens": 24}, "target_samples": 24,
+                  "non_reasoning_rows": 6, "shard_size": 8},
+}
+
+TINY_SFT = {k: TINY_STAGE[k] for k in ("model", "train", "eval")}
+
+TINY_ALIGN = {
+    "model": TINY_STAGE["model"],
+    "data": {"num_train": 16, "num_heldout": 8},
+    "general_prompts": 8,
+    "preferences": {"num_train": 32, "num_heldout": 16},
+    "reward_model": {"model": TINY_STAGE["model"], "max_steps": 3, "batch_size": 8, "mixed_precision": "no"},
+    "grpo": {**TINY_GRPO["grpo"], "rewards": {"accuracy": 1.0, "format": 0.5, "reward_model": 1.0}},
+    "eval": TINY_GRPO["eval"],
+    "registered_model": "r1-test",
+}
+
+ALL_STAGES = {"name": "test", "cold_start_sft": TINY_STAGE, "reasoning_grpo": TINY_GRPO, "rejection_sampling": TINY_RS,
+              "sft": TINY_SFT, "alignment_grpo": TINY_ALIGN}
+
+
 @pytest.fixture
 def recipe_file(tmp_path):
     path = tmp_path / "test.yaml"
-    path.write_text(yaml.safe_dump({"name": "test", "cold_start_sft": TINY_STAGE, "reasoning_grpo": TINY_GRPO}))
+    path.write_text(yaml.safe_dump(ALL_STAGES))
     return path
 
 
@@ -93,22 +117,50 @@ def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, 
     parent = mlflow_client.get_run(result.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["recipe"] == "test"
     assert "prefect.flow_run_id" in parent.data.tags
-    assert list(result.stages) == ["cold_start_sft", "reasoning_grpo"]
+    assert list(result.stages) == ["cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo"]
     for name, stage in result.stages.items():
         child = mlflow_client.get_run(stage.run_id)
+        assert child.info.status == "FINISHED"
         assert child.data.tags["mlflow.parentRunId"] == result.run_id
         assert child.data.tags["stage"] == name
-    # reasoning GRPO started from this pipeline's own cold-start checkpoint
-    grpo_run = mlflow_client.get_run(result.stages["reasoning_grpo"].run_id)
-    assert grpo_run.data.params["input.checkpoint_uri"] == result.stages["cold_start_sft"].uris["checkpoint"]
+        assert child.data.params and child.data.metrics, name
+        assert mlflow_client.list_artifacts(stage.run_id), name
+    # each stage started from what the one before it made
+    stages = result.stages
+    run = lambda name: mlflow_client.get_run(stages[name].run_id)  # noqa: E731
+    assert run("reasoning_grpo").data.params["input.checkpoint_uri"] == stages["cold_start_sft"].uris["checkpoint"]
+    assert run("rejection_sampling").data.params["input.checkpoint_uri"] == stages["reasoning_grpo"].uris["checkpoint"]
+    assert run("sft").data.params["input.dataset_uri"] == stages["rejection_sampling"].uris["dataset"]
+    assert run("alignment_grpo").data.params["input.checkpoint_uri"] == stages["sft"].uris["checkpoint"]
+    # stage 4 starts from the base model again, not from the RL model
+    assert run("sft").data.params["model.name_or_path"] == "tiny"
     assert "cold_start_sft/eval/accuracy" in parent.data.metrics
+    assert "alignment_grpo/eval/accuracy" in parent.data.metrics
+    # the parent records every URI, so a later run can start from it
+    assert parent.data.tags["uri.sft_checkpoint"] == stages["sft"].uris["checkpoint"]
+    # the final model is registered and its alias resolves to this run's checkpoint
+    version = mlflow_client.get_model_version_by_alias("r1-test", "champion")
+    assert version.run_id == stages["alignment_grpo"].run_id
+    from tasks.tracking import download
+
+    model = AutoModelForCausalLM.from_pretrained(download("models:/r1-test@champion"))
+    assert model.config.num_hidden_layers == 2
+
+    # rerun only the last two stages from this run's artifacts: a new parent that says where it came from
+    rerun = r1_pipeline(recipe=str(recipe_file), stages=["sft", "alignment_grpo"], from_run=result.run_id)
+    new_parent = mlflow_client.get_run(rerun.run_id)
+    assert new_parent.data.tags["from_run"] == result.run_id and list(rerun.stages) == ["sft", "alignment_grpo"]
+    assert (mlflow_client.get_run(rerun.stages["sft"].run_id).data.params["input.dataset_uri"]
+            == stages["rejection_sampling"].uris["dataset"])
 
 
 def test_pipeline_can_start_from_an_earlier_checkpoint(cold_start, mlflow_client, recipe_file):
     from flows.r1_pipeline import r1_pipeline
 
-    with pytest.raises(ValueError, match="cold_start_checkpoint"):
+    with pytest.raises(ValueError, match="reasoning_grpo needs cold_start_checkpoint"):
         r1_pipeline(recipe=str(recipe_file), stages=["reasoning_grpo"])
+    with pytest.raises(ValueError, match="sft needs curated_dataset"):
+        r1_pipeline(recipe=str(recipe_file), stages=["sft", "alignment_grpo"])
     result = r1_pipeline(recipe=str(recipe_file), stages=["reasoning_grpo"],
                          from_uris={"cold_start_checkpoint": cold_start.uris["checkpoint"]})
     assert list(result.stages) == ["reasoning_grpo"]

@@ -18,7 +18,7 @@ from grpo.data import DataError, TaskConfig, generate_problems, rl_rows
 from grpo.generation import Rollout, SamplingConfig, TransformersBackend
 from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
 from grpo.rejection import (
-    READABILITY_FILTERS, RejectionConfig, contamination_mask, curate, decontaminate, dedupe, merge_shards,
+    KEPT_COLUMNS, READABILITY_FILTERS, RejectionConfig, contamination_mask, curate, decontaminate, dedupe, merge_shards,
     plan_shards, process_shard, read_shard, rows_of_shard, run_rejection_sampling, shard_done, shard_path,
     write_shard,
 )
@@ -395,3 +395,10 @@ def test_a_folder_keeps_shards_from_one_set_of_inputs(tmp_path):
     smaller = run_rejection_sampling(backend, PROBLEMS, changed(TINY_CFG, target_samples=3),
                                      tmp_path, progress=False)  # a merge-only change: the shards are reused
     assert backend.calls == calls and len(smaller.dataset) == 3
+
+
+def test_merge_with_nothing_kept_keeps_the_columns(tmp_path):
+    """A model that gets nothing right still yields a dataset with the expected columns (then the non-reasoning)."""
+    empty = pd.DataFrame(columns=KEPT_COLUMNS)
+    assert list(dedupe(empty).columns) == KEPT_COLUMNS
+    assert list(decontaminate(empty, ["a b c d e f g h i j"], 8, 0.8).columns) == KEPT_COLUMNS

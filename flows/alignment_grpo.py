@@ -1,0 +1,43 @@
+"""Stage 5, alignment GRPO: make the SFT model helpful and harmless without losing its reasoning.
+
+R1's last stage runs RL on a mix: reasoning prompts keep their rule rewards, general prompts are scored by reward
+models for helpfulness (on the final summary) and harmlessness (on the whole response). Here one reward model,
+trained in this stage on preference pairs with the Bradley-Terry loss (or an existing one, `reward_model_uri`),
+scores the general prompts; the held-out reasoning split is scored before and after, and the result is registered
+in the MLflow model registry under an alias.
+
+Run alone:  r1 stage alignment_grpo --checkpoint runs:/<sft run id>/checkpoint
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from grpo.config import AlignmentGRPOConfig
+from tasks.alignment import prepare_alignment_prompts, register_model, train_reward_model_task
+from tasks.evaluate import evaluate_model
+from tasks.grpo import train_grpo_model
+from tasks.stage import StageResult, stage_run
+
+STAGE = "alignment_grpo"
+
+
+@flow(name=STAGE, log_prints=True)
+def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentGRPOConfig(),
+                   parent_run_id: str | None = None) -> StageResult:
+    """GRPO from `checkpoint_uri` (the stage-4 SFT model); return the final checkpoint and its registry URI."""
+    with stage_run(STAGE, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
+        data = prepare_alignment_prompts(run_id, config)
+        reward_model = train_reward_model_task(run_id, config)
+        metrics = {}
+        if data.heldout and config.eval_before:
+            before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0)
+            metrics.update({f"{k}_before": v for k, v in before.items()})
+        checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo,
+                                      reward_model_uri=reward_model)
+        if data.heldout:
+            metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
+                                          step=config.grpo.max_steps))
+        registered = register_model(run_id, checkpoint, config.registered_model, config.alias)
+    return StageResult(stage=STAGE, run_id=run_id, metrics=metrics,
+                       uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})

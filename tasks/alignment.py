@@ -1,0 +1,72 @@
+"""Tasks of the alignment stage: the reward model, the mixed prompt set, and registering the final model."""
+
+from __future__ import annotations
+
+import pandas as pd
+from prefect import task
+from prefect.logging import get_run_logger
+
+from grpo.config import AlignmentGRPOConfig
+from grpo.data import load_rl_data, read_table, validate_rows
+from grpo.preferences import general_prompts, load_preference_data
+from grpo.reward_model import train_reward_model
+from tasks import tracking
+from tasks.data import DataURIs
+from tasks.stage import work_dir
+
+
+@task(name="prepare_alignment_prompts")
+def prepare_alignment_prompts(run_id: str, cfg: AlignmentGRPOConfig) -> DataURIs:
+    """Reasoning prompts (answer: rule rewards) mixed with general ones (kind=general: the reward model)."""
+    reasoning, heldout = load_rl_data(cfg.data)
+    if cfg.general_source == "synthetic":
+        general = general_prompts(cfg.general_prompts, seed=cfg.data.task.seed)
+    else:
+        general = validate_rows(read_table(cfg.general_source), {"prompt": "text or chat messages"},
+                                cfg.general_source).iloc[: cfg.general_prompts]
+        general = general.assign(kind="general")[["prompt", "kind"]]
+    rows = pd.concat([reasoning.assign(kind="reasoning"), general.assign(answer=None)[["prompt", "answer", "kind"]]],
+                     ignore_index=True)
+    source = cfg.data.source if cfg.data.source != "synthetic" else f"synthetic:{cfg.data.task.model_dump_json()}"
+    tracking.log_dataset(run_id, rows, name="alignment_prompts", source=f"{source}+general:{cfg.general_source}",
+                         context="training")
+    train_uri = tracking.log_frame(run_id, rows, "dataset/train")
+    heldout_uri = tracking.log_frame(run_id, heldout, "dataset/heldout") if heldout is not None else None
+    get_run_logger().info("alignment prompts: %d reasoning + %d general", len(reasoning), len(general))
+    return DataURIs(train_uri, heldout_uri)
+
+
+@task(name="train_reward_model")
+def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
+    """Fit the reward model on preference pairs (Bradley-Terry); log its figures; return its URI."""
+    if cfg.reward_model_uri:
+        return cfg.reward_model_uri
+    pairs, heldout = load_preference_data(cfg.preferences)
+    tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source,
+                         context="reward_model")
+    out = work_dir("reward_model", cfg.preferences, cfg.reward_model)
+    result = train_reward_model(pairs, cfg.reward_model, out, on_metrics=tracking.MetricsLogger(run_id),
+                                heldout=heldout, source=cfg.preferences.source)
+    tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,
+                                                  "rm/heldout_accuracy_before": result.heldout_accuracy_before})
+    get_run_logger().info("reward model: held-out pair accuracy %.3f (untrained %.3f)", result.heldout_accuracy,
+                          result.heldout_accuracy_before)
+    return tracking.log_dir(run_id, result.model_dir, "reward_model")
+
+
+@task(name="register_model")
+def register_model(run_id: str, checkpoint_uri: str, name: str, alias: str) -> str:
+    """Register the checkpoint in the MLflow model registry and point `alias` at the new version."""
+    c = tracking.client()
+    try:
+        c.get_registered_model(name)
+    except Exception:  # noqa: BLE001  (MlflowException: not registered yet)
+        c.create_registered_model(name, description="Final model of the R1 pipeline (after alignment GRPO).")
+    prefix = f"runs:/{run_id}/"
+    if not checkpoint_uri.startswith(prefix):
+        raise ValueError(f"register_model: {checkpoint_uri} is not an artifact of run {run_id}")
+    source = c.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + checkpoint_uri[len(prefix):]
+    version = c.create_model_version(name, source, run_id=run_id, tags={"stage": "alignment_grpo"})
+    c.set_registered_model_alias(name, alias, version.version)
+    get_run_logger().info("registered %s version %s as @%s", name, version.version, alias)
+    return f"models:/{name}@{alias}"

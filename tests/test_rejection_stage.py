@@ -1,0 +1,148 @@
+"""The rejection-sampling stage under Prefect: resume after a kill, and the HTTP judge against `r1 serve`'s server."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from grpo.config import RejectionSamplingConfig
+from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
+from grpo.sft import SFTConfig, train_sft
+
+SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def answering_checkpoint(tmp_path_factory):
+    """A tiny model taught in a few seconds to answer `<answer>1</answer>`: it gets the prompts whose answer is 1
+    right most of the time when sampled, so the rule check keeps some samples and drops others."""
+    model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
+    rows = pd.DataFrame({"prompt": [f"Question {i}?" for i in range(32)],
+                         "response": ["<think>It is one.</think><answer>1</answer>"] * 32})
+    out = tmp_path_factory.mktemp("answering")
+    train_sft(model, tok, rows, SFTConfig(max_steps=150, batch_size=16, learning_rate=5e-3, warmup_steps=2,
+                                          mixed_precision="no", checkpoint_every=0), out, progress=False)
+    return str(out / "model")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = pd.DataFrame({"prompt": [f"Problem {i}: what is it?" for i in range(48)],
+                         "answer": ["1" if i % 3 else "2" for i in range(48)]})
+    rows.to_json(path, orient="records", lines=True)
+    return str(path)
+
+
+def stage_config(prompts_file: str, **rejection) -> dict:
+    return {
+        "model": {"tiny": SMALL.model_dump()},
+        "data": {"source": prompts_file, "num_train": 48, "num_heldout": 0},
+        "rejection": {"samples_per_prompt": 4, "sampling": {"max_new_tokens": 32}, "target_samples": 60,
+                      "shard_size": 3, "decontamination_ngram": 0, **rejection},
+    }
+
+
+def curated(uri: str) -> pd.DataFrame:
+    from tasks.data import read_frame
+
+    rows = read_frame(uri)
+    return rows.assign(prompt=rows["prompt"].astype(str))[["prompt", "response", "sample_index"]]
+
+
+def shard_files(r1_home: Path) -> list[Path]:
+    return sorted((r1_home / "work" / "rejection_sampling").glob("*/shard-*.parquet"))
+
+
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(prefect_harness, r1_home, answering_checkpoint,
+                                                                   prompts_file, tmp_path):
+    from flows.rejection_sampling import rejection_sampling
+
+    recipe = tmp_path / "rs.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "rs", "rejection_sampling": stage_config(prompts_file)}))
+    cfg = RejectionSamplingConfig.model_validate(stage_config(prompts_file))
+    shutil.rmtree(r1_home / "work" / "rejection_sampling", ignore_errors=True)
+
+    whole = rejection_sampling(answering_checkpoint, cfg)
+    expected = curated(whole.uris["dataset"])
+    assert 0 < len(expected) < 48 * 4  # the rule check kept some samples and dropped others
+    assert whole.metrics["rejection/generated"] == 48 * 4
+    n_shards = len(shard_files(r1_home))
+    assert n_shards == 16
+
+    # the same stage in another process, killed once a few shards are written
+    shutil.rmtree(r1_home / "work" / "rejection_sampling")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "rejection_sampling", "--recipe",
+                             str(recipe), "--checkpoint", answering_checkpoint], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not shard_files(r1_home) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the flow and the local API it started
+        proc.wait()
+    written = len(shard_files(r1_home))
+    assert 0 < written < n_shards, f"the kill should land midway; {written} of {n_shards} shards were written"
+
+    resumed = rejection_sampling(answering_checkpoint, cfg)
+    assert resumed.metrics["rejection/generated"] == 48 * 4  # every sample counted once: none lost, none twice
+    pd.testing.assert_frame_equal(curated(resumed.uris["dataset"]), expected)
+
+
+def test_the_judge_over_http_against_the_projects_own_server(prefect_harness, answering_checkpoint, prompts_file,
+                                                             mlflow_client):
+    from flows.rejection_sampling import rejection_sampling
+    from grpo.serve import make_server
+
+    model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))
+    server = make_server(model, tok, port=0, model_name="judge")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        raw = stage_config(prompts_file, judge_when="always", shard_size=16)
+        raw["data"]["num_train"] = 16
+        raw["judge"] = {"backend": "http", "base_url": server.url, "model": "judge", "max_new_tokens": 16}
+        result = rejection_sampling(answering_checkpoint, RejectionSamplingConfig.model_validate(raw))
+    finally:
+        server.shutdown()
+        server.server_close()
+    m = result.metrics
+    asked = m["rejection/judge_asked"]
+    assert asked > 0  # every readable sample went to the judge over HTTP, as well as to the rule check
+    assert m["rejection/judge_accepted"] + m["rejection/judge_unparseable"] <= asked
+    run = mlflow_client.get_run(result.run_id)
+    assert run.data.params["judge.base_url"] == server.url and "rejection/judge_asked" in run.data.metrics
+
+
+def test_with_the_judge_down_the_stage_fails_naming_the_url_and_writes_no_shard(prefect_harness, r1_home,
+                                                                                answering_checkpoint, prompts_file,
+                                                                                mlflow_client):
+    from flows.rejection_sampling import rejection_sampling
+
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    raw = stage_config(prompts_file, judge_when="always", seed=7)
+    raw["judge"] = {"backend": "http", "base_url": url, "model": "judge", "max_retries": 1, "backoff_s": 0.05}
+    before = set(shard_files(r1_home))
+    with pytest.raises(Exception, match=f"could not reach judge at {url}"):
+        rejection_sampling(answering_checkpoint, RejectionSamplingConfig.model_validate(raw))
+    assert set(shard_files(r1_home)) == before
+    failed = mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()],
+                                       "tags.stage = 'rejection_sampling' and attributes.status = 'FAILED'")
+    assert failed
