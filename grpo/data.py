@@ -112,24 +112,19 @@ class TaskConfig(BaseModel):
     templates: tuple[str, ...] = tuple(TEMPLATES)  # which problem templates to draw from
     heldout_percent: int = 20  # share of problems reserved for held-out, by hash of the name-free problem
     seed: int = 0  # the same seed draws the same training problems (the held-out split never changes)
-    restate_givens: bool = True  # the chain of thought starts by copying out the problem's numbers
-    # share of SFT rows that state the answer without working it out (real SFT mixes hold such rows too); a
-    # model that learns both styles picks one per answer, and RL can learn which one pays
-    terse_share: float = Field(0.0, ge=0.0, le=1.0)
+    restate_givens: bool = True  # the chain of thought starts by copying out the problem's numbers...
+    # ...in this share of the worked solutions (the rest go straight to the equations). A model taught both habits
+    # picks one per answer; restating is the more accurate one, and reasoning RL can find that out
+    restate_share: float = Field(1.0, ge=0.0, le=1.0)
 
 
-TERSE_THOUGHT = "Easy, no working needed."
-
-
-def format_response(p: Problem, restate_givens: bool = True, terse: bool = False) -> str:
+def format_response(p: Problem, restate_givens: bool = True) -> str:
     """The cold-start target: the chain of thought, then the bare integer as the answer.
 
     The chain of thought first restates the problem's numbers in order ("Given 8, 5, 2."), then solves it one
     equation per step. A small model's main failure is fetching the right numbers from the question into its
     equations; copying them out in order first is an easy pattern, and afterwards they sit a few tokens away.
     """
-    if terse:
-        return f"<think>{TERSE_THOUGHT}</think><answer>{p.answer}</answer>"
     givens = f"Given {', '.join(re.findall(r'[0-9]+', p.question))}. " if restate_givens else ""
     return f"<think>{givens}{' '.join(s + '.' for s in p.steps)}</think><answer>{p.answer}</answer>"
 
@@ -165,16 +160,16 @@ def generate_problems(cfg: TaskConfig, n: int, split: Literal["train", "heldout"
                      f"(max_operand={cfg.max_operand}); raise max_operand or ask for fewer rows")
 
 
-def is_terse(question: str, share: float, seed: int) -> bool:
-    """Whether a cold-start row answers tersely: a fixed share, chosen by hash so it does not depend on row order."""
-    digest = hashlib.sha1(f"terse-{seed}-{question}".encode()).digest()
+def restates(question: str, share: float, seed: int) -> bool:
+    """Whether this row's worked solution restates the givens: a fixed share, chosen by hash (not by row order)."""
+    digest = hashlib.sha1(f"restate-{seed}-{question}".encode()).digest()
     return int.from_bytes(digest[:4], "big") < share * 2**32
 
 
-def sft_rows(problems: list[Problem], restate_givens: bool = True, terse_share: float = 0.0,
+def sft_rows(problems: list[Problem], restate_givens: bool = True, restate_share: float = 1.0,
              seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame({"prompt": [p.question for p in problems],
-                         "response": [format_response(p, restate_givens, is_terse(p.question, terse_share, seed))
+                         "response": [format_response(p, restate_givens and restates(p.question, restate_share, seed))
                                       for p in problems]})
 
 
@@ -309,7 +304,7 @@ def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Training rows (prompt, response) and held-out rows (prompt, answer), both validated before any training."""
-    return _load(cfg, SFT_SCHEMA, lambda ps, task: sft_rows(ps, task.restate_givens, task.terse_share, task.seed)), load_heldout(cfg)
+    return _load(cfg, SFT_SCHEMA, lambda ps, task: sft_rows(ps, task.restate_givens, task.restate_share, task.seed)), load_heldout(cfg)
 
 
 def load_rl_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:

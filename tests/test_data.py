@@ -105,3 +105,17 @@ def test_every_seed_scores_on_the_same_heldout_problems():
     b = generate_problems(TaskConfig(seed=1), 50, "heldout")
     assert a == b
     assert generate_problems(TaskConfig(seed=0), 50, "train") != generate_problems(TaskConfig(seed=1), 50, "train")
+
+
+def test_restate_share_mixes_both_habits_in_a_fixed_share():
+    task = TaskConfig(max_operand=6, restate_share=0.5)
+    rows, _ = load_sft_data(DataConfig(num_train=400, num_heldout=0, task=task))
+    restated = rows["response"].str.startswith("<think>Given ")
+    assert 0.4 < restated.mean() < 0.6  # chosen by hash: about half, not exactly
+    again, _ = load_sft_data(DataConfig(num_train=400, num_heldout=0, task=task))
+    assert again["response"].tolist() == rows["response"].tolist()
+    # both habits solve the same way after the givens
+    plain = rows["response"][~restated].iloc[0]
+    assert plain.startswith("<think>") and "Given" not in plain and plain.endswith("</answer>")
+    every, _ = load_sft_data(DataConfig(num_train=50, num_heldout=0, task=TaskConfig(max_operand=6)))
+    assert every["response"].str.startswith("<think>Given ").all()
