@@ -1,0 +1,190 @@
+"""A team's stack on one machine: `r1 up` starts it, `r1 down` stops it.
+
+    r1 up     # a Prefect server, an MLflow server, a worker on the `r1-process` pool, every deployment
+    r1 down   # stops exactly the processes `up` started (by PID), nothing else
+
+`up` keeps its state under <R1_HOME>/stack: `stack.json` (each process's PID, its start time, and the addresses),
+`logs/` (one log per process). Prefect's server keeps its SQLite under <R1_HOME>/prefect (the embedded default's
+PREFECT_HOME, so earlier local runs stay visible) and MLflow its own at <R1_HOME>/mlflow.db with artifacts under
+<R1_HOME>/mlartifacts, served through the MLflow server (`--serve-artifacts`), so clients never need the folder.
+
+Each process starts in its own session (process group): `down` signals that group, which also ends what the process
+started (a flow run under the worker, the MLflow server's workers), and checks the PID's start time first, so a PID
+the system has since reused for another program is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.env import PROJECT_ROOT
+
+PROCESS_POOL = "r1-process"
+GPU_POOL = "r1-k8s-gpu"
+DEPLOYMENTS_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
+GPU_JOB_TEMPLATE = PROJECT_ROOT / "deployments" / "k8s-gpu-job-template.json"
+BIN = Path(sys.executable).parent  # the venv's `prefect` and `mlflow` commands sit beside its python
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Started:
+    """One process `up` started: enough to find it again (and only it) after `up` has exited."""
+
+    name: str
+    pid: int
+    started_at: float  # the process's start time (psutil), so a reused PID is not mistaken for ours
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: Path = PROJECT_ROOT) -> Started:
+    """Start `argv` in its own session with output to `<log_dir>/<name>.log`; it outlives the caller."""
+    import psutil
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return Started(name, proc.pid, psutil.Process(proc.pid).create_time(), str(log))
+
+
+def is_running(p: Started) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(p.pid)
+        return abs(proc.create_time() - p.started_at) < 1 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_process(p: Started, timeout: float = 20) -> bool:
+    """SIGTERM the process group `p` leads (SIGKILL after `timeout`); False if it was not running (or not ours)."""
+    if not is_running(p):
+        return False
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)  # its own session: the group id is its PID
+        except ProcessLookupError:
+            return True
+        try:  # reap it if it is our child (a test), else wait for it to go
+            os.waitpid(p.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(p.pid, os.WNOHANG)[0]:
+                    return True
+            except ChildProcessError:
+                pass
+            if not is_running(p):
+                return True
+            time.sleep(0.2)
+    return not is_running(p)
+
+
+def wait_http(url: str, proc: Started, timeout: float = 180) -> None:
+    """Wait until `url` answers 200; fail early (with the log's tail) if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if not is_running(proc):
+            break
+        time.sleep(0.5)
+    tail = Path(proc.log).read_text(errors="replace")[-3000:] if Path(proc.log).exists() else ""
+    raise RuntimeError(f"{proc.name} did not answer {url} (see {proc.log}):\n{tail}")
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
+    # this checkout's packages first, for the worker's flow runs too (they import flows/, tasks/, grpo/)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def start_prefect_server(home: Path, port: int, log_dir: Path) -> tuple[Started, str]:
+    """`prefect server start` with its own PREFECT_HOME and SQLite database; returns it and its API URL."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = base_env(PREFECT_HOME=str(home),
+                   PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+                   PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false")
+    env.pop("PREFECT_API_URL", None)
+    p = start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                         "--port", str(port)], env, log_dir)
+    api = f"http://127.0.0.1:{port}/api"
+    wait_http(f"{api}/health", p)
+    return p, api
+
+
+def start_mlflow_server(db: Path, artifacts: Path, port: int, log_dir: Path) -> tuple[Started, str]:
+    """`mlflow server` on SQLite, serving artifacts from a local folder; returns it and its tracking URI."""
+    artifacts.mkdir(parents=True, exist_ok=True)
+    p = start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
+                                        "--artifacts-destination", str(artifacts), "--serve-artifacts",
+                                        "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                      base_env(), log_dir)
+    uri = f"http://127.0.0.1:{port}"
+    wait_http(f"{uri}/health", p)
+    return p, uri
+
+
+def start_worker(api_url: str, tracking_uri: str, log_dir: Path, pool: str = PROCESS_POOL,
+                 **env: str) -> Started:
+    """A process worker on `pool`; its flow runs inherit MLFLOW_TRACKING_URI (and `env`)."""
+    return start_process(f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool,
+                                            "--type", "process"],
+                         base_env(PREFECT_API_URL=api_url, MLFLOW_TRACKING_URI=tracking_uri, **env), log_dir)
+
+
+def create_work_pools(api_url: str) -> None:
+    """The process pool (Prefect's default process template) and the Kubernetes GPU pool (our template)."""
+    import asyncio
+
+    asyncio.run(_create_work_pools(api_url))
+
+
+async def _create_work_pools(api_url: str) -> None:
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
+    pools = {PROCESS_POOL: ("process", ProcessWorker.get_default_base_job_template()),
+             GPU_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text()))}
+    async with PrefectClient(api_url) as client:
+        for name, (kind, template) in pools.items():
+            await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template),
+                                          overwrite=True)
+
+
+def deploy_all(api_url: str, timeout: float = 300) -> str:
+    """`prefect deploy --all` with deployments/prefect.yaml, from the project root; returns its output."""
+    proc = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
+                           str(DEPLOYMENTS_FILE)], cwd=PROJECT_ROOT, env=base_env(PREFECT_API_URL=api_url),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
