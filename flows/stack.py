@@ -188,3 +188,128 @@ def deploy_all(api_url: str, timeout: float = 300) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- r1 up / r1 down
+
+
+def state_path() -> Path:
+    from tasks.tracking import r1_home
+
+    return r1_home() / "stack" / "stack.json"
+
+
+def read_state() -> dict | None:
+    path = state_path()
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _write_state(state: dict) -> None:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state, indent=2))
+
+
+def _processes(state: dict) -> list[Started]:
+    return [Started(**p) for p in state.get("processes", [])]
+
+
+def _port(port: int) -> int:
+    """`port`, or a free one for 0; fails before anything starts if `port` is taken."""
+    if port == 0:
+        return free_port()
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise RuntimeError(f"port {port} is in use; pick another (0 picks a free one)") from None
+    return port
+
+
+def _wait_for_worker(api_url: str, pool: str, worker: Started, timeout: float = 120) -> None:
+    import asyncio
+
+    from prefect.client.orchestration import PrefectClient
+
+    async def count() -> int:
+        async with PrefectClient(api_url) as client:
+            return len(await client.read_workers_for_work_pool(pool))
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and is_running(worker):
+        if asyncio.run(count()):
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the worker on {pool} did not report to the server (see {worker.log})")
+
+
+def summary(state: dict) -> str:
+    return "\n".join([
+        f"Prefect UI : {state['prefect_ui']}",
+        f"MLflow UI  : {state['mlflow_ui']}",
+        f"worker     : pool {PROCESS_POOL} (logs under {state_path().parent / 'logs'})",
+        "",
+        "point `r1` and your own code at this stack:",
+        f"  export PREFECT_API_URL={state['prefect_api']}",
+        f"  export MLFLOW_TRACKING_URI={state['mlflow_ui']}",
+        "",
+        "run a deployment:  prefect deployment run cold_start_sft/local   (or from the UI: Deployments)",
+        "stop everything :  r1 down",
+    ])
+
+
+def up(prefect_port: int = 4200, mlflow_port: int = 5000, out=print) -> int:
+    """Start the stack, deploy every flow, record what was started; 0 on success."""
+    from tasks.tracking import r1_home
+
+    state = read_state()
+    if state and any(is_running(p) for p in _processes(state)):
+        out("r1: the stack is already up (`r1 down` stops it)\n\n" + summary(state))
+        return 1
+    home, logs = r1_home(), state_path().parent / "logs"
+    state = {"processes": []}
+    try:
+        prefect_port, mlflow_port = _port(prefect_port), _port(mlflow_port)
+        out(f"starting the Prefect server on port {prefect_port} ...")
+        server, api = start_prefect_server(Path(os.environ.get("PREFECT_HOME") or home / "prefect"), prefect_port,
+                                           logs)
+        state["processes"].append(asdict(server))
+        state.update(prefect_api=api, prefect_ui=api.removesuffix("/api"))
+        _write_state(state)
+
+        out(f"starting the MLflow server on port {mlflow_port} ...")
+        mlflow, tracking = start_mlflow_server(home / "mlflow.db", home / "mlartifacts", mlflow_port, logs)
+        state["processes"].append(asdict(mlflow))
+        state["mlflow_ui"] = tracking
+        _write_state(state)
+
+        out("creating work pools and deploying deployments/prefect.yaml ...")
+        create_work_pools(api)
+        deploy_all(api)
+
+        out(f"starting a worker on {PROCESS_POOL} ...")
+        worker = start_worker(api, tracking, logs)
+        state["processes"].append(asdict(worker))
+        _write_state(state)
+        _wait_for_worker(api, PROCESS_POOL, worker)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        out(f"r1: up failed: {e}\nstopping what was started ...")
+        down(out=out)
+        return 1
+    out("\n" + summary(state))
+    return 0
+
+
+def down(out=print) -> int:
+    """Stop the processes `up` recorded (newest first), by PID; nothing else."""
+    state = read_state()
+    if not state:
+        out("r1: nothing to stop (no stack state at " + str(state_path()) + ")")
+        return 0
+    for p in reversed(_processes(state)):
+        if stop_process(p):
+            out(f"stopped {p.name} (pid {p.pid})")
+        else:
+            out(f"{p.name} (pid {p.pid}) was not running")
+    state_path().unlink()
+    return 0
