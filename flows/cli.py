@@ -8,6 +8,7 @@
     r1 where                      # where state, MLflow and Prefect live, and how to open their UIs
     r1 up [--prefect-port 4200] [--mlflow-port 5000]   # a local team stack: servers, a worker, every deployment
     r1 down                       # stop what `r1 up` started
+    r1 compare RUN_A RUN_B        # two pipeline runs stage by stage: params that differ, metrics side by side
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--prefect-port", type=int, default=4200, help="Prefect server port; 0 picks a free one")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow server port; 0 picks a free one")
     sub.add_parser("down", help="stop the processes `r1 up` started")
+    compare = sub.add_parser("compare", help="compare two pipeline runs (MLflow parent run ids) stage by stage")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
     args = parser.parse_args(argv)
 
     if args.command == "where":
@@ -141,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         from flows import stack
 
         return stack.up(args.prefect_port, args.mlflow_port) if args.command == "up" else stack.down()
+    if args.command == "compare":
+        from mlflow.exceptions import MlflowException
+
+        from flows.compare import compare
+
+        try:
+            print(compare(args.run_a, args.run_b))
+        except (MlflowException, ValueError) as e:
+            print(f"r1: cannot compare {args.run_a} and {args.run_b}: {e}", file=sys.stderr)
+            return 2
+        return 0
 
     from grpo.config import RecipeError, load_recipe
 
