@@ -103,7 +103,7 @@ def stop_process(p: Started, timeout: float = 20) -> bool:
 
 
 def wait_http(url: str, proc: Started, timeout: float = 180) -> None:
-    """Wait until `url` answers 200; fail early (with the log's tail) if the process died."""
+    """Wait until `url` answers 200; fail early (with the log's tail) if the process died, and stop it if not."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -115,6 +115,7 @@ def wait_http(url: str, proc: Started, timeout: float = 180) -> None:
         if not is_running(proc):
             break
         time.sleep(0.5)
+    stop_process(proc)  # not answering: do not leave it behind (the caller never got to record it)
     tail = Path(proc.log).read_text(errors="replace")[-3000:] if Path(proc.log).exists() else ""
     raise RuntimeError(f"{proc.name} did not answer {url} (see {proc.log}):\n{tail}")
 
@@ -146,7 +147,8 @@ def start_mlflow_server(db: Path, artifacts: Path, port: int, log_dir: Path) -> 
     p = start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
                                         "--artifacts-destination", str(artifacts), "--serve-artifacts",
                                         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                      base_env(), log_dir)
+                      # no job runner: its seven queue consumers serve GenAI features this project does not use
+                      base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"), log_dir)
     uri = f"http://127.0.0.1:{port}"
     wait_http(f"{uri}/health", p)
     return p, uri

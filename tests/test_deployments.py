@@ -106,6 +106,7 @@ def test_the_gpu_job_template_renders_to_a_job_requesting_gpus(servers):
     [container] = pod["containers"]
     assert container["resources"]["limits"] == {"memory": "512Gi", "nvidia.com/gpu": 8}
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 8
+    assert container["envFrom"] == [{"secretRef": {"name": "r1-secrets", "optional": True}}]  # e.g. the judge key
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert eight.namespace == "r1" and eight.job_manifest["spec"]["ttlSecondsAfterFinished"] == 3600
 

@@ -67,3 +67,15 @@ def test_up_then_down(tmp_path, monkeypatch, capsys):
         if state_file.exists():  # a failed assertion above: do not leave servers behind
             for p in json.loads(state_file.read_text())["processes"]:
                 stack.stop_process(stack.Started(**p))
+
+
+def test_up_with_a_taken_port_starts_nothing(tmp_path, monkeypatch, capsys):
+    import socket
+
+    monkeypatch.setenv("R1_HOME", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["up", "--prefect-port", str(taken.getsockname()[1]), "--mlflow-port", "0"]) == 1
+    assert "is in use" in capsys.readouterr().out
+    assert not (tmp_path / "stack" / "stack.json").exists()
