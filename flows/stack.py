@@ -287,7 +287,7 @@ def up(prefect_port: int = 4200, mlflow_port: int = 5000, out=print) -> int:
 
         out("creating work pools and deploying deployments/prefect.yaml ...")
         create_work_pools(api)
-        deploy_all(api)
+        (logs / "deploy.log").write_text(deploy_all(api))
 
         out(f"starting a worker on {PROCESS_POOL} ...")
         worker = start_worker(api, tracking, logs)
