@@ -17,6 +17,7 @@ from grpo.config import AlignmentGRPOConfig
 from tasks.alignment import prepare_alignment_prompts, register_model, train_reward_model_task
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model
+from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
 STAGE = "alignment_grpo"
@@ -39,5 +40,7 @@ def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentG
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps))
         registered = register_model(run_id, checkpoint, config.registered_model, config.alias)
-    return StageResult(stage=STAGE, run_id=run_id, metrics=metrics,
-                       uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})
+    result = StageResult(stage=STAGE, run_id=run_id, metrics=metrics,
+                         uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})
+    publish_stage_report(result)
+    return result

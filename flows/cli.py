@@ -6,6 +6,9 @@
     r1 stage sft --dataset runs:/<run id>/dataset/curated [--heldout runs:/<run id>/dataset/heldout]
     r1 serve CHECKPOINT [--host 127.0.0.1] [--port 8000]   # an OpenAI-compatible API, e.g. for the judge
     r1 where                      # where state, MLflow and Prefect live, and how to open their UIs
+    r1 up [--prefect-port 4200] [--mlflow-port 5000]   # a local team stack: servers, a worker, every deployment
+    r1 down                       # stop what `r1 up` started
+    r1 compare RUN_A RUN_B        # two pipeline runs stage by stage: params that differ, metrics side by side
 """
 
 from __future__ import annotations
@@ -124,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key-env", default=None,
                        help="NAME of an env var holding a key every request must send as a Bearer token")
     sub.add_parser("where", help="print where state, MLflow and Prefect live")
+    up = sub.add_parser("up", help="start a Prefect server, an MLflow server and a worker; deploy every flow")
+    up.add_argument("--prefect-port", type=int, default=4200, help="Prefect server port; 0 picks a free one")
+    up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow server port; 0 picks a free one")
+    sub.add_parser("down", help="stop the processes `r1 up` started")
+    compare = sub.add_parser("compare", help="compare two pipeline runs (MLflow parent run ids) stage by stage")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
     args = parser.parse_args(argv)
 
     if args.command == "where":
@@ -131,6 +141,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(args)
+    if args.command in ("up", "down"):
+        from flows import stack
+
+        return stack.up(args.prefect_port, args.mlflow_port) if args.command == "up" else stack.down()
+    if args.command == "compare":
+        from mlflow.exceptions import MlflowException
+
+        from flows.compare import compare
+
+        try:
+            print(compare(args.run_a, args.run_b))
+        except (MlflowException, ValueError) as e:
+            print(f"r1: cannot compare {args.run_a} and {args.run_b}: {e}", file=sys.stderr)
+            return 2
+        return 0
 
     from grpo.config import RecipeError, load_recipe
 

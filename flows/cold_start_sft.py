@@ -15,6 +15,7 @@ from prefect import flow
 from grpo.config import ColdStartSFTConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
+from tasks.report import publish_stage_report
 from tasks.sft import train_sft_model
 from tasks.stage import StageResult, stage_run
 
@@ -31,5 +32,7 @@ def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run
         if data.heldout:
             metrics = evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                      step=config.train.max_steps)
-    return StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
-                       metrics=metrics)
+    result = StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
+                         metrics=metrics)
+    publish_stage_report(result)
+    return result

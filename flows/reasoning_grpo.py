@@ -16,6 +16,7 @@ from grpo.config import ReasoningGRPOConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model
+from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
 STAGE = "reasoning_grpo"
@@ -35,5 +36,7 @@ def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningG
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps))
-    return StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
-                       metrics=metrics)
+    result = StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
+                         metrics=metrics)
+    publish_stage_report(result)
+    return result

@@ -18,6 +18,7 @@ from prefect import flow, unmapped
 from grpo.config import RejectionSamplingConfig
 from tasks.data import prepare_data
 from tasks.rejection import merge_rejection_shards, plan_rejection_sampling, sample_shard
+from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
 STAGE = "rejection_sampling"
@@ -33,4 +34,6 @@ def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = Re
         sample_shard.map(unmapped(plan), plan.shards, unmapped(config)).result()  # raises if any shard failed
         dataset, metrics = merge_rejection_shards(run_id, plan, config, data.heldout)
     uris = {"dataset": dataset, **({"heldout": data.heldout} if data.heldout else {})}
-    return StageResult(stage=STAGE, run_id=run_id, uris=uris, metrics=metrics)
+    result = StageResult(stage=STAGE, run_id=run_id, uris=uris, metrics=metrics)
+    publish_stage_report(result)
+    return result

@@ -14,6 +14,7 @@ from prefect import flow
 from grpo.config import SFTStageConfig
 from tasks.evaluate import evaluate_model
 from tasks.sft import prepare_sft_mix, train_sft_model
+from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
 STAGE = "sft"
@@ -34,6 +35,8 @@ def sft(dataset_uri: str, config: SFTStageConfig = SFTStageConfig(), heldout_uri
         if heldout_uri:
             metrics = evaluate_model(run_id, checkpoint, config.model, heldout_uri, config.eval,
                                      step=config.train.max_steps)
-    return StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": train,
-                                                         **({"heldout": heldout_uri} if heldout_uri else {})},
-                       metrics=metrics)
+    result = StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": train,
+                                                           **({"heldout": heldout_uri} if heldout_uri else {})},
+                         metrics=metrics)
+    publish_stage_report(result)
+    return result

@@ -1,0 +1,317 @@
+"""A team's stack on one machine: `r1 up` starts it, `r1 down` stops it.
+
+    r1 up     # a Prefect server, an MLflow server, a worker on the `r1-process` pool, every deployment
+    r1 down   # stops exactly the processes `up` started (by PID), nothing else
+
+`up` keeps its state under <R1_HOME>/stack: `stack.json` (each process's PID, its start time, and the addresses),
+`logs/` (one log per process). Prefect's server keeps its SQLite under <R1_HOME>/prefect (the embedded default's
+PREFECT_HOME, so earlier local runs stay visible) and MLflow its own at <R1_HOME>/mlflow.db with artifacts under
+<R1_HOME>/mlartifacts, served through the MLflow server (`--serve-artifacts`), so clients never need the folder.
+
+Each process starts in its own session (process group): `down` signals that group, which also ends what the process
+started (a flow run under the worker, the MLflow server's workers), and checks the PID's start time first, so a PID
+the system has since reused for another program is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.env import PROJECT_ROOT
+
+PROCESS_POOL = "r1-process"
+GPU_POOL = "r1-k8s-gpu"
+DEPLOYMENTS_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
+GPU_JOB_TEMPLATE = PROJECT_ROOT / "deployments" / "k8s-gpu-job-template.json"
+BIN = Path(sys.executable).parent  # the venv's `prefect` and `mlflow` commands sit beside its python
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Started:
+    """One process `up` started: enough to find it again (and only it) after `up` has exited."""
+
+    name: str
+    pid: int
+    started_at: float  # the process's start time (psutil), so a reused PID is not mistaken for ours
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: Path = PROJECT_ROOT) -> Started:
+    """Start `argv` in its own session with output to `<log_dir>/<name>.log`; it outlives the caller."""
+    import psutil
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return Started(name, proc.pid, psutil.Process(proc.pid).create_time(), str(log))
+
+
+def is_running(p: Started) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(p.pid)
+        return abs(proc.create_time() - p.started_at) < 1 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_process(p: Started, timeout: float = 20) -> bool:
+    """SIGTERM the process group `p` leads (SIGKILL after `timeout`); False if it was not running (or not ours)."""
+    if not is_running(p):
+        return False
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)  # its own session: the group id is its PID
+        except ProcessLookupError:
+            return True
+        try:  # reap it if it is our child (a test), else wait for it to go
+            os.waitpid(p.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(p.pid, os.WNOHANG)[0]:
+                    return True
+            except ChildProcessError:
+                pass
+            if not is_running(p):
+                return True
+            time.sleep(0.2)
+    return not is_running(p)
+
+
+def wait_http(url: str, proc: Started, timeout: float = 180) -> None:
+    """Wait until `url` answers 200; fail early (with the log's tail) if the process died, and stop it if not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if not is_running(proc):
+            break
+        time.sleep(0.5)
+    stop_process(proc)  # not answering: do not leave it behind (the caller never got to record it)
+    tail = Path(proc.log).read_text(errors="replace")[-3000:] if Path(proc.log).exists() else ""
+    raise RuntimeError(f"{proc.name} did not answer {url} (see {proc.log}):\n{tail}")
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
+    # this checkout's packages first, for the worker's flow runs too (they import flows/, tasks/, grpo/)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def start_prefect_server(home: Path, port: int, log_dir: Path) -> tuple[Started, str]:
+    """`prefect server start` with its own PREFECT_HOME and SQLite database; returns it and its API URL."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = base_env(PREFECT_HOME=str(home),
+                   PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+                   PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false")
+    env.pop("PREFECT_API_URL", None)
+    p = start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                         "--port", str(port)], env, log_dir)
+    api = f"http://127.0.0.1:{port}/api"
+    wait_http(f"{api}/health", p)
+    return p, api
+
+
+def start_mlflow_server(db: Path, artifacts: Path, port: int, log_dir: Path) -> tuple[Started, str]:
+    """`mlflow server` on SQLite, serving artifacts from a local folder; returns it and its tracking URI."""
+    artifacts.mkdir(parents=True, exist_ok=True)
+    p = start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
+                                        "--artifacts-destination", str(artifacts), "--serve-artifacts",
+                                        "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                      # no job runner: its seven queue consumers serve GenAI features this project does not use
+                      base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"), log_dir)
+    uri = f"http://127.0.0.1:{port}"
+    wait_http(f"{uri}/health", p)
+    return p, uri
+
+
+def start_worker(api_url: str, tracking_uri: str, log_dir: Path, pool: str = PROCESS_POOL,
+                 **env: str) -> Started:
+    """A process worker on `pool`; its flow runs inherit MLFLOW_TRACKING_URI (and `env`)."""
+    return start_process(f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool,
+                                            "--type", "process"],
+                         base_env(PREFECT_API_URL=api_url, MLFLOW_TRACKING_URI=tracking_uri, **env), log_dir)
+
+
+def create_work_pools(api_url: str) -> None:
+    """The process pool (Prefect's default process template) and the Kubernetes GPU pool (our template)."""
+    import asyncio
+
+    asyncio.run(_create_work_pools(api_url))
+
+
+async def _create_work_pools(api_url: str) -> None:
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
+    pools = {PROCESS_POOL: ("process", ProcessWorker.get_default_base_job_template()),
+             GPU_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text()))}
+    async with PrefectClient(api_url) as client:
+        for name, (kind, template) in pools.items():
+            await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template),
+                                          overwrite=True)
+
+
+def deploy_all(api_url: str, timeout: float = 300) -> str:
+    """`prefect deploy --all` with deployments/prefect.yaml, from the project root; returns its output."""
+    proc = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
+                           str(DEPLOYMENTS_FILE)], cwd=PROJECT_ROOT, env=base_env(PREFECT_API_URL=api_url),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- r1 up / r1 down
+
+
+def state_path() -> Path:
+    from tasks.tracking import r1_home
+
+    return r1_home() / "stack" / "stack.json"
+
+
+def read_state() -> dict | None:
+    path = state_path()
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _write_state(state: dict) -> None:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state, indent=2))
+
+
+def _processes(state: dict) -> list[Started]:
+    return [Started(**p) for p in state.get("processes", [])]
+
+
+def _port(port: int) -> int:
+    """`port`, or a free one for 0; fails before anything starts if `port` is taken."""
+    if port == 0:
+        return free_port()
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise RuntimeError(f"port {port} is in use; pick another (0 picks a free one)") from None
+    return port
+
+
+def _wait_for_worker(api_url: str, pool: str, worker: Started, timeout: float = 120) -> None:
+    import asyncio
+
+    from prefect.client.orchestration import PrefectClient
+
+    async def count() -> int:
+        async with PrefectClient(api_url) as client:
+            return len(await client.read_workers_for_work_pool(pool))
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and is_running(worker):
+        if asyncio.run(count()):
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the worker on {pool} did not report to the server (see {worker.log})")
+
+
+def summary(state: dict) -> str:
+    return "\n".join([
+        f"Prefect UI : {state['prefect_ui']}",
+        f"MLflow UI  : {state['mlflow_ui']}",
+        f"worker     : pool {PROCESS_POOL} (logs under {state_path().parent / 'logs'})",
+        "",
+        "point `r1` and your own code at this stack:",
+        f"  export PREFECT_API_URL={state['prefect_api']}",
+        f"  export MLFLOW_TRACKING_URI={state['mlflow_ui']}",
+        "",
+        "run a deployment:  prefect deployment run cold_start_sft/local   (or from the UI: Deployments)",
+        "stop everything :  r1 down",
+    ])
+
+
+def up(prefect_port: int = 4200, mlflow_port: int = 5000, out=print) -> int:
+    """Start the stack, deploy every flow, record what was started; 0 on success."""
+    from tasks.tracking import r1_home
+
+    state = read_state()
+    if state and any(is_running(p) for p in _processes(state)):
+        out("r1: the stack is already up (`r1 down` stops it)\n\n" + summary(state))
+        return 1
+    home, logs = r1_home(), state_path().parent / "logs"
+    state = {"processes": []}
+    try:
+        prefect_port, mlflow_port = _port(prefect_port), _port(mlflow_port)
+        out(f"starting the Prefect server on port {prefect_port} ...")
+        server, api = start_prefect_server(Path(os.environ.get("PREFECT_HOME") or home / "prefect"), prefect_port,
+                                           logs)
+        state["processes"].append(asdict(server))
+        state.update(prefect_api=api, prefect_ui=api.removesuffix("/api"))
+        _write_state(state)
+
+        out(f"starting the MLflow server on port {mlflow_port} ...")
+        mlflow, tracking = start_mlflow_server(home / "mlflow.db", home / "mlartifacts", mlflow_port, logs)
+        state["processes"].append(asdict(mlflow))
+        state["mlflow_ui"] = tracking
+        _write_state(state)
+
+        out("creating work pools and deploying deployments/prefect.yaml ...")
+        create_work_pools(api)
+        (logs / "deploy.log").write_text(deploy_all(api))
+
+        out(f"starting a worker on {PROCESS_POOL} ...")
+        worker = start_worker(api, tracking, logs)
+        state["processes"].append(asdict(worker))
+        _write_state(state)
+        _wait_for_worker(api, PROCESS_POOL, worker)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        out(f"r1: up failed: {e}\nstopping what was started ...")
+        down(out=out)
+        return 1
+    out("\n" + summary(state))
+    return 0
+
+
+def down(out=print) -> int:
+    """Stop the processes `up` recorded (newest first), by PID; nothing else."""
+    state = read_state()
+    if not state:
+        out("r1: nothing to stop (no stack state at " + str(state_path()) + ")")
+        return 0
+    for p in reversed(_processes(state)):
+        if stop_process(p):
+            out(f"stopped {p.name} (pid {p.pid})")
+        else:
+            out(f"{p.name} (pid {p.pid}) was not running")
+    state_path().unlink()
+    return 0

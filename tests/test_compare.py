@@ -1,0 +1,63 @@
+"""`r1 compare`: two pipeline runs built through the real MLflow client (SQLite in the session's temp folder)."""
+
+from __future__ import annotations
+
+from flows.cli import main
+from flows.compare import compare, stage_runs
+from tasks import tracking
+
+
+def make_pipeline(lr: str, accuracy: float, stages=("cold_start_sft", "reasoning_grpo"), recipe="tiny") -> str:
+    parent = tracking.start_run(f"r1_pipeline:{recipe}", tags={"recipe": recipe})
+    tracking.log_params(parent, {"recipe": recipe, "stages": ",".join(stages)})
+    for stage in stages:
+        child = tracking.start_run(stage, tags={"stage": stage}, parent_run_id=parent)
+        tracking.log_params(child, {"train.learning_rate": lr, "train.max_steps": "4",
+                                    "input.checkpoint_uri": f"runs:/{parent}/x"})
+        log = tracking.MetricsLogger(child)
+        log(1, {"train/loss": 2.0, "eval/accuracy": 0.0})
+        log(4, {"train/loss": 1.0, "eval/accuracy": accuracy})
+        tracking.end_run(child)
+    tracking.end_run(parent)
+    return parent
+
+
+def test_children_are_found_by_stage_tag_in_recipe_order():
+    parent = make_pipeline("0.001", 0.25, stages=("reasoning_grpo", "cold_start_sft"))
+    runs = stage_runs(parent)
+    assert list(runs) == ["cold_start_sft", "reasoning_grpo"]
+    assert all(r.data.tags["mlflow.parentRunId"] == parent for r in runs.values())
+
+
+def test_compare_shows_differing_params_and_metrics_side_by_side(capsys):
+    a = make_pipeline("0.001", 0.25)
+    b = make_pipeline("0.0005", 0.5, stages=("cold_start_sft",), recipe="small")
+    text = compare(a, b)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"A: {a}") and lines[1].startswith(f"B: {b}")
+    pipeline = lines[lines.index(next(l for l in lines if "pipeline params that differ" in l)):]
+    assert any(l.split() == ["recipe", "tiny", "small"] for l in pipeline)
+
+    cold = text.split("== cold_start_sft")[1].split("==")[0]
+    rows = [l.split() for l in cold.splitlines()]
+    assert ["train.learning_rate", "0.001", "0.0005"] in rows
+    assert not any(r and r[0] == "train.max_steps" for r in rows)  # the same in both: not shown
+    assert not any(r and r[0].startswith("input.") for r in rows)  # upstream URIs always differ: left out
+    assert ["eval/accuracy", "0.25", "0.5", "+0.25"] in rows  # the last values, and B - A
+    assert ["train/loss", "1", "1", "+0"] in rows
+
+    grpo = text.split("== reasoning_grpo")[1]
+    assert "(not run)" in grpo.splitlines()[0]  # a stage only A ran
+    assert ["eval/accuracy", "0.25", "-"] in [l.split() for l in grpo.splitlines()]
+
+    assert main(["compare", a, b]) == 0
+    assert capsys.readouterr().out.strip() == text
+
+
+def test_compare_names_a_bad_run(capsys):
+    a = make_pipeline("0.001", 0.25)
+    assert main(["compare", a, "0123456789abcdef0123456789abcdef"]) == 2
+    assert "0123456789abcdef0123456789abcdef" in capsys.readouterr().err
+    child = stage_runs(a)["cold_start_sft"].info.run_id  # a stage run is not a pipeline run
+    assert main(["compare", child, child]) == 2
+    assert "pipeline runs" in capsys.readouterr().err

@@ -1,0 +1,143 @@
+"""deployments/prefect.yaml against a real `prefect server` and a real `mlflow server`, both started here.
+
+A Prefect server (its own PREFECT_HOME and SQLite in a temp folder) gets both work pools and `prefect deploy --all`;
+a process worker then runs the cold-start stage's deployment, which logs to an MLflow server (SQLite + a local
+artifact folder). The Kubernetes GPU template is rendered by Prefect's own job-configuration code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from flows import stack
+from test_flows import TINY_STAGE
+
+EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "local"), ("reasoning_grpo", "local"),
+            ("rejection_sampling", "local"), ("sft", "local"), ("alignment_grpo", "local"),
+            ("r1_pipeline", "gpu"), ("reasoning_grpo", "gpu")}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """A Prefect server with both pools and every deployment, and an MLflow server; stopped after the module."""
+    root = tmp_path_factory.mktemp("stack")
+    started: list[stack.Started] = []
+    try:
+        prefect, api = stack.start_prefect_server(root / "prefect", stack.free_port(), root / "logs")
+        started.append(prefect)
+        mlflow, tracking = stack.start_mlflow_server(root / "mlflow.db", root / "mlartifacts", stack.free_port(),
+                                                     root / "logs")
+        started.append(mlflow)
+        stack.create_work_pools(api)
+        stack.deploy_all(api)
+        yield {"api": api, "tracking": tracking, "root": root, "started": started}
+    finally:
+        for p in reversed(started):
+            stack.stop_process(p)
+
+
+def call(api: str, fn, *args, **kwargs) -> Any:
+    """Run `await fn(client, ...)` with a Prefect client on the test's server."""
+    from prefect.client.orchestration import PrefectClient
+
+    async def go():
+        async with PrefectClient(api) as client:
+            return await fn(client, *args, **kwargs)
+
+    return asyncio.run(go())
+
+
+async def _deployments(client):
+    return [(d, (await client.read_flow(d.flow_id)).name) for d in await client.read_deployments()]
+
+
+def test_every_deployment_is_registered_with_typed_parameters(servers):
+    deployments = {(flow, d.name): d for d, flow in call(servers["api"], _deployments)}
+    assert set(deployments) == EXPECTED
+
+    pipeline = deployments["r1_pipeline", "local"]
+    assert pipeline.work_pool_name == stack.PROCESS_POOL and pipeline.parameters == {"recipe": "tiny"}
+    [schedule] = pipeline.schedules
+    assert schedule.schedule.cron == "0 2 * * 1" and schedule.active is False  # an example, off by default
+    assert pipeline.global_concurrency_limit.limit == 1
+
+    # a stage's config is its pydantic model, so the UI gets a typed form (and the server validates runs)
+    schema = deployments["cold_start_sft", "local"].parameter_openapi_schema
+    config = schema["properties"]["config"]
+    assert config["$ref"].endswith("/ColdStartSFTConfig") or "ColdStartSFTConfig" in json.dumps(config)
+    assert "ColdStartSFTConfig" in schema["definitions"] and deployments["cold_start_sft", "local"].enforce_parameter_schema
+    assert "checkpoint_uri" in deployments["reasoning_grpo", "local"].parameter_openapi_schema["required"]
+
+    gpu = deployments["reasoning_grpo", "gpu"]
+    assert gpu.work_pool_name == stack.GPU_POOL and gpu.job_variables["gpu_count"] == 8
+
+
+def _job_configuration_class():
+    from prefect.workers.base import BaseJobConfiguration
+
+    class KubernetesLikeJobConfiguration(BaseJobConfiguration):  # the fields prefect-kubernetes' config declares
+        namespace: str = "default"
+        job_manifest: dict[str, Any]
+        cluster_config: Any = None
+        job_watch_timeout_seconds: int | None = None
+        pod_watch_timeout_seconds: int = 60
+        stream_output: bool = True
+
+    return KubernetesLikeJobConfiguration
+
+
+def test_the_gpu_job_template_renders_to_a_job_requesting_gpus(servers):
+    """The server accepted the template (it validates a pool's template), and Prefect's own rendering
+    (`BaseJobConfiguration.from_template_and_values`, which every worker calls per flow run) fills it in."""
+    config_class = _job_configuration_class()
+
+    async def render(client, job_variables):
+        pool = await client.read_work_pool(stack.GPU_POOL)
+        return await config_class.from_template_and_values(pool.base_job_template, job_variables, client=client)
+
+    deployments = {(flow, d.name): d for d, flow in call(servers["api"], _deployments)}
+    eight = call(servers["api"], render, deployments["reasoning_grpo", "gpu"].job_variables)
+    pod = eight.job_manifest["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["resources"]["limits"] == {"memory": "512Gi", "nvidia.com/gpu": 8}
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 8
+    assert container["envFrom"] == [{"secretRef": {"name": "r1-secrets", "optional": True}}]  # e.g. the judge key
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert eight.namespace == "r1" and eight.job_manifest["spec"]["ttlSecondsAfterFinished"] == 3600
+
+    one = call(servers["api"], render, {"gpu_count": 1, "env": {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}})
+    [container] = one.job_manifest["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 1}
+    assert one.env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+
+
+def test_a_stage_deployment_runs_on_a_worker_and_logs_to_mlflow(servers):
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import arun_deployment
+
+    worker = stack.start_worker(servers["api"], servers["tracking"], servers["root"] / "logs",
+                                PREFECT_WORKER_QUERY_SECONDS="2", OMP_NUM_THREADS="1")
+    servers["started"].append(worker)
+
+    async def run(client):
+        return await arun_deployment("cold_start_sft/local", client=client, parameters={"config": TINY_STAGE},
+                                     timeout=300, poll_interval=2, as_subflow=False)
+
+    flow_run = call(servers["api"], run)
+    log = open(worker.log).read()[-4000:]
+    assert flow_run.state.type == StateType.COMPLETED, log
+
+    mlflow = MlflowClient(tracking_uri=servers["tracking"])
+    experiments = [e.experiment_id for e in mlflow.search_experiments()]
+    [run] = mlflow.search_runs(experiments, f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+    assert run.info.status == "FINISHED" and run.data.tags["stage"] == "cold_start_sft"
+    assert run.data.params["train.max_steps"] == "4"  # the parameters sent through the API reached the flow
+    assert "eval/accuracy" in run.data.metrics
+    assert "checkpoint" in {a.path for a in mlflow.list_artifacts(run.info.run_id)}
+    # artifacts went through the server into its local artifact folder
+    assert any((servers["root"] / "mlartifacts").rglob("config.json"))
