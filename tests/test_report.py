@@ -20,16 +20,17 @@ def test_the_report_links_to_the_run_on_an_mlflow_server():
 
 def test_a_stage_flow_publishes_its_report(prefect_harness, mlflow_client):
     from prefect import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     from flows.cold_start_sft import cold_start_sft
 
     result = cold_start_sft(ColdStartSFTConfig.model_validate(TINY_STAGE))
     flow_run_id = mlflow_client.get_run(result.run_id).data.tags["prefect.flow_run_id"]
     with get_client(sync_client=True) as client:
-        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
-            any_=["cold-start-sft-report"])))
-    assert artifact.type == "markdown" and str(artifact.flow_run_id) == flow_run_id
+        # other tests in the session ran this stage too: this flow run's report
+        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["cold-start-sft-report"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    assert artifact.type == "markdown"
     assert result.run_id in artifact.data and "## cold_start_sft" in artifact.data
     assert f"| eval/accuracy | {result.metrics['eval/accuracy']:.4g} |" in artifact.data
     assert result.uris["checkpoint"] in artifact.data
