@@ -16,6 +16,8 @@ def use_local_defaults() -> None:
     """
     home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").resolve()
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    # Prefect's local API opens its SQLite file there but does not create the folder: a fresh clone has none
+    Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT", "false")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
