@@ -4,7 +4,8 @@
 
 One MLflow parent run per pipeline run (tagged with the Prefect flow run), one child run per stage. A stage that is
 left out of `stages` takes its inputs from `from_uris` or from an earlier pipeline run (`from_run`), whose parent
-run records every URI its stages produced as `uri.<name>` tags.
+run records every URI its stages produced as `uri.<name>` tags. When Prefect retries a failed pipeline run (its
+`retries`, or *Retry* in the UI), the retry carries on in the same parent run and skips the stages it records.
 
 Run:  r1 run --recipe tiny      (or: r1 run --stages sft,alignment_grpo --from-run <pipeline run id>)
 """
@@ -12,16 +13,17 @@ Run:  r1 run --recipe tiny      (or: r1 run --stages sft,alignment_grpo --from-r
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from flows.alignment_grpo import alignment_grpo
 from flows.cold_start_sft import cold_start_sft
 from flows.reasoning_grpo import reasoning_grpo
 from flows.rejection_sampling import rejection_sampling
 from flows.sft import sft
-from flows.stages import FLOWS, OUTPUTS, missing_inputs
+from flows.stages import FLOWS, OUTPUTS, finished_stages, missing_inputs
 from grpo.config import load_recipe
 from tasks import tracking
-from tasks.stage import PipelineResult, StageResult, prefect_tags
+from tasks.stage import PipelineResult, StageResult, earlier_attempt_run, prefect_tags
 
 AVAILABLE_STAGES = tuple(FLOWS)
 
@@ -41,37 +43,51 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         raise ValueError("missing inputs: " + ", ".join(f"{s} needs {u}" for s, u in missing) +
                          "; run the stage that makes them, or pass from_run=<pipeline run id> or from_uris")
 
-    parent = tracking.start_run(f"r1_pipeline:{cfg.name}", tags={"recipe": cfg.name, "stages": ",".join(stages),
-                                                                  **({"from_run": from_run} if from_run else {}),
-                                                                  **prefect_tags()})
-    tracking.log_params(parent, {"recipe": cfg.name, "stages": ",".join(stages),
-                                 **({"from_run": from_run} if from_run else {}),
-                                 **{f"from.{k}": v for k, v in uris.items()}})
+    parent = earlier_attempt_run()  # a Prefect retry of this flow run carries on in its first attempt's run
+    attempt = flow_run.run_count if parent else 1
+    if parent:
+        tracking.reopen_run(parent)
+    else:
+        parent = tracking.start_run(f"r1_pipeline:{cfg.name}", tags={"recipe": cfg.name, "stages": ",".join(stages),
+                                                                      **({"from_run": from_run} if from_run else {}),
+                                                                      **prefect_tags()})
+        tracking.log_params(parent, {"recipe": cfg.name, "stages": ",".join(stages),
+                                     **({"from_run": from_run} if from_run else {}),
+                                     **{f"from.{k}": v for k, v in uris.items()}})
     results: dict[str, StageResult] = {}
 
-    def done(result: StageResult) -> None:  # record the stage's URIs on the parent as soon as it finishes
+    def done(result: StageResult, record: bool = True) -> None:  # record the stage on the parent once it finishes
         results[result.stage] = result
         new = {name: result.uris[key] for name, key in OUTPUTS[result.stage].items() if key in result.uris}
         uris.update(new)
-        tracking.set_tags(parent, {f"uri.{k}": v for k, v in new.items()})
+        if record:  # its URIs, and its headline numbers for comparing runs
+            tracking.set_tags(parent, {f"uri.{k}": v for k, v in new.items()})
+            tracking.MetricsLogger(parent)(0, {f"{result.stage}/{k}": v for k, v in result.metrics.items()})
+
+    earlier = finished_stages(parent) if attempt > 1 else {}  # what an earlier attempt of this flow run finished
+    for result in earlier.values():
+        if result.stage in stages:
+            done(result, record=False)
+    if attempt > 1:
+        get_run_logger().info("attempt %d of this flow run, carrying on in MLflow run %s; skipping finished stages: "
+                              "%s", attempt, parent, ", ".join(results) or "none")
+    todo = [s for s in stages if s not in results]
 
     try:
-        if "cold_start_sft" in stages:
+        if "cold_start_sft" in todo:
             done(cold_start_sft(cfg.cold_start_sft, parent_run_id=parent))
-        if "reasoning_grpo" in stages:
+        if "reasoning_grpo" in todo:
             done(reasoning_grpo(uris["cold_start_checkpoint"], cfg.reasoning_grpo, parent_run_id=parent))
-        if "rejection_sampling" in stages:
+        if "rejection_sampling" in todo:
             done(rejection_sampling(uris["reasoning_checkpoint"], cfg.rejection_sampling, parent_run_id=parent))
-        if "sft" in stages:
+        if "sft" in todo:
             done(sft(uris["curated_dataset"], cfg.sft, heldout_uri=uris.get("heldout"),
                      cold_start_dataset_uri=uris.get("cold_start_dataset"), parent_run_id=parent))
-        if "alignment_grpo" in stages:
+        if "alignment_grpo" in todo:
             done(alignment_grpo(uris["sft_checkpoint"], cfg.alignment_grpo, parent_run_id=parent))
     except BaseException:
         tracking.end_run(parent, "FAILED")
         raise
-    for name, r in results.items():  # the headline numbers of every stage on the parent, for comparing runs
-        tracking.MetricsLogger(parent)(0, {f"{name}/{k}": v for k, v in r.metrics.items()})
     tracking.end_run(parent, "FINISHED")
     get_run_logger().info("MLflow pipeline run %s finished", parent)
     return PipelineResult(run_id=parent, stages=results)

@@ -130,13 +130,15 @@ def base_env(**extra: str) -> dict[str, str]:
 def start_prefect_server(home: Path, port: int, log_dir: Path) -> tuple[Started, str]:
     """`prefect server start` with its own PREFECT_HOME and SQLite database; returns it and its API URL."""
     home.mkdir(parents=True, exist_ok=True)
-    env = base_env(PREFECT_HOME=str(home),
+    api = f"http://127.0.0.1:{port}/api"
+    # the UI's pages call the API at this URL; left unset it is built from the default port (4200), whatever
+    # --port says, and the UI on any other port cannot reach its own server
+    env = base_env(PREFECT_HOME=str(home), PREFECT_SERVER_UI_API_URL=api,
                    PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
                    PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false")
     env.pop("PREFECT_API_URL", None)
     p = start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                                          "--port", str(port)], env, log_dir)
-    api = f"http://127.0.0.1:{port}/api"
     wait_http(f"{api}/health", p)
     return p, api
 

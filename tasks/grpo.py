@@ -11,6 +11,7 @@ from grpo.models import ModelConfig, load_model_and_tokenizer
 from grpo.trainer import GRPOConfig, GRPOTrainer
 from tasks import tracking
 from tasks.data import read_frame
+from tasks.progress import TrainingProgress
 from tasks.stage import resolve_model, work_dir
 
 
@@ -32,8 +33,9 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
 
-    trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, on_metrics=tracking.MetricsLogger(run_id),
-                          on_samples=log_samples, reward_functions=reward_functions)
+    progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
+    trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, on_metrics=progress, on_samples=log_samples,
+                          reward_functions=reward_functions)
     result = trainer.train()
     get_run_logger().info("GRPO finished: %d steps", result.steps)
     return tracking.log_dir(run_id, result.model_dir, "checkpoint")

@@ -47,6 +47,20 @@ def prefect_tags() -> dict[str, str]:
     return tags
 
 
+def earlier_attempt_run() -> str | None:
+    """On a Prefect retry of the current flow run (same id, run_count > 1): the MLflow run its first attempt made.
+
+    Prefect retries a flow run by running its function again under the same flow run id, whether the flow has
+    `retries` or someone pressed *Retry* in the UI; the run's `prefect.flow_run_id` tag finds what it made before.
+    """
+    from prefect.runtime import flow_run
+
+    if not flow_run.id or flow_run.run_count <= 1:
+        return None
+    runs = tracking.find_runs(f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+    return runs[-1].info.run_id if runs else None  # the oldest: the first attempt's
+
+
 @contextmanager
 def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
               inputs: dict[str, str] | None = None) -> Iterator[str]:

@@ -177,6 +177,16 @@ def set_tags(run_id: str, tags: dict[str, str]) -> None:
         c.set_tag(run_id, k, v)
 
 
+def find_runs(filter_string: str) -> list:
+    """Runs of the experiment matching an MLflow search filter, newest first."""
+    return client().search_runs([experiment_id()], filter_string, order_by=["attributes.start_time DESC"])
+
+
+def reopen_run(run_id: str) -> None:
+    """Mark a failed run RUNNING again, for a retry that carries on in it."""
+    client().update_run(run_id, status="RUNNING")
+
+
 def pipeline_uris(run_id: str) -> dict[str, str]:
     """The URIs an earlier pipeline run's stages produced (its `uri.<name>` tags), to start a rerun from."""
     tags = client().get_run(run_id).data.tags

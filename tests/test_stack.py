@@ -34,6 +34,8 @@ def test_up_then_down(tmp_path, monkeypatch, capsys):
 
         assert get(state["prefect_api"] + "/health") == 200
         assert get(state["prefect_ui"]) == 200  # the UI
+        with urllib.request.urlopen(state["prefect_ui"] + "/ui-settings", timeout=10) as r:
+            assert json.load(r)["api_url"] == state["prefect_api"]  # its pages call this server, not :4200
         assert get(state["mlflow_ui"] + "/health") == 200
         assert get(state["mlflow_ui"]) == 200
         assert (tmp_path / "mlflow.db").exists() and (tmp_path / "prefect" / "prefect.db").exists()

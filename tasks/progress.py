@@ -1,0 +1,34 @@
+"""A long stage's progress in Prefect: a progress artifact (0-100 %) kept up to date from the trainer's metrics.
+
+The training loops in `grpo/` report metrics through one callback every `log_every` steps and at the last step;
+`TrainingProgress` is that callback: it logs the metrics to MLflow as before and moves the flow run's progress
+bar (the *Artifacts* tab, key `<stage>-progress`), at most once every `every_s` seconds and always at the end.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tasks import tracking
+
+
+class TrainingProgress:
+    """`callback(step, metrics)`: metrics to the MLflow run, `step / max_steps` to a Prefect progress artifact."""
+
+    def __init__(self, run_id: str, stage: str, max_steps: int, every_s: float = 10.0):
+        from prefect.artifacts import create_progress_artifact
+
+        self.log_metrics = tracking.MetricsLogger(run_id)
+        self.max_steps, self.every_s, self.last_update = max(max_steps, 1), every_s, time.monotonic()
+        self.description = f"{stage}: training steps done, of {max_steps}"
+        self.artifact_id = create_progress_artifact(0.0, key=f"{stage.replace('_', '-')}-progress",
+                                                    description=self.description)
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        self.log_metrics(step, metrics)
+        finished = step >= self.max_steps
+        if finished or time.monotonic() - self.last_update >= self.every_s:  # the API need not hear every step
+            update_progress_artifact(self.artifact_id, 100.0 * min(step, self.max_steps) / self.max_steps)
+            self.last_update = time.monotonic()

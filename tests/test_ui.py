@@ -1,0 +1,154 @@
+"""The Prefect UI in a real (headless) browser: start a stage's deployment from its *Custom run* form and watch it run.
+
+A Prefect server on a free port with every deployment and a process worker (MLflow on SQLite in a temp folder);
+Chromium opens the cold_start_sft deployment's custom-run form, changes a few fields of the stage's config form
+(so the run is small), submits, and follows the flow run's page until it says Completed. Needs Debian's
+`chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`) and `selenium` (the dev extra);
+skipped, saying which is missing, without them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from flows import stack
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="needs Chromium and its driver: apt-get install -y chromium chromium-driver")
+webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium: pip install -e '.[dev]'")
+
+# form field label -> value typed into it: a run of a few seconds instead of the recipe's 500 steps
+CHANGES = {"Max Steps": "2", "Num Train": "64", "Num Heldout": "0", "Log Every": "1", "Checkpoint Every": "0"}
+
+
+@pytest.fixture(scope="module")
+def team_stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ui")
+    started: list[stack.Started] = []
+    try:
+        prefect, api = stack.start_prefect_server(root / "prefect", stack.free_port(), root / "logs")
+        started.append(prefect)
+        stack.create_work_pools(api)
+        stack.deploy_all(api)
+        tracking = f"sqlite:///{root / 'mlflow.db'}"
+        started.append(stack.start_worker(api, tracking, root / "logs", PREFECT_WORKER_QUERY_SECONDS="2",
+                                          OMP_NUM_THREADS="1"))
+        yield {"api": api, "ui": api.removesuffix("/api"), "tracking": tracking, "worker": started[-1]}
+    finally:
+        for p in reversed(started):
+            stack.stop_process(p)
+
+
+@pytest.fixture
+def browser():
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.implicitly_wait(0)
+    yield driver
+    driver.quit()
+
+
+def field(driver, label: str):
+    """The input of the schema-form property whose label reads '<label> (Optional)' (a header, then a body)."""
+    from selenium.webdriver.common.by import By
+
+    header = (f"./div[@class='p-label__header']//span[@class='schema-form-property__label' and "
+              f"starts-with(normalize-space(), '{label} (')]")
+    [element] = driver.find_elements(By.XPATH, f"//div[contains(@class, 'schema-form-property')][{header}]"
+                                               f"/div[@class='p-label__body']/fieldset//input")
+    return element
+
+
+def click(driver, xpath: str) -> bool:
+    """Click the first element `xpath` finds; False if there is none yet or it was re-rendered under us."""
+    from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        found = driver.find_elements(By.XPATH, xpath)
+        if found:
+            try:
+                found[0].click()
+            except ElementClickInterceptedException:  # another toast sliding over it: click it the DOM's way
+                driver.execute_script("arguments[0].click()", found[0])
+        return bool(found)
+    except StaleElementReferenceException:  # Vue replaced the node between find and click: find it again
+        return False
+
+
+def wait_for(what: str, condition, timeout: float, driver=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(1)
+    hint = f"; the page said: {driver.find_element('tag name', 'body').text[:1500]}" if driver else ""
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{hint}")
+
+
+def test_a_custom_run_from_the_ui_completes(team_stack, browser):
+    import json
+    import urllib.request
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    request = urllib.request.Request(team_stack["api"] + "/deployments/filter", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        [deployment] = [d for d in json.load(reply) if d["entrypoint"].startswith("flows/cold_start_sft.py")]
+
+    browser.get(f"{team_stack['ui']}/deployments/deployment/{deployment['id']}")
+    wait_for("the deployment page's Run button", lambda: click(browser, "//button[normalize-space()='Run']"), 60,
+             browser)
+    wait_for("the Custom run menu item", lambda: click(browser, "//*[normalize-space()='Custom run']"), 30, browser)
+    wait_for("the custom-run form", lambda: "/run" in browser.current_url and browser.find_elements(
+        By.XPATH, "//span[starts-with(normalize-space(), 'Max Steps')]"), 60, browser)
+
+    for label, value in CHANGES.items():
+        element = field(browser, label)
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+        element.send_keys(Keys.CONTROL, "a")
+        element.send_keys(value)
+        assert element.get_attribute("value") == value, label
+    browser.find_element(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']").click()
+    # the UI goes back to the deployment and says "Flow run created" in a toast with a View run button
+    wait_for("the flow-run-created toast", lambda: click(
+        browser, "//*[contains(@class, 'toast-flow-run-create__button')]"), 60, browser)
+
+    flow_run_id = wait_for("the flow run's page", lambda: "/runs/flow-run/" in browser.current_url and
+                           browser.current_url.rsplit("/flow-run/", 1)[1].split("?")[0], 60, browser)
+    state = wait_for("the flow run to end", lambda: _final_state(team_stack["api"], flow_run_id), 480)
+    assert state == "COMPLETED", open(team_stack["worker"].log).read()[-3000:]
+    # and the page the UI left us on says so (it polls the API while the run is open)
+    wait_for("the flow run page to say Completed", lambda: browser.find_elements(
+        By.XPATH, "//*[normalize-space()='Completed']"), 60, browser)
+
+    # the changed fields reached the flow: the stage's MLflow run records them as params
+    mlflow = MlflowClient(tracking_uri=team_stack["tracking"])
+    [run] = mlflow.search_runs([e.experiment_id for e in mlflow.search_experiments()],
+                               f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.max_steps"] == "2" and run.data.params["data.num_train"] == "64"
+
+
+def _final_state(api: str, flow_run_id: str) -> str | None:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{api}/flow_runs/{flow_run_id}", timeout=30) as reply:
+        state = json.load(reply)["state"]
+    return state["type"] if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
