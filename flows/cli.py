@@ -54,7 +54,7 @@ def _log_requests() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     """Load the checkpoint (fetching an MLflow URI first) and serve it until Ctrl-C."""
-    from grpo.serve import load_checkpoint, make_server
+    from grpo.serve import load_checkpoint, make_server, serve_until_interrupted
 
     api_key = None
     if args.api_key_env:
@@ -92,12 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     _log_requests()
     print(f"serving {name!r} ({type(model).__name__} on {model.device}) at {server.url}", flush=True)
     print(f"  judge with: backend=http, base_url={server.url}, model={name!r}   (Ctrl-C stops)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_interrupted(server)
     return 0
 
 

@@ -116,12 +116,17 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Build the tiny model or load `cfg.name_or_path` (hub name or local folder) with `from_pretrained`."""
+def check_model_config(cfg: ModelConfig) -> None:
+    """Fail before any loading on a dtype we do not know or a local folder that is not there."""
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
     if not Path(cfg.name_or_path).exists() and cfg.name_or_path.startswith((".", "/")):
         raise FileNotFoundError(f"model folder {cfg.name_or_path!r} does not exist")
+
+
+def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Build the tiny model or load `cfg.name_or_path` (hub name or local folder) with `from_pretrained`."""
+    check_model_config(cfg)
     tok = load_tokenizer(cfg)
     if cfg.name_or_path == TINY:
         return build_tiny_model(cfg.tiny, tok).to(_DTYPES[cfg.dtype]), tok

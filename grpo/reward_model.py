@@ -44,7 +44,7 @@ from transformers import (
 from grpo.accelerate_utils import make_accelerator
 from grpo.data import DataError
 from grpo.generation import render_prompts
-from grpo.models import _DTYPES, TINY, ModelConfig, build_tiny_model, load_tokenizer
+from grpo.models import _DTYPES, TINY, ModelConfig, build_tiny_model, check_model_config, load_tokenizer
 from grpo.rewards import completion_text
 from grpo.sft import _response_text, batch_indices
 
@@ -117,10 +117,7 @@ def build_reward_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel
     head; anything else goes to `AutoModelForSequenceClassification.from_pretrained`, which keeps a causal LM's
     backbone and starts a new head, or reloads a trained reward model whole.
     """
-    if cfg.dtype not in _DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-    if not Path(cfg.name_or_path).exists() and cfg.name_or_path.startswith((".", "/")):
-        raise FileNotFoundError(f"model folder {cfg.name_or_path!r} does not exist")
+    check_model_config(cfg)
     tok = load_tokenizer(cfg)
     if cfg.name_or_path == TINY:
         lm = build_tiny_model(cfg.tiny, tok)

@@ -256,6 +256,11 @@ def serve(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, host: str 
     """Serve until interrupted (Ctrl-C)."""
     server = make_server(model, tokenizer, host, port, model_name=model_name, api_key=api_key)
     logger.info("serving %r at %s", model_name, server.url)
+    serve_until_interrupted(server)
+
+
+def serve_until_interrupted(server: ChatServer) -> None:
+    """Answer requests until Ctrl-C, then release the port."""
     try:
         server.serve_forever()
     except KeyboardInterrupt:
