@@ -19,6 +19,9 @@ def use_local_defaults() -> None:
     # Prefect's local API opens its SQLite file there but does not create the folder: a fresh clone has none
     Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # the local API migrates a new database before it answers; on a fresh folder and a busy 2-core machine that can
+    # take longer than Prefect's 20 s default
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT", "false")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,5 +1,6 @@
 """The rejection-sampling stage under Prefect: resume after a kill, and the HTTP judge against `r1 serve`'s server."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -83,18 +84,22 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(prefect_harnes
     # the same stage in another process, killed once a few shards are written
     shutil.rmtree(r1_home / "work" / "rejection_sampling")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "rejection_sampling", "--recipe",
-                             str(recipe), "--checkpoint", answering_checkpoint], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not shard_files(r1_home) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the flow and the local API it started
-        proc.wait()
+    log = tmp_path / "stage.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "rejection_sampling", "--recipe",
+                                 str(recipe), "--checkpoint", answering_checkpoint], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not shard_files(r1_home) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the whole group: the flow and the API it started
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     written = len(shard_files(r1_home))
-    assert 0 < written < n_shards, f"the kill should land midway; {written} of {n_shards} shards were written"
+    assert 0 < written < n_shards, (f"the kill should land midway; {written} of {n_shards} shards were written; "
+                                    f"the stage's output:\n{log.read_text()[-3000:]}")
 
     resumed = rejection_sampling(answering_checkpoint, cfg)
     assert resumed.metrics["rejection/generated"] == 48 * 4  # every sample counted once: none lost, none twice
