@@ -33,10 +33,10 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
                 from_run: str | None = None) -> PipelineResult:
     """Run the recipe's stages in order under one MLflow parent run; return each stage's result."""
     cfg = load_recipe(recipe)  # a bad recipe fails here, before any run is created
-    stages = [s for s in AVAILABLE_STAGES if s in (stages or AVAILABLE_STAGES)]
-    unknown = sorted(set(stages or []) - set(AVAILABLE_STAGES))
+    unknown = sorted(set(stages or []) - set(AVAILABLE_STAGES))  # a misspelt stage must not be skipped silently
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; available: {list(AVAILABLE_STAGES)}")
+    stages = [s for s in AVAILABLE_STAGES if s in (stages or AVAILABLE_STAGES)]  # always in the recipe's order
     uris = {**(tracking.pipeline_uris(from_run) if from_run else {}), **(from_uris or {})}
     missing = missing_inputs(stages, uris)
     if missing:

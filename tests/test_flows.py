@@ -159,6 +159,8 @@ def test_pipeline_can_start_from_an_earlier_checkpoint(cold_start, mlflow_client
 
     with pytest.raises(ValueError, match="reasoning_grpo needs cold_start_checkpoint"):
         r1_pipeline(recipe=str(recipe_file), stages=["reasoning_grpo"])
+    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['sfft'\]"):
+        r1_pipeline(recipe=str(recipe_file), stages=["sfft", "alignment_grpo"])
     with pytest.raises(ValueError, match="sft needs curated_dataset"):
         r1_pipeline(recipe=str(recipe_file), stages=["sft", "alignment_grpo"])
     result = r1_pipeline(recipe=str(recipe_file), stages=["reasoning_grpo"],
