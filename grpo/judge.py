@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.generation import SamplingConfig, TransformersBackend
 
-# Kept short: with a byte-level tokenizer every character is a token.
+# Kept short: the tiny models read every word of it on every call.
 JUDGE_PROMPT = """Is the response's final answer to the question correct? Compare it with the reference answer.
 
 Question:

@@ -1,18 +1,27 @@
 """Models and tokenizers: the embedded tiny model built from a config, and real models loaded by name or path.
 
-The tiny model is a Qwen2-architecture causal LM of a few million parameters with a byte-level tokenizer made
-here (no download): 256 byte symbols, the chat markers and the four reasoning tags as whole tokens. A real model
+The tiny model is a Qwen2-architecture causal LM of a few million parameters with a tokenizer made here (no
+download): byte-level BPE trained in a fraction of a second on text the project generates (the synthetic word
+problems and their worked solutions, the general prompts and responses, the judge's prompt, the chat markup), so
+a word or a number up to two digits is one token and any other text falls back to bytes; the chat markers and
+the four reasoning tags are whole tokens. Measured on the tiny recipe's rows: 2.5x fewer tokens than one token
+per byte (prompt 61 -> 17, worked solution 45 -> 24), which makes every stage that many times cheaper and leaves
+a small model fewer positions to copy a number across. `tokenizer="byte"` keeps one token per byte. A real model
 is anything `from_pretrained(name_or_path)` accepts: a hub name on a machine that can reach the hub, or a local
 folder (which is also what a checkpoint artifact downloads to).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from typing import Literal
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -27,7 +36,7 @@ TINY = "tiny"  # the name that means "build the embedded model from ModelConfig.
 REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 PAD, EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
-# Qwen-style chat markup, kept short because every prompt byte is a token for the tiny model.
+# Qwen-style chat markup, kept short: every marker and newline is a token for the tiny model.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -44,8 +53,10 @@ class TinyModelConfig(BaseModel):
     num_hidden_layers: int = 4  # transformer blocks
     num_attention_heads: int = 4  # query heads
     num_key_value_heads: int = 2  # grouped-query KV heads
-    max_position_embeddings: int = 512  # longest prompt + completion, in tokens (bytes)
+    max_position_embeddings: int = 512  # longest prompt + completion, in tokens
     seed: int = 0  # weight initialisation seed: the same seed builds the same base model
+    tokenizer: Literal["bpe", "byte"] = "bpe"  # BPE trained on the project's own text, or one token per byte
+    vocab_size: int = Field(1024, ge=300, le=8192)  # BPE only: bytes, markers, tags and learned merges in all
 
 
 class ModelConfig(BaseModel):
@@ -60,11 +71,54 @@ class ModelConfig(BaseModel):
     attn_implementation: str | None = None  # e.g. "sdpa" or "flash_attention_2"; None lets transformers pick
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with no merges: every UTF-8 byte is one token, plus chat markers and reasoning tags."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+def tokenizer_corpus() -> list[str]:
+    """The text the tiny tokenizer learns its merges from: everything the embedded recipe feeds its models.
+
+    Word problems at three operand sizes (so numbers up to two digits become tokens), their worked solutions,
+    the general prompts with chosen and rejected responses, the judge's prompt and the chat markup. Generated,
+    so the same code always builds the same tokenizer.
+    """
+    from grpo.data import TaskConfig, generate_problems, sft_rows  # here: grpo.data does not need the models
+    from grpo.judge import JUDGE_PROMPT
+    from grpo.preferences import preference_pairs
+
+    texts: list[str] = []
+    for max_operand in (6, 9, 30):
+        rows = sft_rows(generate_problems(TaskConfig(max_operand=max_operand), 600, "train"))
+        texts += list(rows["prompt"]) + list(rows["response"])
+    pairs = preference_pairs(400)
+    texts += list(pairs["prompt"]) + list(pairs["chosen"]) + list(pairs["rejected"])
+    texts += [JUDGE_PROMPT] * 20
+    texts += [f"{IM_START}{role}\n{IM_END}\n" for role in ("system", "user", "assistant")] * 50
+    return texts
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_bpe(vocab_size: int) -> str:
+    """The learned BPE as JSON (trained once per process: ~0.3 s; each caller gets its own tokenizer object)."""
+    core = Tokenizer(models.BPE())
+    # the GPT-2 split: a leading space stays with its word or number, digits never merge with letters
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # the tags are added after training (as ordinary added tokens), so they count towards the size here
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(REASONING_TAGS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, special_tokens=[PAD, EOS, IM_START, IM_END])
+    core.train_from_iterator(tokenizer_corpus(), trainer)
+    return core.to_str()
+
+
+def build_tokenizer(kind: Literal["bpe", "byte"] = "bpe", vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer: byte-level BPE learned from `tokenizer_corpus()`, or one token per byte.
+
+    Both map any text to tokens (every byte is in the vocabulary) and decode it back unchanged.
+    """
+    if kind == "bpe":
+        core = Tokenizer.from_str(_trained_bpe(vocab_size))
+    elif kind == "byte":
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    else:
+        raise ValueError(f"tokenizer must be 'bpe' or 'byte', got {kind!r}")
     core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -108,12 +162,31 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.name_or_path == TINY:
-        return build_tokenizer()
-    tok = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        return build_tokenizer(cfg.tiny.tokenizer, cfg.tiny.vocab_size)
+    if _generic_fast_tokenizer(Path(cfg.name_or_path)):
+        # A folder saved from a plain fast tokenizer (every checkpoint of the tiny model): read tokenizer.json as it
+        # is. AutoTokenizer would pick the model type's class (Qwen2Tokenizer for these folders), which rebuilds
+        # the pre-tokenizer with its own digit splitting: " 12" would become "Ġ", "1", "2", tokens the model never
+        # saw in training.
+        tok = PreTrainedTokenizerFast.from_pretrained(cfg.name_or_path)
+    else:
+        tok = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token is None:  # many base models ship without one; padding is masked out anyway
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def _generic_fast_tokenizer(folder: Path) -> bool:
+    """Whether `folder` holds a tokenizer.json saved by a generic fast tokenizer (no model-specific class)."""
+    config = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config.is_file():
+        return False
+    try:
+        declared = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return "auto_map" not in declared and declared.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def check_model_config(cfg: ModelConfig) -> None:

@@ -16,8 +16,8 @@ Only the off-topic flaw needs the prompt to be seen: its rejected response is a 
 Measured: a test-sized reward model learns every other flaw within 60 steps and stays below chance on off-topic
 answers (it rates a good-looking answer high whatever was asked), which a policy under GRPO could exploit; the
 held-out accuracy per flaw is the figure to watch.
-Responses use the project's `<think>...</think><answer>...</answer>` format and stay short, because every byte is a
-token for the tiny model.
+Responses use the project's `<think>...</think><answer>...</answer>` format and stay short, as a model of a few
+million parameters needs.
 
 The held-out split is chosen by a hash of the prompt text, so held-out prompts never appear in training. Their
 subjects do recur under other phrasings: a model of a few million parameters, trained from scratch, has no way to

@@ -310,6 +310,7 @@ def train_reward_model(
     def evaluate() -> dict[str, float]:
         if heldout is None:
             return {"rm/heldout_accuracy": math.nan, "rm/heldout_margin": math.nan}
+        model.eval()  # the mode a scorer loaded from the saved folder runs in: the same figures
         with acc.autocast():
             metrics = evaluate_pairs(RewardModelScorer(acc.unwrap_model(model), tok, cfg.eval_batch_size), heldout)
         model.train()

@@ -28,7 +28,7 @@ from grpo.judge import (
     parse_verdict,
     render_judge_prompt,
 )
-from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
+from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer, build_tokenizer
 from grpo.serve import load_checkpoint, make_server
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -185,8 +185,8 @@ def test_the_server_speaks_the_openai_chat_schema(server):
         usage = body["usage"]
         assert 0 < usage["completion_tokens"] <= 5
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-        # the tiny tokenizer is byte-level: the prompt is the rendered chat, one token per byte
-        assert usage["prompt_tokens"] > len("Be brief.Hi")
+        # the prompt is the rendered chat: the markers, the roles and both messages
+        assert usage["prompt_tokens"] > len(build_tokenizer()("Be brief.Hi", add_special_tokens=False)["input_ids"]) + 4
 
         r = client.post("/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                    "max_tokens": 1, "temperature": 0})

@@ -1,5 +1,9 @@
 """The embedded model and tokenizer, loading real models from local folders, and the generation backend."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -10,15 +14,37 @@ SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers
                         num_key_value_heads=1)
 
 
-def test_tokenizer_round_trips_text_and_keeps_tags_whole():
-    tok = build_tokenizer()
-    text = "<think>7 + 5 = 12. café</think><answer>12</answer>"
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_tokenizer_round_trips_text_and_keeps_tags_whole(kind):
+    tok = build_tokenizer(kind)
+    text = "<think>7 + 5 = 12. café 日本 x=12345\n\n</think><answer>12</answer>"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
-    for tag in ("<think>", "</think>", "<answer>", "</answer>"):
+    # generation decodes with the special tokens skipped: the tags must survive that
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == text
+    for tag in ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>", "<|pad|>"):
         assert len(tok(tag, add_special_tokens=False)["input_ids"]) == 1
     rendered = render_prompts(tok, ["2+2?"])[0]
     assert rendered.endswith("<|im_start|>assistant\n") and "2+2?" in rendered
+
+
+def test_bpe_tokenizer_is_the_same_every_time_and_short_on_the_task():
+    """Built from generated text, the learned tokenizer must not depend on the process that builds it: a
+    checkpoint saved by one stage is read by another (a fresh process) that builds the base tokenizer again."""
+    code = ("import hashlib; from grpo.models import build_tokenizer; "
+            "print(hashlib.sha256(build_tokenizer().backend_tokenizer.to_str().encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(digests) == 1
+    bpe, byte = build_tokenizer("bpe"), build_tokenizer("byte")
+    assert len(bpe) == 1024 and len(build_tokenizer("bpe", 512)) == 512
+    problem = "Ava has 12 chickens; 3 are roosters. 4 hens lay no eggs. How many hens lay eggs?"
+    solution = "<think>Given 12, 3, 4. 12 - 3 = 9. 9 - 4 = 5.</think><answer>5</answer>"
+    for text in (problem, solution):
+        n_bpe, n_byte = (len(t(text, add_special_tokens=False)["input_ids"]) for t in (bpe, byte))
+        assert n_bpe * 1.6 < n_byte, (text, n_bpe, n_byte)
+    # a number of up to two digits is one token, with its leading space
+    assert bpe.convert_ids_to_tokens(bpe(" 12 - 3 = 9", add_special_tokens=False)["input_ids"])[0] == "Ġ12"
 
 
 def test_same_seed_same_weights_and_save_load_round_trip(tmp_path):
@@ -32,6 +58,11 @@ def test_same_seed_same_weights_and_save_load_round_trip(tmp_path):
     ids = torch.tensor([tok("hello", add_special_tokens=False)["input_ids"]])
     assert torch.allclose(m1(ids).logits, m3(ids).logits)
     assert tok3.decode(tok3("<answer>", add_special_tokens=False)["input_ids"]) == "<answer>"
+    # the folder is a Qwen2 model's: the reloaded tokenizer must still split text exactly as the one it was saved
+    # from (not as Qwen2's own class would, one digit at a time)
+    text = "Ava has 12 chickens; 3 are roosters. <think>Given 12, 3. 12 - 3 = 9.</think><answer>9</answer>"
+    assert tok3(text)["input_ids"] == tok(text)["input_ids"]
+    assert tok3.padding_side == "left" and tok3.chat_template == tok.chat_template
 
 
 def test_missing_local_model_folder_fails_clearly(tmp_path):
