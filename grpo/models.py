@@ -16,11 +16,10 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from typing import Literal
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -100,8 +99,9 @@ def _trained_bpe(vocab_size: int) -> str:
     # the GPT-2 split: a leading space stays with its word or number, digits never merge with letters
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     # the tags are added after training (as ordinary added tokens), so they count towards the size here
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(REASONING_TAGS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=[PAD, EOS, IM_START, IM_END])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(REASONING_TAGS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+                                  special_tokens=[PAD, EOS, IM_START, IM_END])
     core.train_from_iterator(tokenizer_corpus(), trainer)
     return core.to_str()
 
@@ -186,7 +186,8 @@ def _generic_fast_tokenizer(folder: Path) -> bool:
         declared = json.loads(config.read_text())
     except (OSError, ValueError):
         return False
-    return "auto_map" not in declared and declared.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    generic = ("TokenizersBackend", "PreTrainedTokenizerFast")
+    return "auto_map" not in declared and declared.get("tokenizer_class") in generic
 
 
 def check_model_config(cfg: ModelConfig) -> None:
