@@ -112,21 +112,38 @@ class TaskConfig(BaseModel):
     templates: tuple[str, ...] = tuple(TEMPLATES)  # which problem templates to draw from
     heldout_percent: int = 20  # share of problems reserved for held-out, by hash of the name-free problem
     seed: int = 0  # the same seed draws the same training problems (the held-out split never changes)
-    restate_givens: bool = True  # the chain of thought starts by copying out the problem's numbers...
-    # ...in this share of the worked solutions (the rest go straight to the equations). A model taught both habits
-    # picks one per answer; restating is the more accurate one, and reasoning RL can find that out
-    restate_share: float = Field(1.0, ge=0.0, le=1.0)
+    restate_givens: bool = True  # the chain of thought starts by copying out the problem's numbers
+    # share of the worked solutions that count each addition and subtraction out one number at a time
+    # ("9 + 3 = 10 11 12.") instead of recalling the result ("9 + 3 = 12."); the rest recall. A small model taught
+    # both habits picks one per answer, which leaves reasoning RL a choice to learn from (see recipes/tiny.yaml)
+    counting_share: float = Field(0.5, ge=0.0, le=1.0)
 
 
-def format_response(p: Problem, restate_givens: bool = True) -> str:
+def count_out(step: str) -> str:
+    """An addition or subtraction counted out one number at a time: "9 + 3 = 12" -> "9 + 3 = 10 11 12".
+
+    The last number is the result. Every count is a successor or predecessor (a dozen facts in all), where recalling
+    "9 + 3 = 12" needs one fact per pair of operands. Products and steps that add or take away nothing stay as
+    they are.
+    """
+    a, op, b, _ = re.fullmatch(r"([0-9]+) ([-+*]) ([0-9]+) = ([0-9]+)", step).groups()
+    a, b = int(a), int(b)
+    if op == "*" or b == 0:
+        return step
+    sign = 1 if op == "+" else -1
+    return f"{a} {op} {b} = " + " ".join(str(a + sign * i) for i in range(1, b + 1))
+
+
+def format_response(p: Problem, restate_givens: bool = True, counting: bool = False) -> str:
     """The cold-start target: the chain of thought, then the bare integer as the answer.
 
     The chain of thought first restates the problem's numbers in order ("Given 8, 5, 2."), then solves it one
-    equation per step. A small model's main failure is fetching the right numbers from the question into its
-    equations; copying them out in order first is an easy pattern, and afterwards they sit a few tokens away.
+    equation per step, recalling each result or (`counting`) counting it out. A small model's main failure is the
+    arithmetic itself; copying the givens out in order first keeps the numbers a few tokens away.
     """
     givens = f"Given {', '.join(re.findall(r'[0-9]+', p.question))}. " if restate_givens else ""
-    return f"<think>{givens}{' '.join(s + '.' for s in p.steps)}</think><answer>{p.answer}</answer>"
+    steps = [count_out(s) if counting else s for s in p.steps]
+    return f"<think>{givens}{' '.join(s + '.' for s in steps)}</think><answer>{p.answer}</answer>"
 
 
 def is_heldout(question: str, percent: int) -> bool:
@@ -160,16 +177,16 @@ def generate_problems(cfg: TaskConfig, n: int, split: Literal["train", "heldout"
                      f"(max_operand={cfg.max_operand}); raise max_operand or ask for fewer rows")
 
 
-def restates(question: str, share: float, seed: int) -> bool:
-    """Whether this row's worked solution restates the givens: a fixed share, chosen by hash (not by row order)."""
-    digest = hashlib.sha1(f"restate-{seed}-{question}".encode()).digest()
+def counts_out(question: str, share: float, seed: int) -> bool:
+    """Whether this row's worked solution counts out its steps: a fixed share, chosen by hash (not by row order)."""
+    digest = hashlib.sha1(f"count-{seed}-{question}".encode()).digest()
     return int.from_bytes(digest[:4], "big") < share * 2**32
 
 
-def sft_rows(problems: list[Problem], restate_givens: bool = True, restate_share: float = 1.0,
+def sft_rows(problems: list[Problem], restate_givens: bool = True, counting_share: float = 0.5,
              seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame({"prompt": [p.question for p in problems],
-                         "response": [format_response(p, restate_givens and restates(p.question, restate_share, seed))
+                         "response": [format_response(p, restate_givens, counts_out(p.question, counting_share, seed))
                                       for p in problems]})
 
 
@@ -304,7 +321,7 @@ def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Training rows (prompt, response) and held-out rows (prompt, answer), both validated before any training."""
-    return _load(cfg, SFT_SCHEMA, lambda ps, task: sft_rows(ps, task.restate_givens, task.restate_share, task.seed)), load_heldout(cfg)
+    return _load(cfg, SFT_SCHEMA, lambda ps, task: sft_rows(ps, task.restate_givens, task.counting_share, task.seed)), load_heldout(cfg)
 
 
 def load_rl_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:

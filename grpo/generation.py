@@ -210,6 +210,8 @@ def lean_decode_supported(model: PreTrainedModel) -> bool:
         t != "full_attention" for t in getattr(cfg, "layer_types", None) or [])
     if sliding:  # the lean step attends to the whole cache
         return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return False  # the lean step reads the weights alone: a hook (a logit mask, an adapter) would be skipped
     linear = torch.nn.Linear
     for layer in core.layers:
         a, m = layer.self_attn, layer.mlp

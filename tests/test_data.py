@@ -1,12 +1,14 @@
 """The synthetic task and the loaders: determinism, disjoint splits, and errors that name file, row and column."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
 
 from grpo.data import (
-    DataConfig, DataError, TaskConfig, format_response, generate_problems, load_rl_data, load_sft_data, read_table,
+    DataConfig, DataError, TaskConfig, count_out, format_response, generate_problems, load_rl_data, load_sft_data,
+    read_table,
 )
 
 
@@ -107,15 +109,29 @@ def test_every_seed_scores_on_the_same_heldout_problems():
     assert generate_problems(TaskConfig(seed=0), 50, "train") != generate_problems(TaskConfig(seed=1), 50, "train")
 
 
-def test_restate_share_mixes_both_habits_in_a_fixed_share():
-    task = TaskConfig(max_operand=6, restate_share=0.5)
+def test_count_out_ends_on_the_result():
+    assert count_out("9 + 3 = 12") == "9 + 3 = 10 11 12"
+    assert count_out("7 - 2 = 5") == "7 - 2 = 6 5"
+    assert count_out("2 * 3 = 6") == "2 * 3 = 6"  # products are recalled
+    assert count_out("4 - 0 = 4") == "4 - 0 = 4"
+
+
+def test_counting_share_mixes_both_habits_in_a_fixed_share():
+    task = TaskConfig(max_operand=6, counting_share=0.5)
     rows, _ = load_sft_data(DataConfig(num_train=400, num_heldout=0, task=task))
-    restated = rows["response"].str.startswith("<think>Given ")
-    assert 0.4 < restated.mean() < 0.6  # chosen by hash: about half, not exactly
+    counted = rows["response"].str.contains(r"= [0-9]+ [0-9]+")
+    assert 0.4 < counted.mean() < 0.6  # chosen by hash: about half, not exactly
     again, _ = load_sft_data(DataConfig(num_train=400, num_heldout=0, task=task))
     assert again["response"].tolist() == rows["response"].tolist()
-    # both habits solve the same way after the givens
-    plain = rows["response"][~restated].iloc[0]
-    assert plain.startswith("<think>") and "Given" not in plain and plain.endswith("</answer>")
-    every, _ = load_sft_data(DataConfig(num_train=50, num_heldout=0, task=TaskConfig(max_operand=6)))
-    assert every["response"].str.startswith("<think>Given ").all()
+    # both habits restate the givens, and every count ends on its step's true result
+    assert rows["response"].str.startswith("<think>Given ").all()
+    for response in rows["response"][counted]:
+        for a, op, b, chain in re.findall(r"([0-9]+) ([-+]) ([0-9]+) = ([0-9 ]+)\.", response):
+            counts = [int(x) for x in chain.split()]
+            assert counts[-1] == (int(a) + int(b) if op == "+" else int(a) - int(b))
+            assert len(counts) == max(int(b), 1)
+    for share in (0.0, 1.0):  # all recall, all count
+        only, _ = load_sft_data(DataConfig(num_train=50, num_heldout=0, task=TaskConfig(max_operand=6,
+                                                                                          counting_share=share)))
+        steps = [step for r in only["response"] for step in re.findall(r"[0-9]+ [-+] ([0-9]+) = ([0-9 ]+)\.", r)]
+        assert steps and all(len(chain.split()) == (int(b) if share else 1) for b, chain in steps)

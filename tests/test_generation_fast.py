@@ -59,6 +59,22 @@ def test_other_architectures_fall_back_to_the_transformers_loop():
     assert out.completion_ids.shape == (6, 5)
 
 
+def test_a_model_with_hooks_decodes_through_its_own_forward():
+    model, tok = _qwen2()
+    banned = list(range(len(tok) // 2))  # the first half of the vocabulary
+    out = TransformersBackend(model, tok).generate(PROMPTS, 4, SamplingConfig(max_new_tokens=12, temperature=2.0))
+    assert torch.isin(out.completion_ids, torch.tensor(banned)).any()  # a random model writes some
+
+    def ban(module, args, logits):  # a logit mask as a forward hook: the lean step would skip it
+        logits[..., banned] = -1e4
+        return logits
+
+    model.get_output_embeddings().register_forward_hook(ban)
+    assert not lean_decode_supported(model)
+    out = TransformersBackend(model, tok).generate(PROMPTS, 4, SamplingConfig(max_new_tokens=12, temperature=2.0))
+    assert not torch.isin(out.completion_ids, torch.tensor(banned)).any()
+
+
 @pytest.mark.parametrize("make", [_qwen2, _llama])
 def test_lean_greedy_decode_matches_the_transformers_loop(make, monkeypatch):
     model, tok = make()

@@ -80,8 +80,16 @@ def test_equal_rewards_give_no_gradient_and_leave_weights_alone(tmp_path):
 
 
 def test_every_completion_truncated_is_reported_and_harmless(tmp_path):
-    # an untrained model never ends its turn within 8 tokens; format reward is 0 for all, so no signal
+    # the policy cannot end its turn (its end-of-turn logits pushed down), so all 8 tokens are used; format reward
+    # is 0 for all, so no signal
     trainer, seen = make_trainer(tmp_path, {"format": 1.0}, beta=0.04)
+    ends = trainer.tokenizer.all_special_ids
+
+    def never_ends(module, args, logits):
+        logits[..., ends] = -1e4
+        return logits
+
+    trainer.model.get_output_embeddings().register_forward_hook(never_ends)
     trainer.train()
     m = seen[1]
     assert m["completion_truncated"] == 1.0 and m["completion_length"] == 8.0
