@@ -1458,9 +1458,10 @@ class UnknownRewardError(KeyError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RewardScores:
-    per_function: dict[str, list[float | None]]  # None: not scorable / failed
+    per_function: dict[str, list[float | None]]  # None: the function does not apply, or it failed
     total: list[float]  # sum of weight * score, a None counting as 0.0
-    failures: dict[str, int]  # completions each function could not score
+    failures: dict[str, int]  # completions each function failed on (raised, NaN/inf/non-number, wrong length)
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # completions it returned None for
 
 
 def _normalize_specs(
@@ -1482,23 +1483,31 @@ def _normalize_specs(
     return [(name, float(weight)) for name, weight in items]
 
 
-def _clean_score(value: Any) -> float | None:
-    """A finite float, or None for None/NaN/inf/non-numbers. 0-d arrays/tensors are unwrapped."""
+_FAILED = object()  # a score that could not be had, as opposed to a function's own None ("does not apply")
+
+
+def _clean_score(value: Any) -> Any:
+    """A finite float; None for None (the function does not apply); _FAILED for NaN/inf/non-numbers.
+
+    0-d arrays/tensors are unwrapped.
+    """
+    if value is None:
+        return None
     if not isinstance(value, numbers.Real) and hasattr(value, "item"):
         try:
             value = value.item()
         except Exception:
-            return None
+            return _FAILED
     if isinstance(value, numbers.Real):
         value = float(value)
-        return value if math.isfinite(value) else None
-    return None
+        return value if math.isfinite(value) else _FAILED
+    return _FAILED
 
 
 def _call_reward(
     fn: Callable, completions: list, columns: Mapping[str, Any], log_level: int = logging.WARNING
-) -> list[float | None] | None:
-    """The function's cleaned scores, or None if it raised. Wrong length: all None."""
+) -> list[Any] | None:
+    """The function's cleaned scores (see _clean_score), or None if it raised. Wrong length: all _FAILED."""
     name = getattr(fn, "__name__", repr(fn))
     try:
         raw = list(fn(completions, **columns))
@@ -1507,24 +1516,24 @@ def _call_reward(
         return None
     if len(raw) != len(completions):
         logger.warning("reward %s returned %d scores for %d completions", name, len(raw), len(completions))
-        return [None] * len(completions)
+        return [_FAILED] * len(completions)
     return [_clean_score(v) for v in raw]
 
 
-def _score_one_function(fn: Callable, completions: list, columns: Mapping[str, Any]) -> list[float | None]:
+def _score_one_function(fn: Callable, completions: list, columns: Mapping[str, Any]) -> list[Any]:
     """Whole batch first; if that raises, completion by completion so a bad one fails alone."""
     scores = _call_reward(fn, completions, columns)
     if scores is not None:
         return scores
     n = len(completions)
-    out: list[float | None] = []
+    out: list[Any] = []
     for i in range(n):
         # Aligned columns are sliced; anything else (a scalar setting) is passed as is.
         single_columns = {
             k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in columns.items()
         }
         single = _call_reward(fn, [completions[i]], single_columns, log_level=logging.DEBUG)
-        out.append(single[0] if single else None)
+        out.append(single[0] if single else _FAILED)
     return out
 
 
@@ -1544,10 +1553,11 @@ def score_completions(
     Bad specs (unknown name, duplicate, non-finite weight) and columns that do
     not align with the completions raise ValueError (unknown names:
     UnknownRewardError, also a KeyError) before anything is scored. After that
-    nothing raises: a score is None when its function raised for that
-    completion, returned None/NaN/inf/a non-number, or returned the wrong
-    number of scores (then all its scores are None). Each None is counted in
-    ``failures`` and adds 0.0 to ``total``, so a failure never poisons the
+    nothing raises: a score is None when its function returned None (it does
+    not apply to that completion, counted in ``skipped``), raised for it,
+    returned NaN/inf/a non-number, or returned the wrong number of scores
+    (then all its scores are None); the last three are counted in
+    ``failures``. A None adds 0.0 to ``total``, so a failure never poisons the
     other rewards with NaN.
     """
     registry = REWARD_FUNCTIONS if registry is None else registry
@@ -1562,12 +1572,15 @@ def score_completions(
 
     per_function: dict[str, list[float | None]] = {}
     failures: dict[str, int] = {}
+    skipped: dict[str, int] = {}
     total = [0.0] * len(completions)
     for name, weight in specs:
-        scores = _score_one_function(registry[name], completions, columns)
+        raw = _score_one_function(registry[name], completions, columns)
+        failures[name] = sum(s is _FAILED for s in raw)
+        skipped[name] = sum(s is None for s in raw)
+        scores = [None if s is _FAILED else s for s in raw]
         per_function[name] = scores
-        failures[name] = sum(s is None for s in scores)
         for i, s in enumerate(scores):
             if s is not None:
                 total[i] += weight * s
-    return RewardScores(per_function=per_function, total=total, failures=failures)
+    return RewardScores(per_function=per_function, total=total, failures=failures, skipped=skipped)

@@ -336,6 +336,8 @@ class GRPOTrainer:
         lengths = rollout.completion_mask.sum(-1).float()  # [N]
         m = {f"reward/{name}": _mean_scored(vals) for name, vals in scores.per_function.items()}
         m.update({f"reward_failures/{name}": float(n) for name, n in scores.failures.items()})
+        # a reward that does not apply to some rows (accuracy without a reference, say): how many it sat out
+        m.update({f"reward_skipped/{name}": float(n) for name, n in scores.skipped.items() if n})
         groups = total.view(-1, G)  # [B, G]
         m.update({
             "reward/total": total.mean().item(),
@@ -431,5 +433,7 @@ def _concat_groups(parts, G: int, want: int, pad_id: int):
         total=[v for _, s, g, _ in chosen for v in s.total[rows(g)]],
         failures={name: sum(s.failures.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
                   for name in first.failures},
+        skipped={name: sum(s.skipped.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
+                 for name in first.skipped},
     )
     return rollout, [i for *_, i in chosen], scores

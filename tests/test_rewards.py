@@ -479,8 +479,17 @@ def test_score_completions_nan_inf_non_numbers_and_none():
 
     result = score_completions(list("abcde"), {"odd": 2.0}, registry=_registry(odd=odd))
     assert result.per_function["odd"] == [None, None, None, None, 0.5]
-    assert result.failures == {"odd": 4}
+    assert result.failures == {"odd": 3}  # NaN, inf and a string failed...
+    assert result.skipped == {"odd": 1}  # ...while None says the reward does not apply there
     assert result.total == [0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_a_reward_that_does_not_apply_is_skipped_not_failed():
+    # accuracy needs a reference: rows without one (a general prompt mixed into alignment) are sat out, not errors
+    result = score_completions([GOOD, GOOD], {"accuracy": 1.0, "format": 1.0}, {"answer": ["5", None]})
+    assert result.per_function["accuracy"] == [1.0, None]
+    assert result.failures == {"accuracy": 0, "format": 0} and result.skipped == {"accuracy": 1, "format": 0}
+    assert result.total == [2.0, 1.0]
 
 
 def test_score_completions_wrong_length_fails_every_completion():
