@@ -122,7 +122,7 @@ class TaskConfig(BaseModel):
 def count_out(step: str) -> str:
     """An addition or subtraction counted out one number at a time: "9 + 3 = 12" -> "9 + 3 = 10 11 12".
 
-    The last number is the result. Every count is a successor or predecessor (a dozen facts in all), where recalling
+    The last number is the result. Every count is one step up or down (one fact per number), where recalling
     "9 + 3 = 12" needs one fact per pair of operands. Products and steps that add or take away nothing stay as
     they are.
     """
