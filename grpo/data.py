@@ -116,7 +116,7 @@ class TaskConfig(BaseModel):
     # share of the worked solutions that count each addition and subtraction out one number at a time
     # ("9 + 3 = 10 11 12.") instead of recalling the result ("9 + 3 = 12."); the rest recall. A small model taught
     # both habits picks one per answer, which leaves reasoning RL a choice to learn from (see recipes/tiny.yaml)
-    counting_share: float = Field(0.5, ge=0.0, le=1.0)
+    counting_share: float = Field(0.4, ge=0.0, le=1.0)
 
 
 def count_out(step: str) -> str:
@@ -183,7 +183,7 @@ def counts_out(question: str, share: float, seed: int) -> bool:
     return int.from_bytes(digest[:4], "big") < share * 2**32
 
 
-def sft_rows(problems: list[Problem], restate_givens: bool = True, counting_share: float = 0.5,
+def sft_rows(problems: list[Problem], restate_givens: bool = True, counting_share: float = 0.4,
              seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame({"prompt": [p.question for p in problems],
                          "response": [format_response(p, restate_givens, counts_out(p.question, counting_share, seed))
