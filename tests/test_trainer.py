@@ -72,8 +72,9 @@ def test_a_step_raises_the_likelihood_of_rewarded_completions(tmp_path):
 
 def test_equal_rewards_give_no_gradient_and_leave_weights_alone(tmp_path):
     trainer, seen = make_trainer(tmp_path, {"constant": 1.0}, beta=0.0, learning_rate=1e-2)
-    before = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}  # the trainer may
-    trainer.train()  # have moved the model to an accelerator
+    # on the CPU: the trainer may have moved the model to an accelerator
+    before = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert seen[1]["reward/zero_std_groups"] == 1.0 and seen[1]["grad_norm"] == 0.0
