@@ -9,6 +9,7 @@ soon as every sequence has ended. A vLLM backend implements the same `generate` 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple, Protocol
 
 import torch
@@ -166,19 +167,41 @@ _LEAN_ARCHITECTURES = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
 _STATIC_ROPE = {"default", "linear", "llama3"}  # rope types whose cos/sin depend on the position alone
 
 
+class _Linear:
+    """`x @ weight.T + bias` for a decode step's fixed row count, with the weight packed once for MKL on CPU.
+
+    Decode runs the same small-M matmuls (M = batch rows) dozens of times per generate call; MKL's packed GEMM
+    reorders the weight once and skips that work in every call after: ~20% faster decode on a 2-core CPU, bit for
+    bit the numbers of `F.linear`. Elsewhere (GPU, no MKL, other dtypes) it is `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+        self.weight, self.bias, self.rows = weight, bias, rows  # weight [out, in], bias [out] or None
+        self.packed = None
+        if _mkl_packing() and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if self.packed is None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+
+
+@functools.cache
+def _mkl_packing() -> bool:
+    """Whether this torch build has MKL's packed GEMM (CPU builds with MKL; not ARM or most GPU-only builds)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
 class _LeanLayer(NamedTuple):
     """One decoder layer's weights as the lean step reads them."""
 
     ln1: torch.Tensor  # [H] input RMSNorm weight
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H] q, k and v projections fused: one matmul instead of three
-    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
-    wo: torch.Tensor  # [H, Hq D]
-    bo: torch.Tensor | None
+    qkv: _Linear  # [H] -> [(Hq + 2 Hkv) D]: q, k and v projections fused, one matmul instead of three
+    o: _Linear  # [Hq D] -> [H]
     ln2: torch.Tensor  # [H] post-attention RMSNorm weight
-    wgu: torch.Tensor  # [2 I, H] gate and up projections fused
-    bgu: torch.Tensor | None
-    wdown: torch.Tensor  # [H, I]
-    bdown: torch.Tensor | None
+    gate_up: _Linear  # [H] -> [2 I]: gate and up projections fused
+    down: _Linear  # [I] -> [H]
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
@@ -189,13 +212,17 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
                                                           device=m.weight.device) for b, m in zip(biases, linears)])
 
 
-def _lean_layer(layer) -> _LeanLayer:
+def _lean_layer(layer, rows: int) -> _LeanLayer:
     """The layer's weights as the lean step uses them (fused copies: the policy changes between generate calls)."""
     a, m = layer.self_attn, layer.mlp
-    return _LeanLayer(layer.input_layernorm.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                      _cat_bias(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight, a.o_proj.bias,
-                      layer.post_attention_layernorm.weight, torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                      _cat_bias(m.gate_proj, m.up_proj), m.down_proj.weight, m.down_proj.bias)
+    return _LeanLayer(
+        layer.input_layernorm.weight,
+        _Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                rows),
+        _Linear(a.o_proj.weight, a.o_proj.bias, rows),
+        layer.post_attention_layernorm.weight,
+        _Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), rows),
+        _Linear(m.down_proj.weight, m.down_proj.bias, rows))
 
 
 def lean_decode_supported(model: PreTrainedModel) -> bool:
@@ -235,7 +262,8 @@ class _LeanDecoder:
 
     Per step and layer: one fused QKV matmul, rotary from a table built once, K/V written in place into a
     preallocated cache, one SDPA call with the query heads of a KV group folded into the query axis (GQA without
-    copying K/V), the output projection, and one fused gate/up matmul. The padding mask is built once and sliced.
+    copying K/V), the output projection, and one fused gate/up matmul, each weight packed once per call for MKL
+    (`_Linear`). The padding mask is built once and sliced.
     """
 
     def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
@@ -246,8 +274,9 @@ class _LeanDecoder:
         self.n_kv, self.head_dim, self.scale = cfg.num_key_value_heads, attn.head_dim, attn.scaling
         self.n_q = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.embed, self.norm, self.head = core.embed_tokens.weight, core.norm.weight, model.lm_head
-        self.layers = [_lean_layer(layer) for layer in core.layers]
+        self.embed, self.norm = core.embed_tokens.weight, core.norm.weight
+        self.head = _Linear(model.lm_head.weight, model.lm_head.bias, B)
+        self.layers = [_lean_layer(layer, B) for layer in core.layers]
         self.k, self.v = [], []
         for layer in cache.layers:  # [B, Hkv, P, D] each -> [B, Hkv, P + max_new, D], prompt part filled
             for prefilled, out in ((layer.keys, self.k), (layer.values, self.v)):
@@ -283,7 +312,7 @@ class _LeanDecoder:
         x = torch.nn.functional.embedding(tok, self.embed)  # [B, H]
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, w.ln1, self.eps)  # [B, H]
-            qkv = torch.nn.functional.linear(h, w.wqkv, w.bqkv)  # [B, (Hq+2Hkv) D]
+            qkv = w.qkv(h)  # [B, (Hq+2Hkv) D]
             qk = qkv[:, : (Hq + Hkv) * D].view(B, Hq + Hkv, D)  # rotary goes on q and k together
             qk = qk * cos + qk.view(B, Hq + Hkv, 2, D // 2).flip(2).view(B, Hq + Hkv, D) * sin
             self.k[i][:, :, t] = qk[:, Hq:]  # [B, Hkv, D]
@@ -292,13 +321,12 @@ class _LeanDecoder:
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, self.k[i][:, :, : t + 1], self.v[i][:, :, : t + 1], attn_mask=bias,
                 scale=self.scale)  # [B, Hkv, Hq/Hkv, D]
-            x = x + torch.nn.functional.linear(o.reshape(B, Hq * D), w.wo, w.bo)
+            x = x + w.o(o.reshape(B, Hq * D))
             h = _rms_norm(x, w.ln2, self.eps)
-            gate, up = torch.nn.functional.linear(h, w.wgu, w.bgu).chunk(2, -1)  # [B, I] each
-            x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w.wdown, w.bdown)
+            gate, up = w.gate_up(h).chunk(2, -1)  # [B, I] each
+            x = x + w.down(torch.nn.functional.silu(gate) * up)
         self.t = t + 1
-        return torch.nn.functional.linear(_rms_norm(x, self.norm, self.eps), self.head.weight,
-                                          self.head.bias)  # [B, V]
+        return self.head(_rms_norm(x, self.norm, self.eps))  # [B, V]
 
 
 def _pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:

@@ -108,6 +108,18 @@ def test_lean_sampled_logprobs_match_a_full_forward_pass(make, n):
     assert torch.allclose(expected * completion_mask, logprobs, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_gives_f_linear_numbers(bias):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(5, 32)  # x: [rows, in]
+    lin = generation._Linear(w, b, rows=5)
+    assert (lin.packed is not None) == torch.backends.mkl.is_available()  # packed wherever MKL is there
+    assert torch.allclose(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-6)
+    half = generation._Linear(w.bfloat16(), None if b is None else b.bfloat16(), rows=5)
+    assert half.packed is None  # MKL packs fp32 only: other dtypes take F.linear
+    assert torch.equal(half(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), half.bias))
+
+
 def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
     torch.manual_seed(0)
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]]).repeat(5000, 1)
