@@ -120,6 +120,22 @@ def test_packed_linear_gives_f_linear_numbers(bias):
     assert torch.equal(half(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), half.bias))
 
 
+def test_a_large_model_decodes_without_packed_copies(monkeypatch):
+    model, tok = _llama()
+    ids, mask = _encode(tok, n=2)
+    s = SamplingConfig(max_new_tokens=12, temperature=0)
+    built = []
+    build = generation._LeanDecoder.build.__func__
+    monkeypatch.setattr(generation._LeanDecoder, "build",
+                        classmethod(lambda cls, *a: built.append(build(cls, *a)) or built[-1]))
+    packed = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    monkeypatch.setattr(generation, "_PACK_MAX_BYTES", 0)  # as if the model were over the limit
+    plain = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    assert all(lin.packed is None for w in built[1].layers for lin in (w.qkv, w.o, w.gate_up, w.down))
+    assert (built[0].head.packed is not None) == torch.backends.mkl.is_available()
+    assert torch.equal(packed[0], plain[0]) and torch.allclose(packed[2], plain[2], atol=1e-6)
+
+
 def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
     torch.manual_seed(0)
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]]).repeat(5000, 1)
