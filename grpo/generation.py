@@ -167,25 +167,34 @@ _LEAN_ARCHITECTURES = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
 _STATIC_ROPE = {"default", "linear", "llama3"}  # rope types whose cos/sin depend on the position alone
 
 
-_PACK_MAX_BYTES = 1 << 30  # packed copies only for models this small: a large model's GEMMs gain little from them
+# fused and packed weight copies only for models this small: for a large model they would cost as much memory as
+# the model itself, and its matmuls are big enough to run well without them
+_COPY_MAX_BYTES = 1 << 30
 
 
 class _Linear:
-    """`x @ weight.T + bias` for a decode step's fixed row count, with the weight packed once for MKL on CPU.
+    """One or more `nn.Linear`s applied to the same input, outputs side by side: [rows, in] -> [rows, sum(out)].
 
-    Decode runs the same small-M matmuls (M = batch rows) dozens of times per generate call; MKL's packed GEMM
-    reorders the weight once and skips that work in every call after: 10-20% faster sampling for the GRPO
-    benchmark's model on 2 CPU cores, bit for bit the numbers of `F.linear`. Elsewhere (GPU, no MKL, other
-    dtypes, `pack=False`) it is `F.linear`.
+    With copies allowed (small models), their weights are concatenated into one matrix, so q/k/v (or gate/up) take
+    one matmul instead of several, and on CPU the matrix is packed once for MKL's GEMM: decode runs the same
+    small-M matmuls (M = batch rows) dozens of times per generate call, and packing skips the weight reordering in
+    every call after the first. That is 10-20% faster sampling for the GRPO benchmark's model on 2 CPU cores, bit
+    for bit the numbers of `F.linear`. Without copies, each module's own weight is used in place.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, pack: bool = True):
-        self.weight, self.bias, self.rows = weight, bias, rows  # weight [out, in], bias [out] or None
-        self.packed = None
-        if pack and _mkl_packing() and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    def __init__(self, linears: list[torch.nn.Linear], rows: int, copies: bool):
+        self.rows, self.packed, self.parts = rows, None, None
+        if len(linears) > 1 and not copies:
+            self.parts = [(m.weight, m.bias) for m in linears]
+            return
+        self.weight = linears[0].weight if len(linears) == 1 else torch.cat([m.weight for m in linears])  # [out, in]
+        self.bias = _cat_bias(*linears)  # [out] or None
+        if copies and _mkl_packing() and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if self.parts is not None:
+            return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in self.parts], -1)
         if self.packed is None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
@@ -201,32 +210,27 @@ class _LeanLayer(NamedTuple):
     """One decoder layer's weights as the lean step reads them."""
 
     ln1: torch.Tensor  # [H] input RMSNorm weight
-    qkv: _Linear  # [H] -> [(Hq + 2 Hkv) D]: q, k and v projections fused, one matmul instead of three
+    qkv: _Linear  # [H] -> [(Hq + 2 Hkv) D]: q, k and v projections
     o: _Linear  # [Hq D] -> [H]
     ln2: torch.Tensor  # [H] post-attention RMSNorm weight
-    gate_up: _Linear  # [H] -> [2 I]: gate and up projections fused
+    gate_up: _Linear  # [H] -> [2 I]: gate and up projections
     down: _Linear  # [I] -> [H]
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
     biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        return None
+    if len(linears) == 1 or all(b is None for b in biases):
+        return biases[0]
     return torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
                                                           device=m.weight.device) for b, m in zip(biases, linears)])
 
 
-def _lean_layer(layer, rows: int, pack: bool) -> _LeanLayer:
-    """The layer's weights as the lean step uses them (fused copies: the policy changes between generate calls)."""
+def _lean_layer(layer, rows: int, copies: bool) -> _LeanLayer:
+    """The layer's weights as the lean step uses them (built per generate call: the policy changes between them)."""
     a, m = layer.self_attn, layer.mlp
-    return _LeanLayer(
-        layer.input_layernorm.weight,
-        _Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                rows, pack),
-        _Linear(a.o_proj.weight, a.o_proj.bias, rows, pack),
-        layer.post_attention_layernorm.weight,
-        _Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), rows, pack),
-        _Linear(m.down_proj.weight, m.down_proj.bias, rows, pack))
+    return _LeanLayer(layer.input_layernorm.weight, _Linear([a.q_proj, a.k_proj, a.v_proj], rows, copies),
+                      _Linear([a.o_proj], rows, copies), layer.post_attention_layernorm.weight,
+                      _Linear([m.gate_proj, m.up_proj], rows, copies), _Linear([m.down_proj], rows, copies))
 
 
 def lean_decode_supported(model: PreTrainedModel) -> bool:
@@ -266,8 +270,8 @@ class _LeanDecoder:
 
     Per step and layer: one fused QKV matmul, rotary from a table built once, K/V written in place into a
     preallocated cache, one SDPA call with the query heads of a KV group folded into the query axis (GQA without
-    copying K/V), the output projection, and one fused gate/up matmul, each weight packed once per call for MKL
-    (`_Linear`). The padding mask is built once and sliced.
+    copying K/V), the output projection, and one fused gate/up matmul (for a small model; see `_Linear`). The padding
+    mask is built once and sliced.
     """
 
     def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
@@ -279,9 +283,9 @@ class _LeanDecoder:
         self.n_q = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.embed, self.norm = core.embed_tokens.weight, core.norm.weight
-        pack = sum(p.numel() * p.element_size() for p in model.parameters()) <= _PACK_MAX_BYTES
-        self.head = _Linear(model.lm_head.weight, model.lm_head.bias, B, pack)
-        self.layers = [_lean_layer(layer, B, pack) for layer in core.layers]
+        copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= _COPY_MAX_BYTES
+        self.head = _Linear([model.lm_head], B, copies)
+        self.layers = [_lean_layer(layer, B, copies) for layer in core.layers]
         self.k, self.v = [], []
         for layer in cache.layers:  # [B, Hkv, P, D] each -> [B, Hkv, P + max_new, D], prompt part filled
             for prefilled, out in ((layer.keys, self.k), (layer.values, self.v)):

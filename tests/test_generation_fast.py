@@ -108,19 +108,23 @@ def test_lean_sampled_logprobs_match_a_full_forward_pass(make, n):
     assert torch.allclose(expected * completion_mask, logprobs, atol=1e-4)
 
 
+@pytest.mark.parametrize("copies", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_gives_f_linear_numbers(bias):
+def test_lean_linear_gives_f_linear_numbers(bias, copies):
     torch.manual_seed(0)
-    w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(5, 32)  # x: [rows, in]
-    lin = generation._Linear(w, b, rows=5)
-    assert (lin.packed is not None) == torch.backends.mkl.is_available()  # packed wherever MKL is there
-    assert torch.allclose(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-6)
-    half = generation._Linear(w.bfloat16(), None if b is None else b.bfloat16(), rows=5)
+    mods = [torch.nn.Linear(32, n, bias=bias) for n in (48, 16, 16)]  # q, k, v
+    x = torch.randn(5, 32)  # [rows, in]
+    want = torch.cat([m(x) for m in mods], -1)
+    lin = generation._Linear(mods, rows=5, copies=copies)
+    assert (lin.parts is None) == copies  # fused into one matrix only when copies are allowed
+    assert (lin.packed is not None) == (copies and torch.backends.mkl.is_available())  # and then packed for MKL
+    assert torch.allclose(lin(x), want, atol=1e-6)
+    half = generation._Linear([m.bfloat16() for m in mods], rows=5, copies=copies)
     assert half.packed is None  # MKL packs fp32 only: other dtypes take F.linear
-    assert torch.equal(half(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), half.bias))
+    assert torch.allclose(half(x.bfloat16()).float(), torch.cat([m(x.bfloat16()) for m in mods], -1).float())
 
 
-def test_a_large_model_decodes_without_packed_copies(monkeypatch):
+def test_a_large_model_decodes_from_its_own_weights(monkeypatch):
     model, tok = _llama()
     ids, mask = _encode(tok, n=2)
     s = SamplingConfig(max_new_tokens=12, temperature=0)
@@ -128,12 +132,15 @@ def test_a_large_model_decodes_without_packed_copies(monkeypatch):
     build = generation._LeanDecoder.build.__func__
     monkeypatch.setattr(generation._LeanDecoder, "build",
                         classmethod(lambda cls, *a: built.append(build(cls, *a)) or built[-1]))
-    packed = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
-    monkeypatch.setattr(generation, "_PACK_MAX_BYTES", 0)  # as if the model were over the limit
-    plain = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
-    assert all(lin.packed is None for w in built[1].layers for lin in (w.qkv, w.o, w.gate_up, w.down))
-    assert (built[0].head.packed is not None) == torch.backends.mkl.is_available()
-    assert torch.equal(packed[0], plain[0]) and torch.allclose(packed[2], plain[2], atol=1e-6)
+    small = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    monkeypatch.setattr(generation, "_COPY_MAX_BYTES", 0)  # as if the model were over the limit
+    large = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    for w, layer in zip(built[1].layers, model.model.layers):  # no fused or packed copy: the modules' own weights
+        qkv = (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)
+        assert all(got is want for (got, _), want in zip(w.qkv.parts, qkv))
+        assert w.down.weight is layer.mlp.down_proj.weight and w.gate_up.parts is not None
+        assert all(lin.packed is None for lin in (w.qkv, w.o, w.gate_up, w.down))
+    assert torch.equal(small[0], large[0]) and torch.allclose(small[2], large[2], atol=1e-5)
 
 
 def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
