@@ -183,10 +183,12 @@ def counts_out(question: str, share: float, seed: int) -> bool:
     return int.from_bytes(digest[:4], "big") < share * 2**32
 
 
-def sft_rows(problems: list[Problem], restate_givens: bool = True, counting_share: float = 0.4,
-             seed: int = 0) -> pd.DataFrame:
+def sft_rows(problems: list[Problem], task: TaskConfig | None = None) -> pd.DataFrame:
+    """Prompt/response rows with worked solutions written the way `task` says (its defaults when None)."""
+    task = task or TaskConfig()
     return pd.DataFrame({"prompt": [p.question for p in problems],
-                         "response": [format_response(p, restate_givens, counts_out(p.question, counting_share, seed))
+                         "response": [format_response(p, task.restate_givens,
+                                                      counts_out(p.question, task.counting_share, task.seed))
                                       for p in problems]})
 
 
@@ -321,7 +323,7 @@ def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Training rows (prompt, response) and held-out rows (prompt, answer), both validated before any training."""
-    return _load(cfg, SFT_SCHEMA, lambda ps, task: sft_rows(ps, task.restate_givens, task.counting_share, task.seed)), load_heldout(cfg)
+    return _load(cfg, SFT_SCHEMA, lambda ps, task: sft_rows(ps, task)), load_heldout(cfg)
 
 
 def load_rl_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:

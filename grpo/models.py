@@ -83,7 +83,8 @@ def tokenizer_corpus() -> list[str]:
 
     texts: list[str] = []
     for max_operand in (6, 9, 30):
-        rows = sft_rows(generate_problems(TaskConfig(max_operand=max_operand), 600, "train"))
+        task = TaskConfig(max_operand=max_operand)
+        rows = sft_rows(generate_problems(task, 600, "train"), task)
         texts += list(rows["prompt"]) + list(rows["response"])
     pairs = preference_pairs(400)
     texts += list(pairs["prompt"]) + list(pairs["chosen"]) + list(pairs["rejected"])

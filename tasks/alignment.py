@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -60,7 +61,9 @@ def register_model(run_id: str, checkpoint_uri: str, name: str, alias: str) -> s
     c = tracking.client()
     try:
         c.get_registered_model(name)
-    except Exception:  # noqa: BLE001  (MlflowException: not registered yet)
+    except MlflowException as e:  # only "not registered yet": a server or permission error stops here
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
         c.create_registered_model(name, description="Final model of the R1 pipeline (after alignment GRPO).")
     prefix = f"runs:/{run_id}/"
     if not checkpoint_uri.startswith(prefix):
