@@ -42,6 +42,25 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
+def deployed_server(tmp_path_factory):
+    """A real `prefect server` on a free port with both work pools and every deployment, for the whole session.
+
+    It takes ~30 s to start and deploy; the modules that need one (deployments, UI) share it and start their own
+    workers and MLflow servers, stopping them when the module ends.
+    """
+    from flows import stack
+
+    root = tmp_path_factory.mktemp("prefect-server")
+    prefect, api = stack.start_prefect_server(root / "prefect", stack.free_port(), root / "logs")
+    try:
+        stack.create_work_pools(api)
+        stack.deploy_all(api)
+        yield {"api": api, "root": root}
+    finally:
+        stack.stop_process(prefect)
+
+
+@pytest.fixture(scope="session")
 def mlflow_client():
     from tasks import tracking
 

@@ -1,7 +1,7 @@
 """deployments/prefect.yaml against a real `prefect server` and a real `mlflow server`, both started here.
 
-A Prefect server (its own PREFECT_HOME and SQLite in a temp folder) gets both work pools and `prefect deploy --all`;
-a process worker then runs the cold-start stage's deployment, which logs to an MLflow server (SQLite + a local
+A Prefect server (its own PREFECT_HOME and SQLite in a temp folder; the session's, see conftest.py) gets both work
+pools and `prefect deploy --all`; a process worker then runs the cold-start stage's deployment, which logs to an MLflow server (SQLite + a local
 artifact folder). The Kubernetes GPU template is rendered by Prefect's own job-configuration code.
 """
 
@@ -23,19 +23,15 @@ EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "local"), ("reasoning_g
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """A Prefect server with both pools and every deployment, and an MLflow server; stopped after the module."""
+def servers(deployed_server, tmp_path_factory):
+    """The session's Prefect server (both pools, every deployment) and an MLflow server stopped after the module."""
     root = tmp_path_factory.mktemp("stack")
     started: list[stack.Started] = []
     try:
-        prefect, api = stack.start_prefect_server(root / "prefect", stack.free_port(), root / "logs")
-        started.append(prefect)
         mlflow, tracking = stack.start_mlflow_server(root / "mlflow.db", root / "mlartifacts", stack.free_port(),
                                                      root / "logs")
         started.append(mlflow)
-        stack.create_work_pools(api)
-        stack.deploy_all(api)
-        yield {"api": api, "tracking": tracking, "root": root, "started": started}
+        yield {"api": deployed_server["api"], "tracking": tracking, "root": root, "started": started}
     finally:
         for p in reversed(started):
             stack.stop_process(p)

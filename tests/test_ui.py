@@ -28,21 +28,15 @@ CHANGES = {"Max Steps": "2", "Num Train": "64", "Num Heldout": "0", "Log Every":
 
 
 @pytest.fixture(scope="module")
-def team_stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ui")
-    started: list[stack.Started] = []
+def team_stack(deployed_server, tmp_path_factory):
+    """The session's Prefect server (every deployment) and a process worker of this module's own."""
+    root, api = tmp_path_factory.mktemp("ui"), deployed_server["api"]
+    tracking = f"sqlite:///{root / 'mlflow.db'}"
+    worker = stack.start_worker(api, tracking, root / "logs", PREFECT_WORKER_QUERY_SECONDS="2", OMP_NUM_THREADS="1")
     try:
-        prefect, api = stack.start_prefect_server(root / "prefect", stack.free_port(), root / "logs")
-        started.append(prefect)
-        stack.create_work_pools(api)
-        stack.deploy_all(api)
-        tracking = f"sqlite:///{root / 'mlflow.db'}"
-        started.append(stack.start_worker(api, tracking, root / "logs", PREFECT_WORKER_QUERY_SECONDS="2",
-                                          OMP_NUM_THREADS="1"))
-        yield {"api": api, "ui": api.removesuffix("/api"), "tracking": tracking, "worker": started[-1]}
+        yield {"api": api, "ui": api.removesuffix("/api"), "tracking": tracking, "worker": worker}
     finally:
-        for p in reversed(started):
-            stack.stop_process(p)
+        stack.stop_process(worker)
 
 
 @pytest.fixture
