@@ -3,7 +3,8 @@
 usage: python benchmarks/grpo_step.py MODEL_DIR [--workload PATH]
 MODEL_DIR comes from the shared bench's make_tiny_model.py (a tiny random Qwen2 model, tokenizer, prompts.jsonl).
 Prints, as its last line, the JSON figures the peer prints: median step seconds, completion tokens per second
-(mean completion length x completions per step / step time, per step, median), peak RSS in MiB.
+(mean completion length x completions per step / step time, per step, median), peak RSS in MiB; then the median
+seconds of the step's three parts: sampling and scoring, reference log-probs, policy update.
 Same hyperparameters and reward as the peer; the timed step is the whole step: sampling, scoring, reference
 log-probs, loss, backward and optimizer step.
 """
@@ -67,6 +68,9 @@ def main() -> None:
                                                            for m in timed), 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "mean_completion_length": round(statistics.mean(m["completion_length"] for m in steps), 2),
+        # where the step goes (medians; not in the peer's figures)
+        **{f"median_{k}_s": round(statistics.median(m[f"time/{k}_s"] for m in timed), 4)
+           for k in ("generation", "reference", "optimise")},
     }))
 
 

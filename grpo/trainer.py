@@ -310,11 +310,12 @@ class GRPOTrainer:
             rollout, idx, scores, metrics = self.collect(step)
             t_gen = time.perf_counter() - t0
             batch = self.build_batch(rollout, scores.total)
+            t_ref = time.perf_counter() - t0 - t_gen
             for _ in range(cfg.num_iterations):
                 opt_stats = self.optimise(batch)
             elapsed = time.perf_counter() - t0
             done = step + 1
-            metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen))
+            metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen, t_ref))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/total']:.3f}")
             if self.on_metrics and (done % cfg.log_every == 0 or done == cfg.max_steps):
@@ -330,7 +331,8 @@ class GRPOTrainer:
         shutil.rmtree(ckpt_root, ignore_errors=True)
         return GRPOResult(model_dir, cfg.max_steps)
 
-    def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float) -> dict[str, float]:
+    def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
+                      t_ref: float) -> dict[str, float]:
         G = self.cfg.num_generations
         total = torch.tensor(scores.total)  # [N]
         lengths = rollout.completion_mask.sum(-1).float()  # [N]
@@ -347,7 +349,9 @@ class GRPOTrainer:
             "completion_truncated": rollout.truncated.float().mean().item(),
             "tokens_per_s": lengths.sum().item() / elapsed,
             "time/step_s": elapsed,
-            "time/generation_s": t_gen,
+            "time/generation_s": t_gen,  # sampling and scoring
+            "time/reference_s": t_ref,  # reference (and pi_old) log-probs
+            "time/optimise_s": elapsed - t_gen - t_ref,  # policy forward, backward and optimizer step(s)
             "learning_rate": self.scheduler.get_last_lr()[0],
         })
         m.update(opt)

@@ -78,6 +78,9 @@ def test_equal_rewards_give_no_gradient_and_leave_weights_alone(tmp_path):
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert seen[1]["reward/zero_std_groups"] == 1.0 and seen[1]["grad_norm"] == 0.0
+    # the step's time in three parts; beta = 0: no reference forward at all
+    parts = [seen[1][f"time/{k}_s"] for k in ("generation", "reference", "optimise")]
+    assert parts[0] > 0 and 0 <= parts[1] < parts[2] and sum(parts) == pytest.approx(seen[1]["time/step_s"])
 
 
 def test_every_completion_truncated_is_reported_and_harmless(tmp_path):
