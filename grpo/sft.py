@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from grpo.accelerate_utils import make_accelerator
+from grpo.accelerate_utils import make_accelerator, make_adamw
+from grpo.attention import cpu_attention
 from grpo.data import DataError, as_messages
 from grpo.generation import render_prompts
 
@@ -149,7 +150,7 @@ def train_sft(
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
@@ -165,30 +166,33 @@ def train_sft(
     last_loss = math.nan
     bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", disable=not progress or not acc.is_main_process,
                mininterval=2.0)
-    for step in range(start, cfg.max_steps):
-        for micro in range(cfg.grad_accum_steps):
-            idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
-            batch = {k: v.to(acc.device) for k, v in collate([examples[i] for i in idx], tokenizer.pad_token_id).items()}
-            with acc.accumulate(model):
-                loss = model(**batch).loss  # mean over response tokens (labels -100 elsewhere)
-                acc.backward(loss)
-                grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if acc.sync_gradients else None
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            window.append(loss.item())
-        bar.update(1)
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
-            last_loss = sum(window) / len(window)
-            window.clear()
-            bar.set_postfix(loss=f"{last_loss:.3f}")
-            if on_metrics:
-                on_metrics(done, {"train/loss": last_loss, "train/learning_rate": scheduler.get_last_lr()[0],
-                                  "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                                  "train/epoch": done * cfg.grad_accum_steps * cfg.batch_size / len(examples)})
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-            _save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints)
+    with cpu_attention(acc.unwrap_model(model)):  # faster attention on CPU, the same numbers
+        for step in range(start, cfg.max_steps):
+            for micro in range(cfg.grad_accum_steps):
+                idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
+                collated = collate([examples[i] for i in idx], tokenizer.pad_token_id)
+                batch = {k: v.to(acc.device) for k, v in collated.items()}
+                with acc.accumulate(model):
+                    loss = model(**batch).loss  # mean over response tokens (labels -100 elsewhere)
+                    acc.backward(loss)
+                    grad_norm = (acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if acc.sync_gradients
+                                 else None)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                window.append(loss.item())
+            bar.update(1)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                last_loss = sum(window) / len(window)
+                window.clear()
+                bar.set_postfix(loss=f"{last_loss:.3f}")
+                if on_metrics:
+                    on_metrics(done, {"train/loss": last_loss, "train/learning_rate": scheduler.get_last_lr()[0],
+                                      "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                                      "train/epoch": done * cfg.grad_accum_steps * cfg.batch_size / len(examples)})
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+                _save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints)
     bar.close()
 
     model_dir = output_dir / "model"

@@ -28,8 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from grpo.accelerate_utils import make_accelerator
+from grpo.accelerate_utils import make_accelerator, make_adamw
 from grpo.advantages import group_advantages
+from grpo.attention import cpu_attention
 from grpo.generation import GenerationBackend, Rollout, SamplingConfig, TransformersBackend, distinct_rows
 from grpo.loss import grpo_loss
 from grpo.rewards import REWARD_FUNCTIONS, score_completions
@@ -195,7 +196,7 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.beta != 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(self.acc.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
         scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                   num_training_steps=cfg.max_steps * cfg.num_iterations)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
@@ -304,6 +305,17 @@ class GRPOTrainer:
         ckpt_root = self.output_dir / "checkpoints"
         start = self._resume(ckpt_root)
         bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", disable=not self.progress, mininterval=2.0)
+        with cpu_attention(self.acc.unwrap_model(self.model), self.ref_model):
+            self._loop(start, bar, ckpt_root)
+        bar.close()
+        model_dir = self.output_dir / "model"
+        self.acc.unwrap_model(self.model).save_pretrained(model_dir)
+        self.tokenizer.save_pretrained(model_dir)
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+        return GRPOResult(model_dir, cfg.max_steps)
+
+    def _loop(self, start: int, bar, ckpt_root: Path) -> None:
+        cfg = self.cfg
         for step in range(start, cfg.max_steps):
             torch.manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run samples what it would have sampled
             t0 = time.perf_counter()
@@ -324,12 +336,6 @@ class GRPOTrainer:
                 self.on_samples(done, self._samples_table(rollout, idx, scores))
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
-        bar.close()
-        model_dir = self.output_dir / "model"
-        self.acc.unwrap_model(self.model).save_pretrained(model_dir)
-        self.tokenizer.save_pretrained(model_dir)
-        shutil.rmtree(ckpt_root, ignore_errors=True)
-        return GRPOResult(model_dir, cfg.max_steps)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
