@@ -41,7 +41,7 @@ from transformers import (
     get_scheduler,
 )
 
-from grpo.accelerate_utils import make_accelerator
+from grpo.accelerate_utils import make_accelerator, make_adamw
 from grpo.data import DataError
 from grpo.generation import render_prompts
 from grpo.models import _DTYPES, TINY, ModelConfig, build_tiny_model, check_model_config, load_tokenizer
@@ -302,7 +302,7 @@ def train_reward_model(
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False  # one forward per batch: a KV cache would only cost memory
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpo.accelerate_utils import make_adamw
 from grpo.generation import Rollout, SamplingConfig
 from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
@@ -179,3 +180,23 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "model").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "model").state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_adamw_is_fused_on_cpu_and_steps_like_the_plain_one():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)  # frozen parameters are left out
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    twin.load_state_dict(model.state_dict())
+    fused = make_adamw(model, 1e-2, 0.01)
+    assert fused.defaults["fused"] is True
+    assert [p for g in fused.param_groups for p in g["params"]] == list(model[1].parameters())
+    plain = torch.optim.AdamW(twin[1].parameters(), lr=1e-2, weight_decay=0.01)
+    x = torch.randn(16, 8)
+    for _ in range(3):
+        for m, opt in ((model, fused), (twin, plain)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
