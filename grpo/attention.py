@@ -4,7 +4,7 @@ transformers' SDPA path on CPU copies every K/V head to each query head that rea
 is passed, which GRPO's padded batches always do, and torch's CPU flash kernel is slow to differentiate at these
 sizes (a few dozen to a few hundred positions). Here the query heads that share a K/V head are stacked along the
 query axis, so one batched matmul per K/V head computes their scores against K/V as stored. On the GRPO benchmark's
-model the attention's forward and backward take ~40% less time than SDPA's, and the repeated K/V heads are no longer
+model the attention's forward and backward take ~45% less time than SDPA's, and the repeated K/V heads are no longer
 kept for the backward. The numbers match SDPA's to float rounding (~1e-6).
 
 `cpu_attention(model)` switches a model to it for the duration of a block, and only where it is exactly the model's
