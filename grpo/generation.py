@@ -105,13 +105,13 @@ def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
         step = _HFDecoder(model, cache, mask, next_pos, amp)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     toks, lps, alive = [], [], []
-    for _ in range(s.max_new_tokens):
+    for i in range(s.max_new_tokens):
         tok, lp = _pick(logits, s)  # [B], [B]
         alive.append(~done)
         toks.append(tok.masked_fill(done, pad_id))
         lps.append(lp.masked_fill(done, 0.0))
         done = done | torch.isin(tok, eos)
-        if bool(done.all()):
+        if i == s.max_new_tokens - 1 or bool(done.all()):  # no decode step for a token nobody will read
             break
         logits = step(toks[-1])  # [B, V]
     completion_ids = torch.stack(toks, 1)  # [B, C]
