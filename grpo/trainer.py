@@ -33,6 +33,7 @@ from grpo.advantages import group_advantages
 from grpo.attention import cpu_attention
 from grpo.generation import GenerationBackend, Rollout, SamplingConfig, TransformersBackend, distinct_rows
 from grpo.loss import grpo_loss
+from grpo.mlp import compact_mlp
 from grpo.rewards import REWARD_FUNCTIONS, score_completions
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -305,7 +306,8 @@ class GRPOTrainer:
         ckpt_root = self.output_dir / "checkpoints"
         start = self._resume(ckpt_root)
         bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", disable=not self.progress, mininterval=2.0)
-        with cpu_attention(self.acc.unwrap_model(self.model), self.ref_model):
+        policy = self.acc.unwrap_model(self.model)
+        with cpu_attention(policy, self.ref_model), compact_mlp(policy):
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = self.output_dir / "model"
