@@ -168,7 +168,8 @@ def train_sft(
     bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", disable=not progress or not acc.is_main_process,
                mininterval=2.0)
     # faster attention on CPU and one tensor less per MLP kept for the backward; the same numbers
-    with cpu_attention(acc.unwrap_model(model)), compact_mlp(acc.unwrap_model(model)):
+    unwrapped = acc.unwrap_model(model)
+    with cpu_attention(unwrapped), compact_mlp(unwrapped):
         for step in range(start, cfg.max_steps):
             for micro in range(cfg.grad_accum_steps):
                 idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
@@ -198,7 +199,6 @@ def train_sft(
     bar.close()
 
     model_dir = output_dir / "model"
-    unwrapped = acc.unwrap_model(model)
     if cfg.gradient_checkpointing:
         unwrapped.gradient_checkpointing_disable()
         unwrapped.config.use_cache = True

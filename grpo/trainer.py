@@ -311,7 +311,7 @@ class GRPOTrainer:
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = self.output_dir / "model"
-        self.acc.unwrap_model(self.model).save_pretrained(model_dir)
+        policy.save_pretrained(model_dir)
         self.tokenizer.save_pretrained(model_dir)
         shutil.rmtree(ckpt_root, ignore_errors=True)
         return GRPOResult(model_dir, cfg.max_steps)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo.attention import NAME, cpu_attention, grouped_attention_supported
 from grpo.models import ModelConfig, TinyModelConfig, build_tokenizer, load_model_and_tokenizer
@@ -77,6 +77,10 @@ def test_only_exact_cases_are_switched(qwen2):
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                sliding_window=8))
     assert not grouped_attention_supported(sliding)  # another architecture (and a window the function ignores)
+    windowed = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                            use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    assert not grouped_attention_supported(windowed)  # the right architecture, but a window the function ignores
     model.set_attn_implementation("eager")
     try:
         assert grouped_attention_supported(model)
