@@ -13,8 +13,10 @@ folder (which is also what a checkpoint artifact downloads to).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -216,3 +218,53 @@ def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrai
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether activation checkpointing is on for `model` (transformers 5's name, or 4.x's)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+
+def _enable_checkpointing(model: PreTrainedModel) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if getattr(model, "_require_grads_hook", None) is not None:
+        model.disable_input_require_grads()
+
+
+def _disable_checkpointing(model: PreTrainedModel) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+@contextlib.contextmanager
+def activation_checkpointing(model: PreTrainedModel, enabled: bool = True) -> Iterator[None]:
+    """Within the block, each decoder layer of `model` keeps only its input for the backward and recomputes the rest.
+
+    One more forward pass of compute in the backward, for the activation memory of one layer instead of all of
+    them: what lets a real model's batch fit on its GPU. Non-reentrant checkpointing (torch's recommended form),
+    which needs no gradient on the layers' inputs, so the input-embedding hook transformers installs for the
+    reentrant form is removed again (a hooked model would sample through the generic decode path). The KV cache
+    is off in the block (a training forward would only fill it) and the model's own setting is back after, as is
+    checkpointing off, also after an error. Nothing changes when `enabled` is False or checkpointing is already on.
+    """
+    if not enabled or is_checkpointing(model):
+        yield
+        return
+    use_cache = model.config.use_cache
+    _enable_checkpointing(model)
+    model.config.use_cache = False
+    try:
+        yield
+    finally:
+        _disable_checkpointing(model)
+        model.config.use_cache = use_cache

@@ -44,7 +44,15 @@ from transformers import (
 from grpo.accelerate_utils import make_accelerator, make_adamw
 from grpo.data import DataError
 from grpo.generation import render_prompts
-from grpo.models import _DTYPES, TINY, ModelConfig, build_tiny_model, check_model_config, load_tokenizer
+from grpo.models import (
+    _DTYPES,
+    TINY,
+    ModelConfig,
+    activation_checkpointing,
+    build_tiny_model,
+    check_model_config,
+    load_tokenizer,
+)
 from grpo.rewards import completion_text
 from grpo.sft import _response_text, batch_indices
 
@@ -299,9 +307,8 @@ def train_reward_model(
     torch.manual_seed(cfg.seed)
 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     model.config.use_cache = False  # one forward per batch: a KV cache would only cost memory
+    checkpointing = activation_checkpointing(model, cfg.gradient_checkpointing)  # on for the training loop only
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=cfg.max_steps)
@@ -317,43 +324,47 @@ def train_reward_model(
         return metrics
 
     before = evaluate()["rm/heldout_accuracy"]
-    model.train()
-    window: dict[str, list[float]] = {"rm/loss": [], "rm/accuracy": [], "rm/margin": []}
-    last_loss = math.nan
-    start_time = time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, desc="reward model", disable=not progress or not acc.is_main_process,
-               mininterval=2.0)
-    for step in range(cfg.max_steps):
-        for micro in range(cfg.grad_accum_steps):
-            idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
-            batch = [examples[i] for i in idx]
-            B = len(batch)
-            # chosen and rejected in one forward: rows [0, B) are chosen, [B, 2B) their rejected partners
-            ids, mask = pad_right([e.chosen_ids for e in batch] + [e.rejected_ids for e in batch], tok.pad_token_id)
-            with acc.accumulate(model):
-                rewards = model(input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device)).logits[:, 0]  # [2B]
-                loss = bradley_terry_loss(rewards[:B], rewards[B:])
-                acc.backward(loss)
-                grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if acc.sync_gradients else None
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            m = pair_metrics(rewards[:B], rewards[B:])
-            window["rm/loss"].append(loss.item())
-            window["rm/accuracy"].append(m["accuracy"])
-            window["rm/margin"].append(m["margin"])
-        bar.update(1)
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
-            means = {k: sum(v) / len(v) for k, v in window.items()}
-            for v in window.values():
-                v.clear()
-            last_loss = means["rm/loss"]
-            bar.set_postfix(loss=f"{last_loss:.3f}", acc=f"{means['rm/accuracy']:.2f}")
-            if on_metrics:
-                on_metrics(done, {**means, "rm/learning_rate": scheduler.get_last_lr()[0],
-                                  "rm/grad_norm": float(grad_norm) if grad_norm is not None else math.nan})
-    bar.close()
+    with checkpointing:
+        model.train()
+        window: dict[str, list[float]] = {"rm/loss": [], "rm/accuracy": [], "rm/margin": []}
+        last_loss = math.nan
+        start_time = time.perf_counter()
+        bar = tqdm(total=cfg.max_steps, desc="reward model", disable=not progress or not acc.is_main_process,
+                   mininterval=2.0)
+        for step in range(cfg.max_steps):
+            for micro in range(cfg.grad_accum_steps):
+                idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
+                batch = [examples[i] for i in idx]
+                B = len(batch)
+                # chosen and rejected in one forward: rows [0, B) are chosen, [B, 2B) their rejected partners
+                ids, mask = pad_right([e.chosen_ids for e in batch] + [e.rejected_ids for e in batch],
+                                      tok.pad_token_id)
+                with acc.accumulate(model):
+                    rewards = model(input_ids=ids.to(acc.device),
+                                    attention_mask=mask.to(acc.device)).logits[:, 0]  # [2B]
+                    loss = bradley_terry_loss(rewards[:B], rewards[B:])
+                    acc.backward(loss)
+                    grad_norm = (acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if acc.sync_gradients
+                                 else None)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                m = pair_metrics(rewards[:B], rewards[B:])
+                window["rm/loss"].append(loss.item())
+                window["rm/accuracy"].append(m["accuracy"])
+                window["rm/margin"].append(m["margin"])
+            bar.update(1)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                means = {k: sum(v) / len(v) for k, v in window.items()}
+                for v in window.values():
+                    v.clear()
+                last_loss = means["rm/loss"]
+                bar.set_postfix(loss=f"{last_loss:.3f}", acc=f"{means['rm/accuracy']:.2f}")
+                if on_metrics:
+                    on_metrics(done, {**means, "rm/learning_rate": scheduler.get_last_lr()[0],
+                                      "rm/grad_norm": float(grad_norm) if grad_norm is not None else math.nan})
+        bar.close()
     seconds = time.perf_counter() - start_time
 
     heldout_metrics = evaluate()
@@ -361,8 +372,6 @@ def train_reward_model(
         on_metrics(cfg.max_steps, heldout_metrics)
     model_dir = Path(output_dir) / "model"
     unwrapped = acc.unwrap_model(model)
-    if cfg.gradient_checkpointing:
-        unwrapped.gradient_checkpointing_disable()
     unwrapped.config.use_cache = True
     unwrapped.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

@@ -29,6 +29,7 @@ from grpo.attention import cpu_attention
 from grpo.data import DataError, as_messages
 from grpo.generation import render_prompts
 from grpo.mlp import compact_mlp
+from grpo.models import activation_checkpointing
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -148,9 +149,6 @@ def train_sft(
     torch.manual_seed(cfg.seed)
 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=cfg.max_steps)
@@ -169,7 +167,8 @@ def train_sft(
                mininterval=2.0)
     # faster attention on CPU and one tensor less per MLP kept for the backward; the same numbers
     unwrapped = acc.unwrap_model(model)
-    with cpu_attention(unwrapped), compact_mlp(unwrapped):
+    with (cpu_attention(unwrapped), compact_mlp(unwrapped),
+          activation_checkpointing(unwrapped, cfg.gradient_checkpointing)):
         for step in range(start, cfg.max_steps):
             for micro in range(cfg.grad_accum_steps):
                 idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
@@ -199,9 +198,6 @@ def train_sft(
     bar.close()
 
     model_dir = output_dir / "model"
-    if cfg.gradient_checkpointing:
-        unwrapped.gradient_checkpointing_disable()
-        unwrapped.config.use_cache = True
     unwrapped.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     shutil.rmtree(ckpt_root, ignore_errors=True)  # the run finished: the final model supersedes its checkpoints

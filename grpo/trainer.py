@@ -34,6 +34,7 @@ from grpo.attention import cpu_attention
 from grpo.generation import GenerationBackend, Rollout, SamplingConfig, TransformersBackend, distinct_rows
 from grpo.loss import grpo_loss
 from grpo.mlp import compact_mlp
+from grpo.models import activation_checkpointing, is_checkpointing
 from grpo.rewards import REWARD_FUNCTIONS, score_completions
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -64,6 +65,7 @@ class GRPOConfig(BaseModel):
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
     max_refill_rounds: int = 3  # extra sampling rounds per step when dynamic sampling
     micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation inside a step)
+    gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, one more forward
     mixed_precision: str = "no"  # "bf16" autocast for speed; "no" keeps ratios exact at 1 when mu = 1
     log_every: int = 1  # steps between metric callbacks
     samples_every: int = 25  # steps between sample-completion tables
@@ -144,10 +146,7 @@ def _can_share_prompts(model: torch.nn.Module) -> bool:
     """
     if not isinstance(model, PreTrainedModel):
         return False
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5; older: the other name
-    if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if checkpointing:
+    if is_checkpointing(model):
         return False
     if model.training:
         cfg = model.config
@@ -307,7 +306,8 @@ class GRPOTrainer:
         start = self._resume(ckpt_root)
         bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", disable=not self.progress, mininterval=2.0)
         policy = self.acc.unwrap_model(self.model)
-        with cpu_attention(policy, self.ref_model), compact_mlp(policy):
+        with (cpu_attention(policy, self.ref_model), compact_mlp(policy),
+              activation_checkpointing(policy, cfg.gradient_checkpointing)):
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = self.output_dir / "model"

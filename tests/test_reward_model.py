@@ -237,3 +237,13 @@ def test_synthetic_pairs_are_deterministic_split_and_short():
     assert len(tokenize_rows(rows, tok, 256)) == 40
     with pytest.raises(ValueError, match="only \\d+ synthetic train general prompts"):
         general_prompts(10_000)
+
+
+def test_gradient_checkpointing_gives_the_same_reward_model(tmp_path):
+    cfg = RewardModelConfig(model=SMALL, max_steps=2, batch_size=4, eval_fraction=0.25, mixed_precision="no")
+    plain = train_reward_model(preference_pairs(60), cfg, tmp_path / "plain", progress=False)
+    ckpt = train_reward_model(preference_pairs(60), cfg.model_copy(update={"gradient_checkpointing": True}),
+                              tmp_path / "ckpt", progress=False)
+    assert ckpt.final_loss == pytest.approx(plain.final_loss, rel=1e-5)
+    a, b = (RewardModelScorer.from_pretrained(r.model_dir) for r in (plain, ckpt))
+    assert b.score([PROMPT], [GOOD]) == pytest.approx(a.score([PROMPT], [GOOD]), abs=1e-5)

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.data import DataError
-from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
+from grpo.models import ModelConfig, TinyModelConfig, is_checkpointing, load_model_and_tokenizer
 from grpo.sft import SFTConfig, batch_indices, tokenize_rows, train_sft
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,4 +76,19 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     assert steps_after_resume == [4, 5, 6]
     a = AutoModelForCausalLM.from_pretrained(straight.model_dir).state_dict()
     b = AutoModelForCausalLM.from_pretrained(resumed.model_dir).state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path):
+    cfg = SFTConfig(max_steps=3, batch_size=4, learning_rate=3e-3, log_every=1, checkpoint_every=0,
+                    mixed_precision="no")
+    losses = {}
+    for ckpt in (False, True):
+        model, tok = load_model_and_tokenizer(SMALL)
+        out = train_sft(model, tok, ROWS, cfg.model_copy(update={"gradient_checkpointing": ckpt}), tmp_path / str(ckpt),
+                        lambda s, m: losses.setdefault(ckpt, []).append(m["train/loss"]), progress=False)
+        assert not is_checkpointing(model) and model.config.use_cache  # handed back as it came
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "False" / "model").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(out.model_dir).state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

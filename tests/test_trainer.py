@@ -8,8 +8,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.accelerate_utils import make_adamw
-from grpo.generation import Rollout, SamplingConfig
-from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
+from grpo.generation import Rollout, SamplingConfig, lean_decode_supported
+from grpo.loss import grpo_loss
+from grpo.models import (
+    ModelConfig,
+    TinyModelConfig,
+    activation_checkpointing,
+    is_checkpointing,
+    load_model_and_tokenizer,
+)
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.trainer import GRPOConfig, GRPOTrainer, token_logps
 
@@ -200,3 +207,52 @@ def test_adamw_is_fused_on_cpu_and_steps_like_the_plain_one():
             opt.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _saved_bytes_and_grads(model, batch, C):
+    """Loss gradients of one GRPO micro-batch and the bytes autograd keeps for its backward (counted once each)."""
+    seen, total = set(), [0]
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logps, _ = token_logps(model, batch.input_ids, batch.attention_mask, C, 1.0)
+        loss, _ = grpo_loss(logps, None, batch.ref_logps, batch.advantages, batch.completion_mask, beta=0.04)
+    loss.backward()
+    return total[0], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_keeps_less(tmp_path):
+    torch.manual_seed(0)
+    trainer, _ = make_trainer(tmp_path, {"digits": 1.0}, sampling=SamplingConfig(max_new_tokens=16))
+    rollout = trainer.sample([0, 1])
+    batch = trainer.build_batch(rollout, [float(i % 3) for i in range(8)])
+    C = batch.completion_mask.size(1)
+    policy = trainer.model
+    policy.train()
+    kept, grads = _saved_bytes_and_grads(policy, batch, C)
+    with activation_checkpointing(policy):
+        assert is_checkpointing(policy) and not policy.config.use_cache
+        assert lean_decode_supported(policy)  # no input hook left behind: sampling keeps the fast path
+        kept_ckpt, grads_ckpt = _saved_bytes_and_grads(policy, batch, C)
+    assert not is_checkpointing(policy) and policy.config.use_cache  # the model's own state is back
+    assert kept_ckpt < 0.5 * kept
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_ckpt[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_checkpointing_run_trains_and_hands_back_a_plain_model(tmp_path):
+    torch.manual_seed(0)
+    trainer, seen = make_trainer(tmp_path, {"digits": 1.0}, max_steps=2, gradient_checkpointing=True)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert sorted(seen) == [1, 2] and all(math.isfinite(m["train/loss"]) for m in seen.values())
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert not is_checkpointing(trainer.model)
+    assert AutoModelForCausalLM.from_pretrained(result.model_dir).config.use_cache
