@@ -1,12 +1,13 @@
 """GRPO step speed on ../shared/bench/workload.json with the project's trainer (the TRL peer's twin).
 
-usage: python benchmarks/grpo_step.py MODEL_DIR [--workload PATH]
+usage: python benchmarks/grpo_step.py MODEL_DIR [--workload PATH] [--gradient-checkpointing]
 MODEL_DIR comes from the shared bench's make_tiny_model.py (a tiny random Qwen2 model, tokenizer, prompts.jsonl).
 Prints, as its last line, the JSON figures the peer prints: median step seconds, completion tokens per second
 (mean completion length x completions per step / step time, per step, median), peak RSS in MiB; then the median
 seconds of the step's three parts: sampling and scoring, reference log-probs, policy update.
 Same hyperparameters and reward as the peer; the timed step is the whole step: sampling, scoring, reference
-log-probs, loss, backward and optimizer step.
+log-probs, loss, backward and optimizer step. `--gradient-checkpointing` recomputes each layer in the backward, as
+TRL 1.16's GRPOTrainer does by default (the peer leaves its default on).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward")
     args = ap.parse_args()
     spec = json.loads(Path(args.workload).read_text())
     g = spec["grpo"]
@@ -53,6 +55,7 @@ def main() -> None:
         learning_rate=g["learning_rate"], beta=g["beta"], epsilon=g["epsilon"], num_iterations=g["num_iterations"],
         rewards={"sum": 1.0}, checkpoint_every=0, samples_every=0, seed=spec["seed"],
         micro_batch_size=g["prompts_per_step"] * g["num_generations"],
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     steps: list[dict] = []
     with tempfile.TemporaryDirectory() as out:
