@@ -28,3 +28,16 @@ def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
+def optimizer_step(acc: Accelerator, model: torch.nn.Module, optimizer, scheduler,
+                   max_grad_norm: float) -> torch.Tensor | None:
+    """Clip, step and zero the gradients inside `acc.accumulate(model)`; the gradient norm on a syncing step, else None.
+
+    Accelerate's prepared optimizer and scheduler skip their step on micro-batches that only accumulate.
+    """
+    grad_norm = acc.clip_grad_norm_(model.parameters(), max_grad_norm) if acc.sync_gradients else None
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

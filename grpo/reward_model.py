@@ -41,7 +41,7 @@ from transformers import (
     get_scheduler,
 )
 
-from grpo.accelerate_utils import make_accelerator, make_adamw
+from grpo.accelerate_utils import make_accelerator, make_adamw, optimizer_step
 from grpo.data import DataError
 from grpo.generation import render_prompts
 from grpo.models import (
@@ -344,11 +344,7 @@ def train_reward_model(
                                     attention_mask=mask.to(acc.device)).logits[:, 0]  # [2B]
                     loss = bradley_terry_loss(rewards[:B], rewards[B:])
                     acc.backward(loss)
-                    grad_norm = (acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if acc.sync_gradients
-                                 else None)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    grad_norm = optimizer_step(acc, model, optimizer, scheduler, cfg.max_grad_norm)
                 m = pair_metrics(rewards[:B], rewards[B:])
                 window["rm/loss"].append(loss.item())
                 window["rm/accuracy"].append(m["accuracy"])

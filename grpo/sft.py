@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from grpo.accelerate_utils import make_accelerator, make_adamw
+from grpo.accelerate_utils import make_accelerator, make_adamw, optimizer_step
 from grpo.attention import cpu_attention
 from grpo.data import DataError, as_messages
 from grpo.generation import render_prompts
@@ -177,11 +177,7 @@ def train_sft(
                 with acc.accumulate(model):
                     loss = model(**batch).loss  # mean over response tokens (labels -100 elsewhere)
                     acc.backward(loss)
-                    grad_norm = (acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if acc.sync_gradients
-                                 else None)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    grad_norm = optimizer_step(acc, model, optimizer, scheduler, cfg.max_grad_norm)
                 window.append(loss.item())
             bar.update(1)
             done = step + 1

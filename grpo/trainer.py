@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from grpo.accelerate_utils import make_accelerator, make_adamw
+from grpo.accelerate_utils import make_accelerator, make_adamw, optimizer_step
 from grpo.advantages import group_advantages
 from grpo.attention import cpu_attention
 from grpo.generation import GenerationBackend, Rollout, SamplingConfig, TransformersBackend, distinct_rows
@@ -291,10 +291,7 @@ class GRPOTrainer:
             stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v * share
-        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
         sums["grad_norm"] = float(grad_norm)
         return sums
 
