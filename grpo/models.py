@@ -228,7 +228,6 @@ def is_checkpointing(model: torch.nn.Module) -> bool:
     return False
 
 
-
 def _enable_checkpointing(model: PreTrainedModel) -> None:
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5
