@@ -63,6 +63,7 @@ class GRPOConfig(BaseModel):
     scale_rewards: str = "group"  # advantage scaling: group, batch or none (Dr. GRPO)
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
+    mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
     max_refill_rounds: int = 3  # extra sampling rounds per step when dynamic sampling
     micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation inside a step)
     gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, one more forward
@@ -78,7 +79,7 @@ class Batch(NamedTuple):
 
     input_ids: torch.Tensor  # [N, P+C] prompt (left-padded) then completion (right-padded)
     attention_mask: torch.Tensor  # [N, P+C]
-    completion_mask: torch.Tensor  # [N, C]
+    completion_mask: torch.Tensor  # [N, C] float: the tokens the loss counts (none of a masked truncated row)
     old_logps: torch.Tensor | None  # [N, C] pi_old log-probs before the first update; None when mu = 1
     ref_logps: torch.Tensor | None  # [N, C] reference log-probs, None when beta = 0
     advantages: torch.Tensor  # [N]
@@ -267,8 +268,11 @@ class GRPOTrainer:
                 old_logps = torch.cat([
                     token_logps(self.model, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
                     for s in _chunks(input_ids.size(0), cfg.micro_batch_size)])  # [N, C]
-        return Batch(input_ids, attention_mask, rollout.completion_mask.to(self.acc.device).float(),
-                     old_logps, ref_logps, advantages.to(self.acc.device))
+        completion_mask = rollout.completion_mask.float()  # [N, C]
+        if cfg.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
+            completion_mask = completion_mask * (~rollout.truncated).float()[:, None]
+        return Batch(input_ids, attention_mask, completion_mask.to(self.acc.device), old_logps, ref_logps,
+                     advantages.to(self.acc.device))
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""

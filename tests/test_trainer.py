@@ -91,10 +91,11 @@ def test_equal_rewards_give_no_gradient_and_leave_weights_alone(tmp_path):
     assert parts[0] > 0 and 0 <= parts[1] < parts[2] and sum(parts) == pytest.approx(seen[1]["time/step_s"])
 
 
-def test_every_completion_truncated_is_reported_and_harmless(tmp_path):
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_completion_truncated_is_reported_and_harmless(tmp_path, masked):
     # the policy cannot end its turn (its end-of-turn logits pushed down), so all 8 tokens are used; format reward
     # is 0 for all, so no signal
-    trainer, seen = make_trainer(tmp_path, {"format": 1.0}, beta=0.04)
+    trainer, seen = make_trainer(tmp_path, {"format": 1.0}, beta=0.04, mask_truncated_completions=masked)
     ends = trainer.tokenizer.all_special_ids
 
     def never_ends(module, args, logits):
@@ -107,6 +108,8 @@ def test_every_completion_truncated_is_reported_and_harmless(tmp_path):
     assert m["completion_truncated"] == 1.0 and m["completion_length"] == 8.0
     assert m["reward/format"] == 0.0 and m["reward/zero_std_groups"] == 1.0
     assert all(math.isfinite(v) for v in m.values())
+    if masked:  # no token left in the loss: not even the KL term pulls on the weights
+        assert m["train/loss"] == 0.0 and m["grad_norm"] == 0.0
 
 
 @pytest.mark.parametrize("bad", ["raises", "nan", "wrong_length"])
@@ -256,3 +259,23 @@ def test_a_checkpointing_run_trains_and_hands_back_a_plain_model(tmp_path):
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     assert not is_checkpointing(trainer.model)
     assert AutoModelForCausalLM.from_pretrained(result.model_dir).config.use_cache
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, masked):
+    torch.manual_seed(0)
+    trainer, _ = make_trainer(tmp_path, {"digits": 1.0}, mask_truncated_completions=masked)
+    rollout = trainer.sample([0, 1])
+    rollout = rollout._replace(truncated=torch.tensor([True, False] * 4))  # every other completion cut off
+    batch = trainer.build_batch(rollout, [float(i % 3) for i in range(8)])
+    kept = rollout.completion_mask.float()
+    assert torch.equal(batch.completion_mask[1::2], kept[1::2])
+    assert torch.equal(batch.completion_mask[::2], torch.zeros_like(kept[::2]) if masked else kept[::2])
+    # a truncated row's advantage reaches the gradient only when truncated rows are not masked
+    C = batch.completion_mask.size(1)
+    trainer.model.train()
+    _, grads = _saved_bytes_and_grads(trainer.model, batch, C)
+    flipped = batch._replace(advantages=torch.where(torch.arange(8) % 2 == 0, -batch.advantages, batch.advantages))
+    _, grads_flipped = _saved_bytes_and_grads(trainer.model, flipped, C)
+    same = all(torch.allclose(grads[n], grads_flipped[n], atol=1e-7) for n in grads)
+    assert same == masked
