@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from grpo.data import SFT_SCHEMA, DataError, validate_rows
-from grpo.models import ModelConfig, TinyModelConfig, build_tiny_model, build_tokenizer
+from grpo import reward_model
+from grpo.models import ModelConfig, TinyModelConfig, build_tiny_model, build_tokenizer, is_checkpointing
 from grpo.preferences import (
     general_prompts,
     general_sft_rows,
@@ -239,11 +240,22 @@ def test_synthetic_pairs_are_deterministic_split_and_short():
         general_prompts(10_000)
 
 
-def test_gradient_checkpointing_gives_the_same_reward_model(tmp_path):
-    cfg = RewardModelConfig(model=SMALL, max_steps=2, batch_size=4, eval_fraction=0.25, mixed_precision="no")
+def test_gradient_checkpointing_gives_the_same_reward_model(tmp_path, monkeypatch):
+    built, during = [], []
+
+    def build(*args, **kwargs):  # the real builder; keeps a handle on the model the loop trains
+        model, tok = build_reward_model(*args, **kwargs)
+        built.append(model)
+        return model, tok
+
+    monkeypatch.setattr(reward_model, "build_reward_model", build)
+    cfg = RewardModelConfig(model=SMALL, max_steps=2, batch_size=4, eval_fraction=0.25, mixed_precision="no",
+                            log_every=1)
     plain = train_reward_model(preference_pairs(60), cfg, tmp_path / "plain", progress=False)
     ckpt = train_reward_model(preference_pairs(60), cfg.model_copy(update={"gradient_checkpointing": True}),
-                              tmp_path / "ckpt", progress=False)
+                              tmp_path / "ckpt", lambda s, m: during.append(is_checkpointing(built[-1])),
+                              progress=False)
+    assert during[:2] == [True, True] and not is_checkpointing(built[-1])  # on for the loop only
     assert ckpt.final_loss == pytest.approx(plain.final_loss, rel=1e-5)
     a, b = (RewardModelScorer.from_pretrained(r.model_dir) for r in (plain, ckpt))
     assert b.score([PROMPT], [GOOD]) == pytest.approx(a.score([PROMPT], [GOOD]), abs=1e-5)

@@ -82,11 +82,17 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
 def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path):
     cfg = SFTConfig(max_steps=3, batch_size=4, learning_rate=3e-3, log_every=1, checkpoint_every=0,
                     mixed_precision="no")
-    losses = {}
+    losses, during = {}, {}
     for ckpt in (False, True):
         model, tok = load_model_and_tokenizer(SMALL)
+
+        def record(step, m, model=model, ckpt=ckpt):
+            losses.setdefault(ckpt, []).append(m["train/loss"])
+            during.setdefault(ckpt, []).append(is_checkpointing(model))
+
         out = train_sft(model, tok, ROWS, cfg.model_copy(update={"gradient_checkpointing": ckpt}), tmp_path / str(ckpt),
-                        lambda s, m: losses.setdefault(ckpt, []).append(m["train/loss"]), progress=False)
+                        record, progress=False)
+        assert during[ckpt] == [ckpt] * 3  # on while training, only when asked
         assert not is_checkpointing(model) and model.config.use_cache  # handed back as it came
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "False" / "model").state_dict()

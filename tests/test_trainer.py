@@ -253,8 +253,12 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_keeps_less(tmp_path
 def test_a_checkpointing_run_trains_and_hands_back_a_plain_model(tmp_path):
     torch.manual_seed(0)
     trainer, seen = make_trainer(tmp_path, {"digits": 1.0}, max_steps=2, gradient_checkpointing=True)
+    during = []  # whether the policy was checkpointing at each step's metrics
+    record = trainer.on_metrics
+    trainer.on_metrics = lambda step, m: (during.append(is_checkpointing(trainer.model)), record(step, m))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     result = trainer.train()
+    assert during == [True, True]
     assert sorted(seen) == [1, 2] and all(math.isfinite(m["train/loss"]) for m in seen.values())
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     assert not is_checkpointing(trainer.model)
