@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from grpo.rewards.math_verify_pool import _POOL  # noqa: E402
 from grpo.rewards import (  # noqa: E402
-    _POOL,
     accuracy_reward,
     check_accuracy,
     extract_answer,

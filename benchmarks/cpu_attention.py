@@ -1,4 +1,4 @@
-"""Training attention on CPU: transformers' SDPA path against `grpo.attention.grouped_attention`.
+"""Training attention on CPU: transformers' SDPA path against `grpo.kernels.attention.grouped_attention`.
 
 usage: python benchmarks/cpu_attention.py [--batch 32] [--queries 63] [--keys 79] [--reps 20]
 Times one layer's attention forward and forward + backward at the GRPO benchmark's shapes (4 query heads sharing
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from grpo.attention import grouped_attention
+from grpo.kernels.attention import grouped_attention
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from grpo.generation import SamplingConfig
-from grpo.models import ModelConfig, load_model_and_tokenizer
-from grpo.trainer import GRPOConfig, GRPOTrainer
+from grpo.config import GRPOConfig, ModelConfig, SamplingConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.training.grpo_trainer import GRPOTrainer
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.json"
 

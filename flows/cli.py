@@ -46,7 +46,7 @@ def _log_requests() -> None:
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    log = logging.getLogger("grpo.serve")
+    log = logging.getLogger("grpo.sampling.serve")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False  # the root logger's handlers (if any) would print it twice
@@ -54,7 +54,7 @@ def _log_requests() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     """Load the checkpoint (fetching an MLflow URI first) and serve it until Ctrl-C."""
-    from grpo.serve import load_checkpoint, make_server, serve_until_interrupted
+    from grpo.sampling.serve import load_checkpoint, make_server, serve_until_interrupted
 
     api_key = None
     if args.api_key_env:

@@ -1,0 +1,20 @@
+"""The GRPO core: plain PyTorch and transformers, no Prefect, no MLflow (tests/test_layers.py holds it to that).
+
+Where things are:
+
+| module | what it holds |
+|---|---|
+| `config` | every setting as a frozen pydantic model, the recipe, and reading a recipe file (no torch) |
+| `texts` | the `<think>`/`<answer>` response format and the prompt texts several modules share |
+| `models`, `tiny` | loading models by name or path; the embedded tiny model and its locally made tokenizer |
+| `data/` | the synthetic arithmetic task, loading and validating user datasets, preference pairs |
+| `rewards/` | rule rewards (format, accuracy, language, overlong) and the registry that scores with weights |
+| `training/` | the GRPO loss and advantages, per-token log-probs, and the GRPO, SFT and reward-model loops |
+| `sampling/` | generation behind one interface (backends and decoders), the LLM judge, the chat server |
+| `rejection/` | rejection sampling: readability filters, curation, sharded and resumable sampling |
+| `kernels/` | speed and memory tricks that keep the model's own numbers (attention, SwiGLU) |
+| `evaluate` | held-out accuracy, format rate and pass@k of a checkpoint |
+
+Imports point one way: `config` and `texts` import nothing heavy; `data`, `rewards` and `rejection.filters` are
+pure Python and pandas; `training` and `sampling` are where torch lives.
+"""

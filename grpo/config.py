@@ -2,24 +2,291 @@
 
 Each stage config is at once the stage flow's Prefect parameter (the UI renders it as a form), a section of a
 recipe YAML file, and the params logged on the stage's MLflow run. Defaults are the `tiny` recipe's values.
+
+Plain pydantic: must not import torch, transformers or the modules that do the work, so a recipe is read and
+checked in well under a second.
 """
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpo.data import DataConfig
-from grpo.evaluate import EvalConfig
-from grpo.judge import JudgeConfig
-from grpo.models import ModelConfig
-from grpo.preferences import PreferenceDataConfig
-from grpo.rejection import RejectionConfig
-from grpo.reward_model import RewardModelConfig
-from grpo.sft import SFTConfig
-from grpo.trainer import GRPOConfig
+from grpo.rewards.language import LANGUAGE_TESTS
+from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
+
+# The names the settings may use; the modules that implement them check that they agree (grpo.data.arithmetic,
+# grpo.rejection.filters), so a recipe is checked without importing them.
+TASK_TEMPLATES = ("farm", "shop", "book", "boxes", "bus", "coins")  # synthetic word-problem templates
+READABILITY_FILTERS = ("tags", "language", "paragraph_length", "reasoning_length", "code_in_reasoning", "empty_answer",
+                       "repetition")  # rejection sampling's readability filters
+TINY = "tiny"  # the model name that means "build the embedded model from ModelConfig.tiny"
+
+# ----------------------------------------------------------------------------------------------------------------
+# Component settings: each is a section of a stage config
+
+class TinyModelConfig(BaseModel):
+    """Shape of the embedded model (defaults: 2.97M parameters, measured to learn the format in about a minute)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden_size: int = 256  # width of the residual stream
+    intermediate_size: int = 688  # MLP width
+    num_hidden_layers: int = 4  # transformer blocks
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # grouped-query KV heads
+    max_position_embeddings: int = 512  # longest prompt + completion, in tokens
+    seed: int = 0  # weight initialisation seed: the same seed builds the same base model
+    tokenizer: Literal["bpe", "byte"] = "bpe"  # BPE trained on the project's own text, or one token per byte
+    vocab_size: int = Field(1024, ge=300, le=8192)  # BPE only: bytes, markers, tags and learned merges in all
+
+
+class ModelConfig(BaseModel):
+    """Which model a stage starts from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name_or_path: str = TINY  # "tiny" builds the embedded model; anything else goes to from_pretrained
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)  # used only when name_or_path == "tiny"
+    trust_remote_code: bool = False  # off unless the recipe turns it on
+    dtype: str = "float32"  # weights dtype when loading: float32, bfloat16 or float16
+    attn_implementation: str | None = None  # e.g. "sdpa" or "flash_attention_2"; None lets transformers pick
+
+
+class TaskConfig(BaseModel):
+    """The synthetic arithmetic word-problem task."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_operand: int = 9  # largest number drawn; the difficulty dial (single digits are learnable in minutes)
+    templates: tuple[str, ...] = TASK_TEMPLATES  # which problem templates to draw from
+    heldout_percent: int = 20  # share of problems reserved for held-out, by hash of the name-free problem
+    seed: int = 0  # the same seed draws the same training problems (the held-out split never changes)
+    restate_givens: bool = True  # the chain of thought starts by copying out the problem's numbers
+    # share of the worked solutions that count each addition and subtraction out one number at a time
+    # ("9 + 3 = 10 11 12.") instead of recalling the result ("9 + 3 = 12."); the rest recall. A small model taught
+    # both habits picks one per answer, which leaves reasoning RL a choice to learn from (see recipes/tiny.yaml)
+    counting_share: float = Field(0.4, ge=0.0, le=1.0)
+
+
+class DataConfig(BaseModel):
+    """Where a stage's rows come from: the synthetic task, or a user dataset."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = "synthetic"  # "synthetic", a .jsonl/.json/.parquet/.csv file, a saved `datasets` folder, or a hub name
+    split: str = "train"  # split to read from a hub dataset or a DatasetDict folder
+    num_train: int = 2000  # synthetic rows to generate (or the most rows to read from a user dataset; 0 = all)
+    num_heldout: int = 200  # held-out rows for evaluation (0 = no evaluation)
+    heldout_source: str = "synthetic"  # held-out (prompt, answer) rows: "synthetic" (the task's split) or a file
+    task: TaskConfig = TaskConfig()  # the synthetic task
+
+
+class SamplingConfig(BaseModel):
+    """How completions are sampled."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_new_tokens: int = 96  # completion budget in tokens; leave room, a truncated completion earns nothing
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus sampling; 1.0 keeps the whole distribution
+    top_k: int = 0  # 0 keeps every token
+    batch_size: int = 64  # sequences decoded together (prompts x n are cut into batches of this many)
+
+
+class EvalConfig(BaseModel):
+    """Held-out evaluation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_prompts: int = 200  # held-out prompts scored (0 = all)
+    num_samples: int = 4  # k for sample_accuracy and pass_at_k (0 skips sampling)
+    temperature: float = 1.0  # sampling temperature for the k samples
+    max_new_tokens: int = 96  # completion budget
+    batch_size: int = 128  # sequences decoded together
+    num_logged_samples: int = 16  # completions kept in the samples table
+
+
+class SFTConfig(BaseModel):
+    """The supervised fine-tuning loop."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_steps: int = 500  # optimizer steps
+    batch_size: int = 32  # rows per micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    learning_rate: float = 2e-3  # peak learning rate (a from-scratch tiny model takes a large one; real models ~1e-5)
+    lr_scheduler: str = "cosine"  # any transformers scheduler name
+    warmup_steps: int = 20  # linear warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping
+    max_seq_len: int = 384  # prompt + response tokens; longer rows are cut at the end of the response
+    mixed_precision: str = "bf16"  # "bf16", "fp16" (GPU) or "no"; bf16 autocast is faster on CPU too
+    gradient_checkpointing: bool = False  # trade compute for memory on real models
+    checkpoint_every: int = 100  # steps between resumable checkpoints (0 = only at the end)
+    keep_checkpoints: int = 1  # resumable checkpoints kept on disk
+    log_every: int = 10  # steps between metric callbacks
+    seed: int = 0  # data order and dropout
+
+
+class GRPOConfig(BaseModel):
+    """The GRPO loop (names follow TRL's GRPOConfig where they mean the same thing)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_steps: int = 200  # optimizer steps (times num_iterations)
+    prompts_per_step: int = 4  # distinct prompts sampled per step
+    num_generations: int = 8  # G: completions per prompt
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)  # temperature, completion budget
+    learning_rate: float = 1e-5  # AdamW learning rate; large ones destroy a tiny model's skills
+    lr_scheduler: str = "constant_with_warmup"  # any transformers scheduler name
+    warmup_steps: int = 0  # linear warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping
+    beta: float = 0.04  # KL coefficient (DeepSeekMath); 0 skips the reference model entirely
+    epsilon: float = 0.2  # lower clip range of the ratio
+    epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); None = epsilon
+    num_iterations: int = 1  # mu: optimisation passes per batch of samples
+    loss_type: str = "grpo"  # grpo (sequence mean), bnpo (token mean) or dr_grpo (Dr. GRPO)
+    scale_rewards: str = "group"  # advantage scaling: group, batch or none (Dr. GRPO)
+    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
+    dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
+    mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
+    max_refill_rounds: int = 3  # extra sampling rounds per step when dynamic sampling
+    micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation inside a step)
+    gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, one more forward
+    mixed_precision: str = "no"  # "bf16" autocast for speed; "no" keeps ratios exact at 1 when mu = 1
+    log_every: int = 1  # steps between metric callbacks
+    samples_every: int = 25  # steps between sample-completion tables
+    checkpoint_every: int = 50  # steps between resumable checkpoints (0 = only the final model)
+    seed: int = 0  # prompt order and sampling
+
+
+class JudgeConfig(BaseModel):
+    """Which judge to ask and how."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["transformers", "http"] = "transformers"  # a local model, or an OpenAI-compatible endpoint
+    model: str = "tiny"  # transformers: checkpoint folder, hub name or "tiny"; http: the served model's name
+    base_url: str = "http://127.0.0.1:8000/v1"  # http only: endpoint root, the part before /chat/completions
+    api_key_env: str = "R1_JUDGE_API_KEY"  # http only: NAME of the env var holding the key (sent as a Bearer token)
+    max_new_tokens: int = Field(128, ge=1)  # the judge's reply budget; a reasoning judge needs far more
+    temperature: float = Field(0.0, ge=0.0)  # 0 = greedy, so the same response gets the same verdict
+    timeout_s: float = Field(60.0, gt=0)  # http only: per-request socket timeout
+    max_retries: int = Field(2, ge=0)  # http only: further tries after a connection error, timeout, 5xx or 429
+    backoff_s: float = Field(1.0, ge=0)  # http only: wait before the first retry; doubles on each further one
+    max_workers: int = Field(4, ge=1)  # http only: requests in flight at once in judge_many
+    batch_size: int = Field(16, ge=1)  # transformers only: judge prompts decoded together
+    prompt_template: str = JUDGE_PROMPT  # str.format template with {question}, {reference} and {response}
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_fields(cls, template: str) -> str:
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        except ValueError as e:  # an unmatched brace
+            raise ValueError(f"prompt_template is not a valid str.format template ({e}); write literal braces "
+                             f"as {{{{ and }}}}") from None
+        unknown = fields - JUDGE_TEMPLATE_FIELDS
+        if unknown:
+            raise ValueError(f"prompt_template uses unknown fields {sorted(unknown)}; "
+                             f"the known ones are {sorted(JUDGE_TEMPLATE_FIELDS)}")
+        if "response" not in fields:
+            raise ValueError("prompt_template must contain {response}, or the judge never sees what it judges")
+        return template
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {url!r}")
+        return url.rstrip("/")
+
+
+class RejectionConfig(BaseModel):
+    """Stage 3: rejection sampling (defaults are the tiny recipe's values)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    samples_per_prompt: int = Field(4, ge=1)  # completions sampled per prompt
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)  # completion budget and temperature
+    target_samples: int = Field(400, ge=1)  # final rows, reasoning + non-reasoning (R1: 800k; tiny: hundreds)
+    non_reasoning_rows: int = Field(0, ge=0)  # of target_samples, rows from the non-reasoning set (R1: 200k)
+    max_kept_per_prompt: int = Field(2, ge=0)  # correct samples kept per prompt (0 = all): coverage over near-copies
+    shard_size: int = Field(64, ge=1)  # prompts per shard: the unit that is written, skipped on resume, mapped over
+    filters: tuple[str, ...] = READABILITY_FILTERS  # readability filters, in the order they run
+    language: str = "en"  # the language the reasoning must be written in (R1 drops mixed-language chains of thought)
+    min_language_share: float = Field(0.95, ge=0, le=1)  # least share of the reasoning's words in `language`
+    max_paragraph_chars: int = Field(2000, ge=1)  # longest paragraph (text between blank lines) a response may have
+    max_reasoning_chars: int = Field(8000, ge=1)  # longest think block in characters
+    max_line_repeats: int = Field(3, ge=1)  # a line or sentence (8+ chars) seen more often than this is looping
+    min_compression_ratio: float = Field(0.1, ge=0, le=1)  # zlib size / text size below this is looping
+    # "no_reference": judge rows without an answer; "always": also ask it where the rule decides, to measure their
+    # agreement; "never": drop rows without an answer
+    judge_when: Literal["no_reference", "always", "never"] = "no_reference"
+    dedupe: bool = True  # drop samples whose normalised text repeats an earlier one of the same prompt
+    decontamination_ngram: int = Field(8, ge=0)  # word n-gram length matched against held-out prompts (0 = off)
+    # share of a held-out prompt's n-grams that marks a row (on the tiny task 0.5 flags 39% of the training
+    # problems, which share template wording with held-out ones; a copied problem shares about 90%)
+    decontamination_threshold: float = Field(0.8, gt=0, le=1)
+    seed: int = 0  # each shard's sampling seed derives from it; also the tie-break when capping to the target
+
+    @model_validator(mode="after")
+    def _check(self) -> "RejectionConfig":
+        unknown = [f for f in self.filters if f not in READABILITY_FILTERS]
+        if unknown:
+            raise ValueError(f"unknown readability filter(s) {unknown}; known: {list(READABILITY_FILTERS)}")
+        if self.language not in LANGUAGE_TESTS:
+            raise ValueError(f"unsupported language {self.language!r}; supported: {sorted(LANGUAGE_TESTS)}")
+        if self.non_reasoning_rows >= self.target_samples:
+            raise ValueError(f"non_reasoning_rows ({self.non_reasoning_rows}) must be below target_samples "
+                             f"({self.target_samples}): the rest of the target is reasoning rows")
+        return self
+
+
+class RewardModelConfig(BaseModel):
+    """Training the reward model on (prompt, chosen, rejected) pairs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # backbone: "tiny", or a folder (R1: the policy's)
+    max_steps: int = 150  # optimizer steps
+    batch_size: int = 16  # pairs per micro-batch (two sequences each)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    learning_rate: float = 1e-3  # peak learning rate (a from-scratch tiny model takes a large one; real models ~1e-5)
+    lr_scheduler: str = "cosine"  # any transformers scheduler name
+    warmup_steps: int = 10  # linear warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping
+    max_seq_len: int = 256  # prompt + response tokens; a longer training pair fails before training starts
+    eval_fraction: float = 0.1  # share of prompts held out for evaluation when no held-out pairs are given (0 = none)
+    eval_batch_size: int = 64  # sequences per scoring batch
+    mixed_precision: str = "bf16"  # "bf16", "fp16" (GPU) or "no"
+    gradient_checkpointing: bool = False  # trade compute for memory on real models
+    log_every: int = 10  # steps between metric callbacks
+    seed: int = 0  # head initialisation and data order
+
+
+class PreferenceDataConfig(BaseModel):
+    """Where the reward model's pairs come from: the synthetic set, or a user dataset."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = "synthetic"  # "synthetic", a .jsonl/.json/.parquet/.csv file, a saved `datasets` folder, or a hub name
+    split: str = "train"  # split to read from a hub dataset or a DatasetDict folder
+    num_train: int = 1000  # synthetic pairs to draw (or the most pairs to read from a user dataset; 0 = all)
+    num_heldout: int = 200  # synthetic held-out pairs; a user dataset's held-out pairs are carved out by the trainer
+    heldout_percent: int = 20  # share of synthetic prompts reserved for held-out, by hash of the prompt
+    seed: int = 0  # the same seed draws the same training pairs (the held-out draw never changes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage settings and the recipe
 
 STAGES = ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo")
 

@@ -5,6 +5,8 @@
   has anything to sharpen (pass@k well above pass@1 means sampling finds answers greedy decoding misses);
 - `eval/format_rate`: share of greedy completions with the strict `<think>...</think><answer>...</answer>` shape;
 - `eval/mean_completion_length` (tokens) and `eval/truncation_rate` (budget ran out before the end of the turn).
+
+Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -13,23 +15,10 @@ from typing import NamedTuple
 
 import pandas as pd
 import torch
-from pydantic import BaseModel, ConfigDict
 
-from grpo.generation import GenerationBackend, Rollout, SamplingConfig
+from grpo.config import EvalConfig, SamplingConfig
 from grpo.rewards import accuracy_reward, format_reward
-
-
-class EvalConfig(BaseModel):
-    """Held-out evaluation."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    num_prompts: int = 200  # held-out prompts scored (0 = all)
-    num_samples: int = 4  # k for sample_accuracy and pass_at_k (0 skips sampling)
-    temperature: float = 1.0  # sampling temperature for the k samples
-    max_new_tokens: int = 96  # completion budget
-    batch_size: int = 128  # sequences decoded together
-    num_logged_samples: int = 16  # completions kept in the samples table
+from grpo.sampling.backend import GenerationBackend, Rollout
 
 
 class EvalResult(NamedTuple):

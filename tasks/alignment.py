@@ -8,9 +8,9 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.config import AlignmentGRPOConfig
-from grpo.data import load_rl_data, read_table, validate_rows
-from grpo.preferences import general_prompts, load_preference_data
-from grpo.reward_model import train_reward_model
+from grpo.data.tables import load_rl_data, read_table, validate_rows
+from grpo.data.preferences import general_prompts, load_preference_data
+from grpo.training.reward_model import train_reward_model
 from tasks import tracking
 from tasks.data import DataURIs
 from tasks.stage import work_dir

@@ -8,7 +8,8 @@ import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.data import DataConfig, load_rl_data, load_sft_data
+from grpo.config import DataConfig
+from grpo.data.tables import load_rl_data, load_sft_data
 from tasks import tracking
 
 

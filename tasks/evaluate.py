@@ -6,9 +6,10 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.evaluate import EvalConfig, evaluate
-from grpo.generation import TransformersBackend
-from grpo.models import ModelConfig, load_model_and_tokenizer
+from grpo.config import EvalConfig, ModelConfig
+from grpo.evaluate import evaluate
+from grpo.models import load_model_and_tokenizer
+from grpo.sampling.backend import TransformersBackend
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.stage import resolve_model

@@ -5,10 +5,11 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.reward_model import RewardModelScorer, reward_model_reward
+from grpo.config import GRPOConfig, ModelConfig
+from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
-from grpo.models import ModelConfig, load_model_and_tokenizer
-from grpo.trainer import GRPOConfig, GRPOTrainer
+from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.reward_model import RewardModelScorer, reward_model_reward
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress

@@ -11,12 +11,12 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo import rejection
-from grpo.config import RejectionSamplingConfig
-from grpo.data import read_table, validate_rows
-from grpo.generation import TransformersBackend
-from grpo.judge import HTTPJudge, build_judge
-from grpo.models import ModelConfig, load_model_and_tokenizer
+from grpo.config import ModelConfig, RejectionSamplingConfig
+from grpo.data.tables import read_table, validate_rows
+from grpo.models import load_model_and_tokenizer
+from grpo.rejection import shards
+from grpo.sampling.backend import TransformersBackend
+from grpo.sampling.judge import HTTPJudge, build_judge
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.stage import resolve_model, work_dir
@@ -42,28 +42,28 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
         HTTPJudge(judge_cfg).check_available()  # a down endpoint fails the stage now, before any shard is sampled
     # only whether there will be a judge matters here; the shard tasks build it
     will_judge = judge_cfg if judge_cfg is not None and rs.judge_when != "never" else None
-    prompts = rejection.validate_prompts(read_frame(prompts_uri).reset_index(drop=True), rs, will_judge,
+    prompts = shards.validate_prompts(read_frame(prompts_uri).reset_index(drop=True), rs, will_judge,
                                          source=prompts_uri)
     non_reasoning_uri = None
     if rs.non_reasoning_rows:
         rows = non_reasoning_rows(cfg.non_reasoning_source, rs.non_reasoning_rows, rs.seed)
         non_reasoning_uri = tracking.log_frame(run_id, rows, "dataset/non_reasoning")
     model_cfg = resolve_model(cfg.model, checkpoint_uri)
-    shard_keys = rs.model_dump(mode="json", exclude=set(rejection.MERGE_ONLY_FIELDS))
+    shard_keys = rs.model_dump(mode="json", exclude=set(shards.MERGE_ONLY_FIELDS))
     out = work_dir("rejection_sampling", checkpoint_uri, cfg.model, judge_cfg, shard_keys, cfg.data)
-    rejection.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
-    shards = [s.index for s in rejection.plan_shards(prompts, rs)]
-    done = sum(rejection.shard_done(out, i) for i in shards)
+    shards.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
+    indices = [s.index for s in shards.plan_shards(prompts, rs)]
+    done = sum(shards.shard_done(out, i) for i in indices)
     get_run_logger().info("rejection sampling: %d prompts in %d shards (%d already written in %s)", len(prompts),
-                          len(shards), done, out)
-    tracking.log_params(run_id, {"rejection.shards": len(shards), "rejection.prompts": len(prompts)})
-    return RejectionPlan(str(out), shards, prompts_uri, model_cfg.name_or_path, non_reasoning_uri)
+                          len(indices), done, out)
+    tracking.log_params(run_id, {"rejection.shards": len(indices), "rejection.prompts": len(prompts)})
+    return RejectionPlan(str(out), indices, prompts_uri, model_cfg.name_or_path, non_reasoning_uri)
 
 
 def non_reasoning_rows(source: str, n: int, seed: int) -> pd.DataFrame:
     """`n` (prompt, response) rows without a verifiable answer: generated general requests, or a user file."""
     if source == "synthetic":
-        from grpo.preferences import general_sft_rows
+        from grpo.data.preferences import general_sft_rows
 
         return general_sft_rows(n, seed)
     rows = validate_rows(read_table(source), {"prompt": "text or chat messages", "response": "text"}, source)
@@ -93,8 +93,8 @@ def _policy(model_cfg: ModelConfig):
 def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) -> dict:
     """Sample and curate one shard and write its Parquet file; a shard already written is read back instead."""
     out = Path(plan.out_dir)
-    if rejection.shard_done(out, index):
-        return rejection.read_shard(out, index).counts.to_dict()
+    if shards.shard_done(out, index):
+        return shards.read_shard(out, index).counts.to_dict()
     model_cfg = cfg.model.model_copy(update={"name_or_path": plan.model_dir})
     model, tok = _policy(model_cfg)
     judge = None
@@ -102,10 +102,10 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
         judge = (build_judge(cfg.judge, model, tok) if cfg.judge.backend == "transformers"
                  and cfg.judge.model == SELF_JUDGE else build_judge(cfg.judge))
     prompts = read_frame(plan.prompts_uri).reset_index(drop=True)
-    shard = rejection.plan_shards(prompts, cfg.rejection)[index]
-    result = rejection.process_shard(TransformersBackend(model, tok), rejection.rows_of_shard(prompts, shard),
+    shard = shards.plan_shards(prompts, cfg.rejection)[index]
+    result = shards.process_shard(TransformersBackend(model, tok), shards.rows_of_shard(prompts, shard),
                                      cfg.rejection, judge, index)
-    rejection.write_shard(result, out, index)
+    shards.write_shard(result, out, index)
     c = result.counts
     get_run_logger().info("shard %d/%d: %d generated, %d kept", index + 1, len(plan.shards), c.generated, c.kept)
     return c.to_dict()
@@ -117,7 +117,7 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
     """Merge the shard files into the curated dataset; log counts, the dataset and a sample table."""
     heldout = read_frame(heldout_uri) if heldout_uri else None
     non_reasoning = read_frame(plan.non_reasoning_uri) if plan.non_reasoning_uri else None
-    result = rejection.merge_shards(plan.out_dir, cfg.rejection, heldout, non_reasoning, num_shards=len(plan.shards))
+    result = shards.merge_shards(plan.out_dir, cfg.rejection, heldout, non_reasoning, num_shards=len(plan.shards))
     c = result.counts
     metrics = c.metrics()
     metrics["rejection/rows"] = float(len(result.dataset))

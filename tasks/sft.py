@@ -6,9 +6,10 @@ import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.data import validate_rows
-from grpo.models import ModelConfig, load_model_and_tokenizer
-from grpo.sft import SFTConfig, train_sft
+from grpo.config import ModelConfig, SFTConfig
+from grpo.data.tables import validate_rows
+from grpo.models import load_model_and_tokenizer
+from grpo.training.sft_trainer import train_sft
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress

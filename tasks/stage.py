@@ -10,7 +10,7 @@ from typing import Iterator
 
 from pydantic import BaseModel, ConfigDict
 
-from grpo.models import ModelConfig
+from grpo.config import ModelConfig
 from tasks import tracking
 
 

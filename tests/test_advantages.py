@@ -1,11 +1,11 @@
-"""Hand-worked checks of grpo.advantages (CPU, no fixtures)."""
+"""Hand-worked checks of grpo.training.advantages (CPU, no fixtures)."""
 
 import math
 
 import pytest
 import torch
 
-from grpo.advantages import group_advantages, group_std, zero_std_fraction
+from grpo.training.advantages import group_advantages, group_std, zero_std_fraction
 
 EPS = 1e-4
 SQRT_HALF = math.sqrt(0.5)  # 0.7071: unbiased std of a pair {0, 1}

@@ -4,9 +4,11 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.attention import NAME, cpu_attention, grouped_attention_supported
-from grpo.models import ModelConfig, TinyModelConfig, build_tokenizer, load_model_and_tokenizer
-from grpo.trainer import token_logps
+from grpo.config import ModelConfig, TinyModelConfig
+from grpo.kernels.attention import NAME, cpu_attention, grouped_attention_supported
+from grpo.models import load_model_and_tokenizer
+from grpo.tiny import build_tokenizer
+from grpo.training.logprobs import token_logps
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2)

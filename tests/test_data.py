@@ -6,10 +6,9 @@ import re
 import pandas as pd
 import pytest
 
-from grpo.data import (
-    DataConfig, DataError, TaskConfig, count_out, format_response, generate_problems, load_rl_data, load_sft_data,
-    read_table,
-)
+from grpo.config import DataConfig, TaskConfig
+from grpo.data.arithmetic import count_out, format_response, generate_problems
+from grpo.data.tables import DataError, load_rl_data, load_sft_data, read_table
 
 
 def test_problems_are_deterministic_and_correct():
@@ -27,7 +26,7 @@ def test_problems_are_deterministic_and_correct():
 
 
 def test_train_and_heldout_never_share_a_problem_even_under_another_name():
-    from grpo.data import NAMES
+    from grpo.data.arithmetic import NAMES
 
     def arithmetic(question):  # the problem with the person's name taken out
         for name in NAMES:

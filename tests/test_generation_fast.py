@@ -4,9 +4,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-import grpo.generation as generation
-from grpo.generation import SamplingConfig, TransformersBackend, lean_decode_supported, render_prompts, sample_batch
-from grpo.models import ModelConfig, TinyModelConfig, build_tokenizer, load_model_and_tokenizer
+from grpo.config import ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.sampling import backend, cpu_decoder
+from grpo.sampling.backend import TransformersBackend, render_prompts, sample_batch
+from grpo.sampling.cpu_decoder import lean_decode_supported
+from grpo.tiny import build_tokenizer
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2)
@@ -38,7 +41,7 @@ def _encode(tok, n: int):
 
 
 def _hf_only(monkeypatch):
-    monkeypatch.setattr(generation._LeanDecoder, "build", classmethod(lambda cls, *a, **k: None))
+    monkeypatch.setattr(cpu_decoder._LeanDecoder, "build", classmethod(lambda cls, *a, **k: None))
 
 
 @pytest.mark.parametrize("make", [_qwen2, _llama])
@@ -93,7 +96,7 @@ def test_lean_sampled_logprobs_match_a_full_forward_pass(make, n):
     model, tok = make()
     ids, mask = _encode(tok, n=n)
     # n = 1: every row distinct, listed out of sorted order, so the shared prefill must put each row's cache back
-    _, first = generation.distinct_rows(torch.cat([ids, mask], 1))
+    _, first = backend.distinct_rows(torch.cat([ids, mask], 1))
     assert not torch.equal(first, torch.arange(ids.size(0))) or n > 1
     torch.manual_seed(0)
     s = SamplingConfig(max_new_tokens=20, temperature=0.7)
@@ -115,11 +118,11 @@ def test_lean_linear_gives_f_linear_numbers(bias, copies):
     mods = [torch.nn.Linear(32, n, bias=bias) for n in (48, 16, 16)]  # q, k, v
     x = torch.randn(5, 32)  # [rows, in]
     want = torch.cat([m(x) for m in mods], -1)
-    lin = generation._Linear(mods, rows=5, copies=copies)
+    lin = cpu_decoder._Linear(mods, rows=5, copies=copies)
     assert (lin.parts is None) == copies  # fused into one matrix only when copies are allowed
     assert (lin.packed is not None) == (copies and torch.backends.mkl.is_available())  # and then packed for MKL
     assert torch.allclose(lin(x), want, atol=1e-6)
-    half = generation._Linear([m.bfloat16() for m in mods], rows=5, copies=copies)
+    half = cpu_decoder._Linear([m.bfloat16() for m in mods], rows=5, copies=copies)
     assert half.packed is None  # MKL packs fp32 only: other dtypes take F.linear
     assert torch.allclose(half(x.bfloat16()).float(), torch.cat([m(x.bfloat16()) for m in mods], -1).float())
 
@@ -129,11 +132,11 @@ def test_a_large_model_decodes_from_its_own_weights(monkeypatch):
     ids, mask = _encode(tok, n=2)
     s = SamplingConfig(max_new_tokens=12, temperature=0)
     built = []
-    build = generation._LeanDecoder.build.__func__
-    monkeypatch.setattr(generation._LeanDecoder, "build",
+    build = cpu_decoder._LeanDecoder.build.__func__
+    monkeypatch.setattr(cpu_decoder._LeanDecoder, "build",
                         classmethod(lambda cls, *a: built.append(build(cls, *a)) or built[-1]))
     small = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
-    monkeypatch.setattr(generation, "_COPY_MAX_BYTES", 0)  # as if the model were over the limit
+    monkeypatch.setattr(cpu_decoder, "_COPY_MAX_BYTES", 0)  # as if the model were over the limit
     large = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
     for w, layer in zip(built[1].layers, model.model.layers):  # no fused or packed copy: the modules' own weights
         qkv = (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)
@@ -146,7 +149,7 @@ def test_a_large_model_decodes_from_its_own_weights(monkeypatch):
 def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
     torch.manual_seed(0)
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]]).repeat(5000, 1)
-    tok = generation._draw(probs)  # [10000]
+    tok = backend._draw(probs)  # [10000]
     counts = torch.zeros_like(probs[:2])
     for row in range(2):
         counts[row] = torch.bincount(tok[row::2], minlength=6).float() / 5000

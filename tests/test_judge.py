@@ -17,10 +17,10 @@ import pytest
 from pydantic import ValidationError
 
 from flows.cli import main
-from grpo.judge import (
-    JUDGE_PROMPT,
+from grpo.config import JudgeConfig, ModelConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.sampling.judge import (
     HTTPJudge,
-    JudgeConfig,
     JudgeUnavailable,
     TransformersJudge,
     Verdict,
@@ -28,8 +28,9 @@ from grpo.judge import (
     parse_verdict,
     render_judge_prompt,
 )
-from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer, build_tokenizer
-from grpo.serve import load_checkpoint, make_server
+from grpo.sampling.serve import load_checkpoint, make_server
+from grpo.texts import JUDGE_PROMPT
+from grpo.tiny import build_tokenizer
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=1024)
@@ -100,7 +101,8 @@ def test_transformers_judge_returns_a_verdict_per_item_with_the_models_text(tiny
         assert isinstance(v, Verdict) and v.accepted in (True, False, None) and isinstance(v.rationale, str)
     # the rationale is the model's own greedy reply to the judge prompt
     prompt = render_judge_prompt(JUDGE_PROMPT, *ITEMS[0])
-    from grpo.generation import SamplingConfig, TransformersBackend
+    from grpo.config import SamplingConfig
+    from grpo.sampling.backend import TransformersBackend
 
     expected = TransformersBackend(model, tok).generate([prompt], 1, SamplingConfig(max_new_tokens=12, temperature=0))
     assert verdicts[0].rationale == expected.texts[0].strip()

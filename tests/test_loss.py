@@ -1,11 +1,11 @@
-"""grpo.loss.grpo_loss against hand-worked numbers and a naive per-token loop (CPU)."""
+"""grpo.training.loss.grpo_loss against hand-worked numbers and a naive per-token loop (CPU)."""
 
 import math
 
 import pytest
 import torch
 
-from grpo.loss import grpo_loss
+from grpo.training.loss import grpo_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo"]
 

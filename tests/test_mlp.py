@@ -2,8 +2,9 @@
 
 import torch
 
-from grpo.mlp import compact_mlp
-from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
+from grpo.config import ModelConfig, TinyModelConfig
+from grpo.kernels.mlp import compact_mlp
+from grpo.models import load_model_and_tokenizer
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2)

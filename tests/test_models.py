@@ -7,8 +7,10 @@ import sys
 import pytest
 import torch
 
-from grpo.generation import SamplingConfig, TransformersBackend, render_prompts
-from grpo.models import ModelConfig, TinyModelConfig, build_tokenizer, load_model_and_tokenizer
+from grpo.config import ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.sampling.backend import TransformersBackend, render_prompts
+from grpo.tiny import build_tokenizer
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1)
@@ -31,7 +33,7 @@ def test_tokenizer_round_trips_text_and_keeps_tags_whole(kind):
 def test_bpe_tokenizer_is_the_same_every_time_and_short_on_the_task():
     """Built from generated text, the learned tokenizer must not depend on the process that builds it: a
     checkpoint saved by one stage is read by another (a fresh process) that builds the base tokenizer again."""
-    code = ("import hashlib; from grpo.models import build_tokenizer; "
+    code = ("import hashlib; from grpo.tiny import build_tokenizer; "
             "print(hashlib.sha256(build_tokenizer().backend_tokenizer.to_str().encode()).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
@@ -116,7 +118,7 @@ def _plain_logps(model, ids, mask, C):
 
 
 def test_token_logps_runs_a_shared_prompt_once_with_the_plain_forwards_values_and_gradients(monkeypatch):
-    from grpo.trainer import token_logps
+    from grpo.training.logprobs import token_logps
 
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
     model.train()
@@ -139,7 +141,7 @@ def test_token_logps_runs_a_shared_prompt_once_with_the_plain_forwards_values_an
 
 
 def test_token_logps_without_shared_prompts_is_one_plain_forward(monkeypatch):
-    from grpo.trainer import token_logps
+    from grpo.training.logprobs import token_logps
 
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
     ids, mask, C = _grouped_batch(tok, groups=3, G=1)

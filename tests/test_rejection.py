@@ -13,16 +13,25 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo import rejection
-from grpo.data import DataError, TaskConfig, generate_problems, rl_rows
-from grpo.generation import Rollout, SamplingConfig, TransformersBackend
-from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
-from grpo.rejection import (
-    KEPT_COLUMNS, READABILITY_FILTERS, RejectionConfig, contamination_mask, curate, decontaminate, dedupe, merge_shards,
-    plan_shards, process_shard, read_shard, rows_of_shard, run_rejection_sampling, shard_done, shard_path,
+from grpo.config import ModelConfig, RejectionConfig, SamplingConfig, TaskConfig, TinyModelConfig
+from grpo.data.arithmetic import generate_problems, rl_rows
+from grpo.data.tables import DataError
+from grpo.models import load_model_and_tokenizer
+from grpo.rejection.curate import KEPT_COLUMNS, contamination_mask, curate, decontaminate, dedupe
+from grpo.rejection.filters import READABILITY_CHECKS, Counts
+from grpo.rejection.shards import (
+    merge_shards,
+    plan_shards,
+    process_shard,
+    read_shard,
+    rows_of_shard,
+    run_rejection_sampling,
+    shard_done,
+    shard_path,
     write_shard,
 )
 from grpo.rewards import extract_answer
+from grpo.sampling.backend import Rollout, TransformersBackend
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2)
@@ -39,14 +48,14 @@ def changed(cfg: RejectionConfig, **changes) -> RejectionConfig:
     return RejectionConfig.model_validate({**cfg.model_dump(), **changes})
 
 
-def adds_up(counts: rejection.Counts) -> bool:
+def adds_up(counts: Counts) -> bool:
     return counts.generated == counts.kept + sum(counts.dropped.values())
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Judges for tests: deterministic classes with the shape of grpo.judge.Judge (the model judges live there)
+# Judges for tests: deterministic classes with the shape of grpo.sampling.judge.Judge (the model judges live there)
 
-class Verdict(NamedTuple):  # the shape of grpo.judge.Verdict
+class Verdict(NamedTuple):  # the shape of grpo.sampling.judge.Verdict
     accepted: bool | None
     rationale: str
 
@@ -102,7 +111,7 @@ class AcceptAllJudge:
     ("repetition", said("13", "1" * 600), "compresses"),
 ])
 def test_each_filter_drops_its_defect_and_passes_a_clean_response(name, bad, why):
-    check = READABILITY_FILTERS[name]
+    check = READABILITY_CHECKS[name]
     assert check(GOOD, CFG) == (True, "")
     ok, reason = check(bad, CFG)
     assert not ok and why in reason
@@ -110,12 +119,12 @@ def test_each_filter_drops_its_defect_and_passes_a_clean_response(name, bad, why
 
 def test_filters_leave_alone_what_is_not_a_defect():
     # no words at all (pure arithmetic) is not mixed language; code in the answer is fine; short paragraphs are fine
-    assert READABILITY_FILTERS["language"](said("13", "8 + 5 = 13"), CFG).ok
-    assert READABILITY_FILTERS["code_in_reasoning"](said("```print(13)```"), CFG).ok
-    assert READABILITY_FILTERS["paragraph_length"](said("13", "Add them.\n\n" * 300), CFG).ok
-    assert READABILITY_FILTERS["repetition"](said("13", "Add them.\n" * 3), CFG).ok  # 3 is the limit
+    assert READABILITY_CHECKS["language"](said("13", "8 + 5 = 13"), CFG).ok
+    assert READABILITY_CHECKS["code_in_reasoning"](said("```print(13)```"), CFG).ok
+    assert READABILITY_CHECKS["paragraph_length"](said("13", "Add them.\n\n" * 300), CFG).ok
+    assert READABILITY_CHECKS["repetition"](said("13", "Add them.\n" * 3), CFG).ok  # 3 is the limit
     # thresholds come from the config
-    assert not READABILITY_FILTERS["reasoning_length"](GOOD, changed(CFG, max_reasoning_chars=10)).ok
+    assert not READABILITY_CHECKS["reasoning_length"](GOOD, changed(CFG, max_reasoning_chars=10)).ok
 
 
 def test_the_config_names_its_filters_from_the_registry():

@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from grpo.config import RejectionSamplingConfig
-from grpo.models import ModelConfig, TinyModelConfig, load_model_and_tokenizer
-from grpo.sft import SFTConfig, train_sft
+from grpo.config import ModelConfig, RejectionSamplingConfig, SFTConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.training.sft_trainer import train_sft
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1)
@@ -109,7 +109,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(prefect_harnes
 def test_the_judge_over_http_against_the_projects_own_server(prefect_harness, answering_checkpoint, prompts_file,
                                                              mlflow_client):
     from flows.rejection_sampling import rejection_sampling
-    from grpo.serve import make_server
+    from grpo.sampling.serve import make_server
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))
     server = make_server(model, tok, port=0, model_name="judge")

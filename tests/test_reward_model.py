@@ -8,17 +8,15 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.data import SFT_SCHEMA, DataError, validate_rows
-from grpo import reward_model
-from grpo.models import ModelConfig, TinyModelConfig, build_tiny_model, build_tokenizer, is_checkpointing
-from grpo.preferences import (
-    general_prompts,
-    general_sft_rows,
-    load_preferences,
-    preference_pairs,
-)
-from grpo.reward_model import (
-    RewardModelConfig,
+import grpo.training.reward_model
+from grpo.config import GRPOConfig, ModelConfig, RewardModelConfig, SamplingConfig, TinyModelConfig
+from grpo.data.preferences import general_prompts, general_sft_rows, load_preferences, preference_pairs
+from grpo.data.tables import SFT_SCHEMA, DataError, validate_rows
+from grpo.models import is_checkpointing
+from grpo.rewards import format_reward_strict, score_completions
+from grpo.tiny import build_tiny_model, build_tokenizer
+from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.reward_model import (
     RewardModelScorer,
     bradley_terry_loss,
     build_reward_model,
@@ -29,10 +27,7 @@ from grpo.reward_model import (
     reward_model_reward,
     train_reward_model,
 )
-from grpo.rewards import format_reward_strict, score_completions
-from grpo.generation import SamplingConfig
-from grpo.sft import tokenize_rows
-from grpo.trainer import GRPOConfig, GRPOTrainer
+from grpo.training.sft_trainer import tokenize_rows
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -248,7 +243,7 @@ def test_gradient_checkpointing_gives_the_same_reward_model(tmp_path, monkeypatc
         built.append(model)
         return model, tok
 
-    monkeypatch.setattr(reward_model, "build_reward_model", build)
+    monkeypatch.setattr(grpo.training.reward_model, "build_reward_model", build)
     cfg = RewardModelConfig(model=SMALL, max_steps=2, batch_size=4, eval_fraction=0.25, mixed_precision="no",
                             log_every=1)
     plain = train_reward_model(preference_pairs(60), cfg, tmp_path / "plain", progress=False)

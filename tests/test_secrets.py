@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from grpo.models import ModelConfig, load_model_and_tokenizer
+from grpo.config import ModelConfig
+from grpo.models import load_model_and_tokenizer
 from test_rejection_stage import answering_checkpoint, prompts_file, stage_config  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def test_the_judge_key_appears_nowhere(prefect_harness, answering_checkpoint, pr
                                        mlflow_client, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
-    from grpo.serve import make_server
+    from grpo.sampling.serve import make_server
 
     key = "sk-r1-" + uuid.uuid4().hex  # unique, so any occurrence anywhere is this test's key
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))

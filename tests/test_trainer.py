@@ -7,18 +7,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.accelerate_utils import make_adamw
-from grpo.generation import Rollout, SamplingConfig, lean_decode_supported
-from grpo.loss import grpo_loss
-from grpo.models import (
-    ModelConfig,
-    TinyModelConfig,
-    activation_checkpointing,
-    is_checkpointing,
-    load_model_and_tokenizer,
-)
+from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.models import activation_checkpointing, is_checkpointing, load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
-from grpo.trainer import GRPOConfig, GRPOTrainer, token_logps
+from grpo.sampling.cpu_decoder import lean_decode_supported
+from grpo.training.accelerator import make_adamw
+from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.logprobs import token_logps
+from grpo.training.loss import grpo_loss
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -146,7 +142,7 @@ def test_unknown_reward_fails_before_any_sampling(tmp_path):
 
 
 def test_dynamic_sampling_refills_groups_with_spread(tmp_path):
-    from grpo.trainer import prompt_order
+    from grpo.training.grpo_trainer import prompt_order
 
     first = set(prompt_order(len(PROMPTS), 0, 2, seed=0))  # the step's own prompts
 

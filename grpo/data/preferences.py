@@ -22,6 +22,8 @@ million parameters needs.
 The held-out split is chosen by a hash of the prompt text, so held-out prompts never appear in training. Their
 subjects do recur under other phrasings: a model of a few million parameters, trained from scratch, has no way to
 know that an unseen request is harmful.
+
+Pure Python and pandas: must not depend on torch, Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import random
 from typing import Literal, NamedTuple
 
 import pandas as pd
-from pydantic import BaseModel, ConfigDict
 
-from grpo.data import DataError, normalise_rows, read_table, validate_rows
+from grpo.config import PreferenceDataConfig
+from grpo.data.tables import DataError, normalise_rows, read_table, validate_rows
 
 # ----------------------------------------------------------------------------------------------------------------
 # The synthetic prompts: subject -> the helpful answer (or, for harmful requests, the safe alternative)
@@ -159,7 +161,7 @@ def split_prompts(split: Literal["train", "heldout"], heldout_percent: int = 20)
 
 
 def _rng(seed: int, split: str, what: str) -> random.Random:
-    # the held-out draw ignores the seed, as in grpo.data: every stage that shares it scores on the same rows
+    # the held-out draw ignores the seed, as in grpo.data.arithmetic: every stage that shares it scores on the same rows
     return random.Random(f"{what}-{seed}-train" if split == "train" else f"{what}-heldout")
 
 
@@ -207,7 +209,7 @@ def general_prompts(n: int, seed: int = 0, split: Literal["train", "heldout"] = 
 
 def general_sft_rows(n: int, seed: int = 0, heldout_percent: int = 20) -> pd.DataFrame:
     """`n` distinct training prompts with their chosen responses: the non-reasoning rows of an SFT dataset
-    (the same `prompt`/`response` schema as grpo.data.sft_rows)."""
+    (the same `prompt`/`response` schema as grpo.data.arithmetic.sft_rows)."""
     prompts = _distinct_prompts(n, seed, "train", heldout_percent)
     return pd.DataFrame({"prompt": [p.text for p in prompts], "response": [chosen_response(p) for p in prompts]})
 
@@ -217,19 +219,6 @@ def general_sft_rows(n: int, seed: int = 0, heldout_percent: int = 20) -> pd.Dat
 
 PREFERENCE_SCHEMA = {"prompt": "text or chat messages", "chosen": "text or chat messages",
                      "rejected": "text or chat messages"}
-
-
-class PreferenceDataConfig(BaseModel):
-    """Where the reward model's pairs come from: the synthetic set, or a user dataset."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    source: str = "synthetic"  # "synthetic", a .jsonl/.json/.parquet/.csv file, a saved `datasets` folder, or a hub name
-    split: str = "train"  # split to read from a hub dataset or a DatasetDict folder
-    num_train: int = 1000  # synthetic pairs to draw (or the most pairs to read from a user dataset; 0 = all)
-    num_heldout: int = 200  # synthetic held-out pairs; a user dataset's held-out pairs are carved out by the trainer
-    heldout_percent: int = 20  # share of synthetic prompts reserved for held-out, by hash of the prompt
-    seed: int = 0  # the same seed draws the same training pairs (the held-out draw never changes)
 
 
 def validate_preferences(df: pd.DataFrame, source: str) -> pd.DataFrame:

@@ -9,6 +9,8 @@ Stds are torch's default unbiased ones (correction=1). The std of a single
 element is undefined (NaN) under that definition, so here it is taken as 0:
 a group of one sample then has advantage exactly 0 (it has nothing to be
 compared against), never NaN.
+
+Pure tensor functions: must not depend on models, Prefect or MLflow.
 """
 
 from typing import Callable

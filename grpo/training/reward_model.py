@@ -9,13 +9,16 @@ prompt + response. It is trained with the Bradley-Terry loss `-log sigmoid(r_cho
 
 How this differs from the paper: R1 scores helpfulness on the final summary only and harmlessness on the whole
 response, with two models; here one model reads the whole response (`<think>` included), which is what the
-synthetic pairs in grpo.preferences teach. The loop has no resumable checkpoints: it is short next to SFT and GRPO.
+synthetic pairs in grpo.data.preferences teach. The loop has no resumable checkpoints: it is short next to SFT and GRPO.
 
 Run it alone:
-    from grpo.preferences import preference_pairs
-    from grpo.reward_model import RewardModelConfig, train_reward_model
+    from grpo.data.preferences import preference_pairs
+    from grpo.config import RewardModelConfig
+    from grpo.training.reward_model import train_reward_model
     result = train_reward_model(preference_pairs(1000), RewardModelConfig(), "out/rm",
                                 heldout=preference_pairs(200, split="heldout"))
+
+Must not depend on Prefect or MLflow: metrics go to a callback.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from typing import Callable, NamedTuple, Sequence
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 from transformers import (
     AutoModelForSequenceClassification,
@@ -41,45 +43,16 @@ from transformers import (
     get_scheduler,
 )
 
-from grpo.accelerate_utils import make_accelerator, make_adamw, optimizer_step
-from grpo.data import DataError
-from grpo.generation import render_prompts
-from grpo.models import (
-    _DTYPES,
-    TINY,
-    ModelConfig,
-    activation_checkpointing,
-    build_tiny_model,
-    check_model_config,
-    load_tokenizer,
-)
+from grpo.config import TINY, ModelConfig, RewardModelConfig
+from grpo.data.tables import DataError
+from grpo.models import _DTYPES, activation_checkpointing, check_model_config, load_tokenizer
 from grpo.rewards import completion_text
-from grpo.sft import _response_text, batch_indices
+from grpo.sampling.backend import render_prompts
+from grpo.tiny import build_tiny_model
+from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
+from grpo.training.sft_trainer import _response_text, batch_indices
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
-
-
-class RewardModelConfig(BaseModel):
-    """Training the reward model on (prompt, chosen, rejected) pairs."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: ModelConfig = Field(default_factory=ModelConfig)  # backbone: "tiny", or a folder (R1: the policy's)
-    max_steps: int = 150  # optimizer steps
-    batch_size: int = 16  # pairs per micro-batch (two sequences each)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    learning_rate: float = 1e-3  # peak learning rate (a from-scratch tiny model takes a large one; real models ~1e-5)
-    lr_scheduler: str = "cosine"  # any transformers scheduler name
-    warmup_steps: int = 10  # linear warmup
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient clipping
-    max_seq_len: int = 256  # prompt + response tokens; a longer training pair fails before training starts
-    eval_fraction: float = 0.1  # share of prompts held out for evaluation when no held-out pairs are given (0 = none)
-    eval_batch_size: int = 64  # sequences per scoring batch
-    mixed_precision: str = "bf16"  # "bf16", "fp16" (GPU) or "no"
-    gradient_checkpointing: bool = False  # trade compute for memory on real models
-    log_every: int = 10  # steps between metric callbacks
-    seed: int = 0  # head initialisation and data order
 
 
 class PairExample(NamedTuple):

@@ -5,6 +5,8 @@ draw batches by step number (so a resumed run sees exactly the batches it would 
 Hugging Face Accelerate, which handles device placement, mixed precision, gradient accumulation and multi-GPU
 launches. Every `checkpoint_every` steps the model, optimizer, scheduler and RNG state are saved; a run that finds
 a checkpoint in its output folder resumes from it and loses at most the steps since.
+
+Must not depend on Prefect or MLflow: metrics go to a callback.
 """
 
 from __future__ import annotations
@@ -20,40 +22,18 @@ import numpy as np
 import pandas as pd
 import torch
 from accelerate import Accelerator
-from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from grpo.accelerate_utils import make_accelerator, make_adamw, optimizer_step
-from grpo.attention import cpu_attention
-from grpo.data import DataError, as_messages
-from grpo.generation import render_prompts
-from grpo.mlp import compact_mlp
+from grpo.config import SFTConfig
+from grpo.data.tables import DataError, as_messages
+from grpo.kernels.attention import cpu_attention
+from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
+from grpo.sampling.backend import render_prompts
+from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
-
-
-class SFTConfig(BaseModel):
-    """The supervised fine-tuning loop."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_steps: int = 500  # optimizer steps
-    batch_size: int = 32  # rows per micro-batch
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    learning_rate: float = 2e-3  # peak learning rate (a from-scratch tiny model takes a large one; real models ~1e-5)
-    lr_scheduler: str = "cosine"  # any transformers scheduler name
-    warmup_steps: int = 20  # linear warmup
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient clipping
-    max_seq_len: int = 384  # prompt + response tokens; longer rows are cut at the end of the response
-    mixed_precision: str = "bf16"  # "bf16", "fp16" (GPU) or "no"; bf16 autocast is faster on CPU too
-    gradient_checkpointing: bool = False  # trade compute for memory on real models
-    checkpoint_every: int = 100  # steps between resumable checkpoints (0 = only at the end)
-    keep_checkpoints: int = 1  # resumable checkpoints kept on disk
-    log_every: int = 10  # steps between metric callbacks
-    seed: int = 0  # data order and dropout
 
 
 class Example(NamedTuple):

@@ -9,6 +9,8 @@ One step, as in the DeepSeekMath/R1 papers:
 With mu = 1 pi_old is the policy being optimised, so the ratio is exactly 1 and nothing is recomputed; with
 mu > 1 pi_old's log-probs are computed once, before the first update. Optional dynamic sampling (DAPO)
 drops groups whose rewards all agree, which carry no gradient, and samples more prompts to refill the batch.
+
+Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 """
 
 from __future__ import annotations
@@ -24,54 +26,22 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from grpo.accelerate_utils import make_accelerator, make_adamw, optimizer_step
-from grpo.advantages import group_advantages
-from grpo.attention import cpu_attention
-from grpo.generation import GenerationBackend, Rollout, SamplingConfig, TransformersBackend, distinct_rows
-from grpo.loss import grpo_loss
-from grpo.mlp import compact_mlp
-from grpo.models import activation_checkpointing, is_checkpointing
+from grpo.config import GRPOConfig
+from grpo.kernels.attention import cpu_attention
+from grpo.kernels.mlp import compact_mlp
+from grpo.models import activation_checkpointing
 from grpo.rewards import REWARD_FUNCTIONS, score_completions
+from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBackend
+from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
+from grpo.training.advantages import group_advantages
+from grpo.training.logprobs import token_logps
+from grpo.training.loss import grpo_loss
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
-
-
-class GRPOConfig(BaseModel):
-    """The GRPO loop (names follow TRL's GRPOConfig where they mean the same thing)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_steps: int = 200  # optimizer steps (times num_iterations)
-    prompts_per_step: int = 4  # distinct prompts sampled per step
-    num_generations: int = 8  # G: completions per prompt
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)  # temperature, completion budget
-    learning_rate: float = 1e-5  # AdamW learning rate; large ones destroy a tiny model's skills
-    lr_scheduler: str = "constant_with_warmup"  # any transformers scheduler name
-    warmup_steps: int = 0  # linear warmup
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient clipping
-    beta: float = 0.04  # KL coefficient (DeepSeekMath); 0 skips the reference model entirely
-    epsilon: float = 0.2  # lower clip range of the ratio
-    epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); None = epsilon
-    num_iterations: int = 1  # mu: optimisation passes per batch of samples
-    loss_type: str = "grpo"  # grpo (sequence mean), bnpo (token mean) or dr_grpo (Dr. GRPO)
-    scale_rewards: str = "group"  # advantage scaling: group, batch or none (Dr. GRPO)
-    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
-    dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
-    mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
-    max_refill_rounds: int = 3  # extra sampling rounds per step when dynamic sampling
-    micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation inside a step)
-    gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, one more forward
-    mixed_precision: str = "no"  # "bf16" autocast for speed; "no" keeps ratios exact at 1 when mu = 1
-    log_every: int = 1  # steps between metric callbacks
-    samples_every: int = 25  # steps between sample-completion tables
-    checkpoint_every: int = 50  # steps between resumable checkpoints (0 = only the final model)
-    seed: int = 0  # prompt order and sampling
 
 
 class Batch(NamedTuple):
@@ -88,75 +58,6 @@ class Batch(NamedTuple):
 class GRPOResult(NamedTuple):
     model_dir: Path  # final policy, loadable with from_pretrained
     steps: int  # optimizer steps taken in total
-
-
-def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the last `n_completion` tokens of each row under `model` (and their entropy if asked)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L] left padding is skipped
-    logits = _completion_logits(model, input_ids, attention_mask, position_ids, n_completion).float()  # [N, C, V]
-    if temperature > 0:
-        logits = logits / temperature  # the distribution the tokens were sampled from
-    logp_all = torch.log_softmax(logits, -1)  # [N, C, V]
-    targets = input_ids[:, -n_completion:]  # [N, C]
-    logps = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, C]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, C]
-    return logps, entropy
-
-
-def _completion_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       position_ids: torch.Tensor, n_completion: int) -> torch.Tensor:
-    """The logits that predict each row's last `n_completion` tokens, [N, C, V]; a prompt rows share runs once.
-
-    GRPO's rows come in groups of G completions of one prompt. Each distinct prompt goes through the model once,
-    its KV cache is gathered to its rows, and the completions run on top: the plain forward's numbers (gradients
-    flow back through the gather into the shared pass) for 1/G of the prompt work.
-    """
-    C = n_completion
-    P = input_ids.size(1) - C
-
-    def plain() -> torch.Tensor:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=C + 1).logits[:, :-1]  # [N, C, V]
-
-    if P == 0 or C < 2 or not _can_share_prompts(model):
-        return plain()
-    inverse, first = distinct_rows(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1))  # [N], [U]
-    if first.numel() == input_ids.size(0):
-        return plain()
-    cache = DynamicCache()
-    head = model(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
-                 position_ids=position_ids[first, :P], past_key_values=cache, use_cache=True,
-                 logits_to_keep=1).logits  # [U, 1, V] predicts each prompt's first completion token
-    if cache.get_seq_length() != P:  # a model that ignores the cache cannot share its prompt pass
-        return plain()
-    cache.reorder_cache(inverse)  # [U, ...] -> [N, ...]
-    tail = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
-                 position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits  # [N, C-1, V]
-    return torch.cat([head[inverse], tail], 1)  # [N, C, V]
-
-
-def _can_share_prompts(model: torch.nn.Module) -> bool:
-    """Whether two forward passes over a shared cache give what one plain pass would.
-
-    Not for wrapped models (DDP and friends expect one forward per backward), nor under gradient checkpointing
-    (which turns the cache off), nor with active dropout (rows of a group would share the prompt's noise).
-    """
-    if not isinstance(model, PreTrainedModel):
-        return False
-    if is_checkpointing(model):
-        return False
-    if model.training:
-        cfg = model.config
-        rates = [getattr(cfg, k, 0.0) or 0.0 for k in ("attention_dropout", "hidden_dropout", "dropout",
-                                                         "resid_pdrop", "embd_pdrop", "attn_pdrop")]
-        rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
-        if any(float(r) > 0 for r in rates):
-            return False
-    return True
 
 
 def prompt_order(n_prompts: int, step: int, per_step: int, seed: int, draw: int = 0) -> list[int]:
@@ -418,7 +319,7 @@ def _concat_groups(parts, G: int, want: int, pad_id: int):
     `parts` holds (rollout, scores, prompt indices, kept group numbers) per draw; returns the same three things
     `collect` returns for a plain step.
     """
-    from grpo.generation import _pad_right
+    from grpo.sampling.backend import _pad_right
 
     chosen = [(r, s, g, idx[g]) for r, s, idx, kept in parts for g in kept][:want]
     if not chosen:  # no group had spread: train on the first draw (zero advantages; only the KL term acts)

@@ -15,6 +15,8 @@ Backends:
 
 Differences from the paper: the judge model is whatever the recipe names (the tiny recipe's judge is a few-million
 parameter model whose verdicts are mostly unparseable: `accepted=None`); the prompt is ours, not DeepSeek's.
+
+Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -22,36 +24,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import string
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.generation import SamplingConfig, TransformersBackend
-
-# Kept short: the tiny models read every word of it on every call.
-JUDGE_PROMPT = """Is the response's final answer to the question correct? Compare it with the reference answer.
-
-Question:
-{question}
-
-Reference answer:
-{reference}
-
-Response:
-{response}
-
-Reply with exactly two lines:
-VERDICT: yes or no
-REASON: one short sentence"""
-
-NO_REFERENCE = "(none given: judge the response on its own)"
-_TEMPLATE_FIELDS = {"question", "reference", "response"}
+from grpo.config import JudgeConfig, SamplingConfig
+from grpo.sampling.backend import TransformersBackend
+from grpo.texts import NO_REFERENCE
 
 
 class Verdict(NamedTuple):
@@ -69,48 +52,6 @@ class Judge(Protocol):
     def judge(self, prompt: str, response: str, reference: str | None) -> Verdict: ...
 
     def judge_many(self, items: list[tuple[str, str, str | None]]) -> list[Verdict]: ...
-
-
-class JudgeConfig(BaseModel):
-    """Which judge to ask and how."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    backend: Literal["transformers", "http"] = "transformers"  # a local model, or an OpenAI-compatible endpoint
-    model: str = "tiny"  # transformers: checkpoint folder, hub name or "tiny"; http: the served model's name
-    base_url: str = "http://127.0.0.1:8000/v1"  # http only: endpoint root, the part before /chat/completions
-    api_key_env: str = "R1_JUDGE_API_KEY"  # http only: NAME of the env var holding the key (sent as a Bearer token)
-    max_new_tokens: int = Field(128, ge=1)  # the judge's reply budget; a reasoning judge needs far more
-    temperature: float = Field(0.0, ge=0.0)  # 0 = greedy, so the same response gets the same verdict
-    timeout_s: float = Field(60.0, gt=0)  # http only: per-request socket timeout
-    max_retries: int = Field(2, ge=0)  # http only: further tries after a connection error, timeout, 5xx or 429
-    backoff_s: float = Field(1.0, ge=0)  # http only: wait before the first retry; doubles on each further one
-    max_workers: int = Field(4, ge=1)  # http only: requests in flight at once in judge_many
-    batch_size: int = Field(16, ge=1)  # transformers only: judge prompts decoded together
-    prompt_template: str = JUDGE_PROMPT  # str.format template with {question}, {reference} and {response}
-
-    @field_validator("prompt_template")
-    @classmethod
-    def _known_fields(cls, template: str) -> str:
-        try:
-            fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-        except ValueError as e:  # an unmatched brace
-            raise ValueError(f"prompt_template is not a valid str.format template ({e}); write literal braces "
-                             f"as {{{{ and }}}}") from None
-        unknown = fields - _TEMPLATE_FIELDS
-        if unknown:
-            raise ValueError(f"prompt_template uses unknown fields {sorted(unknown)}; "
-                             f"the known ones are {sorted(_TEMPLATE_FIELDS)}")
-        if "response" not in fields:
-            raise ValueError("prompt_template must contain {response}, or the judge never sees what it judges")
-        return template
-
-    @field_validator("base_url")
-    @classmethod
-    def _http_url(cls, url: str) -> str:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {url!r}")
-        return url.rstrip("/")
 
 
 def render_judge_prompt(template: str, prompt: str, response: str, reference: str | None) -> str:
@@ -316,7 +257,8 @@ def build_judge(cfg: JudgeConfig, model: PreTrainedModel | None = None,
     if model is None:
         import torch
 
-        from grpo.models import ModelConfig, load_model_and_tokenizer
+        from grpo.config import ModelConfig
+        from grpo.models import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path=cfg.model))
         model.to("cuda" if torch.cuda.is_available() else "cpu")

@@ -9,6 +9,8 @@ kept for the backward. The numbers match SDPA's to float rounding (~1e-6).
 
 `cpu_attention(model)` switches a model to it for the duration of a block, and only where it is exactly the model's
 own attention: a plain causal Qwen2/Llama decoder with SDPA or eager attention, on CPU, with no sliding window.
+
+A speed trick with the model's own numbers; must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations

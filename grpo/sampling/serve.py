@@ -8,6 +8,8 @@ It exists so the pipeline's judge can be a model this project trained, reached t
 endpoint (`HTTPJudge`). It is the standard library's threading HTTP server around `TransformersBackend`: one
 model, one generation at a time (a lock), no streaming, no batching across requests. For throughput serve the
 checkpoint folder with vLLM instead; the API is the same.
+
+Standard library HTTP server; must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import math
 import threading
 import time
 import uuid
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.generation import SamplingConfig, TransformersBackend, render_prompts
-from grpo.models import ModelConfig, load_model_and_tokenizer
+from grpo.config import ModelConfig, SamplingConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.sampling.backend import TransformersBackend, render_prompts
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""One Accelerator per training loop, whatever the loop before it asked for."""
+"""One Accelerator per training loop, whatever the loop before it asked for.
+
+Must not depend on Prefect or MLflow.
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ and the per-token losses are reduced to a scalar by one of ``AGGREGATORS``.
 ``old_logps`` and ``ref_logps`` are treated as constants (detached).
 Masked-out positions must still hold finite numbers: they are zeroed by
 multiplication, and ``inf * 0`` would be NaN.
+
+Pure tensor functions: must not depend on models, Prefect or MLflow.
 """
 
 from typing import Callable

@@ -1,0 +1,31 @@
+"""Stage 3, rejection sampling: many samples per prompt from the RL checkpoint; keep the correct, readable ones.
+
+The R1 paper (section 2.3.3): sample several responses per prompt from the reasoning-RL checkpoint; keep only the
+correct ones, checked by rule where the prompt has a verifiable answer and otherwise by a generative judge
+(DeepSeek-V3 given the reference and the prediction); drop chains of thought with mixed languages, long paragraphs
+or code blocks. About 600k reasoning samples plus 200k non-reasoning ones make the 800k rows of the next SFT stage.
+
+Here one sample goes through `curate` in this order, and is counted under the first check it fails, so
+generated = kept + sum(dropped):
+  readability filters (`READABILITY_CHECKS`, in `cfg.filters` order) -> duplicate of an earlier sample of the
+  same prompt -> correctness (rule, judge, or both) -> at most `max_kept_per_prompt` per prompt.
+Truncation is counted but is no reason of its own: a response cut off by the token budget never closes its answer
+block (the tag filter drops it), and one cut just after `</answer>` is whole.
+The prompts are cut into shards of `shard_size`. Each shard samples under a seed of its own (cfg.seed, index), so a
+shard sampled again gives the same samples, and is written as one Parquet file, atomically; a shard whose file
+exists is not sampled again, so a crashed or cancelled run resumes without losing or duplicating rows.
+`merge_shards` then dedupes across shards, drops rows that share word n-grams with held-out problems, caps the
+reasoning rows to the target (prompt coverage first, deterministically) and appends the non-reasoning rows.
+
+How it differs from the paper: the paper does not spell out its readability rules; the ones here (tag structure,
+language share, paragraph and reasoning length, code in the reasoning, empty answer, repetition) are plain
+functions with their thresholds in `RejectionConfig`. Sampling stops at the planned prompts, not at the target.
+
+Run it alone:
+    result = run_rejection_sampling(TransformersBackend(model, tok), prompts_df, RejectionConfig(), "out/rs")
+    result.dataset  # prompt, response, ... ready for SFT
+
+Modules: `filters` (readability filters, drop reasons and counts), `curate` (one shard's samples kept or dropped;
+dedupe and decontamination), `shards` (planning, sampling, writing, merging and resuming shards). The stage's
+settings are `grpo.config.RejectionConfig`. Must not depend on Prefect or MLflow.
+"""

@@ -1,0 +1,58 @@
+"""Rule-based rewards for GRPO (the DeepSeek-R1 recipe), with TRL's and open-r1's reward-function contract.
+
+A reward function is ``fn(completions, **dataset_columns) -> list[float | None]``:
+
+* a completion is a string or a list of chat messages (the last assistant message's ``content`` is scored);
+* dataset columns arrive as keyword lists aligned with ``completions`` (``answer=[...]``); unknown keywords are
+  accepted and ignored (TRL also passes ``prompts``, ``completion_ids``, ``trainer_state``);
+* ``None`` means "not scorable" (TRL turns it into NaN).
+
+One module per kind of reward:
+
+| module | what it holds |
+|---|---|
+| `text` | the text a reward scores, from a string or chat messages |
+| `format` | the `<think>…</think><answer>…</answer>` format rewards and TRL's tag count |
+| `answers` | answer extraction (`<answer>`, `\\boxed{}`) |
+| `accuracy` | the accuracy reward: fast exact paths first (`math_fast`, `math_latex`), math-verify for the rest (`math_verify_pool`) |
+| `language` | R1's language-consistency reward |
+| `overlong` | DAPO's overlong penalty |
+| `registry` | names to functions (`REWARD_FUNCTIONS`) and weighted scoring (`score_completions`) |
+
+To add a reward: write ``fn(completions, **columns)`` in a module here and add it to ``REWARD_FUNCTIONS`` in
+`registry`; recipes then name it under ``rewards:``.
+
+Everything here is pure Python: no torch, no Prefect, no MLflow. The only module-level state is the process pool
+for the symbolic math check (`math_verify_pool`).
+"""
+
+from grpo.rewards.accuracy import AccuracyReport, accuracy_reward, check_accuracy
+from grpo.rewards.answers import extract_answer, extract_boxed
+from grpo.rewards.format import format_reward, format_reward_strict, make_format_reward, tag_count_reward
+from grpo.rewards.language import language_consistency_reward
+from grpo.rewards.math_verify_pool import prepare_for_math_verify, shutdown_symbolic_pool
+from grpo.rewards.overlong import make_overlong_penalty, overlong_penalty
+from grpo.rewards.registry import REWARD_FUNCTIONS, RewardScores, UnknownRewardError, score_completions
+from grpo.rewards.text import completion_text
+
+__all__ = [
+    "AccuracyReport",
+    "REWARD_FUNCTIONS",
+    "RewardScores",
+    "UnknownRewardError",
+    "accuracy_reward",
+    "check_accuracy",
+    "completion_text",
+    "extract_answer",
+    "extract_boxed",
+    "format_reward",
+    "format_reward_strict",
+    "language_consistency_reward",
+    "make_format_reward",
+    "make_overlong_penalty",
+    "overlong_penalty",
+    "prepare_for_math_verify",
+    "score_completions",
+    "shutdown_symbolic_pool",
+    "tag_count_reward",
+]

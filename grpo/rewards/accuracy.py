@@ -1,0 +1,136 @@
+"""The accuracy reward: the extracted answer against the reference, fast paths first, math-verify for the rest.
+
+Pure Python; must not depend on torch, Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from grpo.rewards.answers import extract_answer, extract_boxed
+from grpo.rewards.math_fast import fast_verdict, parse_plain
+from grpo.rewards.math_latex import latex_value
+from grpo.rewards.math_verify_pool import (
+    BAD_REFERENCE,
+    EQUAL,
+    TIMEOUT,
+    symbolic_verdicts,
+)
+from grpo.rewards.text import completion_text
+from grpo.texts import ANSWER_TAGS
+
+logger = logging.getLogger(__name__)
+
+
+
+class AccuracyReport(NamedTuple):
+    scores: list[float | None]
+    fast_path: int  # decided without math-verify (plain numbers, LaTeX shortcut, no answer)
+    symbolic: int  # completions sent to math-verify
+    timeouts: int  # completions whose check timed out (scored 0.0)
+
+
+def _reference_text(reference: Any) -> str | None:
+    """The reference answer as a string: GSM8K's "#### 42" tail, or a \\boxed{} content.
+
+    Pass references as strings: a float's repr ("1e-07") is not an answer format.
+    """
+    if reference is None:
+        return None
+    if isinstance(reference, bool) or not isinstance(reference, (str, numbers.Number)):
+        return None
+    s = str(reference)
+    if "####" in s:
+        s = s.rsplit("####", 1)[1]
+    boxed = extract_boxed(s) if "\\boxed" in s else None
+    s = (boxed if boxed is not None else s).strip()
+    return s or None
+
+
+def _prediction_text(completion: Any, answer_tags: Sequence[str]) -> str | None:
+    answer = extract_answer(completion_text(completion), answer_tags)
+    if answer and "\\boxed" in answer:  # <answer>… \boxed{x} …</answer>
+        answer = extract_boxed(answer) or answer
+    return answer or None
+
+
+def check_accuracy(
+    completions: Sequence[Any],
+    answer: Sequence[Any],
+    *,
+    timeout_s: float = 2.0,
+    answer_tags: Sequence[str] = ANSWER_TAGS,
+    symbolic_backend: str = "thread",
+) -> AccuracyReport:
+    """``accuracy_reward`` plus how each completion was decided."""
+    if len(answer) != len(completions):
+        raise ValueError(f"answer has {len(answer)} items for {len(completions)} completions")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if symbolic_backend not in ("process", "thread"):
+        raise ValueError(f"symbolic_backend must be 'process' or 'thread', got {symbolic_backend!r}")
+
+    scores: list[float | None] = [None] * len(completions)
+    pending: dict[tuple[str, str | None], list[int]] = {}  # deduplicated: G samples share answers
+    fast = 0
+    for i, (completion, reference) in enumerate(zip(completions, answer)):
+        gold = _reference_text(reference)
+        if gold is None:
+            continue  # no reference: not scorable
+        pred = _prediction_text(completion, answer_tags)
+        if pred is None:
+            if parse_plain(gold) is not None or latex_value(gold) is not None:  # surely parseable
+                scores[i] = 0.0
+                fast += 1
+            else:  # 0.0 unless the reference itself turns out unparseable
+                pending.setdefault((gold, None), []).append(i)
+            continue
+        verdict = fast_verdict(gold, pred)
+        if verdict is not None:
+            scores[i] = float(verdict)
+            fast += 1
+        else:
+            pending.setdefault((gold, pred), []).append(i)
+
+    pairs = list(pending)
+    timeouts = 0
+    for pair, code in zip(pairs, symbolic_verdicts(pairs, timeout_s, symbolic_backend)):
+        for i in pending[pair]:
+            scores[i] = None if code == BAD_REFERENCE else float(code == EQUAL)
+            timeouts += code == TIMEOUT
+    return AccuracyReport(scores, fast, sum(map(len, pending.values())), timeouts)
+
+
+def accuracy_reward(
+    completions: Sequence[Any],
+    answer: Sequence[Any],
+    *,
+    timeout_s: float = 2.0,
+    answer_tags: Sequence[str] = ANSWER_TAGS,
+    symbolic_backend: str = "thread",
+    **_: Any,
+) -> list[float | None]:
+    """1.0 if the extracted answer equals the reference under math-verify, else 0.0.
+
+    The answer is the last ``<answer>`` block, else the last ``\\boxed{}`` (a box
+    inside the answer block is unwrapped). Decided without math-verify, with
+    its verdict: plain numbers on both sides (exact comparison, or its own
+    6-decimal rounding rule when a decimal is close), and simple LaTeX answers
+    that are identical, equal in exact value, or provably different in value
+    (see ``fast_verdict``). Everything else goes through ``math_verify.parse`` /
+    ``verify`` in a daemon thread (``symbolic_backend="thread"``, the default) or
+    a worker process (``"process"``: stuck checks can be killed and checks spread
+    over cores, but the calling script needs an ``if __name__ == "__main__":``
+    guard since workers are started with "spawn"), at most ``timeout_s`` per
+    parse+verify. A timed-out check scores 0.0 (logged); a reference that
+    math-verify cannot parse scores None. Safe to call from any thread.
+    """
+    report = check_accuracy(
+        completions, answer, timeout_s=timeout_s, answer_tags=answer_tags, symbolic_backend=symbolic_backend
+    )
+    if report.timeouts:
+        logger.warning("accuracy_reward: %d of %d checks timed out (scored 0.0)", report.timeouts, len(completions))
+    return report.scores

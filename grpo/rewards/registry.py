@@ -1,0 +1,168 @@
+"""The reward registry and weighted scoring: names to functions, and the per-function scores of a batch.
+
+Pure Python; must not depend on torch, Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from grpo.rewards.accuracy import accuracy_reward
+from grpo.rewards.format import format_reward, format_reward_strict, tag_count_reward
+from grpo.rewards.language import language_consistency_reward
+from grpo.rewards.overlong import overlong_penalty
+
+logger = logging.getLogger(__name__)
+
+
+
+REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {
+    "format": format_reward,
+    "format_strict": format_reward_strict,
+    "accuracy": accuracy_reward,
+    "tag_count": tag_count_reward,
+    "language_consistency": language_consistency_reward,
+    "overlong": overlong_penalty,  # needs max_completion_length: see make_overlong_penalty
+}
+
+
+class UnknownRewardError(KeyError, ValueError):
+    """A reward spec names a function the registry does not have."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardScores:
+    per_function: dict[str, list[float | None]]  # None: the function does not apply, or it failed
+    total: list[float]  # sum of weight * score, a None counting as 0.0
+    failures: dict[str, int]  # completions each function failed on (raised, NaN/inf/non-number, wrong length)
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # completions it returned None for
+
+
+def _normalize_specs(
+    reward_specs: Mapping[str, float] | Iterable[tuple[str, float]], registry: Mapping[str, Callable]
+) -> list[tuple[str, float]]:
+    """[(name, weight)], validated; raises before anything is scored."""
+    items = list(reward_specs.items() if isinstance(reward_specs, Mapping) else reward_specs)
+    if not all(isinstance(item, (tuple, list)) and len(item) == 2 for item in items):
+        raise ValueError(f"reward specs must be {{name: weight}} or [(name, weight), ...], got {reward_specs!r}")
+    names = [name for name, _ in items]
+    unknown = [name for name in names if name not in registry]
+    if unknown:
+        raise UnknownRewardError(f"unknown reward function(s) {unknown}; known: {sorted(registry)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward listed twice: {names}")
+    for name, weight in items:
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ValueError(f"weight for {name!r} must be a finite number, got {weight!r}")
+    return [(name, float(weight)) for name, weight in items]
+
+
+_FAILED = object()  # a score that could not be had, as opposed to a function's own None ("does not apply")
+
+
+def _clean_score(value: Any) -> Any:
+    """A finite float; None for None (the function does not apply); _FAILED for NaN/inf/non-numbers.
+
+    0-d arrays/tensors are unwrapped.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real) and hasattr(value, "item"):
+        try:
+            value = value.item()
+        except Exception:
+            return _FAILED
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else _FAILED
+    return _FAILED
+
+
+def _call_reward(
+    fn: Callable, completions: list, columns: Mapping[str, Any], log_level: int = logging.WARNING
+) -> list[Any] | None:
+    """The function's cleaned scores (see _clean_score), or None if it raised. Wrong length: all _FAILED."""
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        raw = list(fn(completions, **columns))
+    except Exception:
+        logger.log(log_level, "reward %s raised", name, exc_info=True)
+        return None
+    if len(raw) != len(completions):
+        logger.warning("reward %s returned %d scores for %d completions", name, len(raw), len(completions))
+        return [_FAILED] * len(completions)
+    return [_clean_score(v) for v in raw]
+
+
+def _score_one_function(fn: Callable, completions: list, columns: Mapping[str, Any]) -> list[Any]:
+    """Whole batch first; if that raises, completion by completion so a bad one fails alone."""
+    scores = _call_reward(fn, completions, columns)
+    if scores is not None:
+        return scores
+    n = len(completions)
+    out: list[Any] = []
+    for i in range(n):
+        # Aligned columns are sliced; anything else (a scalar setting) is passed as is.
+        single_columns = {
+            k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in columns.items()
+        }
+        single = _call_reward(fn, [completions[i]], single_columns, log_level=logging.DEBUG)
+        out.append(single[0] if single else _FAILED)
+    return out
+
+
+def score_completions(
+    completions: Sequence[Any],
+    reward_specs: Mapping[str, float] | Iterable[tuple[str, float]],
+    columns: Mapping[str, Any] | None = None,
+    *,
+    registry: Mapping[str, Callable[..., list[float | None]]] | None = None,
+) -> RewardScores:
+    """Run the named reward functions and combine them with their weights.
+
+    ``reward_specs``: {name: weight} or [(name, weight), ...], names from
+    ``registry`` (default ``REWARD_FUNCTIONS``). ``columns``: dataset columns,
+    passed to every function as keyword arguments.
+
+    Bad specs (unknown name, duplicate, non-finite weight) and columns that do
+    not align with the completions raise ValueError (unknown names:
+    UnknownRewardError, also a KeyError) before anything is scored. After that
+    nothing raises: a score is None when its function returned None (it does
+    not apply to that completion, counted in ``skipped``), raised for it,
+    returned NaN/inf/a non-number, or returned the wrong number of scores
+    (then all its scores are None); the last three are counted in
+    ``failures``. A None adds 0.0 to ``total``, so a failure never poisons the
+    other rewards with NaN.
+    """
+    registry = REWARD_FUNCTIONS if registry is None else registry
+    specs = _normalize_specs(reward_specs, registry)
+    completions = list(completions)
+    columns = dict(columns or {})
+    if "completions" in columns:
+        raise ValueError("'completions' cannot be a column name")
+    for name, values in columns.items():
+        if isinstance(values, (list, tuple)) and len(values) != len(completions):
+            raise ValueError(f"column {name!r} has {len(values)} values for {len(completions)} completions")
+
+    per_function: dict[str, list[float | None]] = {}
+    failures: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    total = [0.0] * len(completions)
+    for name, weight in specs:
+        raw = _score_one_function(registry[name], completions, columns)
+        failures[name] = sum(s is _FAILED for s in raw)
+        skipped[name] = sum(s is None for s in raw)
+        scores = [None if s is _FAILED else s for s in raw]
+        per_function[name] = scores
+        for i, s in enumerate(scores):
+            if s is not None:
+                total[i] += weight * s
+    return RewardScores(per_function=per_function, total=total, failures=failures, skipped=skipped)

@@ -1,0 +1,12 @@
+"""Sampling: generation behind one interface, and what is built on it (the LLM judge, the chat server).
+
+| module | what it holds |
+|---|---|
+| `backend` | `GenerationBackend` (`generate(prompts, n, sampling) -> Rollout`) and its transformers implementation |
+| `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (the CPU fast path) |
+| `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |
+| `serve` | `r1 serve`: a checkpoint as an OpenAI-compatible chat endpoint |
+
+To add a generation backend: a class with `generate(prompts, n, sampling) -> Rollout` (see `backend`), chosen where
+the stage builds its backend. Must not depend on Prefect or MLflow.
+"""

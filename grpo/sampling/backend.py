@@ -1,0 +1,196 @@
+"""Generation behind one interface: `generate(prompts, n, sampling) -> Rollout`.
+
+The transformers backend here is a plain sampling loop over the model's KV cache. It returns what GRPO needs and
+`model.generate` does not hand back cheaply: the completion token ids, their mask, and the sampling policy's
+log-probability of every sampled token (so with one inner iteration nothing is recomputed for pi_old). It stops as
+soon as every sequence has ended. Each decode step goes through the fastest decoder the model allows
+(`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise). Must not depend
+on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo.config import SamplingConfig
+from grpo.data.tables import as_messages
+from grpo.sampling.cpu_decoder import _LeanDecoder
+
+
+class Rollout(NamedTuple):
+    """Sampled completions for N = len(prompts) * n sequences, laid out prompt by prompt (a group is n rows)."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded prompt tokens
+    prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
+    completion_ids: torch.Tensor  # [N, C] right-padded with the pad id
+    completion_mask: torch.Tensor  # [N, C] 1 up to and including the end-of-turn token
+    logprobs: torch.Tensor  # [N, C] log-prob of each sampled token under the sampling distribution, 0 on padding
+    truncated: torch.Tensor  # [N] True when the budget ran out before an end-of-turn token
+    texts: list[str]  # N decoded completions, special tokens removed
+
+
+class GenerationBackend(Protocol):
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout: ...
+
+
+def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list) -> list[str]:
+    """Prompt cells (strings or chat messages) as the text the model sees, ending where the assistant begins."""
+    return [tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=False) for p in prompts]
+
+
+def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of each row; return it and its log-prob under the distribution sampled from."""
+    logits = logits.float()  # [B, V]
+    if s.temperature == 0:
+        logp = torch.log_softmax(logits, -1)
+        tok = logp.argmax(-1)  # [B]
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    if s.temperature != 1.0:  # dividing by 1 changes nothing: skip the full-vocab pass
+        logits = logits / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > s.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logp = torch.log_softmax(logits, -1)  # [B, V]
+    tok = _draw(logp.exp())  # [B]
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row, drawn with probability probs[b, i] / probs[b].sum() by inverting the CDF.
+
+    One uniform per row instead of multinomial's one exponential per vocabulary entry (most of a small model's
+    sampling time). The CDF is float64 so a long tail of tiny probabilities keeps its mass; u lies in (0, total],
+    so the first index whose CDF reaches u always exists and never has zero probability (top-k/top-p cut-offs).
+    """
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    u = (1 - torch.rand_like(cdf[:, -1:])) * cdf[:, -1:]  # [B, 1]
+    return torch.searchsorted(cdf, u).squeeze(-1)  # [B]
+
+
+@torch.inference_mode()
+def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig,
+                 eos_ids: list[int], pad_id: int, autocast: bool = False) -> tuple[torch.Tensor, ...]:
+    """Decode one batch of left-padded prompts; returns (completion_ids, completion_mask, logprobs, truncated)."""
+    device = next(model.parameters()).device
+    ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
+    B = ids.size(0)
+    eos = torch.tensor(eos_ids, device=device)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] positions that ignore left padding
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with amp:
+        logits, cache = _prefill(model, ids, mask, pos)  # [B, V]
+    next_pos = pos[:, -1] + 1  # [B]
+    # autocast changes every op's dtype, which the lean path does not mirror: it keeps to the HF loop
+    step = None if autocast else _LeanDecoder.build(model, cache, mask, next_pos, s.max_new_tokens)
+    if step is None:
+        step = _HFDecoder(model, cache, mask, next_pos, amp)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    toks, lps, alive = [], [], []
+    for i in range(s.max_new_tokens):
+        tok, lp = _pick(logits, s)  # [B], [B]
+        alive.append(~done)
+        toks.append(tok.masked_fill(done, pad_id))
+        lps.append(lp.masked_fill(done, 0.0))
+        done = done | torch.isin(tok, eos)
+        if i == s.max_new_tokens - 1 or bool(done.all()):  # no decode step for a token nobody will read
+            break
+        logits = step(toks[-1])  # [B, V]
+    completion_ids = torch.stack(toks, 1)  # [B, C]
+    completion_mask = torch.stack(alive, 1).long()  # [B, C]
+    return completion_ids.cpu(), completion_mask.cpu(), torch.stack(lps, 1).float().cpu(), (~done).cpu()
+
+
+def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
+             pos: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+    """Next-token logits and the KV cache of every row, running each distinct prompt only once.
+
+    The n rows of a group share their prompt, so one forward per prompt and a row gather of its cache give the
+    same numbers as N forwards for a fraction of the work.
+    """
+    inverse, first = distinct_rows(torch.cat([ids, mask.to(ids.dtype)], 1))  # [B], [U]
+    cache = DynamicCache()
+    logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first], past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+    if not torch.equal(first, torch.arange(ids.size(0), device=ids.device)):
+        # [U, ...] -> [B, ...]; also when every row is distinct, since `first` then lists them in sorted order
+        cache.reorder_cache(inverse)
+    return logits[inverse], cache  # [B, V]
+
+
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a [B, W] tensor: (inverse [B], first [U]) with rows[first][inverse] == rows and rows[first] distinct."""
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [B]
+    n_unique = int(inverse.max()) + 1
+    order = torch.arange(rows.size(0), device=rows.device)  # [B]
+    first = torch.full((n_unique,), rows.size(0), device=rows.device).scatter_reduce(0, inverse, order, "amin")
+    return inverse, first  # [B], [U]
+
+
+class _HFDecoder:
+    """One decode step through the model's own forward: works for any causal LM that takes a DynamicCache."""
+
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
+                 amp):
+        self.model, self.cache, self.mask, self.pos, self.amp = model, cache, mask, next_pos[:, None], amp
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)  # [B, P+t+1]
+        with self.amp:
+            logits = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.pos,
+                                past_key_values=self.cache, use_cache=True).logits[:, -1]  # [B, V]
+        self.pos = self.pos + 1
+        return logits
+
+
+def _pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
+
+
+class TransformersBackend:
+    """Sampling with a transformers causal LM on whatever device it sits on."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, autocast: bool = False):
+        self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
+        self.eos_ids = sorted({tokenizer.eos_token_id, *_extra_eos(model)})
+
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        enc = tok(render_prompts(tok, prompts), padding=True, return_tensors="pt", add_special_tokens=False)
+        prompt_ids = enc["input_ids"].repeat_interleave(n, 0)  # [N, P]
+        prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, P]
+        was_training = self.model.training
+        self.model.eval()
+        parts = []
+        try:
+            for i in range(0, prompt_ids.size(0), sampling.batch_size):
+                sl = slice(i, i + sampling.batch_size)
+                parts.append(sample_batch(self.model, prompt_ids[sl], prompt_mask[sl], sampling, self.eos_ids,
+                                          tok.pad_token_id, self.autocast))
+        finally:
+            self.model.train(was_training)
+        completion_ids = _pad_right([p[0] for p in parts], tok.pad_token_id)  # [N, C]
+        completion_mask = _pad_right([p[1] for p in parts], 0)  # [N, C]
+        logprobs = _pad_right([p[2] for p in parts], 0.0)  # [N, C]
+        truncated = torch.cat([p[3] for p in parts])  # [N]
+        texts = tok.batch_decode(completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id),
+                                 skip_special_tokens=True)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs, truncated, texts)
+
+
+def _extra_eos(model: PreTrainedModel) -> list[int]:
+    """End-of-turn ids a real model's generation config lists besides the tokenizer's eos."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,14 @@
+"""Training: the GRPO objective and advantages (pure tensor functions), log-probs, and the three training loops.
+
+| module | what it holds |
+|---|---|
+| `loss` | `grpo_loss`: the clipped surrogate with the k3 KL penalty and its loss-type reductions |
+| `advantages` | `group_advantages`: (r - group mean) / group std, and its variants |
+| `logprobs` | per-token log-probs of completions, with a group's shared prompt run once |
+| `grpo_trainer` | the GRPO loop: sample, score, advantages, optimise (`GRPOTrainer`) |
+| `sft_trainer` | the SFT loop of stages 1 and 4 (`train_sft`) |
+| `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |
+| `accelerator` | the Accelerator, the optimizer and the clip/step/zero sequence every loop shares |
+
+Must not depend on Prefect or MLflow: loops report through callbacks.
+"""

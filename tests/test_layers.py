@@ -1,0 +1,74 @@
+"""The house rules a newcomer relies on: imports point one way, no import circle, no module grows past ~500 lines."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = ROOT / "grpo"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The project modules a file imports when it is imported (imports inside functions are deferred)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.split(".")[0] in ("grpo", "tasks", "flows")}
+
+
+def test_grpo_imports_neither_prefect_nor_mlflow():
+    modules = sorted(_module(p) for p in GRPO.rglob("*.py"))
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'prefect', 'mlflow', 'tasks', 'flows'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_reading_a_recipe_imports_no_torch():
+    code = ("import sys; from grpo.config import load_recipe; load_recipe('tiny'); "
+            "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_import_circle_in_the_project():
+    files = [p for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
+    graph = {_module(p): {m for m in _top_level_imports(p)} for p in files}
+    # importing a.b.c runs a/__init__ and a/b/__init__ first: an edge to each parent package too
+    for deps in graph.values():
+        for m in list(deps):
+            parts = m.split(".")
+            deps.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if dep not in graph or dep == node or node.startswith(dep + "."):
+                continue  # a package importing its own submodules is not a circle
+            if state.get(dep) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_no_module_over_about_500_lines():
+    files = [p for d in ("grpo", "tasks", "flows", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 520}
+    assert not long, f"split these by what they do: {long}"
