@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,6 +24,9 @@ from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 TASK_TEMPLATES = ("farm", "shop", "book", "boxes", "bus", "coins")  # synthetic word-problem templates
 READABILITY_FILTERS = ("tags", "language", "paragraph_length", "reasoning_length", "code_in_reasoning", "empty_answer",
                        "repetition")  # rejection sampling's readability filters
+DATA_ROLES = ("prompt", "answer", "response")  # what a stage reads from a dataset row (data.columns maps them)
+AnswerFormat = Literal["plain", "gsm8k", "boxed"]  # how a reference answer is read from its column (grpo.data.formats)
+ANSWER_FORMATS = get_args(AnswerFormat)
 TINY = "tiny"  # the model name that means "build the embedded model from ModelConfig.tiny"
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -78,12 +81,37 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    source: str = "synthetic"  # "synthetic", a .jsonl/.json/.parquet/.csv file, a saved `datasets` folder, or a hub name
+    # "synthetic", a .jsonl/.json/.parquet/.csv file, a `datasets` folder (saved with save_to_disk, or data files
+    # that load_dataset reads), or a hub name (load_dataset(source, subset, split=split))
+    source: str = "synthetic"
+    subset: str | None = None  # the dataset's configuration (hub datasets and data-file folders; GSM8K: "main")
     split: str = "train"  # split to read from a hub dataset or a DatasetDict folder
+    # role -> the dataset's column: {prompt: question} reads prompts from `question`; a role not named here is read
+    # from the column of its own name. Roles: prompt, answer (the reference), response (SFT targets)
+    columns: dict[str, str] = Field(default_factory=dict)
+    # how the reference answer is read from the answer column: "plain" (as it is), "gsm8k" (the number after
+    # "####", commas removed) or "boxed" (the last \boxed{...}, as in MATH). With gsm8k or boxed and no response
+    # column, SFT rows are built from the worked solution: <think>solution</think><answer>final</answer>
+    answer_format: AnswerFormat = "plain"
     num_train: int = 2000  # synthetic rows to generate (or the most rows to read from a user dataset; 0 = all)
     num_heldout: int = 200  # held-out rows for evaluation (0 = no evaluation)
-    heldout_source: str = "synthetic"  # held-out (prompt, answer) rows: "synthetic" (the task's split) or a file
+    # held-out (prompt, answer) rows: "synthetic" (the task's split) or a user dataset, read with the same
+    # subset, columns and answer_format as the training rows
+    heldout_source: str = "synthetic"
+    heldout_split: str = "test"  # split to read held-out rows from (hub datasets and DatasetDict folders)
     task: TaskConfig = TaskConfig()  # the synthetic task
+
+    @field_validator("columns")
+    @classmethod
+    def _known_roles(cls, columns: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(columns) - set(DATA_ROLES))
+        if unknown:
+            raise ValueError(f"unknown role(s) {unknown} in columns; the roles are {list(DATA_ROLES)} "
+                             f"(write role: dataset_column, e.g. prompt: question)")
+        empty = [role for role, column in columns.items() if not column.strip()]
+        if empty:
+            raise ValueError(f"columns maps {empty} to an empty column name")
+        return columns
 
 
 class SamplingConfig(BaseModel):

@@ -21,6 +21,7 @@ os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["HF_DATASETS_CACHE"] = str(_HOME / "hf-datasets")  # what load_dataset builds from local folders
 
 # Prefect binds its console log handler to the sys.stderr of the moment it is first imported; import it now,
 # under the session's capture, not inside a test whose captured stream is closed when that test ends.
@@ -65,3 +66,46 @@ def mlflow_client():
     from tasks import tracking
 
     return tracking.client()
+
+
+def gsm8k_rows(n: int, start: int = 0) -> list[dict]:
+    """Rows in GSM8K's own format: `question`, and `answer` a worked solution with calculator notes whose last
+    line is `#### <number>` (thousands written with commas)."""
+    rows = []
+    for i in range(start, start + n):
+        cows, bought, months = 3 + i, 2 + i % 5, 200 + 7 * i
+        new = bought * months
+        total = cows + new
+        rows.append({
+            "question": f"A farm has {cows} cows. It buys {bought} cows a month for {months} months. "
+                        f"How many cows does it have then?",
+            "answer": f"It buys {bought}*{months} = <<{bought}*{months}={new}>>{new} cows.\n"
+                      f"It has {cows}+{new} = <<{cows}+{new}={total}>>{total} cows.\n#### {total:,}",
+        })
+    return rows
+
+
+GSM8K_README = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+---
+"""
+
+
+@pytest.fixture(scope="session")
+def gsm8k_copy(tmp_path_factory) -> Path:
+    """A local copy laid out as the hub's openai/gsm8k (subset `main`, splits train and test, Parquet files), so
+    `load_dataset(folder, "main", split=...)` reads it as it reads the hub's."""
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("gsm8k")
+    (root / "main").mkdir()
+    pd.DataFrame(gsm8k_rows(20)).to_parquet(root / "main" / "train-00000-of-00001.parquet")
+    pd.DataFrame(gsm8k_rows(8, start=100)).to_parquet(root / "main" / "test-00000-of-00001.parquet")
+    (root / "README.md").write_text(GSM8K_README)
+    return root

@@ -110,6 +110,37 @@ def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, 
     assert model.config.num_hidden_layers == 2  # (the trainer's own tests check that GRPO moves the weights)
 
 
+def test_gsm8k_rows_run_through_reasoning_grpo_by_naming_columns_and_format(cold_start, mlflow_client, gsm8k_copy,
+                                                                            tmp_path):
+    from conftest import gsm8k_rows
+    from flows.r1_pipeline import r1_pipeline
+    from tasks.data import read_frame
+    from tasks.tracking import download
+
+    # a local copy laid out as the hub's openai/gsm8k; the recipe names only its subset, columns and answer format
+    data = {"source": str(gsm8k_copy), "subset": "main", "columns": {"prompt": "question"}, "answer_format": "gsm8k",
+            "heldout_source": str(gsm8k_copy), "num_heldout": 4}
+    recipe = tmp_path / "gsm8k.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "gsm8k-test", "reasoning_grpo": {**TINY_GRPO, "data": data}}))
+    result = r1_pipeline(recipe=str(recipe), stages=["reasoning_grpo"],
+                         from_uris={"cold_start_checkpoint": cold_start.uris["checkpoint"]})
+    stage = result.stages["reasoning_grpo"]
+    run = mlflow_client.get_run(stage.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["data.columns.prompt"] == "question" and run.data.params["data.answer_format"] == "gsm8k"
+    train = read_frame(stage.uris["dataset"])
+    rows = gsm8k_rows(20)
+    assert train["prompt"].tolist() == [r["question"] for r in rows]
+    assert train["answer"].tolist() == [r["answer"].rsplit("#### ", 1)[1].replace(",", "") for r in rows]
+    for key in ("reward/accuracy", "reward/format", "kl"):
+        assert [m.step for m in mlflow_client.get_metric_history(stage.run_id, key)] == [1, 2], key
+    # held-out rows come from the test split with the same mapping: clean numbers in the evaluation table
+    table = json.loads(download(f"runs:/{stage.run_id}/eval/samples_step_2.json", tmp_path / "t").read_text())
+    answers = [row[table["columns"].index("answer")] for row in table["data"]]
+    assert answers == [r["answer"].rsplit("#### ", 1)[1].replace(",", "") for r in gsm8k_rows(4, start=100)]
+    assert "eval/accuracy_before" in stage.metrics and "eval/accuracy" in stage.metrics
+
+
 def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, recipe_file):
     from flows.r1_pipeline import r1_pipeline
 

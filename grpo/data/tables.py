@@ -3,8 +3,10 @@
 Rows come in two shapes:
 - SFT rows: `prompt` (str or chat messages) and `response` (`<think>...</think><answer>...</answer>`);
 - RL rows: `prompt` and `answer` (the reference a reward checks against).
-A bad dataset fails here with a `DataError` naming the file, row and column. Must not depend on torch, Prefect or
-MLflow.
+A dataset's own column names are mapped onto these roles by `DataConfig.columns`, and the reference answer is read
+from its column as `DataConfig.answer_format` says (grpo.data.formats), so every consumer (rewards, evaluation,
+rejection sampling, decontamination) sees the clean reference. A bad dataset fails here with a `DataError` naming
+the file, row and column. Must not depend on torch, Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import pandas as pd
 
 from grpo.config import DataConfig, TaskConfig
 from grpo.data.arithmetic import Problem, generate_problems, rl_rows, sft_rows
+from grpo.data.formats import ANSWER_READERS, EXPECTED, REASONING_READERS
+from grpo.texts import render_response
 
 # Loading and validating datasets
 
@@ -28,8 +32,12 @@ class DataError(ValueError):
     """A dataset that cannot be used, with the file, row and column that say why."""
 
 
-def read_table(source: str, split: str = "train") -> pd.DataFrame:
-    """Read a user dataset into a DataFrame: JSONL, JSON, Parquet, CSV, a saved `datasets` folder or a hub name."""
+def read_table(source: str, split: str = "train", subset: str | None = None) -> pd.DataFrame:
+    """Read a user dataset into a DataFrame: JSONL, JSON, Parquet, CSV, a `datasets` folder or a hub name.
+
+    A folder saved with `save_to_disk` is read with `load_from_disk` (`split` picks from a DatasetDict); any other
+    folder, and a hub name, goes to `load_dataset(source, subset, split=split)`, as the hub's own datasets do.
+    """
     path = Path(source)
     suffix = path.suffix.lower()
     if suffix in {".jsonl", ".json", ".parquet", ".csv"}:
@@ -42,7 +50,7 @@ def read_table(source: str, split: str = "train") -> pd.DataFrame:
         if suffix == ".parquet":
             return pd.read_parquet(path)
         return pd.read_csv(path)
-    if path.is_dir():
+    if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         import datasets
 
         ds = datasets.load_from_disk(str(path))
@@ -51,11 +59,19 @@ def read_table(source: str, split: str = "train") -> pd.DataFrame:
                 raise DataError(f"{source}: no split {split!r}; it has {sorted(ds)}")
             ds = ds[split]
         return ds.to_pandas()
-    if path.is_absolute() or source.startswith("."):
+    if not path.is_dir() and (path.is_absolute() or source.startswith(".")):
         raise DataError(f"{source}: no such file or folder")
-    import datasets  # a hub name: needs network access to the hub (or its local cache)
+    return _load_dataset(source, subset, split)
 
-    return datasets.load_dataset(source, split=split).to_pandas()
+
+def _load_dataset(source: str, subset: str | None, split: str) -> pd.DataFrame:
+    import datasets  # a hub name needs the hub (or its local cache); a data-files folder does not
+
+    try:
+        return datasets.load_dataset(source, subset, split=split).to_pandas()
+    except Exception as e:  # a wrong subset or split, no network: say which dataset the recipe asked for
+        which = f"subset {subset!r}, split {split!r}" if subset else f"split {split!r}"
+        raise DataError(f"{source} ({which}): cannot load it: {type(e).__name__}: {e}") from e
 
 
 def _read_jsonl(path: Path) -> pd.DataFrame:
@@ -111,22 +127,76 @@ def normalise_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def to_roles(df: pd.DataFrame, cfg: DataConfig, schema: dict[str, str], source: str) -> pd.DataFrame:
+    """A user table as the stage's rows: `cfg.columns` mapped onto the roles in `schema`, every cell checked, the
+    reference read in `cfg.answer_format`; other columns ride along (rewards receive them as keyword lists).
+
+    An SFT schema (with `response`) on a table without a response column, in a format that holds worked solutions
+    (gsm8k, boxed), builds each response from the answer column: `<think>solution</think><answer>final</answer>`.
+    """
+    schema = dict(schema)
+    fmt = cfg.answer_format
+    build_responses = ("response" in schema and "response" not in cfg.columns and "response" not in df.columns
+                       and fmt in REASONING_READERS)
+    if build_responses:
+        del schema["response"]
+        schema["answer"] = "text"
+    if "answer" in schema and fmt != "plain":
+        schema["answer"] = "text"  # a solution to read the answer from, not a bare number
+    columns = {role: cfg.columns.get(role, role) for role in schema}
+    missing = {role: column for role, column in columns.items() if column not in df.columns}
+    if missing:
+        reads = ", ".join(f"{role} from {column!r}" for role, column in missing.items())
+        hint = "name the dataset's own columns in data.columns (role: column, e.g. prompt: question)"
+        if "response" in missing and "response" not in cfg.columns:
+            hint += ("; or, for worked solutions in the answer column, set data.answer_format (gsm8k or boxed) to "
+                     "build responses from them")
+        raise DataError(f"{source}: missing column(s) {list(missing.values())} (the stage reads {reads}); found "
+                        f"columns {list(df.columns)}; {hint}")
+    validate_rows(df, {columns[role]: kind for role, kind in schema.items()}, source)
+    rows = pd.DataFrame({role: df[column].tolist() for role, column in columns.items()})
+    produced = set(schema) | ({"response"} if build_responses else set())
+    for column in df.columns:  # the role wins over a dataset column of the same name
+        if column not in columns.values() and column not in produced:
+            rows[column] = df[column].tolist()
+    if "answer" in rows.columns:
+        solutions = rows["answer"].tolist()
+        rows["answer"] = read_answers(solutions, fmt, source, columns["answer"])
+        if build_responses:
+            reasoning = REASONING_READERS[fmt]
+            rows.insert(1, "response", [render_response(reasoning(s), a) for s, a in zip(solutions, rows["answer"])])
+            rows = rows.drop(columns="answer")  # SFT rows are (prompt, response)
+    return normalise_rows(rows)
+
+
+def read_answers(values: list, fmt: str, source: str, column: str) -> list[str]:
+    """Each cell's reference answer in `fmt`; a cell that has none is an error naming the file, row and column."""
+    answers = [ANSWER_READERS[fmt](v) for v in values]
+    bad = [i for i, a in enumerate(answers) if a is None]
+    if bad:
+        i = bad[0]
+        raise DataError(f"{source}: row {i}, column {column!r}: expected {EXPECTED[fmt]} (data.answer_format: "
+                        f"{fmt}), got {values[i]!r:.80}; {len(bad)} of {len(values)} rows are like this")
+    return answers
+
+
 def _load(cfg: DataConfig, schema: dict[str, str],
           synthetic: Callable[[list[Problem], TaskConfig], pd.DataFrame]) -> pd.DataFrame:
     if cfg.source == "synthetic":
         return synthetic(generate_problems(cfg.task, cfg.num_train, "train"), cfg.task)
-    df = normalise_rows(validate_rows(read_table(cfg.source, cfg.split), schema, cfg.source))
+    df = to_roles(read_table(cfg.source, cfg.split, cfg.subset), cfg, schema, cfg.source)
     return df.head(cfg.num_train) if cfg.num_train else df
 
 
 def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
-    """Held-out (prompt, answer) rows: the task's fixed held-out split, a user file, or None when switched off."""
+    """Held-out (prompt, answer) rows: the task's fixed held-out split, a user dataset (read with the training
+    rows' subset, columns and answer format), or None when switched off."""
     if not cfg.num_heldout or not cfg.heldout_source:
         return None
     if cfg.heldout_source == "synthetic":
         return rl_rows(generate_problems(cfg.task, cfg.num_heldout, "heldout"))
-    df = validate_rows(read_table(cfg.heldout_source, cfg.split), RL_SCHEMA, cfg.heldout_source)
-    return normalise_rows(df).head(cfg.num_heldout)
+    df = read_table(cfg.heldout_source, cfg.heldout_split, cfg.subset)
+    return to_roles(df, cfg, RL_SCHEMA, cfg.heldout_source).head(cfg.num_heldout)
 
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:
