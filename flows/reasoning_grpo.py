@@ -2,8 +2,9 @@
 
 R1 runs GRPO from the cold-start checkpoint on reasoning prompts with verifiable answers, rewarding answer
 correctness and format (and language consistency, to keep the chain of thought readable); no value model, no
-neural reward model. Here the prompts are the synthetic task's (or a user dataset with `prompt` and `answer`), and
-the held-out split is scored before and after, so the change RL made is visible in one MLflow run.
+neural reward model. Here the prompts are the synthetic task's, or a user dataset's such as GSM8K (its columns and
+answer format named in `data`), and the held-out split is scored before and after, so the change RL made is visible
+in one MLflow run.
 
 Run alone:  r1 stage reasoning_grpo --checkpoint runs:/<cold-start run id>/checkpoint
 """
