@@ -27,12 +27,12 @@ class Retryable(Exception):
     """A failure worth another try; `wait_s` is the server's Retry-After, if any.
 
     `refused` is True when nothing listens at the address at all (connection refused), which a pool of endpoints
-    takes as the endpoint being gone rather than busy.
+    takes as the endpoint being gone rather than busy; `status` is the HTTP status of a 5xx or 429 reply.
     """
 
-    def __init__(self, cause: str, wait_s: float | None = None, refused: bool = False):
+    def __init__(self, cause: str, wait_s: float | None = None, refused: bool = False, status: int | None = None):
         super().__init__(cause)
-        self.cause, self.wait_s, self.refused = cause, wait_s, refused
+        self.cause, self.wait_s, self.refused, self.status = cause, wait_s, refused, status
 
 
 class OpenAIEndpoint:
@@ -80,7 +80,7 @@ class OpenAIEndpoint:
             if e.code == 429 or e.code >= 500:
                 retry_after = e.headers.get("Retry-After", "")
                 wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
-                raise Retryable(f"HTTP {e.code} {detail}".rstrip(), wait) from None
+                raise Retryable(f"HTTP {e.code} {detail}".rstrip(), wait, status=e.code) from None
             hint = f" (is the key in ${self.api_key_env}?)" if e.code in (401, 403) else ""
             message = f"{self.label} at {url} refused the request: HTTP {e.code} {detail}".rstrip()
             raise self.error(message + hint) from None
