@@ -92,7 +92,9 @@ def _serve(args: argparse.Namespace) -> int:
     name = server.model_name
     _log_requests()
     print(f"serving {name!r} ({type(model).__name__} on {model.device}) at {server.url}", flush=True)
-    print(f"  judge with: backend=http, base_url={server.url}, model={name!r}   (Ctrl-C stops)", flush=True)
+    print(f"  judge with: backend=http, base_url={server.url}, model={name!r}", flush=True)
+    print(f"  sample with: generation.backend=http, endpoints=[{server.url}], model={name!r}   (Ctrl-C stops)",
+          flush=True)
     serve_until_interrupted(server)
     return 0
 

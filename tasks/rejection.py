@@ -136,7 +136,9 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
     result = shards.process_shard(backend, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index)
     shards.write_shard(result, out, index)
     c = result.counts
-    get_run_logger().info("shard %d/%d: %d generated, %d kept", index + 1, len(plan.shards), c.generated, c.kept)
+    given_up = [url for url, s in backend.stats().items() if s["dead"]] if cfg.generation.backend == "http" else []
+    get_run_logger().info("shard %d/%d: %d generated, %d kept%s", index + 1, len(plan.shards), c.generated, c.kept,
+                          f" (generation endpoints given up so far: {given_up})" if given_up else "")
     return c.to_dict()
 
 
