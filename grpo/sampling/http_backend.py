@@ -165,7 +165,7 @@ class HTTPGenerationBackend:
         for attempt in range(self.retries + 1):
             ep = self._acquire(avoid=last)
             try:
-                body = ep.client.send("POST", "/completions", payload)
+                result = self._parse(ep, ep.client.send("POST", "/completions", payload))
             except Retryable as e:
                 self._release(ep, e)
                 failures.append(f"{ep.url}: {e.cause}")
@@ -174,11 +174,11 @@ class HTTPGenerationBackend:
                     backoff = self.backoff_s * 2**attempt
                     time.sleep(backoff if e.wait_s is None else min(max(e.wait_s, backoff), 60.0))
                 continue
-            except BaseException:  # refused for good (a 4xx): no other endpoint would take it either
+            except BaseException:  # refused for good (a 4xx, a reply off the schema): other endpoints would be too
                 self._release(ep, None, answered=False)
                 raise
             self._release(ep, None)
-            return self._parse(ep, body)
+            return result
         raise GenerationUnavailable(f"a sample failed {len(failures)} time{'s' * (len(failures) > 1)}: "
                                     + "; ".join(failures))
 
