@@ -5,6 +5,7 @@
     r1 stage reasoning_grpo --checkpoint runs:/<run id>/checkpoint
     r1 stage sft --dataset runs:/<run id>/dataset/curated [--heldout runs:/<run id>/dataset/heldout]
     r1 serve CHECKPOINT [--host 127.0.0.1] [--port 8000]   # an OpenAI-compatible API, e.g. for the judge
+    r1 plan [--recipe tiny] [--tokens-per-s N]   # rejection sampling sized: prompts, samples, tokens, rows, time
     r1 where                      # where state, MLflow and Prefect live, and how to open their UIs
     r1 up [--prefect-port 4200] [--mlflow-port 5000]   # a local team stack: servers, a worker, every deployment
     r1 down                       # stop what `r1 up` started
@@ -91,7 +92,9 @@ def _serve(args: argparse.Namespace) -> int:
     name = server.model_name
     _log_requests()
     print(f"serving {name!r} ({type(model).__name__} on {model.device}) at {server.url}", flush=True)
-    print(f"  judge with: backend=http, base_url={server.url}, model={name!r}   (Ctrl-C stops)", flush=True)
+    print(f"  judge with: backend=http, base_url={server.url}, model={name!r}", flush=True)
+    print(f"  sample with: generation.backend=http, endpoints=[{server.url}], model={name!r}   (Ctrl-C stops)",
+          flush=True)
     serve_until_interrupted(server)
     return 0
 
@@ -121,6 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16 or float16")
     serve.add_argument("--api-key-env", default=None,
                        help="NAME of an env var holding a key every request must send as a Bearer token")
+    plan = sub.add_parser("plan", help="size a recipe's rejection sampling (prompts, samples, shards, tokens, rows "
+                                       "kept, time) without running it")
+    plan.add_argument("--recipe", default="tiny")
+    plan.add_argument("--tokens-per-s", type=float, default=None,
+                      help="generation throughput per generator (default: measured by a short real generation)")
+    plan.add_argument("--mean-fraction", type=float, default=0.5,
+                      help="assumed mean completion length as a share of max_new_tokens (default: 0.5)")
+    plan.add_argument("--keep-rate", type=float, default=0.5,
+                      help="assumed share of samples that pass every check (default: 0.5)")
+    plan.add_argument("--generators", type=int, default=None,
+                      help="servers or GPUs sampling at once (default: the recipe's endpoints, or 1 locally)")
+    plan.add_argument("--checkpoint", default=None, help="a model folder to measure with (default: the recipe's)")
     sub.add_parser("where", help="print where state, MLflow and Prefect live")
     up = sub.add_parser("up", help="start a Prefect server, an MLflow server and a worker; deploy every flow")
     up.add_argument("--prefect-port", type=int, default=4200, help="Prefect server port; 0 picks a free one")
@@ -160,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"r1: {e}", file=sys.stderr)
         return 2
 
+    if args.command == "plan":
+        from flows.plan import plan_text
+
+        try:
+            print(plan_text(recipe.rejection_sampling, tokens_per_s=args.tokens_per_s,
+                            mean_fraction=args.mean_fraction, keep_rate=args.keep_rate, generators=args.generators,
+                            checkpoint=args.checkpoint))
+        except (OSError, ValueError, RuntimeError) as e:  # a bad figure, a model or an endpoint out of reach
+            print(f"r1 plan: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "run":
         from flows.r1_pipeline import r1_pipeline
 

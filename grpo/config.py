@@ -236,6 +236,41 @@ class JudgeConfig(BaseModel):
         return url.rstrip("/")
 
 
+class GenerationConfig(BaseModel):
+    """Where rejection sampling's samples come from: the checkpoint in this process, or OpenAI-compatible servers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["local", "http"] = "local"  # local: transformers in the shard task; http: /v1/completions
+    endpoints: tuple[str, ...] = ()  # http only: endpoint roots, the part before /completions (http://gpu-0:8000/v1)
+    model: str = ""  # http only: the model name the endpoints serve (vLLM: --served-model-name)
+    max_in_flight: int = Field(32, ge=1)  # http only: requests in flight at once per endpoint (per process)
+    api_key_env: str = "R1_GENERATION_API_KEY"  # http only: NAME of the env var holding the key (a Bearer token)
+    timeout_s: float = Field(1800.0, gt=0)  # http only: per request; one 32k-token trace at 30 tokens/s is 18 min
+    retries: int = Field(3, ge=0)  # http only: further tries per sample, on another live endpoint where there is one
+    backoff_s: float = Field(1.0, ge=0)  # http only: wait before a sample's first retry; doubles on each further one
+    max_failures: int = Field(3, ge=1)  # http only: failures in a row that give an endpoint up (refused: at once)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _http_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"endpoints must start with http:// or https://, got {bad}")
+        urls = tuple(u.rstrip("/") for u in urls)
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:
+            raise ValueError(f"endpoints listed twice: {twice}")
+        return urls
+
+    @model_validator(mode="after")
+    def _http_needs_servers(self) -> "GenerationConfig":
+        if self.backend == "http" and not (self.endpoints and self.model):
+            raise ValueError("backend 'http' needs endpoints (e.g. ['http://127.0.0.1:8000/v1']) and the model "
+                             "name they serve")
+        return self
+
+
 class RejectionConfig(BaseModel):
     """Stage 3: rejection sampling (defaults are the tiny recipe's values)."""
 
@@ -350,6 +385,7 @@ class RejectionSamplingConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
     data: DataConfig = Field(default_factory=DataConfig)  # prompts (answer where verifiable); held-out for decontam.
     rejection: RejectionConfig = Field(default_factory=RejectionConfig)  # samples, filters, shards, target
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)  # the checkpoint here, or servers
     # who checks rows the rule cannot (and, with judge_when="always", every row); None = rule check only.
     # model "checkpoint" = the checkpoint being sampled, asked in the judge prompt
     judge: JudgeConfig | None = None

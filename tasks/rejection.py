@@ -13,9 +13,10 @@ from prefect.logging import get_run_logger
 
 from grpo.config import ModelConfig, RejectionSamplingConfig
 from grpo.data.tables import read_table, validate_rows
-from grpo.models import load_model_and_tokenizer
+from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
 from grpo.sampling.backend import TransformersBackend
+from grpo.sampling.http_backend import HTTPGenerationBackend, build_http_backend
 from grpo.sampling.judge import HTTPJudge, build_judge
 from tasks import tracking
 from tasks.data import read_frame
@@ -40,6 +41,12 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     judge_cfg = cfg.judge
     if judge_cfg is not None and judge_cfg.backend == "http" and rs.judge_when != "never":
         HTTPJudge(judge_cfg).check_available()  # a down endpoint fails the stage now, before any shard is sampled
+    if cfg.generation.backend == "http":  # the same for the generation servers: each up and serving the model
+        servers = build_http_backend(cfg.generation, tokenizer=None)
+        try:
+            servers.check_available(rs.sampling)
+        finally:
+            servers.close()
     # only whether there will be a judge matters here; the shard tasks build it
     will_judge = judge_cfg if judge_cfg is not None and rs.judge_when != "never" else None
     prompts = shards.validate_prompts(read_frame(prompts_uri).reset_index(drop=True), rs, will_judge,
@@ -50,7 +57,10 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
         non_reasoning_uri = tracking.log_frame(run_id, rows, "dataset/non_reasoning")
     model_cfg = resolve_model(cfg.model, checkpoint_uri)
     shard_keys = rs.model_dump(mode="json", exclude=set(shards.MERGE_ONLY_FIELDS))
-    out = work_dir("rejection_sampling", checkpoint_uri, cfg.model, judge_cfg, shard_keys, cfg.data)
+    # served samples come from whatever model the servers serve: keyed by its name, not by the endpoints, so a
+    # rerun with other (or more) servers resumes the same shards
+    served = [{"backend": "http", "model": cfg.generation.model}] if cfg.generation.backend == "http" else []
+    out = work_dir("rejection_sampling", checkpoint_uri, cfg.model, judge_cfg, shard_keys, cfg.data, *served)
     shards.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
     indices = [s.index for s in shards.plan_shards(prompts, rs)]
     done = sum(shards.shard_done(out, i) for i in indices)
@@ -89,6 +99,26 @@ def _policy(model_cfg: ModelConfig):
         return _loaded[key]
 
 
+_servers: dict[str, HTTPGenerationBackend] = {}
+
+
+def _backend(cfg: RejectionSamplingConfig, model_cfg: ModelConfig):
+    """The generation backend: the checkpoint in this process, or the recipe's servers.
+
+    One HTTP backend per process, so the bound on requests in flight per endpoint holds across shard tasks.
+    """
+    if cfg.generation.backend == "local":
+        return TransformersBackend(*_policy(model_cfg))
+    key = f"{cfg.generation.model_dump_json()} {model_cfg.name_or_path}"
+    with _load_lock:
+        if key not in _servers:
+            for old in _servers.values():
+                old.close()
+            _servers.clear()
+            _servers[key] = build_http_backend(cfg.generation, load_tokenizer(model_cfg))
+        return _servers[key]
+
+
 @task(name="sample_shard", retries=1)
 def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) -> dict:
     """Sample and curate one shard and write its Parquet file; a shard already written is read back instead."""
@@ -96,18 +126,19 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
     if shards.shard_done(out, index):
         return shards.read_shard(out, index).counts.to_dict()
     model_cfg = cfg.model.model_copy(update={"name_or_path": plan.model_dir})
-    model, tok = _policy(model_cfg)
+    backend = _backend(cfg, model_cfg)
     judge = None
     if cfg.judge is not None and cfg.rejection.judge_when != "never":
-        judge = (build_judge(cfg.judge, model, tok) if cfg.judge.backend == "transformers"
+        judge = (build_judge(cfg.judge, *_policy(model_cfg)) if cfg.judge.backend == "transformers"
                  and cfg.judge.model == SELF_JUDGE else build_judge(cfg.judge))
     prompts = read_frame(plan.prompts_uri).reset_index(drop=True)
     shard = shards.plan_shards(prompts, cfg.rejection)[index]
-    result = shards.process_shard(TransformersBackend(model, tok), shards.rows_of_shard(prompts, shard),
-                                     cfg.rejection, judge, index)
+    result = shards.process_shard(backend, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index)
     shards.write_shard(result, out, index)
     c = result.counts
-    get_run_logger().info("shard %d/%d: %d generated, %d kept", index + 1, len(plan.shards), c.generated, c.kept)
+    given_up = [url for url, s in backend.stats().items() if s["dead"]] if cfg.generation.backend == "http" else []
+    get_run_logger().info("shard %d/%d: %d generated, %d kept%s", index + 1, len(plan.shards), c.generated, c.kept,
+                          f" (generation endpoints given up so far: {given_up})" if given_up else "")
     return c.to_dict()
 
 

@@ -87,14 +87,20 @@ def process_shard(backend: GenerationBackend, shard_rows: pd.DataFrame, cfg: Rej
                   judge: Judge | None, shard_index: int) -> ShardResult:
     """Sample `samples_per_prompt` completions for each prompt of the shard and curate them.
 
-    Deterministic given (cfg, shard_rows, shard_index) for a backend that samples with torch's RNG (the
-    transformers backend does; a vLLM backend must take the seed itself). `source_prompt_id` comes from that
-    column (see `rows_of_shard`), else from the rows' index.
+    Deterministic given (cfg, shard_rows, shard_index): a backend that samples with torch's RNG (the transformers
+    backend) runs under the shard's seed; one that sends requests to servers (`takes_seed`, the HTTP backend)
+    is handed the seed and derives each request's from it. `source_prompt_id` comes from that column (see
+    `rows_of_shard`), else from the rows' index.
     """
     rows = validate_prompts(shard_rows, cfg, judge, source=f"shard {shard_index}")
     prompt_ids = rows["source_prompt_id"].tolist() if "source_prompt_id" in rows.columns else rows.index.tolist()
-    with seeded_torch(shard_seed(cfg.seed, shard_index)):
-        rollout = backend.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling)
+    seed = shard_seed(cfg.seed, shard_index)
+    if getattr(backend, "takes_seed", False):
+        # no process-wide RNG to guard: shards sampled by servers run side by side
+        rollout = backend.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling, seed=seed)
+    else:
+        with seeded_torch(seed):
+            rollout = backend.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling)
     k = cfg.samples_per_prompt  # the rollout is laid out prompt by prompt, k rows each
 
     def repeat(values: list) -> list:
@@ -107,7 +113,7 @@ def process_shard(backend: GenerationBackend, shard_rows: pd.DataFrame, cfg: Rej
         "sample_index": list(range(k)) * len(rows),
         "response": rollout.texts,
         "truncated": rollout.truncated.tolist(),
-        "completion_tokens": rollout.completion_mask.sum(-1).tolist(),
+        "completion_tokens": rollout.completion_tokens.tolist(),
     })
     return curate(samples, cfg, judge)
 
@@ -297,7 +303,8 @@ def run_rejection_sampling(backend: GenerationBackend, prompts_df: pd.DataFrame,
                            on_shard: Callable[[int, Counts], None] | None = None) -> RejectionResult:
     """Sample every shard not yet written to `out_dir`, then merge all of them into the dataset.
 
-    Everything is checked before sampling starts. `on_shard(index, counts)` is called after each shard written.
+    Everything is checked before sampling starts, the backend's servers too where it has any (`check_available`).
+    `on_shard(index, counts)` is called after each shard written.
     """
     prompts = validate_prompts(prompts_df.reset_index(drop=True), cfg, judge)
     if cfg.non_reasoning_rows:
@@ -308,6 +315,9 @@ def run_rejection_sampling(backend: GenerationBackend, prompts_df: pd.DataFrame,
             raise DataError(f"non_reasoning: {len(non_reasoning)} rows, the config asks for {cfg.non_reasoning_rows}")
     if isinstance(heldout, pd.DataFrame):
         validate_rows(heldout, {"prompt": "text or chat messages"}, "heldout")
+    check_servers = getattr(backend, "check_available", None)
+    if check_servers is not None:
+        check_servers(cfg.sampling)
     out_dir = Path(out_dir)
     check_manifest(out_dir, prompts, cfg)
     shards = plan_shards(prompts, cfg)

@@ -32,9 +32,36 @@ class Rollout(NamedTuple):
     truncated: torch.Tensor  # [N] True when the budget ran out before an end-of-turn token
     texts: list[str]  # N decoded completions, special tokens removed
 
+    @property
+    def completion_tokens(self) -> torch.Tensor:
+        """[N] tokens generated per sequence, the end-of-turn token included."""
+        return self.completion_mask.sum(-1)
+
+
+class Completions(NamedTuple):
+    """Sampled completions as text, N = len(prompts) * n laid out prompt by prompt: what a server gives back.
+
+    Enough for rejection sampling (the texts, whether the budget cut them, their lengths), not for GRPO, which
+    needs token ids and log-probs: asking a Completions for a Rollout field raises an AttributeError that says so.
+    """
+
+    texts: list[str]  # N completions, special tokens removed
+    truncated: torch.Tensor  # [N] True when the budget ran out (finish_reason "length")
+    completion_tokens: torch.Tensor  # [N] tokens generated per sequence, as the server counted them
+
+    def __getattr__(self, name: str):
+        if name in Rollout._fields:
+            raise AttributeError(f"Completions has no {name!r}: this backend returns text and token counts only "
+                                 f"(texts, truncated, completion_tokens); GRPO needs token ids and log-probs, which "
+                                 f"a Rollout from TransformersBackend has")
+        raise AttributeError(name)
+
 
 class GenerationBackend(Protocol):
-    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout: ...
+    """`generate` returns a Rollout (token ids and log-probs: what GRPO needs) or, from a backend that only sees
+    text, Completions (what rejection sampling needs)."""
+
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout | Completions: ...
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list) -> list[str]:
@@ -164,9 +191,14 @@ class TransformersBackend:
         self.eos_ids = sorted({tokenizer.eos_token_id, *_extra_eos(model)})
 
     def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
+        return self.generate_from_text(render_prompts(self.tokenizer, prompts), n, sampling)
+
+    def generate_from_text(self, texts: list[str], n: int, sampling: SamplingConfig,
+                           add_special_tokens: bool = False) -> Rollout:
+        """Sample `n` continuations of each text as it is (no chat template: `/v1/completions` does this)."""
         tok = self.tokenizer
         tok.padding_side = "left"
-        enc = tok(render_prompts(tok, prompts), padding=True, return_tensors="pt", add_special_tokens=False)
+        enc = tok(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens)
         prompt_ids = enc["input_ids"].repeat_interleave(n, 0)  # [N, P]
         prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, P]
         was_training = self.model.training

@@ -10,8 +10,8 @@ judges. Here that judge is any chat model, asked to reply in a fixed two-line fo
 Backends:
 - `TransformersJudge`: a local causal LM with its chat template, batched greedy decoding (`TransformersBackend`).
 - `HTTPJudge`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, TGI, a hosted API, or `r1 serve`), with
-  retries and exponential backoff; the API key is read from an environment variable named in the config, never
-  stored in the config itself (configs are logged as run params).
+  retries and exponential backoff (`openai_client`); the API key is read from an environment variable named in the
+  config, never stored in the config itself (configs are logged as run params).
 
 Differences from the paper: the judge model is whatever the recipe names (the tiny recipe's judge is a few-million
 parameter model whose verdicts are mostly unparseable: `accepted=None`); the prompt is ours, not DeepSeek's.
@@ -21,12 +21,7 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
@@ -34,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import JudgeConfig, SamplingConfig
 from grpo.sampling.backend import TransformersBackend
+from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint
 from grpo.texts import NO_REFERENCE
 
 
@@ -44,7 +40,7 @@ class Verdict(NamedTuple):
     rationale: str  # the judge's whole reply, stripped, so a logged table shows exactly what it said
 
 
-class JudgeUnavailable(RuntimeError):
+class JudgeUnavailable(EndpointError):
     """The judge could not be asked (unreachable, refusing requests, or answering outside the OpenAI schema)."""
 
 
@@ -119,36 +115,22 @@ class TransformersJudge:
 # An OpenAI-compatible endpoint
 
 
-class _Retryable(Exception):
-    """A failure worth another try (connection, timeout, 5xx, 429); `wait_s` is the server's Retry-After, if any."""
-
-    def __init__(self, cause: str, wait_s: float | None = None):
-        super().__init__(cause)
-        self.cause, self.wait_s = cause, wait_s
-
-
 class HTTPJudge:
     """Any OpenAI-compatible chat endpoint judges; `judge_many` keeps `cfg.max_workers` requests in flight."""
 
     def __init__(self, cfg: JudgeConfig):
         self.cfg = cfg
         self.base_url = cfg.base_url
-        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        key = os.environ.get(cfg.api_key_env)
-        if key:  # the key lives only in this header, never in the config or a message
-            self._headers["Authorization"] = f"Bearer {key}"
+        self.endpoint = OpenAIEndpoint(cfg.base_url, api_key_env=cfg.api_key_env, timeout_s=cfg.timeout_s,
+                                       label="judge", error=JudgeUnavailable)
 
     def check_available(self) -> list[str]:
         """The endpoint's model ids; raises JudgeUnavailable if it is down or does not serve `cfg.model`.
 
         Cheap, so a stage can call it before any sampling and fail in seconds instead of after an hour of work.
         """
-        body = self._request("GET", "/models")
-        try:
-            served = [m["id"] for m in body["data"]]
-        except (KeyError, TypeError) as e:
-            raise JudgeUnavailable(f"judge at {self.base_url}/models answered outside the OpenAI schema "
-                                   f"(expected data[].id, missing {e}): {str(body)[:200]}") from None
+        served = [m["id"] for m in self.endpoint.served_models(retries=self.cfg.max_retries,
+                                                                backoff_s=self.cfg.backoff_s)]
         if self.cfg.model not in served:
             raise JudgeUnavailable(f"judge at {self.base_url} does not serve model {self.cfg.model!r}; "
                                    f"it serves {served}")
@@ -183,65 +165,7 @@ class HTTPJudge:
         return content or ""  # some servers send null content for an empty reply
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
-        """One JSON request, retried with exponential backoff on failures that may pass; the parsed JSON reply."""
-        url = f"{self.base_url}{path}"
-        data = None if payload is None else json.dumps(payload).encode()
-        tries = self.cfg.max_retries + 1
-        for attempt in range(tries):
-            try:
-                return self._send(urllib.request.Request(url, data=data, headers=self._headers, method=method))
-            except _Retryable as e:
-                failure = e
-            if attempt + 1 < tries:
-                backoff = self.cfg.backoff_s * 2**attempt
-                # a server's Retry-After wins over our schedule, within reason
-                time.sleep(backoff if failure.wait_s is None else min(max(failure.wait_s, backoff), 60.0))
-        raise JudgeUnavailable(f"could not reach judge at {url}: {failure.cause} after {tries} "
-                               f"{'try' if tries == 1 else 'tries'}")
-
-    def _send(self, request: urllib.request.Request) -> dict:
-        """One request: the parsed JSON reply, _Retryable for a failure that may pass, else JudgeUnavailable."""
-        url = request.full_url
-        try:
-            with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as reply:
-                raw = reply.read()
-        except urllib.error.HTTPError as e:
-            detail = _error_detail(e.read())
-            if e.code == 429 or e.code >= 500:
-                retry_after = e.headers.get("Retry-After", "")
-                wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
-                raise _Retryable(f"HTTP {e.code} {detail}".rstrip(), wait) from None
-            hint = f" (is the key in ${self.cfg.api_key_env}?)" if e.code in (401, 403) else ""
-            message = f"judge at {url} refused the request: HTTP {e.code} {detail}".rstrip()
-            raise JudgeUnavailable(message + hint) from None
-        except urllib.error.URLError as e:  # refused, unknown host, or a timeout while connecting
-            raise _Retryable(_describe(e.reason, self.cfg.timeout_s)) from None
-        except (TimeoutError, ConnectionError) as e:  # a timeout or reset while reading the reply
-            raise _Retryable(_describe(e, self.cfg.timeout_s)) from None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            message = f"judge at {url} answered with something other than JSON: {raw[:200]!r}"
-        raise JudgeUnavailable(message)
-
-
-def _describe(reason, timeout_s: float) -> str:
-    """A connection failure in a few words: 'connection refused', 'timed out after 60s', or the OS's own message."""
-    if isinstance(reason, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(reason, TimeoutError):
-        return f"timed out after {timeout_s:g}s"
-    if isinstance(reason, OSError) and reason.strerror:
-        return reason.strerror.lower()
-    return str(reason)
-
-
-def _error_detail(raw: bytes) -> str:
-    """The message of an OpenAI-style error body ({"error": {"message": ...}}), else the start of the body."""
-    try:
-        return str(json.loads(raw)["error"]["message"])[:300]
-    except (ValueError, KeyError, TypeError):
-        return raw[:300].decode(errors="replace").strip()
+        return self.endpoint.request(method, path, payload, retries=self.cfg.max_retries, backoff_s=self.cfg.backoff_s)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,12 +2,16 @@
 
     GET  /v1/models             the one model served
     POST /v1/chat/completions   non-streaming chat: messages -> chat template -> generate -> choices[0].message
+    POST /v1/completions        non-streaming completion of text as given (a prompt or a list), n choices each
     GET  /health                200 when up
 
-It exists so the pipeline's judge can be a model this project trained, reached the same way as a vLLM or hosted
-endpoint (`HTTPJudge`). It is the standard library's threading HTTP server around `TransformersBackend`: one
-model, one generation at a time (a lock), no streaming, no batching across requests. For throughput serve the
-checkpoint folder with vLLM instead; the API is the same.
+It exists so the pipeline's judge and rejection sampling's generation can be a model this project trained, reached
+the same way as a vLLM or hosted endpoint (`HTTPJudge`, `HTTPGenerationBackend`). It is the standard library's
+threading HTTP server around `TransformersBackend`: one model, one generation at a time (a lock), no streaming,
+no batching across requests (a /v1/completions request's prompts x n are decoded together). For throughput serve
+the checkpoint folder with vLLM instead; the API is the same. Differences from vLLM: no stop strings, `logprobs`
+only 0 (the sampled token's log-prob, under the distribution sampled from: after temperature and top-p), an
+over-long `max_tokens` trimmed to the model's length rather than refused.
 
 Standard library HTTP server; must not depend on Prefect or MLflow.
 """
@@ -32,8 +36,10 @@ from grpo.sampling.backend import TransformersBackend, render_prompts
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 256  # a request that names no max_tokens gets this many
+DEFAULT_MAX_TOKENS = 256  # a request that names no max_tokens gets this many (vLLM: 16 for /v1/completions)
 MAX_BODY_BYTES = 8 * 2**20  # larger bodies are refused before they are read
+MAX_CHOICES = 1024  # prompts x n in one /v1/completions request
+DECODE_BATCH = 64  # sequences of one /v1/completions request decoded together
 ROLES = ("system", "user", "assistant")
 
 
@@ -76,14 +82,8 @@ class ChatServer(ThreadingHTTPServer):
         # raises "Already borrowed", and one model generates one request at a time anyway
         with self.lock:
             text = render_prompts(self.tokenizer, [messages])[0]
-            prompt_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            if self.max_len is not None:
-                if prompt_tokens >= self.max_len:
-                    raise RequestError(400, f"messages are {prompt_tokens} tokens; this model takes at most "
-                                            f"{self.max_len} tokens of prompt and completion together", "messages")
-                # an over-long budget is trimmed rather than refused (vLLM refuses); the reply then ends "length"
-                budget = min(sampling.max_new_tokens, self.max_len - prompt_tokens)
-                sampling = sampling.model_copy(update={"max_new_tokens": budget})
+            prompt_tokens = self._prompt_lengths([text], "messages")[0]
+            sampling = self._fit_budget(sampling, prompt_tokens)
             if seed is not None:
                 torch.manual_seed(seed)
             rollout = self.backend.generate([messages], 1, sampling)
@@ -99,32 +99,134 @@ class ChatServer(ThreadingHTTPServer):
                       "total_tokens": prompt_tokens + completion_tokens},
         }
 
-    def _parse(self, request: dict) -> tuple[list[dict], SamplingConfig, int | None]:
-        """The request's messages, sampling settings and seed; RequestError naming the first bad field."""
+    def completion(self, request: dict) -> dict:
+        """Run one validated /v1/completions request: `n` continuations of each prompt text, no chat template.
+
+        Choice `i * n + j` is prompt i's j-th sample, as vLLM numbers them; usage counts each prompt once.
+        """
+        prompts, n, sampling, seed, logprobs, add_special_tokens = self._parse_completion(request)
+        with self.lock:
+            lengths = self._prompt_lengths(prompts, "prompt", add_special_tokens)
+            sampling = self._fit_budget(sampling, max(lengths))
+            if seed is not None:
+                torch.manual_seed(seed)
+            rollout = self.backend.generate_from_text(prompts, n, sampling, add_special_tokens=add_special_tokens)
+            per_token = self._token_logprobs(rollout) if logprobs is not None else None
+        counts = rollout.completion_tokens.tolist()
+        choices = [{"index": i, "text": text, "logprobs": per_token[i] if per_token else None,
+                    "finish_reason": "length" if bool(rollout.truncated[i]) else "stop"}
+                   for i, text in enumerate(rollout.texts)]
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": sum(lengths), "completion_tokens": sum(counts),
+                      "total_tokens": sum(lengths) + sum(counts)},
+        }
+
+    def _prompt_lengths(self, texts: list[str], field: str, add_special_tokens: bool = False) -> list[int]:
+        """Tokens per prompt text; RequestError when one leaves the model no room to generate."""
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+        for i, length in enumerate(lengths):
+            where = field if len(texts) == 1 else f"{field}[{i}]"
+            if length == 0:
+                raise RequestError(400, f"{where} is empty: there is nothing to continue", field)
+            if self.max_len is not None and length >= self.max_len:
+                raise RequestError(400, f"{where} is {length} tokens; this model takes at most {self.max_len} "
+                                        f"tokens of prompt and completion together", field)
+        return lengths
+
+    def _fit_budget(self, sampling: SamplingConfig, prompt_tokens: int) -> SamplingConfig:
+        """An over-long budget is trimmed rather than refused (vLLM refuses); the reply then ends "length"."""
+        if self.max_len is None:
+            return sampling
+        return sampling.model_copy(update={"max_new_tokens": min(sampling.max_new_tokens,
+                                                                  self.max_len - prompt_tokens)})
+
+    def _token_logprobs(self, rollout) -> list[dict]:
+        """OpenAI completion logprobs per choice: each sampled token, its log-prob and its text offset."""
+        out = []
+        for ids, mask, lps in zip(rollout.completion_ids, rollout.completion_mask, rollout.logprobs):
+            n = int(mask.sum())
+            tokens = [self.tokenizer.decode([t]) for t in ids[:n].tolist()]
+            offsets = [sum(len(t) for t in tokens[:i]) for i in range(n)]
+            values = [round(v, 6) for v in lps[:n].tolist()]
+            out.append({"tokens": tokens, "token_logprobs": values, "text_offset": offsets,
+                        "top_logprobs": [{t: v} for t, v in zip(tokens, values)]})
+        return out
+
+    def _check_model(self, request) -> None:
         if not isinstance(request, dict):
             raise RequestError(400, f"the body must be a JSON object, got {type(request).__name__}")
         model = request.get("model")
         if model is not None and model != self.model_name:
             raise RequestError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                                "model", "model_not_found")
-        messages = _messages(request.get("messages"))
         if request.get("stream"):
             raise RequestError(400, "stream=true is not supported; send stream=false or leave it out", "stream")
-        if request.get("n", 1) != 1:
-            raise RequestError(400, f"n must be 1 (one choice per request), got {request['n']!r}", "n")
         if request.get("stop") not in (None, [], ""):
             raise RequestError(400, "stop sequences are not supported; generation ends at the end-of-turn token",
                                "stop")
-        max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
-        field = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
-        max_tokens = _number(max_tokens, field, int, DEFAULT_MAX_TOKENS, low=1)
-        temperature = _number(request.get("temperature"), "temperature", float, 1.0, low=0.0)
-        top_p = _number(request.get("top_p"), "top_p", float, 1.0, low=0.0)
-        if top_p == 0 or top_p > 1:
-            raise RequestError(400, f"top_p must be in (0, 1], got {top_p!r}", "top_p")
-        seed = _number(request.get("seed"), "seed", int, None)
-        sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, batch_size=1)
+
+    def _parse(self, request: dict) -> tuple[list[dict], SamplingConfig, int | None]:
+        """The chat request's messages, sampling settings and seed; RequestError naming the first bad field."""
+        self._check_model(request)
+        messages = _messages(request.get("messages"))
+        if request.get("n", 1) != 1:
+            raise RequestError(400, f"n must be 1 (one choice per request), got {request['n']!r}", "n")
+        sampling, seed = _sampling(request, batch_size=1)
         return messages, sampling, seed
+
+    def _parse_completion(self, request: dict) -> tuple[list[str], int, SamplingConfig, int | None, int | None,
+                                                        bool]:
+        """(prompts, n, sampling, seed, logprobs, add_special_tokens) of a /v1/completions request."""
+        self._check_model(request)
+        prompt = request.get("prompt")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise RequestError(400, "prompt must be a string or a non-empty list of strings (token ids are not "
+                                    "supported)", "prompt")
+        n = _number(request.get("n"), "n", int, 1, low=1)
+        if len(prompts) * n > MAX_CHOICES:
+            raise RequestError(400, f"{len(prompts)} prompts x n={n} is more than the {MAX_CHOICES} choices one "
+                                    f"request may ask for", "n")
+        best_of = request.get("best_of")
+        if best_of not in (None, n):
+            raise RequestError(400, f"best_of must equal n or be left out, got {best_of!r}", "best_of")
+        if request.get("echo"):
+            raise RequestError(400, "echo=true is not supported", "echo")
+        if request.get("suffix"):
+            raise RequestError(400, "suffix is not supported", "suffix")
+        logprobs = _number(request.get("logprobs"), "logprobs", int, None, low=0)
+        if logprobs:
+            raise RequestError(400, f"logprobs must be 0 (the sampled token's log-prob) or left out, got "
+                                    f"{logprobs}: alternatives are not computed", "logprobs")
+        add_special_tokens = request.get("add_special_tokens", True)
+        if not isinstance(add_special_tokens, bool):
+            raise RequestError(400, f"add_special_tokens must be true or false, got {add_special_tokens!r}",
+                               "add_special_tokens")
+        sampling, seed = _sampling(request, batch_size=DECODE_BATCH)
+        return prompts, n, sampling, seed, logprobs, add_special_tokens
+
+
+def _sampling(request: dict, batch_size: int) -> tuple[SamplingConfig, int | None]:
+    """The sampling fields both routes share: max_tokens, temperature, top_p, top_k (a vLLM extension), seed."""
+    max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
+    field = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
+    max_tokens = _number(max_tokens, field, int, DEFAULT_MAX_TOKENS, low=1)
+    temperature = _number(request.get("temperature"), "temperature", float, 1.0, low=0.0)
+    top_p = _number(request.get("top_p"), "top_p", float, 1.0, low=0.0)
+    if top_p == 0 or top_p > 1:
+        raise RequestError(400, f"top_p must be in (0, 1], got {top_p!r}", "top_p")
+    top_k = _number(request.get("top_k"), "top_k", int, 0, low=-1)  # vLLM: -1 (or 0) keeps every token
+    seed = _number(request.get("seed"), "seed", int, None)
+    if seed is not None and not -2**63 <= seed < 2**64:  # what torch.manual_seed takes
+        raise RequestError(400, f"seed must fit in 64 bits, got {seed}", "seed")
+    sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+                              batch_size=batch_size)
+    return sampling, seed
 
 
 def _messages(value) -> list[dict]:
@@ -187,13 +289,15 @@ class _Handler(BaseHTTPRequestHandler):
         def handle() -> dict:
             raw = self._read_body()  # first, so an early error never leaves a body unread on a kept-alive socket
             self._authorize()
-            if self.path.rstrip("/") != "/v1/chat/completions":
+            routes = {"/v1/chat/completions": self.server.chat_completion, "/v1/completions": self.server.completion}
+            route = routes.get(self.path.rstrip("/"))
+            if route is None:
                 raise self._no_route()
             try:
                 request = json.loads(raw)
             except ValueError as e:
                 raise RequestError(400, f"the body is not valid JSON: {e}") from None
-            return self.server.chat_completion(request)
+            return route(request)
 
         self._respond(handle)
 
@@ -236,7 +340,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _no_route(self) -> RequestError:
         return RequestError(404, f"no route {self.command} {self.path}; this server has GET /v1/models, "
-                                 f"POST /v1/chat/completions and GET /health", kind="not_found_error")
+                                 f"POST /v1/chat/completions, POST /v1/completions and GET /health",
+                            kind="not_found_error")
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002  (the base class's name)
         # the request line and status only: headers, and so API keys, are never logged
