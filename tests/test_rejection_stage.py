@@ -23,7 +23,7 @@ SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: tests/test_ray_rejection.py samples from it too
 def answering_checkpoint(tmp_path_factory):
     """A tiny model taught in a few seconds to answer `<answer>1</answer>`: it gets the prompts whose answer is 1
     right most of the time when sampled, so the rule check keeps some samples and drops others."""
