@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import tempfile
 import threading
-from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd

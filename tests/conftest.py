@@ -61,6 +61,14 @@ def deployed_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def answering_checkpoint(tmp_path_factory) -> str:
+    """A tiny model trained to answer `<answer>1</answer>` (tests/answering.py), shared by the rejection tests."""
+    from answering import train_answering_checkpoint
+
+    return train_answering_checkpoint(tmp_path_factory.mktemp("answering"))
+
+
+@pytest.fixture(scope="session")
 def mlflow_client():
     from tasks import tracking
 

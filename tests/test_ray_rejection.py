@@ -23,7 +23,8 @@ os.environ.pop("RAY_ADDRESS", None)
 from flows import stack  # noqa: E402
 from grpo.config import RejectionSamplingConfig  # noqa: E402
 from ray_local import LocalRayCluster  # noqa: E402
-from test_rejection_stage import SMALL, answering_checkpoint, curated  # noqa: E402,F401
+from answering import SMALL  # noqa: E402
+from test_rejection_stage import curated  # noqa: E402
 
 N_PROMPTS, SHARD_SIZE = 16, 4  # four shards
 

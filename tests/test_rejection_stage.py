@@ -14,26 +14,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from grpo.config import ModelConfig, RejectionSamplingConfig, SFTConfig, TinyModelConfig
+from answering import SMALL  # the checkpoint's model (the fixture `answering_checkpoint` is in conftest.py)
+from grpo.config import ModelConfig, RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.training.sft_trainer import train_sft
 
-SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")  # session: tests/test_ray_rejection.py samples from it too
-def answering_checkpoint(tmp_path_factory):
-    """A tiny model taught in a few seconds to answer `<answer>1</answer>`: it gets the prompts whose answer is 1
-    right most of the time when sampled, so the rule check keeps some samples and drops others."""
-    model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
-    rows = pd.DataFrame({"prompt": [f"Question {i}?" for i in range(32)],
-                         "response": ["<think>It is one.</think><answer>1</answer>"] * 32})
-    out = tmp_path_factory.mktemp("answering")
-    train_sft(model, tok, rows, SFTConfig(max_steps=150, batch_size=16, learning_rate=5e-3, warmup_steps=2,
-                                          mixed_precision="no", checkpoint_every=0), out, progress=False)
-    return str(out / "model")
 
 
 @pytest.fixture(scope="module")
