@@ -1,10 +1,11 @@
 """Rejection sampling's shards on a Ray cluster: samples/s with 1 and with 2 Ray worker processes.
 
 Starts a real Ray cluster on 127.0.0.1 (tests/ray_local.py: one node per worker, 1 CPU each), an MLflow server and a
-temporary Prefect API, logs a tiny checkpoint, and runs the real rejection-sampling stage flow with its shards on
-the cluster, into a fresh shard store each time. Each cluster size runs the stage twice (the first warms the
+temporary Prefect API, logs a tiny checkpoint (tests/answering.py), and runs the real rejection-sampling stage flow
+with its shards on the cluster, into a fresh shard store each time. Each cluster size runs the stage twice (the first warms the
 nodes' page cache and compiled code; workers are started per run either way) and reports the second.
-samples/s = sampled completions / the stage's wall time (worker start, model download and load included).
+samples/s = sampled completions / the stage's wall time; shard-phase samples/s = the same over the wall time of the
+shard tasks' subflow (worker start, model download and load included; data, plan and merge left out).
 
     PYTHONPATH=. .venv/bin/python benchmarks/ray_rejection.py [--prompts 64] [--shard-size 8] [--tokens 48]
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,19 @@ def cpu_model() -> str:
                 platform.processor())
 
 
+def shard_phase_seconds() -> float:
+    """Wall time of the latest `rejection_sampling_shards` subflow run: the shard tasks on the cluster, from
+    connecting to Ray to the last shard (the stage's data, plan and merge steps left out)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rejection_sampling_shards"])),
+                                       sort=FlowRunSort.START_TIME_DESC, limit=1)
+    return (run.end_time - run.start_time).total_seconds()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
@@ -56,16 +71,15 @@ def main() -> None:
 
     from flows import stack
     from flows.rejection_sampling import rejection_sampling
-    from grpo.config import ModelConfig, RejectionSamplingConfig, TinyModelConfig
-    from grpo.models import load_model_and_tokenizer
+    from answering import SMALL as small
+    from answering import train_answering_checkpoint
+    from grpo.config import RejectionSamplingConfig
     from ray_local import LocalRayCluster
 
     root = Path(tempfile.mkdtemp(prefix="r1ray-", dir="/tmp"))
-    small = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1)
-    model, tok = load_model_and_tokenizer(ModelConfig(tiny=small))
-    model.save_pretrained(root / "ckpt")
-    tok.save_pretrained(root / "ckpt")
+    # a model that answers "1" (the tests' answering checkpoint), so the rule check keeps rows: an empty curated
+    # set is not what a real run merges
+    ckpt = train_answering_checkpoint(root / "answering")
     prompts = root / "prompts.jsonl"
     pd.DataFrame({"prompt": [f"Problem {i}: what is it?" for i in range(args.prompts)],
                   "answer": ["1"] * args.prompts}).to_json(prompts, orient="records", lines=True)
@@ -73,7 +87,7 @@ def main() -> None:
     os.environ["MLFLOW_TRACKING_URI"] = uri
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("bench-ray")).info.run_id
-    client.log_artifacts(run, str(root / "ckpt"), "checkpoint")
+    client.log_artifacts(run, ckpt, "checkpoint")
     checkpoint = f"runs:/{run}/checkpoint"
     results = {"cpu": cpu_model(), "cores": os.cpu_count(), "args": vars(args), "runs": {}}
     try:
@@ -95,9 +109,11 @@ def main() -> None:
                         result = rejection_sampling(checkpoint, cfg)
                         seconds = time.perf_counter() - t
                         generated = result.metrics["rejection/generated"]
+                        shards_s = shard_phase_seconds()
                         results["runs"][f"{n}_workers_run{attempt}"] = {
                             "seconds": round(seconds, 2), "samples": generated,
-                            "samples_per_s": round(generated / seconds, 2),
+                            "samples_per_s": round(generated / seconds, 2), "shard_phase_s": round(shards_s, 2),
+                            "shard_phase_samples_per_s": round(generated / shards_s, 2),
                             "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}
                         print(json.dumps({f"{n} workers, run {attempt}": results["runs"][f"{n}_workers_run{attempt}"]}),
                               flush=True)
@@ -105,10 +121,11 @@ def main() -> None:
                     cluster.stop()
     finally:
         stack.stop_process(mlflow)
+        shutil.rmtree(root, ignore_errors=True)
     runs = results["runs"]
     if "1_workers_run1" in runs and "2_workers_run1" in runs:
-        results["speedup_2_vs_1"] = round(runs["2_workers_run1"]["samples_per_s"] /
-                                          runs["1_workers_run1"]["samples_per_s"], 2)
+        for key in ("samples_per_s", "shard_phase_samples_per_s"):
+            results[f"speedup_2_vs_1_{key}"] = round(runs["2_workers_run1"][key] / runs["1_workers_run1"][key], 2)
     print(json.dumps(results, indent=1))
 
 
