@@ -2,8 +2,8 @@
 
 Starts a real Ray cluster on 127.0.0.1 (tests/ray_local.py: one node per worker, 1 CPU each), an MLflow server and a
 temporary Prefect API, logs a tiny checkpoint (tests/answering.py), and runs the real rejection-sampling stage flow
-with its shards on the cluster, into a fresh shard store each time. Each cluster size runs the stage twice (the first warms the
-nodes' page cache and compiled code; workers are started per run either way) and reports the second.
+with its shards on the cluster, into a fresh shard store each time. Each cluster size runs the stage twice (the
+first warms the nodes' page cache and compiled code; workers are started per run either way); compare the second.
 samples/s = sampled completions / the stage's wall time; shard-phase samples/s = the same over the wall time of the
 shard tasks' subflow (worker start, model download and load included; data, plan and merge left out).
 

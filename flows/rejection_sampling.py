@@ -6,8 +6,8 @@ drops mixed-language, overlong or code-laden chains of thought, and adds non-rea
 Here the prompts are cut into shards, one Prefect task each: threads of this process by default, or prefect-ray's
 task runner on a Ray cluster (`cluster.ray_address` in the recipe), whose shard tasks read the checkpoint from
 MLflow and write to a shared store (`cluster.shard_store`). Each shard writes one Parquet file, and a shard whose
-file exists is not sampled again, so a killed run resumes without losing or duplicating a sample. The merge dedupes, decontaminates against the held-out split and caps to
-the recipe's target.
+file exists is not sampled again, so a killed run resumes without losing or duplicating a sample. The merge
+dedupes, decontaminates against the held-out split and caps to the recipe's target.
 
 Run alone:  r1 stage rejection_sampling --checkpoint runs:/<reasoning_grpo run id>/checkpoint
 """
