@@ -21,18 +21,32 @@ from flows.reasoning_grpo import reasoning_grpo
 from flows.rejection_sampling import rejection_sampling
 from flows.sft import sft
 from flows.stages import FLOWS, OUTPUTS, finished_stages, missing_inputs
-from grpo.config import load_recipe
+from grpo.config import ClusterConfig, Recipe, load_recipe
 from tasks import tracking
 from tasks.stage import PipelineResult, StageResult, earlier_attempt_run, prefect_tags
 
 AVAILABLE_STAGES = tuple(FLOWS)
 
 
+def with_cluster(cfg: Recipe, ray_address: str | None, shard_store: str | None) -> Recipe:
+    """The recipe with rejection sampling's cluster settings replaced where given (checked like a recipe's)."""
+    stage = cfg.rejection_sampling
+    given = {k: v for k, v in {"ray_address": ray_address, "shard_store": shard_store}.items() if v}
+    cluster = ClusterConfig.model_validate({**stage.cluster.model_dump(), **given})
+    return cfg.model_copy(update={"rejection_sampling": stage.model_copy(update={"cluster": cluster})})
+
+
 @flow(name="r1_pipeline", log_prints=True)
 def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris: dict[str, str] | None = None,
-                from_run: str | None = None) -> PipelineResult:
-    """Run the recipe's stages in order under one MLflow parent run; return each stage's result."""
+                from_run: str | None = None, ray_address: str | None = None,
+                shard_store: str | None = None) -> PipelineResult:
+    """Run the recipe's stages in order under one MLflow parent run; return each stage's result.
+
+    `ray_address` and `shard_store` (a deployment's cluster) override the recipe's `rejection_sampling.cluster`.
+    """
     cfg = load_recipe(recipe)  # a bad recipe fails here, before any run is created
+    if ray_address or shard_store:
+        cfg = with_cluster(cfg, ray_address, shard_store)
     unknown = sorted(set(stages or []) - set(AVAILABLE_STAGES))  # a misspelt stage must not be skipped silently
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; available: {list(AVAILABLE_STAGES)}")

@@ -3,10 +3,11 @@
 R1 samples several responses per prompt from the reasoning-RL checkpoint and keeps only correct ones: checked by
 rule where the answer is verifiable, by a generative judge (DeepSeek-V3 shown the reference) where it is not; it
 drops mixed-language, overlong or code-laden chains of thought, and adds non-reasoning rows (about 600k + 200k).
-Here the prompts are cut into shards, one Prefect task each (threads by default; a Ray task runner on a cluster);
-each shard writes one Parquet file, and a shard whose file exists is not sampled again, so a killed run resumes
-without losing or duplicating a sample. The merge dedupes, decontaminates against the held-out split and caps to
-the recipe's target.
+Here the prompts are cut into shards, one Prefect task each: threads of this process by default, or prefect-ray's
+task runner on a Ray cluster (`cluster.ray_address` in the recipe), whose shard tasks read the checkpoint from
+MLflow and write to a shared store (`cluster.shard_store`). Each shard writes one Parquet file, and a shard whose
+file exists is not sampled again, so a killed run resumes without losing or duplicating a sample. The merge
+dedupes, decontaminates against the held-out split and caps to the recipe's target.
 
 Run alone:  r1 stage rejection_sampling --checkpoint runs:/<reasoning_grpo run id>/checkpoint
 """
@@ -16,12 +17,25 @@ from __future__ import annotations
 from prefect import flow, unmapped
 
 from grpo.config import RejectionSamplingConfig
+from tasks.cluster import ray_task_runner
 from tasks.data import prepare_data
-from tasks.rejection import merge_rejection_shards, plan_rejection_sampling, sample_shard
+from tasks.rejection import RejectionPlan, merge_rejection_shards, plan_rejection_sampling, sample_shard
 from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
 STAGE = "rejection_sampling"
+
+
+@flow(name="rejection_sampling_shards")
+def sample_shards(plan: RejectionPlan, config: RejectionSamplingConfig) -> list[dict]:
+    """Every shard of the plan on this flow's task runner (a Ray cluster), one shard per node before a second."""
+    from prefect_ray.context import remote_options
+
+    # the Parquet shard is the output: the small return value must not be written to the driver's result storage
+    task = sample_shard.with_options(persist_result=False)
+    with remote_options(scheduling_strategy="SPREAD"):
+        futures = task.map(unmapped(plan), plan.shards, unmapped(config))
+    return futures.result()  # raises if any shard failed
 
 
 @flow(name=STAGE, log_prints=True)
@@ -31,7 +45,11 @@ def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = Re
     with stage_run(STAGE, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_data(run_id, config.data, "rl")
         plan = plan_rejection_sampling(run_id, checkpoint_uri, config, data.train)
-        sample_shard.map(unmapped(plan), plan.shards, unmapped(config)).result()  # raises if any shard failed
+        if plan.ray_address:
+            on_ray = sample_shards.with_options(task_runner=ray_task_runner(plan.ray_address))
+            on_ray(plan, config)
+        else:
+            sample_shard.map(unmapped(plan), plan.shards, unmapped(config)).result()  # raises if any shard failed
         dataset, metrics = merge_rejection_shards(run_id, plan, config, data.heldout)
     uris = {"dataset": dataset, **({"heldout": data.heldout} if data.heldout else {})}
     result = StageResult(stage=STAGE, run_id=run_id, uris=uris, metrics=metrics)

@@ -312,6 +312,26 @@ class RejectionConfig(BaseModel):
         return self
 
 
+class ClusterConfig(BaseModel):
+    """Where rejection sampling's shard tasks run and write: threads of this process by default, or a Ray cluster."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # None: threads of this process. "auto": the cluster named by $RAY_ADDRESS. Else a Ray GCS address host:port
+    # (what `ray start --head` prints) or ray://host:port (the Ray client server)
+    ray_address: str | None = None
+    # where the shards are written: an fsspec URI every node and the driver can write (file:///shared/mount/r1,
+    # s3://bucket/r1, gs://...); None = the local work folder (threads only). A rerun resumes from what it holds
+    shard_store: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterConfig":
+        if self.ray_address is not None and not self.shard_store:
+            raise ValueError("ray_address needs a shard_store: Ray nodes cannot write the driver's local work "
+                             "folder; give an fsspec URI every node can write (file:///shared/mount/r1, s3://...)")
+        return self
+
+
 class RewardModelConfig(BaseModel):
     """Training the reward model on (prompt, chosen, rejected) pairs."""
 
@@ -391,6 +411,7 @@ class RejectionSamplingConfig(BaseModel):
     judge: JudgeConfig | None = None
     non_reasoning_source: str = "synthetic"  # rows (prompt, response) added as non-reasoning data: "synthetic"
     #                                          (generated general requests) or a file/dataset read like `data`
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # threads here, or shard tasks on a Ray cluster
 
 
 class SFTStageConfig(BaseModel):

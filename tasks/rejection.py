@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
 import threading
-from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
@@ -19,25 +19,40 @@ from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.http_backend import HTTPGenerationBackend, build_http_backend
 from grpo.sampling.judge import HTTPJudge, build_judge
 from tasks import tracking
+from tasks.cluster import check_cluster, shard_store_dir
 from tasks.data import read_frame
-from tasks.stage import resolve_model, work_dir
+from tasks.stage import resolve_model, work_dir, work_key
 
 SELF_JUDGE = "checkpoint"  # JudgeConfig.model value meaning: the checkpoint being sampled judges
 
 
 class RejectionPlan(NamedTuple):
-    out_dir: str  # shard files live here, keyed by everything that decides their content
+    out_dir: str  # shard files live here (a local folder or a shard store URI), keyed by what decides their content
     shards: list[int]  # every shard index of the plan (written ones are skipped by the shard task)
     prompts_uri: str  # the validated prompt table
-    model_dir: str  # local copy of the checkpoint
+    model_dir: str  # local copy of the checkpoint; on Ray its URI, which each worker downloads itself
     non_reasoning_uri: str | None  # the non-reasoning rows to append, if the config asks for any
+    ray_address: str | None = None  # the cluster the shard tasks run on (checked reachable); None = threads here
 
 
 @task(name="plan_rejection_sampling")
 def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamplingConfig,
                             prompts_uri: str) -> RejectionPlan:
-    """Check everything that can be checked before sampling (prompts, judge endpoint, non-reasoning rows)."""
+    """Check everything that can be checked before sampling (cluster, store, prompts, judge, non-reasoning rows)."""
     rs = cfg.rejection
+    shard_keys = rs.model_dump(mode="json", exclude=set(shards.MERGE_ONLY_FIELDS))
+    # served samples come from whatever model the servers serve: keyed by its name, not by the endpoints, so a
+    # rerun with other (or more) servers resumes the same shards
+    served = [{"backend": "http", "model": cfg.generation.model}] if cfg.generation.backend == "http" else []
+    keys = (checkpoint_uri, cfg.model, cfg.judge, shard_keys, cfg.data, *served)
+    store = cfg.cluster.shard_store
+    out = shard_store_dir(store, "rejection_sampling", work_key(*keys)) if store else str(
+        work_dir("rejection_sampling", *keys))
+    ray_address = None
+    if cfg.cluster.ray_address:  # an unreachable cluster or unwritable store fails here, before any shard
+        ray_address = check_cluster(cfg.cluster, checkpoint_uri, out)
+    elif store:
+        shards.check_writable(out)
     judge_cfg = cfg.judge
     if judge_cfg is not None and judge_cfg.backend == "http" and rs.judge_when != "never":
         HTTPJudge(judge_cfg).check_available()  # a down endpoint fails the stage now, before any shard is sampled
@@ -55,19 +70,14 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     if rs.non_reasoning_rows:
         rows = non_reasoning_rows(cfg.non_reasoning_source, rs.non_reasoning_rows, rs.seed)
         non_reasoning_uri = tracking.log_frame(run_id, rows, "dataset/non_reasoning")
-    model_cfg = resolve_model(cfg.model, checkpoint_uri)
-    shard_keys = rs.model_dump(mode="json", exclude=set(shards.MERGE_ONLY_FIELDS))
-    # served samples come from whatever model the servers serve: keyed by its name, not by the endpoints, so a
-    # rerun with other (or more) servers resumes the same shards
-    served = [{"backend": "http", "model": cfg.generation.model}] if cfg.generation.backend == "http" else []
-    out = work_dir("rejection_sampling", checkpoint_uri, cfg.model, judge_cfg, shard_keys, cfg.data, *served)
+    model_dir = checkpoint_uri if ray_address else resolve_model(cfg.model, checkpoint_uri).name_or_path
     shards.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
     indices = [s.index for s in shards.plan_shards(prompts, rs)]
     done = sum(shards.shard_done(out, i) for i in indices)
     get_run_logger().info("rejection sampling: %d prompts in %d shards (%d already written in %s)", len(prompts),
                           len(indices), done, out)
     tracking.log_params(run_id, {"rejection.shards": len(indices), "rejection.prompts": len(prompts)})
-    return RejectionPlan(str(out), indices, prompts_uri, model_cfg.name_or_path, non_reasoning_uri)
+    return RejectionPlan(out, indices, prompts_uri, model_dir, non_reasoning_uri, ray_address)
 
 
 def non_reasoning_rows(source: str, n: int, seed: int) -> pd.DataFrame:
@@ -87,11 +97,17 @@ _load_lock = threading.Lock()
 
 
 def _policy(model_cfg: ModelConfig):
-    """The sampled model, loaded once per process (shard tasks run in threads of one worker)."""
+    """The sampled model, loaded once per process (shard tasks run in threads of one worker, or on Ray workers).
+
+    A checkpoint URI (Ray) is downloaded into this worker's own temporary folder: nothing of the driver's is read.
+    """
     key = model_cfg.model_dump_json()
     with _load_lock:
         if key not in _loaded:
             _loaded.clear()  # one model at a time
+            if model_cfg.name_or_path.startswith(("runs:", "models:")) or "://" in model_cfg.name_or_path:
+                local = tracking.download(model_cfg.name_or_path, tempfile.mkdtemp(prefix="r1-checkpoint-"))
+                model_cfg = model_cfg.model_copy(update={"name_or_path": str(local)})
             model, tok = load_model_and_tokenizer(model_cfg)
             if torch.cuda.is_available():
                 model = model.cuda()
@@ -122,7 +138,7 @@ def _backend(cfg: RejectionSamplingConfig, model_cfg: ModelConfig):
 @task(name="sample_shard", retries=1)
 def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) -> dict:
     """Sample and curate one shard and write its Parquet file; a shard already written is read back instead."""
-    out = Path(plan.out_dir)
+    out = plan.out_dir
     if shards.shard_done(out, index):
         return shards.read_shard(out, index).counts.to_dict()
     model_cfg = cfg.model.model_copy(update={"name_or_path": plan.model_dir})

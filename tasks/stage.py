@@ -82,10 +82,15 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
     tracking.end_run(run_id, "FINISHED")
 
 
+def work_key(*keys) -> str:
+    """A short hash of the stage's inputs: the name of its working folder, locally or in a shard store."""
+    blob = json.dumps([k.model_dump(mode="json") if isinstance(k, BaseModel) else k for k in keys], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def work_dir(stage: str, *keys) -> Path:
     """A working folder keyed by the stage's inputs, so a rerun with the same inputs finds (and resumes) its work."""
-    blob = json.dumps([k.model_dump(mode="json") if isinstance(k, BaseModel) else k for k in keys], sort_keys=True)
-    path = tracking.r1_home() / "work" / stage / hashlib.sha256(blob.encode()).hexdigest()[:16]
+    path = tracking.r1_home() / "work" / stage / work_key(*keys)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -62,6 +62,14 @@ def deployed_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def answering_checkpoint(tmp_path_factory) -> str:
+    """A tiny model trained to answer `<answer>1</answer>` (tests/answering.py), shared by the rejection tests."""
+    from answering import train_answering_checkpoint
+
+    return train_answering_checkpoint(tmp_path_factory.mktemp("answering"))
+
+
+@pytest.fixture(scope="session")
 def mlflow_client():
     from tasks import tracking
 
@@ -109,24 +117,3 @@ def gsm8k_copy(tmp_path_factory) -> Path:
     pd.DataFrame(gsm8k_rows(8, start=100)).to_parquet(root / "main" / "test-00000-of-00001.parquet")
     (root / "README.md").write_text(GSM8K_README)
     return root
-
-
-@pytest.fixture(scope="session")
-def answering_checkpoint(tmp_path_factory) -> str:
-    """A tiny model (hidden 64, 2 layers) taught in a few seconds to answer `<answer>1</answer>`: sampled, it gets
-    the prompts whose answer is 1 right most of the time, so a rule check keeps some samples and drops others."""
-    import pandas as pd
-
-    from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
-    from grpo.models import load_model_and_tokenizer
-    from grpo.training.sft_trainer import train_sft
-
-    small = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1)
-    model, tok = load_model_and_tokenizer(ModelConfig(tiny=small))
-    rows = pd.DataFrame({"prompt": [f"Question {i}?" for i in range(32)],
-                         "response": ["<think>It is one.</think><answer>1</answer>"] * 32})
-    out = tmp_path_factory.mktemp("answering")
-    train_sft(model, tok, rows, SFTConfig(max_steps=150, batch_size=16, learning_rate=5e-3, warmup_steps=2,
-                                          mixed_precision="no", checkpoint_every=0), out, progress=False)
-    return str(out / "model")

@@ -19,7 +19,7 @@ from test_flows import TINY_STAGE
 
 EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "local"), ("reasoning_grpo", "local"),
             ("rejection_sampling", "local"), ("sft", "local"), ("alignment_grpo", "local"),
-            ("r1_pipeline", "gpu"), ("reasoning_grpo", "gpu")}
+            ("r1_pipeline", "gpu"), ("reasoning_grpo", "gpu"), ("r1_pipeline", "ray")}
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from typing import NamedTuple
 
+import fsspec
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -20,6 +22,7 @@ from grpo.models import load_model_and_tokenizer
 from grpo.rejection.curate import KEPT_COLUMNS, contamination_mask, curate, decontaminate, dedupe
 from grpo.rejection.filters import READABILITY_CHECKS, Counts
 from grpo.rejection.shards import (
+    check_writable,
     merge_shards,
     plan_shards,
     process_shard,
@@ -411,3 +414,31 @@ def test_merge_with_nothing_kept_keeps_the_columns(tmp_path):
     empty = pd.DataFrame(columns=KEPT_COLUMNS)
     assert list(dedupe(empty).columns) == KEPT_COLUMNS
     assert list(decontaminate(empty, ["a b c d e f g h i j"], 8, 0.8).columns) == KEPT_COLUMNS
+
+
+def test_shards_in_an_fsspec_store_resume_and_merge_like_a_local_folder(tiny_backend, tmp_path):
+    """A store URI (here fsspec's in-memory filesystem, standing for an object store) holds shards, the manifest
+    and resumes exactly like a local folder: the non-local branch writes a temporary object and moves it."""
+    backend, prompts, cfg, judge = _canned_case(tiny_backend)
+    local = run_rejection_sampling(backend, prompts, cfg, tmp_path / "local", judge, progress=False)
+    store = f"memory://r1-test-{uuid.uuid4().hex}/shards"
+    crashed = CrashingBackend(backend, crash_on=2)
+    with pytest.raises(RuntimeError, match="worker killed"):
+        run_rejection_sampling(crashed, prompts, cfg, store, judge, progress=False)
+    assert shard_done(store, 0) and not shard_done(store, 1)
+    again = CrashingBackend(backend)
+    resumed = run_rejection_sampling(again, prompts, cfg, store, judge, progress=False)
+    assert again.calls == 2
+    pd.testing.assert_frame_equal(resumed.dataset, local.dataset)
+    fs, root = fsspec.core.url_to_fs(store)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)) == [
+        "manifest.json", *[f"shard-0000{i}.{ext}" for i in range(3) for ext in ("json", "parquet")]]
+    pd.testing.assert_frame_equal(merge_shards(store, cfg).dataset, local.dataset)  # every shard file, by glob
+
+
+def test_an_unwritable_store_is_refused_before_sampling(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(PermissionError, match="shard store 'file://.*a-file/shards' is not writable"):
+        check_writable(f"file://{tmp_path}/a-file/shards")
+    check_writable(f"file://{tmp_path}/fine")
+    assert os.listdir(tmp_path / "fine") == []  # the probe is gone

@@ -14,11 +14,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from grpo.config import ModelConfig, RejectionSamplingConfig, TinyModelConfig
+from answering import SMALL  # the checkpoint's model (the fixture `answering_checkpoint` is in conftest.py)
+from grpo.config import ModelConfig, RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 
-SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1)
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,13 +13,16 @@ import json
 import os
 import tempfile
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
+import fsspec
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from tqdm.auto import tqdm
 
 from grpo.config import RejectionConfig
@@ -147,46 +150,93 @@ def validate_prompts(prompts_df: pd.DataFrame, cfg: RejectionConfig, judge: Judg
 
 COUNTS_KEY = b"r1.rejection.counts"
 
+# A shard folder is a local path or any fsspec URI (file:///shared/mount/..., s3://bucket/...): with a task runner
+# on a cluster, every node writes its shards to one store that the driver then merges from.
 
-def shard_path(out_dir: str | Path, index: int) -> Path:
-    return Path(out_dir) / f"shard-{index:05d}.parquet"
+
+def _store(out_dir: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem holding `out_dir` and the folder's path in it."""
+    return fsspec.core.url_to_fs(str(out_dir))
+
+
+def _join(out_dir: str | Path, name: str) -> str | Path:
+    return f"{str(out_dir).rstrip('/')}/{name}" if "://" in str(out_dir) else Path(out_dir) / name
+
+
+def shard_path(out_dir: str | Path, index: int) -> str | Path:
+    """The shard's Parquet file: a Path for a local folder, a URI for a store."""
+    return _join(out_dir, f"shard-{index:05d}.parquet")
 
 
 def shard_done(out_dir: str | Path, index: int) -> bool:
-    """True when the shard's Parquet file exists; it is only ever renamed into place whole."""
-    return shard_path(out_dir, index).is_file()
+    """True when the shard's Parquet file exists; it is only ever moved into place whole."""
+    fs, root = _store(out_dir)
+    return fs.isfile(f"{root}/shard-{index:05d}.parquet")
 
 
-def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`: readers see all or nothing."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[Any], None]) -> None:
+    """Write a temporary file beside `path`, then move it over `path`: readers see all or nothing.
+
+    Locally (a shared mount included) the temporary file is fsynced and renamed; on an object store the final
+    move is a copy that appears whole (a put is atomic there).
+    """
+    folder, name = path.rsplit("/", 1)
+    if isinstance(fs, LocalFileSystem):
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return
+    tmp = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with fs.open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fs.mv(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            fs.rm(tmp)
         raise
 
 
-def write_shard(result: ShardResult, out_dir: str | Path, index: int) -> Path:
-    """Write the shard's kept rows and counts; the Parquet rename comes last, so a present shard is a whole one."""
-    path = shard_path(out_dir, index)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def check_writable(out_dir: str | Path) -> None:
+    """Write and delete a probe file in `out_dir`, so an unwritable store fails before any shard is sampled."""
+    fs, root = _store(out_dir)
+    probe = f"{root}/.write-probe-{uuid.uuid4().hex}"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        _write_atomically(fs, probe, lambda f: f.write(b"probe"))
+        fs.rm(probe)
+    except Exception as e:
+        raise PermissionError(f"shard store {str(out_dir)!r} is not writable ({type(e).__name__}: {e}); every "
+                              f"shard is written there: give a folder or bucket the driver and every node can "
+                              f"write") from None
+
+
+def write_shard(result: ShardResult, out_dir: str | Path, index: int) -> str | Path:
+    """Write the shard's kept rows and counts; the Parquet move comes last, so a present shard is a whole one."""
+    fs, root = _store(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    path = f"{root}/shard-{index:05d}.parquet"
     counts = json.dumps(result.counts.to_dict())
-    _write_atomically(path.with_suffix(".json"), lambda f: f.write(counts.encode()))
+    _write_atomically(fs, path.removesuffix(".parquet") + ".json", lambda f: f.write(counts.encode()))
     table = pa.Table.from_pandas(result.kept, preserve_index=False)
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), COUNTS_KEY: counts.encode()})
-    _write_atomically(path, lambda f: pq.write_table(table, f))
-    return path
+    _write_atomically(fs, path, lambda f: pq.write_table(table, f))
+    return shard_path(out_dir, index)
 
 
 def read_shard(out_dir: str | Path, index: int) -> ShardResult:
     """A written shard's kept rows and counts (the counts from the Parquet metadata, which always has them)."""
-    table = pq.read_table(shard_path(out_dir, index))
+    fs, root = _store(out_dir)
+    with fs.open(f"{root}/shard-{index:05d}.parquet", "rb") as f:
+        table = pq.read_table(f)
     counts = Counts.from_dict(json.loads(table.schema.metadata[COUNTS_KEY]))
     kept = table.to_pandas()
     kept["prompt"] = [p.tolist() if hasattr(p, "tolist") else p for p in kept["prompt"]]
@@ -227,9 +277,10 @@ def merge_shards(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFram
     `num_shards`: the planned count; any missing shard is then an error. Without it, every shard file is read.
     `heldout`: held-out prompts (a table with a `prompt` column, or the prompts themselves).
     """
-    out_dir = Path(out_dir)
     if num_shards is None:
-        indices = sorted(int(p.stem.split("-")[1]) for p in out_dir.glob("shard-*.parquet"))
+        fs, root = _store(out_dir)
+        indices = sorted(int(p.rsplit("/", 1)[1][len("shard-"):-len(".parquet")])
+                         for p in fs.glob(f"{root}/shard-*.parquet"))
     else:
         indices = list(range(num_shards))
         missing = [i for i in indices if not shard_done(out_dir, i)]
@@ -280,15 +331,16 @@ def _manifest(prompts: pd.DataFrame, cfg: RejectionConfig) -> dict[str, Any]:
             "config": cfg.model_dump(mode="json", exclude=set(MERGE_ONLY_FIELDS))}
 
 
-def check_manifest(out_dir: Path, prompts: pd.DataFrame, cfg: RejectionConfig) -> None:
+def check_manifest(out_dir: str | Path, prompts: pd.DataFrame, cfg: RejectionConfig) -> None:
     """Record what the shards in `out_dir` are made from, or refuse to mix in shards made from something else."""
     want = _manifest(prompts, cfg)
-    path = out_dir / MANIFEST
-    if not path.is_file():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, lambda f: f.write(json.dumps(want, indent=1).encode()))
+    fs, root = _store(out_dir)
+    path = f"{root}/{MANIFEST}"
+    if not fs.isfile(path):
+        fs.makedirs(root, exist_ok=True)
+        _write_atomically(fs, path, lambda f: f.write(json.dumps(want, indent=1).encode()))
         return
-    have = json.loads(path.read_text())
+    have = json.loads(fs.cat_file(path))
     if have != want:
         changed = [k for k in ("prompts_sha256", "num_prompts") if have.get(k) != want[k]]
         changed += [f"config.{k}" for k in want["config"] if have.get("config", {}).get(k) != want["config"][k]]
@@ -318,7 +370,6 @@ def run_rejection_sampling(backend: GenerationBackend, prompts_df: pd.DataFrame,
     check_servers = getattr(backend, "check_available", None)
     if check_servers is not None:
         check_servers(cfg.sampling)
-    out_dir = Path(out_dir)
     check_manifest(out_dir, prompts, cfg)
     shards = plan_shards(prompts, cfg)
     todo = [s for s in shards if not shard_done(out_dir, s.index)]

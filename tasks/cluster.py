@@ -1,0 +1,96 @@
+"""Shard tasks on a Ray cluster (prefect-ray's RayTaskRunner): the checks that run before any shard is sampled.
+
+A shard task on a Ray node needs nothing from the driver's disk: it reads the prompts and the checkpoint from the
+MLflow tracking server (its artifact store, over HTTP), writes its Parquet shard to the recipe's shard store (an
+fsspec URI), and reports its state to the driver's Prefect API. Each of those is checked here, so a wrong address
+or an unwritable store is one clear error before anything is sampled, not a hang or an hour of lost work.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from grpo.config import ClusterConfig
+from grpo.rejection import shards
+from tasks import tracking
+
+HINT = "start one with `ray start --head`, or fix rejection_sampling.cluster.ray_address (or $RAY_ADDRESS)"
+
+
+def resolve_ray_address(address: str) -> str:
+    """`address`, with "auto" replaced by $RAY_ADDRESS (prefect-ray would start a local Ray instead)."""
+    if address != "auto":
+        return address
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if not env:
+        raise ValueError("ray_address is 'auto' but RAY_ADDRESS is not set; set it to the cluster's address "
+                         "(host:port of the head, as `ray start --head` prints it)")
+    return env
+
+
+def check_ray_address(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds when no Ray cluster answers at `address` (host:port of the GCS, or ray://host:port).
+
+    `ray.init` against an address nobody answers retries for many minutes while the flow sits in Running. A TCP
+    connect is not proof either (a transparent proxy accepts any connection), so the GCS's gRPC health service
+    is asked; the Ray client server (ray://) has none and answers "Method not found", which is proof enough.
+    """
+    addr = address.removeprefix("ray://")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"Ray address {address!r} is not host:port or ray://host:port")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConnectionError(f"no Ray cluster at {address!r}: cannot connect to {host}:{port} ({e}); {HINT}") \
+            from None
+    import grpc
+
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        health = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=lambda _: b"",
+                                     response_deserializer=lambda b: b)
+        try:
+            reply = health(None, timeout=timeout)
+            why = None if reply == b"\x08\x01" else f"health check answered {reply!r}, not SERVING"
+        except grpc.RpcError as e:
+            client_server = address.startswith("ray://") and e.code() == grpc.StatusCode.UNIMPLEMENTED
+            why = None if client_server else f"{e.code().name}: {e.details()}"
+    if why:
+        raise ConnectionError(f"no Ray cluster at {address!r}: {host}:{port} is not a Ray GCS ({why}); {HINT}")
+
+
+def check_cluster(cfg: ClusterConfig, checkpoint_uri: str, shard_dir: str) -> str:
+    """Everything a Ray run needs, checked on the driver before any shard; returns the resolved Ray address."""
+    address = resolve_ray_address(cfg.ray_address)
+    uri = tracking.tracking_uri()
+    if not uri.startswith(("http://", "https://", "databricks")):
+        raise ValueError(f"shard tasks on Ray read the prompts and the checkpoint from MLflow, but the tracking URI "
+                         f"is {uri!r}, which only this machine can read; set MLFLOW_TRACKING_URI to a tracking "
+                         f"server every node can reach (`mlflow server --serve-artifacts ...`)")
+    if "://" not in checkpoint_uri and not checkpoint_uri.startswith(("runs:", "models:")):
+        raise ValueError(f"checkpoint {checkpoint_uri!r} is a local path the Ray nodes cannot read; pass its MLflow "
+                         f"URI (runs:/<run id>/checkpoint) or a URI every node can read")
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        raise ValueError("shard tasks on Ray report to the Prefect API, but this run has none (ephemeral mode): "
+                         "set PREFECT_API_URL to a Prefect server the nodes can reach")
+    check_ray_address(address)
+    shards.check_writable(shard_dir)
+    return address
+
+
+def ray_task_runner(address: str):
+    """prefect-ray's task runner on the cluster at `address`; its workers use this process's MLflow server."""
+    from prefect_ray import RayTaskRunner
+
+    env = {"MLFLOW_TRACKING_URI": tracking.tracking_uri()}
+    return RayTaskRunner(address=address, init_kwargs={"runtime_env": {"env_vars": env}})
+
+
+def shard_store_dir(store: str, stage: str, key: str) -> str:
+    """The run's folder in the shard store: keyed like the local work folder, so a rerun resumes from it."""
+    return f"{store.rstrip('/')}/{stage}/{key}" if "://" in store else str(Path(store) / stage / key)

@@ -1,0 +1,183 @@
+"""The rejection-sampling stage with its shard tasks on a real Ray cluster: a head and a second node on this machine.
+
+The nodes have their own HOME, TMPDIR, R1_HOME and working folder, and (where the kernel allows a mount namespace)
+the driver's folders are covered by an empty tmpfs on them: a shard task can only get the checkpoint and prompts
+from the MLflow server (HTTP, `--serve-artifacts`) and write its shard to the shared store. The kept set must equal
+the one-process (threads) run's with the same seed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the driver keeps 127.0.0.1 too (before ray is imported)
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ.pop("RAY_ADDRESS", None)
+
+from flows import stack  # noqa: E402
+from grpo.config import RejectionSamplingConfig  # noqa: E402
+from ray_local import LocalRayCluster  # noqa: E402
+from answering import SMALL  # noqa: E402
+from test_rejection_stage import curated  # noqa: E402
+
+N_PROMPTS, SHARD_SIZE = 16, 4  # four shards
+
+
+@pytest.fixture(scope="module")
+def cluster(r1_home, tmp_path_factory):
+    """A 2-node Ray cluster and an MLflow server, both on 127.0.0.1; the driver's folders hidden from the nodes."""
+    root = Path(tempfile.mkdtemp(prefix="r1ray-", dir="/tmp"))  # short: Ray's unix socket paths live under it
+    for d in ("driver/home", "driver/tmp", "driver/work", "shared", "mlflow"):
+        (root / d).mkdir(parents=True)
+    hidden = [root / "driver", root / "mlflow", r1_home, tmp_path_factory.getbasetemp()]
+    ray = LocalRayCluster(root / "c", hide=hidden).start(n_nodes=2)
+    mlflow = None
+    try:
+        mlflow, tracking_uri = stack.start_mlflow_server(root / "mlflow" / "mlflow.db", root / "mlflow" / "artifacts",
+                                                         stack.free_port(), root / "mlflow")
+        ray.wait_ready()
+        yield {"ray": ray, "root": root, "tracking_uri": tracking_uri, "mlflow_port": tracking_uri.rsplit(":", 1)[1]}
+    finally:
+        stragglers = ray.stop()
+        if mlflow is not None:
+            stack.stop_process(mlflow)
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    assert not stragglers, f"processes left after stopping the nodes' groups: {stragglers}"
+
+
+@pytest.fixture
+def driver(cluster, monkeypatch):
+    """This process as the driver: its own HOME, TMPDIR and cwd, and the MLflow server as its tracking URI."""
+    d = cluster["root"] / "driver"
+    monkeypatch.setenv("HOME", str(d / "home"))
+    monkeypatch.setenv("TMPDIR", str(d / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(d / "tmp"))
+    monkeypatch.chdir(d / "work")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", cluster["tracking_uri"])
+    return d
+
+
+def stage_config(prompts: str, **cluster) -> RejectionSamplingConfig:
+    return RejectionSamplingConfig.model_validate({
+        "model": {"tiny": SMALL.model_dump()},
+        "data": {"source": prompts, "num_train": N_PROMPTS, "num_heldout": 0},
+        "rejection": {"samples_per_prompt": 4, "sampling": {"max_new_tokens": 24}, "target_samples": 40,
+                      "shard_size": SHARD_SIZE, "decontamination_ngram": 0, "seed": 7},
+        "cluster": cluster,
+    })
+
+
+def logged_checkpoint(folder: str, tracking_uri: str) -> str:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    run = client.create_run(client.create_experiment(f"ray-{time.time_ns()}")).info.run_id
+    client.log_artifacts(run, folder, "checkpoint")
+    client.set_terminated(run)
+    return f"runs:/{run}/checkpoint"
+
+
+def prompts_file(driver: Path) -> str:
+    path = driver / "work" / "prompts.jsonl"
+    pd.DataFrame({"prompt": [f"Problem {i}: what is it?" for i in range(N_PROMPTS)],
+                  "answer": ["1" if i % 3 else "2" for i in range(N_PROMPTS)]}).to_json(path, orient="records",
+                                                                                        lines=True)
+    return str(path)
+
+
+def read_on_each_node(address: str, path: str) -> dict[str, str]:
+    """Try to read `path` on every node of the cluster; the outcome per node (its TMPDIR names it)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def read(p: str) -> tuple[str, str]:
+        try:
+            Path(p).read_bytes()
+            outcome = "READABLE"
+        except OSError as e:
+            outcome = type(e).__name__
+        return Path(tempfile.gettempdir()).parent.name, outcome
+
+    ray.init(address=address)
+    try:
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        refs = [read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(path)
+                for n in nodes]
+        return dict(ray.get(refs, timeout=120))
+    finally:
+        ray.shutdown()
+
+
+def test_shards_on_a_ray_cluster_keep_what_one_process_keeps(prefect_harness, cluster, driver,
+                                                             answering_checkpoint):
+    from flows.rejection_sampling import rejection_sampling
+
+    ray, root = cluster["ray"], cluster["root"]
+    checkpoint = logged_checkpoint(answering_checkpoint, cluster["tracking_uri"])
+    prompts = prompts_file(driver)
+    secret = driver / "home" / "driver-only.txt"
+    secret.write_text("the driver's own file\n")
+
+    alone = rejection_sampling(checkpoint, stage_config(prompts))  # threads of this process, local work folder
+    store = f"file://{root}/shared/store"
+    on_ray = rejection_sampling(checkpoint, stage_config(prompts, ray_address=ray.address, shard_store=store))
+
+    expected = curated(alone.uris["dataset"])
+    assert 0 < len(expected) < N_PROMPTS * 4  # the rule check kept some samples and dropped others
+    pd.testing.assert_frame_equal(curated(on_ray.uris["dataset"]), expected)
+    assert on_ray.metrics == alone.metrics
+
+    # the shards are in the shared store, and each node downloaded the checkpoint into its own TMPDIR
+    (folder,) = (root / "shared" / "store" / "rejection_sampling").iterdir()
+    assert sorted(p.name for p in folder.glob("shard-*.parquet")) == [f"shard-{i:05d}.parquet" for i in range(4)]
+    for node in ray.nodes:
+        assert list((node.root / "tmp").glob("r1-checkpoint-*/checkpoint/config.json")), \
+            f"no shard task ran on {node.name} (no checkpoint downloaded there)"
+    # ...and none of them could have read the driver's files, which the driver itself reads
+    if ray.namespace:
+        assert secret.read_text() == "the driver's own file\n"
+        assert read_on_each_node(ray.address, str(secret)) == {"head": "FileNotFoundError",
+                                                              "n1": "FileNotFoundError"}
+
+
+def test_bad_cluster_settings_fail_before_any_shard_is_sampled(prefect_harness, cluster, driver,
+                                                               answering_checkpoint, monkeypatch):
+    from flows.rejection_sampling import rejection_sampling
+
+    checkpoint = logged_checkpoint(answering_checkpoint, cluster["tracking_uri"])
+    prompts = prompts_file(driver)
+    store = cluster["root"] / "shared" / "bad"
+    good = {"ray_address": cluster["ray"].address, "shard_store": f"file://{store}"}
+
+    def fails(match: str, error: type[Exception], cfg: RejectionSamplingConfig, uri: str = checkpoint) -> None:
+        started = time.monotonic()
+        with pytest.raises(error, match=match):
+            rejection_sampling(uri, cfg)
+        assert time.monotonic() - started < 60  # ray.init against a dead address would hang for many minutes
+        assert not list(store.glob("**/shard-*")), "a shard was sampled before the error"
+
+    fails(r"no Ray cluster at '127.0.0.1:1': cannot connect", ConnectionError,
+          stage_config(prompts, **{**good, "ray_address": "127.0.0.1:1"}))
+    fails(r"is not a Ray GCS", ConnectionError,  # a live port, but the MLflow server's HTTP
+          stage_config(prompts, **{**good, "ray_address": f"127.0.0.1:{cluster['mlflow_port']}"}))
+    (cluster["root"] / "shared" / "a-file").write_text("not a folder")
+    fails(r"shard store .*a-file/r1/rejection_sampling/\w+' is not writable", PermissionError,
+          stage_config(prompts, **{**good, "shard_store": f"file://{cluster['root']}/shared/a-file/r1"}))
+    fails(r"a local path the Ray nodes cannot read", ValueError, stage_config(prompts, **good),
+          uri=answering_checkpoint)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fails(r"ray_address is 'auto' but RAY_ADDRESS is not set", ValueError,
+          stage_config(prompts, **{**good, "ray_address": "auto"}))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{driver / 'mlflow.db'}")
+    fails(r"only this machine can read", ValueError, stage_config(prompts, **good))
+    with pytest.raises(ValueError, match="ray_address needs a shard_store"):
+        stage_config(prompts, ray_address="auto")
