@@ -142,8 +142,8 @@ def test_default_threshold_chooses_the_path_by_the_size_of_the_logits():
     chunked = _largest_saved(lambda: token_logps(model, ids, mask, C, 1.0, with_entropy=True))
     plain = _largest_saved(lambda: token_logps(model, ids, mask, C, 1.0, with_entropy=True, plain_max_bytes=PLAIN))
     assert plain >= full and chunked < full / 100
-    small = _largest_saved(lambda: token_logps(model, ids[:2], mask[:2], C, 1.0))  # 74 MiB of logits
-    assert small >= 2 * C * V * 4  # the plain path
+    small = _largest_saved(lambda: token_logps(model, ids[:1], mask[:1], C, 1.0))  # 37 MiB of logits
+    assert small >= C * V * 4  # the plain path
 
 
 def test_heads_it_must_not_take():

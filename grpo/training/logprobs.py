@@ -6,10 +6,9 @@ gathered to its rows.
 
 With a real model's vocabulary the [N, C, V] float32 logits are the largest tensors of the step (5 GB for 32 rows
 x 256 tokens x 151,936 entries, several times over with the log-softmax, the entropy and their gradients). Where
-the full logits would pass `PLAIN_LOGITS_MAX_BYTES` and the model's logits are exactly `lm_head(last hidden
-state)`, the log-probs come from the last hidden states chunk by chunk (`grpo.kernels.logprobs`): the same numbers,
-one chunk of logits alive at a time. Smaller logits take the plain path, which is faster for them (one head
-matmul less in the backward). Must not depend on Prefect or MLflow.
+the model's logits are exactly `lm_head(last hidden state)` (`selective_head`) and the full logits would pass
+`PLAIN_LOGITS_MAX_BYTES`, the log-probs come from the last hidden states chunk by chunk (`grpo.kernels.logprobs`):
+the same numbers to float rounding, one chunk of logits alive at a time. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -21,8 +20,11 @@ from grpo.kernels.logprobs import logps_from_logits, selective_logps
 from grpo.models import is_checkpointing
 from grpo.sampling.backend import distinct_rows
 
-# Below this, the whole [N, C, V] float32 logits are made as they are (see the module docstring and BENCHMARKS.md).
-PLAIN_LOGITS_MAX_BYTES = 256 * 2**20
+# Full float32 logits up to this size are made as they are: the plain path then costs at most a few times this in
+# memory, and keeps today's numbers bit for bit for small vocabularies (the tiny recipe, 2 MiB for the CPU bench's
+# batch). Speed does not decide it: on CPU the chunked path is as fast as the plain one at every size measured
+# (BENCHMARKS.md, benchmarks/logprobs.py); on a GPU it pays one more head matmul in the backward.
+PLAIN_LOGITS_MAX_BYTES = 64 * 2**20
 
 # CausalLMs whose logits are exactly lm_head(base_model(...).last_hidden_state[:, kept]): no soft-capping (Gemma 2/3),
 # no logit scale (Cohere's logit_scale, Granite's logits_scaling), nothing between the decoder and the head.
