@@ -151,7 +151,12 @@ class GRPOConfig(BaseModel):
     epsilon: float = 0.2  # lower clip range of the ratio
     epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); None = epsilon
     num_iterations: int = 1  # mu: optimisation passes per batch of samples
-    loss_type: str = "grpo"  # grpo (sequence mean), bnpo (token mean) or dr_grpo (Dr. GRPO)
+    # grpo (mean of sequence means), bnpo (token mean per micro-batch), dapo (token mean over the whole batch, DAPO
+    # arXiv:2503.14476, TRL's default) or dr_grpo (token sum / (rows x completion budget), Dr. GRPO arXiv:2503.20783)
+    loss_type: str = "grpo"
+    # ratio per "token", or one per "sequence": exp(mean log-ratio), clipped per sequence (GSPO, arXiv:2507.18071;
+    # the paper pairs it with loss_type grpo)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: str = "group"  # advantage scaling: group, batch or none (Dr. GRPO)
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch

@@ -38,7 +38,7 @@ from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBacken
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
 from grpo.training.advantages import group_advantages
 from grpo.training.logprobs import token_logps
-from grpo.training.loss import grpo_loss
+from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -90,6 +90,8 @@ class GRPOTrainer:
         unknown = sorted(set(cfg.rewards) - set(self.reward_functions))
         if unknown:  # fail now, not after the first rollout
             raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(self.reward_functions)}")
+        if cfg.loss_type not in AGGREGATORS:
+            raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
         self.output_dir = Path(output_dir)
         self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
@@ -188,8 +190,9 @@ class GRPOTrainer:
             loss, stats = grpo_loss(logps, None if batch.old_logps is None else batch.old_logps[s],
                                     None if batch.ref_logps is None else batch.ref_logps[s],
                                     batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
-                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type)
-            share = _share(cfg.loss_type, s, N, batch.completion_mask)
+                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                                    importance_sampling_level=cfg.importance_sampling_level)
+            share = batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask)
             self.acc.backward(loss * share)
             mask = batch.completion_mask[s]
             stats["train/loss"] = loss.item()
@@ -289,13 +292,6 @@ class GRPOTrainer:
         latest = max(done, key=lambda p: int(p.name.split("-")[1]))
         self.acc.load_state(str(latest))
         return json.loads((latest / "trainer_state.json").read_text())["step"]
-
-
-def _share(loss_type: str, s: slice, n_rows: int, mask: torch.Tensor) -> float:
-    """A micro-batch's weight in the batch loss: its share of tokens for bnpo (a batch token mean), of rows else."""
-    if loss_type == "bnpo":
-        return float(mask[s].sum() / mask.sum().clamp(min=1))
-    return (s.stop - s.start) / n_rows
 
 
 def _chunks(n: int, size: int) -> list[slice]:
