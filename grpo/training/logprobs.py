@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from grpo.kernels.logprobs import logps_from_logits, selective_logps
 from grpo.models import is_checkpointing
 from grpo.sampling.backend import distinct_rows
+from grpo.training.lora import causal_lm
 
 # Full float32 logits up to this size are made as they are: the plain path then costs at most a few times this in
 # memory, and keeps today's numbers bit for bit for small vocabularies (the tiny recipe, 2 MiB for the CPU bench's
@@ -41,6 +42,7 @@ def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask:
     """
     if plain_max_bytes is None:
         plain_max_bytes = PLAIN_LOGITS_MAX_BYTES
+    model = causal_lm(model)  # a LoRA model's inner transformers model: its forward computes the same
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L] left padding is skipped
     targets = input_ids[:, -n_completion:]  # [N, C]
     head = selective_head(model)
