@@ -126,6 +126,18 @@ class SamplingConfig(BaseModel):
     batch_size: int = 64  # sequences decoded together (prompts x n are cut into batches of this many)
 
 
+class LoRAConfig(BaseModel):
+    """LoRA adapters (through peft, an optional extra): only they train; the reference is the base with them off."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    r: int = Field(16, ge=1)  # rank of each adapter's update
+    alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / r
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapters' input; > 0 turns off the shared prompt pass
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                       "down_proj")  # linear layers (by name) that get an adapter
+
+
 class EvalConfig(BaseModel):
     """Held-out evaluation."""
 
@@ -179,7 +191,12 @@ class GRPOConfig(BaseModel):
     epsilon: float = 0.2  # lower clip range of the ratio
     epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); None = epsilon
     num_iterations: int = 1  # mu: optimisation passes per batch of samples
-    loss_type: str = "grpo"  # grpo (sequence mean), bnpo (token mean) or dr_grpo (Dr. GRPO)
+    # grpo (mean of sequence means), bnpo (token mean per micro-batch), dapo (token mean over the whole batch, DAPO
+    # arXiv:2503.14476, TRL's default) or dr_grpo (token sum / (rows x completion budget), Dr. GRPO arXiv:2503.20783)
+    loss_type: str = "grpo"
+    # ratio per "token", or one per "sequence": exp(mean log-ratio), clipped per sequence (GSPO, arXiv:2507.18071;
+    # the paper pairs it with loss_type grpo)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: str = "group"  # advantage scaling: group, batch or none (Dr. GRPO)
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
@@ -188,6 +205,11 @@ class GRPOConfig(BaseModel):
     micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation inside a step)
     gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, one more forward
     mixed_precision: str = "no"  # "bf16" autocast for speed; "no" keeps ratios exact at 1 when mu = 1
+    # the policy's weights while training: "float32", or "bfloat16" (weights, gradients, reference and sampling in
+    # bf16; the optimizer steps fp32 master copies with fp32 state, and the saved model is the fp32 masters)
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"  # adamw_8bit: bitsandbytes' AdamW8bit (8-bit moments)
+    lora: LoRAConfig | None = None  # train LoRA adapters instead of every weight (needs peft); None = full model
     log_every: int = 1  # steps between metric callbacks
     samples_every: int = 25  # steps between sample-completion tables
     checkpoint_every: int = 50  # steps between resumable checkpoints (0 = only the final model)

@@ -5,26 +5,38 @@ import math
 import pytest
 import torch
 
-from grpo.training.loss import grpo_loss
+from grpo.training.loss import batch_share, grpo_loss
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo"]
+LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
+LEVELS = ["token", "sequence"]
 
 
-def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_type):
-    """Plain per-token loop over 0-d tensors; returns (loss, stats) like grpo_loss."""
+def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, level="token"):
+    """Plain per-token loop over 0-d tensors; returns (loss, stats) like grpo_loss.
+
+    level "sequence" (GSPO): every token of a sequence uses the sequence's ratio exp(mean of its log-ratios), and the
+    clip and ratio statistics count sequences (those with a token) instead of tokens.
+    """
     B, T = logps.shape
     seq_sums, seq_counts = [], []
     pg_sums = []
     kl_sum = ratio_sum = 0.0
     n_low = n_high = 0
+    n_units = 0  # tokens, or non-empty sequences
     for b in range(B):
         seq_sum = pg_sum = 0.0
         count = 0
+        seq_ratio = None
+        if level == "sequence":
+            log_ratios = [logps[b, t] - old[b, t] for t in range(T) if mask[b, t]]
+            if log_ratios:
+                seq_ratio = torch.exp(sum(log_ratios) / len(log_ratios))
         for t in range(T):
             if not mask[b, t]:
                 continue
             count += 1
-            ratio = torch.exp(logps[b, t] - old[b, t])
+            ratio = torch.exp(logps[b, t] - old[b, t]) if seq_ratio is None else seq_ratio
+            first = level == "token" or count == 1  # a sequence's ratio is counted once
             lo, hi = 1 - eps_low, 1 + eps_high
             if ratio < lo:
                 clipped_ratio = torch.tensor(lo, dtype=logps.dtype)  # constant: no gradient
@@ -36,9 +48,9 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
             clipped_term = clipped_ratio * adv[b]
             if clipped_term < unclipped_term:  # the min picks the clipped term
                 term = clipped_term
-                if adv[b] < 0:
+                if first and adv[b] < 0:
                     n_low += 1
-                else:
+                elif first:
                     n_high += 1
             else:
                 term = unclipped_term
@@ -49,7 +61,9 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
                 kl = torch.exp(d) - d - 1
                 token_loss = token_loss + beta * kl
                 kl_sum += kl.item()
-            ratio_sum += ratio.item()
+            if first:
+                ratio_sum += ratio.item()
+                n_units += 1
             seq_sum = seq_sum + token_loss
         seq_sums.append(seq_sum)
         pg_sums.append(pg_sum)
@@ -59,7 +73,7 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
     if loss_type == "grpo":
         loss = sum(s / max(c, 1) for s, c in zip(seq_sums, seq_counts)) / B
         pg = sum(s / max(c, 1) for s, c in zip(pg_sums, seq_counts)) / B
-    elif loss_type == "bnpo":
+    elif loss_type in ("bnpo", "dapo"):  # one batch: both are its token mean
         loss = sum(seq_sums) / max(n, 1)
         pg = sum(pg_sums) / max(n, 1)
     else:  # dr_grpo
@@ -67,21 +81,23 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
         pg = sum(pg_sums) / (B * T)
     stats = {
         "kl": kl_sum / n,
-        "clip_ratio": (n_low + n_high) / n,
-        "clip_ratio/low": n_low / n,
-        "clip_ratio/high": n_high / n,
-        "ratio_mean": ratio_sum / n,
+        "clip_ratio": (n_low + n_high) / n_units,
+        "clip_ratio/low": n_low / n_units,
+        "clip_ratio/high": n_high / n_units,
+        "ratio_mean": ratio_sum / n_units,
         "pg_loss": pg,
     }
     return loss, stats
 
 
-def random_case(seed=0):
-    """B=5, T=6 in float64; ratios spread ~exp(±0.6) so clipping fires on both sides."""
+def random_case(seed=0, level="token"):
+    """B=5, T=6 in float64; ratios spread ~exp(±0.6) so clipping fires on both sides (for sequence ratios, row 0
+    is moved up by 0.4 so that a sequence with a positive advantage clips too)."""
     g = torch.Generator().manual_seed(seed)
     B, T = 5, 6
     old = -1.0 - torch.rand(B, T, generator=g, dtype=torch.float64)  # [B, T]
-    logps = (old + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    shift = torch.tensor([0.4 if level == "sequence" else 0.0, 0, 0, 0, 0], dtype=torch.float64)[:, None]
+    logps = (old + shift + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
     ref = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # [B, T]
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)  # [B]
     lengths = torch.tensor([6, 3, 0, 1, 5])  # ragged, row 2 empty
@@ -100,21 +116,29 @@ def test_random_case_exercises_both_clip_sides():
     assert (mask.sum(1) == 0).any()
 
 
+def test_random_case_clips_sequences_on_both_sides():
+    # the same guard for the sequence level: some sequences' ratios leave [0.8, 1.28] both ways
+    logps, old, _, adv, mask = random_case(level="sequence")
+    seq = torch.exp(((logps.detach() - old) * mask).sum(1) / mask.sum(1).clamp(min=1))  # [B]
+    assert ((seq < 0.8) & (adv < 0)).any() and ((seq > 1.28) & (adv > 0)).any()
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("epsilon_high", [None, 0.28])
-def test_matches_naive_loop(loss_type, beta, epsilon_high):
-    logps, old, ref, adv, mask = random_case()
+def test_matches_naive_loop(loss_type, beta, epsilon_high, level):
+    logps, old, ref, adv, mask = random_case(level=level)
     eps = 0.2
     eps_high = eps if epsilon_high is None else epsilon_high
 
     loss, stats = grpo_loss(
         logps, old, ref, adv, mask,
-        epsilon=eps, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
+        epsilon=eps, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, importance_sampling_level=level,
     )
     (grad,) = torch.autograd.grad(loss, logps)
 
-    want_loss, want_stats = naive_grpo_loss(logps, old, ref, adv, mask, eps, eps_high, beta, loss_type)
+    want_loss, want_stats = naive_grpo_loss(logps, old, ref, adv, mask, eps, eps_high, beta, loss_type, level)
     (want_grad,) = torch.autograd.grad(want_loss, logps)
 
     torch.testing.assert_close(loss, want_loss)
@@ -207,7 +231,8 @@ def test_aggregations_differ_on_ragged_mask():
     logps = torch.zeros(2, 4)
     adv = torch.tensor([1.0, 3.0])
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
-    want = {"grpo": -2.0, "bnpo": -2.5, "dr_grpo": -1.25}
+    #   dapo:    the same as bnpo within one batch (they differ in how micro-batches add up)
+    want = {"grpo": -2.0, "bnpo": -2.5, "dapo": -2.5, "dr_grpo": -1.25}
     for loss_type, value in want.items():
         loss, _ = grpo_loss(logps, None, None, adv, mask, beta=0.0, loss_type=loss_type)
         assert loss.item() == pytest.approx(value), loss_type
@@ -246,3 +271,79 @@ def test_unknown_loss_type_lists_valid_ones():
 def test_bad_advantages_shape_raises():
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(torch.randn(2, 3), None, None, torch.ones(3), torch.ones(2, 3), beta=0.0)
+
+
+def test_hand_worked_sequence_ratio():
+    # eps = 0.2, beta = 0, loss_type "grpo", one sequence of two tokens, A = +1, old = 0
+    # logps [0.3, -0.1]: mean log-ratio 0.1 -> s = e^0.1 = 1.10517, inside [0.8, 1.2]
+    #   every token's loss is -s·A = -1.10517; sequence mean -1.10517
+    #   d(-s)/d logp_t = -s · 1/2 (the mean over 2 tokens) = -0.55259 for each token
+    # at the token level the same numbers give ρ = [e^0.3, e^-0.1] = [1.34986, 0.90484]:
+    #   token 0 is clipped (-1.2, no gradient), token 1 gives -0.90484; mean -1.05242, grads [0, -0.45242]
+    logps = torch.tensor([[0.3, -0.1]], requires_grad=True)
+    old, adv, mask = torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2)
+    loss, stats = grpo_loss(logps, old, None, adv, mask, beta=0.0, importance_sampling_level="sequence")
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == pytest.approx(-math.exp(0.1), rel=1e-6)
+    torch.testing.assert_close(grad, torch.full((1, 2), -math.exp(0.1) / 2))
+    assert stats["ratio_mean"] == pytest.approx(math.exp(0.1), rel=1e-6) and stats["clip_ratio"] == 0.0
+    loss, stats = grpo_loss(logps, old, None, adv, mask, beta=0.0)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == pytest.approx((-1.2 - math.exp(-0.1)) / 2, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -math.exp(-0.1) / 2]]))
+    assert stats["clip_ratio/high"] == 0.5
+
+
+def test_hand_worked_sequence_clipping_counts_sequences():
+    # two sequences, A = [+1, -1], old = 0, eps = 0.2
+    #   row 0: logps [0.5, 0.1, 0.3] -> mean 0.3, s = 1.34986 > 1.2 with A > 0: clipped at 1.2, loss -1.2, grad 0
+    #   row 1: logps [-0.5, -0.3, pad] -> mean -0.4, s = 0.67032 < 0.8 with A < 0: clipped at 0.8, loss 0.8, grad 0
+    # loss (grpo) = (-1.2 + 0.8) / 2 = -0.2; clip ratios count sequences: low 1/2, high 1/2
+    logps = torch.tensor([[0.5, 0.1, 0.3], [-0.5, -0.3, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    loss, stats = grpo_loss(logps, torch.zeros(2, 3), None, torch.tensor([1.0, -1.0]), mask, beta=0.0,
+                            importance_sampling_level="sequence")
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == pytest.approx(-0.2, abs=1e-6)
+    assert (grad == 0).all()
+    assert stats["clip_ratio/low"] == 0.5 and stats["clip_ratio/high"] == 0.5 and stats["clip_ratio"] == 1.0
+    assert stats["ratio_mean"] == pytest.approx((math.exp(0.3) + math.exp(-0.4)) / 2, rel=1e-6)
+
+
+def test_dapo_and_bnpo_over_micro_batches():
+    # per-token loss = -A (ρ = 1); A = [1, 3]; the rows hold 1 and 3 tokens; each row its own micro-batch
+    #   dapo (token mean over the whole batch): (-1 - 9) / 4 tokens = -2.5
+    #       micro-batch losses -1 and -3, token shares 1/4 and 3/4: -1/4 - 9/4 = -2.5
+    #   bnpo (token mean per micro-batch, TRL's): micro-batch losses -1 and -3, row shares 1/2: -2.0
+    logps = torch.zeros(2, 4)
+    adv = torch.tensor([1.0, 3.0])
+    mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0]])
+    for loss_type, want in (("dapo", -2.5), ("bnpo", -2.0)):
+        total = 0.0
+        for s in (slice(0, 1), slice(1, 2)):
+            loss, _ = grpo_loss(logps[s], None, None, adv[s], mask[s], beta=0.0, loss_type=loss_type)
+            total += batch_share(loss_type, mask[s], mask) * loss.item()
+        assert total == pytest.approx(want), loss_type
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_add_up_to_the_whole_batch(loss_type, level):
+    """share-weighted micro-batch losses and gradients add up to the one-batch loss (uneven micro-batches)."""
+    logps, old, ref, adv, mask = random_case(level=level)
+    kw = dict(epsilon=0.2, epsilon_high=0.28, beta=0.1, loss_type=loss_type, importance_sampling_level=level)
+    whole, _ = grpo_loss(logps, old, ref, adv, mask, **kw)
+    (want,) = torch.autograd.grad(whole, logps)
+    parts = 0
+    for s in (slice(0, 2), slice(2, 5)):
+        loss, _ = grpo_loss(logps[s], old[s], ref[s], adv[s], mask[s], **kw)
+        parts = parts + batch_share(loss_type, mask[s], mask) * loss
+    (got,) = torch.autograd.grad(parts, logps)
+    torch.testing.assert_close(parts, whole)
+    torch.testing.assert_close(got, want)
+
+
+def test_unknown_importance_sampling_level():
+    with pytest.raises(ValueError, match="sequence"):
+        grpo_loss(torch.randn(2, 3), None, None, torch.ones(2), torch.ones(2, 3), beta=0.0,
+                  importance_sampling_level="segment")

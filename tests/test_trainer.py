@@ -279,3 +279,39 @@ def test_truncated_completions_can_be_left_out_of_the_loss(tmp_path, masked):
     _, grads_flipped = _saved_bytes_and_grads(trainer.model, flipped, C)
     same = all(torch.allclose(grads[n], grads_flipped[n], atol=1e-7) for n in grads)
     assert same == masked
+
+
+def _step_gradients(trainer, batch, **cfg) -> dict[str, torch.Tensor]:
+    """The gradients one optimizer step of `optimise` applies, with these settings (micro_batch_size, loss_type...)."""
+    grads = {}
+
+    def record(optimizer, args, kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+
+    handle = trainer.optimizer.optimizer.register_step_pre_hook(record)  # the optimizer accelerate wraps
+    trainer.cfg = trainer.cfg.model_copy(update=cfg)
+    try:
+        trainer.optimise(batch)
+    finally:
+        handle.remove()
+    return grads
+
+
+def test_micro_batches_accumulate_the_whole_batch_gradient(tmp_path):
+    """Micro-batches of 3 rows (uneven, and cutting a group of 4) give the one-batch gradient for every loss type
+    and ratio level but bnpo, whose token mean is per micro-batch (TRL's definition; dapo is the whole batch's)."""
+    torch.manual_seed(0)
+    trainer, _ = make_trainer(tmp_path, {"digits": 1.0}, learning_rate=0.0, beta=0.04,
+                              sampling=SamplingConfig(max_new_tokens=16))
+    rollout = trainer.sample([0, 1])
+    completion_mask = rollout.completion_mask.clone()
+    completion_mask[:3, 4:] = 0  # the first micro-batch holds fewer tokens than its share of rows
+    rollout = rollout._replace(completion_mask=completion_mask)
+    batch = trainer.build_batch(rollout, [float(i % 3) for i in range(8)])
+    for level in ("token", "sequence"):
+        for loss_type in ("dapo", "grpo", "dr_grpo", "bnpo"):
+            kw = dict(loss_type=loss_type, importance_sampling_level=level)
+            whole = _step_gradients(trainer, batch, micro_batch_size=8, **kw)
+            parts = _step_gradients(trainer, batch, micro_batch_size=3, **kw)
+            same = all(torch.allclose(parts[n], g, rtol=1e-4, atol=1e-7) for n, g in whole.items())
+            assert same == (loss_type != "bnpo"), (loss_type, level)

@@ -1,9 +1,11 @@
-"""Kernels: speed and memory tricks that give the model's own numbers, each switched on for a block and restored.
+"""Kernels: speed and memory tricks that give the model's own numbers (the model-level ones are switched on
+for a block and restored; `logprobs` is a function `grpo.training.logprobs` calls).
 
 | module | what it holds |
 |---|---|
 | `attention` | grouped-query attention without copying K/V heads (CPU training) |
 | `mlp` | a SwiGLU that keeps less for the backward |
+| `logprobs` | completion log-probs and entropy from the hidden states, chunked: no [N, C, V] logits kept |
 
 Each is tested against the plain path (values and gradients). Must not depend on Prefect or MLflow.
 """

@@ -4,7 +4,7 @@
 |---|---|
 | `loss` | `grpo_loss`: the clipped surrogate with the k3 KL penalty and its loss-type reductions |
 | `advantages` | `group_advantages`: (r - group mean) / group std, and its variants |
-| `logprobs` | per-token log-probs of completions, with a group's shared prompt run once |
+| `logprobs` | per-token log-probs of completions, with a group's shared prompt run once (chunked head for large vocabularies) |
 | `grpo_trainer` | the GRPO loop: sample, score, advantages, optimise (`GRPOTrainer`) |
 | `sft_trainer` | the SFT loop of stages 1 and 4 (`train_sft`) |
 | `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |

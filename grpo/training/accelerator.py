@@ -22,13 +22,13 @@ def make_accelerator(mixed_precision: str, gradient_accumulation_steps: int = 1)
                        cpu=not torch.cuda.is_available())
 
 
-def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters, as one fused kernel where torch has it for their device.
+def make_adamw(model: torch.nn.Module | list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters (or these tensors), as one fused kernel where torch has it.
 
     The fused step (CPU and CUDA) updates every tensor in one pass instead of a dozen elementwise ops per group of
     tensors: ~4x faster on a small model, where the optimizer step is a visible share of a training step.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in (model.parameters() if isinstance(model, torch.nn.Module) else model) if p.requires_grad]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 

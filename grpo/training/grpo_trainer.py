@@ -5,7 +5,7 @@ One step, as in the DeepSeekMath/R1 papers:
   2. score them: a weighted sum of reward functions;
   3. advantages relative to the group: (r - group mean) / group std; no value model;
   4. `num_iterations` (mu) passes of the clipped objective with a k3 KL penalty to a frozen reference model
-     (no reference at all when beta = 0), one optimizer step per pass.
+     (no reference at all when beta = 0; with LoRA, the policy with its adapters off), one optimizer step per pass.
 With mu = 1 pi_old is the policy being optimised, so the ratio is exactly 1 and nothing is recomputed; with
 mu > 1 pi_old's log-probs are computed once, before the first update. Optional dynamic sampling (DAPO)
 drops groups whose rewards all agree, which carry no gradient, and samples more prompts to refill the batch.
@@ -35,10 +35,12 @@ from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.rewards import REWARD_FUNCTIONS, score_completions
 from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBackend
-from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
+from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
 from grpo.training.logprobs import token_logps
-from grpo.training.loss import grpo_loss
+from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
+from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
+from grpo.training.optimizers import MasterWeights, cast_parameters, make_optimizer, require_bitsandbytes
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -90,15 +92,32 @@ class GRPOTrainer:
         unknown = sorted(set(cfg.rewards) - set(self.reward_functions))
         if unknown:  # fail now, not after the first rollout
             raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(self.reward_functions)}")
+        if cfg.loss_type not in AGGREGATORS:
+            raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
+        if cfg.optimizer == "adamw_8bit":  # optional extras: say what is missing before any work
+            require_bitsandbytes()
+        if cfg.lora is not None:
+            require_peft()
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
         self.output_dir = Path(output_dir)
         self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
         self.acc = make_accelerator(cfg.mixed_precision)
-        # the reference is a frozen copy of the starting policy; with beta = 0 it is never built
+        model = model.to(self.acc.device)
+        if cfg.lora is not None:  # only the adapters train; the reference is the base with them off
+            model = add_lora(model, cfg.lora)
+        if cfg.weights_dtype == "float32":  # a model loaded in another dtype trains in fp32 all the same
+            cast_parameters(model, torch.float32)
+        # built before the cast to bf16, so fp32 master weights start from the weights' full precision
+        optimizer = make_optimizer(model, cfg.learning_rate, cfg.weight_decay, eight_bit=cfg.optimizer == "adamw_8bit",
+                                   master_weights=cfg.weights_dtype == "bfloat16")
+        if cfg.weights_dtype == "bfloat16":
+            cast_parameters(model, torch.bfloat16)
+        self.master_weights = optimizer if isinstance(optimizer, MasterWeights) else None
+        # the reference is a frozen copy of the starting policy; with beta = 0 it is never built, and with LoRA it
+        # is the policy itself with its adapters off
         self.ref_model = None
-        if cfg.beta != 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(self.acc.device)
-        optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
+        if cfg.beta != 0 and cfg.lora is None:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                   num_training_steps=cfg.max_steps * cfg.num_iterations)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
@@ -156,10 +175,11 @@ class GRPOTrainer:
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
         C = rollout.completion_ids.size(1)
         ref_logps = None
-        if self.ref_model is not None:
-            with torch.no_grad(), self.acc.autocast():
+        if cfg.beta != 0:
+            reference = self.ref_model if self.ref_model is not None else self.acc.unwrap_model(self.model)
+            with torch.no_grad(), self.acc.autocast(), adapters_off(reference):
                 ref_logps = torch.cat([
-                    token_logps(self.ref_model, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
+                    token_logps(reference, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
                     for s in _chunks(input_ids.size(0), cfg.micro_batch_size)])  # [N, C]
         old_logps = None  # mu = 1: pi_old is the policy being optimised, so the ratio is exactly 1
         if cfg.num_iterations > 1:
@@ -188,8 +208,9 @@ class GRPOTrainer:
             loss, stats = grpo_loss(logps, None if batch.old_logps is None else batch.old_logps[s],
                                     None if batch.ref_logps is None else batch.ref_logps[s],
                                     batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
-                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type)
-            share = _share(cfg.loss_type, s, N, batch.completion_mask)
+                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                                    importance_sampling_level=cfg.importance_sampling_level)
+            share = batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask)
             self.acc.backward(loss * share)
             mask = batch.completion_mask[s]
             stats["train/loss"] = loss.item()
@@ -208,12 +229,16 @@ class GRPOTrainer:
         start = self._resume(ckpt_root)
         bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", disable=not self.progress, mininterval=2.0)
         policy = self.acc.unwrap_model(self.model)
-        with (cpu_attention(policy, self.ref_model), compact_mlp(policy),
-              activation_checkpointing(policy, cfg.gradient_checkpointing)):
+        core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
+        with (cpu_attention(core, self.ref_model), compact_mlp(core),
+              activation_checkpointing(core, cfg.gradient_checkpointing)):
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = self.output_dir / "model"
-        policy.save_pretrained(model_dir)
+        if self.master_weights is not None:  # bf16 weights: save the fp32 masters the optimizer stepped
+            self.master_weights.export_weights()
+        # with LoRA: merged weights (what the next stage loads) and the adapter alone beside them
+        save_merged(policy, model_dir, self.output_dir / "adapter")
         self.tokenizer.save_pretrained(model_dir)
         shutil.rmtree(ckpt_root, ignore_errors=True)
         return GRPOResult(model_dir, cfg.max_steps)
@@ -289,13 +314,6 @@ class GRPOTrainer:
         latest = max(done, key=lambda p: int(p.name.split("-")[1]))
         self.acc.load_state(str(latest))
         return json.loads((latest / "trainer_state.json").read_text())["step"]
-
-
-def _share(loss_type: str, s: slice, n_rows: int, mask: torch.Tensor) -> float:
-    """A micro-batch's weight in the batch loss: its share of tokens for bnpo (a batch token mean), of rows else."""
-    if loss_type == "bnpo":
-        return float(mask[s].sum() / mask.sum().clamp(min=1))
-    return (s.stop - s.start) / n_rows
 
 
 def _chunks(n: int, size: int) -> list[slice]:

@@ -2,7 +2,13 @@
 
 GRPO scores each completion token under the policy (with gradients), pi_old and the reference model. Its rows come
 in groups of G completions of one prompt, so each distinct prompt goes through the model once and its KV cache is
-gathered to its rows. Must not depend on Prefect or MLflow.
+gathered to its rows.
+
+With a real model's vocabulary the [N, C, V] float32 logits are the largest tensors of the step (5 GB for 32 rows
+x 256 tokens x 151,936 entries, several times over with the log-softmax, the entropy and their gradients). Where
+the model's logits are exactly `lm_head(last hidden state)` (`selective_head`) and the full logits would pass
+`PLAIN_LOGITS_MAX_BYTES`, the log-probs come from the last hidden states chunk by chunk (`grpo.kernels.logprobs`):
+the same numbers to float rounding, one chunk of logits alive at a time. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -10,30 +16,71 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from grpo.kernels.logprobs import logps_from_logits, selective_logps
 from grpo.models import is_checkpointing
 from grpo.sampling.backend import distinct_rows
+from grpo.training.lora import causal_lm
+
+# Full float32 logits up to this size are made as they are: the plain path then costs at most a few times this in
+# memory, and keeps today's numbers bit for bit for small vocabularies (the tiny recipe, 2 MiB for the CPU bench's
+# batch). Speed does not decide it: on CPU the chunked path is as fast as the plain one at every size measured
+# (BENCHMARKS.md, benchmarks/logprobs.py); on a GPU it pays one more head matmul in the backward.
+PLAIN_LOGITS_MAX_BYTES = 64 * 2**20
+
+# CausalLMs whose logits are exactly lm_head(base_model(...).last_hidden_state[:, kept]): no soft-capping (Gemma 2/3),
+# no logit scale (Cohere's logit_scale, Granite's logits_scaling), nothing between the decoder and the head.
+_PLAIN_HEAD_MODELS = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}
 
 
 def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the last `n_completion` tokens of each row under `model` (and their entropy if asked)."""
+                temperature: float, with_entropy: bool = False, *, plain_max_bytes: int | None = None,
+                chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the last `n_completion` tokens of each row under `model` (and their entropy if asked).
+
+    Returns logps [N, C] float32 and entropy [N, C] (no gradient) or None. `plain_max_bytes` (default
+    `PLAIN_LOGITS_MAX_BYTES`) and `chunk_tokens` choose the path and the chunk size; the defaults suit training.
+    """
+    if plain_max_bytes is None:
+        plain_max_bytes = PLAIN_LOGITS_MAX_BYTES
+    model = causal_lm(model)  # a LoRA model's inner transformers model: its forward computes the same
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L] left padding is skipped
-    logits = _completion_logits(model, input_ids, attention_mask, position_ids, n_completion).float()  # [N, C, V]
-    if temperature > 0:
-        logits = logits / temperature  # the distribution the tokens were sampled from
-    logp_all = torch.log_softmax(logits, -1)  # [N, C, V]
     targets = input_ids[:, -n_completion:]  # [N, C]
-    logps = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, C]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, C]
-    return logps, entropy
+    head = selective_head(model)
+    if head is None or targets.numel() * head.out_features * 4 <= plain_max_bytes:
+        logits = _completion_outputs(model, input_ids, attention_mask, position_ids, n_completion)  # [N, C, V]
+        return logps_from_logits(logits, targets, temperature, with_entropy)
+    hidden = _completion_outputs(model, input_ids, attention_mask, position_ids, n_completion,
+                                 hidden_states=True)  # [N, C, H]
+    return selective_logps(hidden, head.weight, head.bias, targets, temperature, chunk_tokens=chunk_tokens,
+                           with_entropy=with_entropy)
 
 
-def _completion_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       position_ids: torch.Tensor, n_completion: int) -> torch.Tensor:
-    """The logits that predict each row's last `n_completion` tokens, [N, C, V]; a prompt rows share runs once.
+def selective_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output head, when log-probs may be computed from the base model's hidden states with it; else None.
+
+    Only for models whose forward is the decoder then the head and nothing else, run as they are: a wrapper's
+    forward (DDP and FSDP sync gradients in it, PEFT routes through it) or a patched one must run, and a head that
+    is not a plain `nn.Linear` (quantised, LoRA'd, hooked or offloaded) is not what `selective_logps` computes.
+    """
+    if not isinstance(model, PreTrainedModel) or type(model).__name__ not in _PLAIN_HEAD_MODELS:
+        return None
+    if "forward" in vars(model) and not hasattr(model, "_original_forward"):  # someone's patch, not accelerate's
+        return None  # (accelerate wraps forward in autocast, which the trainer opens around the call anyway)
+    cfg = model.config
+    if any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                                   "logits_scaling")):
+        return None
+    head = model.get_output_embeddings()
+    if (type(head) is not torch.nn.Linear or head._forward_hooks or head._forward_pre_hooks
+            or "forward" in vars(head) or model._forward_hooks or model._forward_pre_hooks):
+        return None
+    return head
+
+
+def _completion_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        position_ids: torch.Tensor, n_completion: int, hidden_states: bool = False) -> torch.Tensor:
+    """The logits [N, C, V] that predict each row's last `n_completion` tokens, or the final hidden states [N, C, H]
+    they come from (`hidden_states=True`: the base model's output, after its final norm, before the head).
 
     GRPO's rows come in groups of G completions of one prompt. Each distinct prompt goes through the model once,
     its KV cache is gathered to its rows, and the completions run on top: the plain forward's numbers (gradients
@@ -42,9 +89,16 @@ def _completion_logits(model: PreTrainedModel, input_ids: torch.Tensor, attentio
     C = n_completion
     P = input_ids.size(1) - C
 
+    def run(keep: int, **inputs) -> torch.Tensor:
+        """The last `keep` positions' outputs (all of them for keep=0)."""
+        if not hidden_states:
+            return model(**inputs, logits_to_keep=keep).logits
+        hidden = model.base_model(**inputs).last_hidden_state  # [n, l, H] cheap to keep whole (no V axis)
+        return hidden[:, -keep:] if keep else hidden
+
     def plain() -> torch.Tensor:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=C + 1).logits[:, :-1]  # [N, C, V]
+        return run(C + 1, input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids)[:, :-1]  # [N, C, V|H]
 
     if P == 0 or C < 2 or not _can_share_prompts(model):
         return plain()
@@ -52,15 +106,15 @@ def _completion_logits(model: PreTrainedModel, input_ids: torch.Tensor, attentio
     if first.numel() == input_ids.size(0):
         return plain()
     cache = DynamicCache()
-    head = model(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
-                 position_ids=position_ids[first, :P], past_key_values=cache, use_cache=True,
-                 logits_to_keep=1).logits  # [U, 1, V] predicts each prompt's first completion token
+    head = run(1, input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
+               position_ids=position_ids[first, :P], past_key_values=cache,
+               use_cache=True)  # [U, 1, V|H] predicts each prompt's first completion token
     if cache.get_seq_length() != P:  # a model that ignores the cache cannot share its prompt pass
         return plain()
     cache.reorder_cache(inverse)  # [U, ...] -> [N, ...]
-    tail = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
-                 position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits  # [N, C-1, V]
-    return torch.cat([head[inverse], tail], 1)  # [N, C, V]
+    tail = run(0, input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
+               position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True)  # [N, C-1, V|H]
+    return torch.cat([head[inverse], tail], 1)  # [N, C, V|H]
 
 
 def _can_share_prompts(model: torch.nn.Module) -> bool:

@@ -1,11 +1,13 @@
 """The GRPO objective: clipped policy-gradient surrogate plus a k3 KL penalty.
 
-Per completion token (ρ = exp(logp - old_logp), A the sequence's advantage):
+Per completion token (ρ the importance ratio, A the sequence's advantage):
 
     loss_t = -min(ρ·A, clip(ρ, 1-ε, 1+ε_high)·A) + β·KL_t
     KL_t   = exp(ref - logp) - (ref - logp) - 1          (k3, always >= 0)
 
-and the per-token losses are reduced to a scalar by one of ``AGGREGATORS``.
+ρ is one of ``IMPORTANCE_RATIOS``: per token, exp(logp_t - old_t) (GRPO), or one per sequence, exp of the mean
+of the sequence's log-ratios (GSPO), clipped per sequence. The per-token losses are reduced to a scalar by one of
+``AGGREGATORS``, and ``BATCH_SHARES`` says how the losses of micro-batches add up to the batch's.
 ``old_logps`` and ``ref_logps`` are treated as constants (detached).
 Masked-out positions must still hold finite numbers: they are zeroed by
 multiplication, and ``inf * 0`` would be NaN.
@@ -18,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-# Aggregators map (per-token loss [B, T], mask [B, T] float) -> scalar.
+# Aggregators map (per-token loss [B, T] (or [B, 1], broadcast), mask [B, T] float) -> scalar.
 Aggregator = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -29,8 +31,8 @@ def _grpo_mean(per_token: Tensor, mask: Tensor) -> Tensor:
     return per_seq.mean()
 
 
-def _bnpo_mean(per_token: Tensor, mask: Tensor) -> Tensor:
-    """Token mean over the whole batch: every token weighs the same (DAPO-style)."""
+def _token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
+    """Token mean over the batch: every token weighs the same (bnpo, dapo)."""
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -41,9 +43,58 @@ def _dr_grpo_mean(per_token: Tensor, mask: Tensor) -> Tensor:
 
 AGGREGATORS: dict[str, Aggregator] = {
     "grpo": _grpo_mean,
-    "bnpo": _bnpo_mean,
+    "bnpo": _token_mean,
+    "dapo": _token_mean,
     "dr_grpo": _dr_grpo_mean,
 }
+
+# Batch shares map (a micro-batch's mask [b, T], the whole batch's mask [B, T]) -> the weight of the micro-batch's
+# loss in the batch's: the trainer backpropagates share x loss for each micro-batch of one optimizer step.
+
+
+def _row_share(part: Tensor, whole: Tensor) -> float:
+    """The micro-batch's share of rows: accumulated, grpo and dr_grpo give their whole-batch loss; bnpo gives the
+    mean of the micro-batches' token means (TRL's bnpo: normalised by the tokens of the local batch)."""
+    return part.size(0) / whole.size(0)
+
+
+def _token_share(part: Tensor, whole: Tensor) -> float:
+    """The micro-batch's share of tokens: accumulated, the token mean over the whole batch (DAPO,
+    arXiv:2503.14476; TRL's dapo: normalised by the tokens of the global accumulated batch)."""
+    return float(part.sum() / whole.sum().clamp(min=1))
+
+
+BATCH_SHARES: dict[str, Callable[[Tensor, Tensor], float]] = {
+    "grpo": _row_share,
+    "bnpo": _row_share,
+    "dapo": _token_share,
+    "dr_grpo": _row_share,
+}
+
+
+# Importance ratios map (logps [B, T], old_logps [B, T], mask [B, T]) -> log ρ, [B, T] or [B, 1] (per sequence).
+
+
+def _token_log_ratio(logps: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+    """log ρ_t = logp_t - old_t, one ratio per token (PPO, GRPO)."""
+    return logps - old  # [B, T]
+
+
+def _sequence_log_ratio(logps: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+    """log s = mean over the sequence's tokens of (logp_t - old_t): s = (π/π_old)^(1/|y|), one ratio per sequence
+    (GSPO, arXiv:2507.18071; TRL's importance_sampling_level="sequence"). An empty row gets 0 (ρ = 1)."""
+    return ((logps - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+
+
+IMPORTANCE_RATIOS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": _token_log_ratio,
+    "sequence": _sequence_log_ratio,
+}
+
+
+def batch_share(loss_type: str, part_mask: Tensor, whole_mask: Tensor) -> float:
+    """The weight of a micro-batch's `grpo_loss` (its rows' mask `part_mask`) in the loss of the whole batch."""
+    return BATCH_SHARES[loss_type](part_mask, whole_mask)
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
@@ -72,16 +123,19 @@ def grpo_loss(
     epsilon_high: float | None = None,
     beta: float = 0.04,
     loss_type: str = "grpo",
+    importance_sampling_level: str = "token",
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss and detached stats.
 
     logps, old_logps, ref_logps, mask: [B, T] over completion tokens; advantages: [B].
     old_logps None means one update per rollout (μ=1): ratio 1, gradient -A.
     ref_logps may be None only when beta == 0; with beta == 0 no KL is computed.
+    importance_sampling_level: "token" or "sequence" (GSPO), see ``IMPORTANCE_RATIOS``.
 
-    Stats (python floats): kl, clip_ratio, clip_ratio/low, clip_ratio/high,
-    ratio_mean (all token means over the mask) and pg_loss (the aggregated
-    policy term without the KL).
+    Stats (python floats): kl (token mean over the mask), clip_ratio,
+    clip_ratio/low, clip_ratio/high, ratio_mean (means over the ratios: the
+    mask's tokens, or its non-empty sequences at the sequence level) and
+    pg_loss (the aggregated policy term without the KL).
 
     Worked example: ρ = e^0.5 ≈ 1.65 > 1.2 with A = 1, so the clipped 1.2·A is
     selected (-1.2, no gradient); the second token has ρ = 1 (-1.0).
@@ -92,6 +146,9 @@ def grpo_loss(
     """
     if loss_type not in AGGREGATORS:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {sorted(AGGREGATORS)}")
+    if importance_sampling_level not in IMPORTANCE_RATIOS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; "
+                         f"expected one of {sorted(IMPORTANCE_RATIOS)}")
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps; pass them or set beta=0")
     if advantages.shape != logps.shape[:1]:
@@ -99,16 +156,19 @@ def grpo_loss(
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
     aggregate = AGGREGATORS[loss_type]
+    log_ratio = IMPORTANCE_RATIOS[importance_sampling_level]
 
     mask = mask.to(logps.dtype)  # [B, T]
     old = logps.detach() if old_logps is None else old_logps.detach()  # [B, T]
-    ratio = torch.exp(logps - old)  # [B, T]
+    ratio = torch.exp(log_ratio(logps, old, mask))  # [B, T] or [B, 1]
+    # what a ratio stands for: the mask's tokens, or (one ratio a sequence) the sequences with any token
+    counted = mask if ratio.size(1) == mask.size(1) else (mask.sum(1, keepdim=True) > 0).to(mask.dtype)
     adv = advantages.detach().unsqueeze(1)  # [B, 1]
-    unclipped = ratio * adv  # [B, T]
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # [B, T]
-    pg_per_token = -torch.min(unclipped, clipped)  # [B, T]
+    unclipped = ratio * adv  # [B, T] or [B, 1]
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # [B, T] or [B, 1]
+    pg_per_token = -torch.min(unclipped, clipped)  # [B, T] or [B, 1], broadcast over the tokens below
 
-    per_token = pg_per_token  # [B, T]
+    per_token = pg_per_token  # [B, T] or [B, 1]
     kl = 0.0
     if beta != 0:
         kl_per_token = k3_kl(logps, ref_logps)  # [B, T]
@@ -118,15 +178,15 @@ def grpo_loss(
 
     with torch.no_grad():
         # The clipped term wins exactly where the ratio left the trust region in
-        # the direction the advantage pushes it; those tokens get no gradient.
-        low = ((ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)  # [B, T]
-        high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)  # [B, T]
+        # the direction the advantage pushes it; those tokens (sequences) get no gradient.
+        low = ((ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)  # [B, T] or [B, 1]
+        high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)  # [B, T] or [B, 1]
         stats = {
             "kl": kl,
-            "clip_ratio": _masked_mean(low + high, mask),
-            "clip_ratio/low": _masked_mean(low, mask),
-            "clip_ratio/high": _masked_mean(high, mask),
-            "ratio_mean": _masked_mean(ratio, mask),
+            "clip_ratio": _masked_mean(low + high, counted),
+            "clip_ratio/low": _masked_mean(low, counted),
+            "clip_ratio/high": _masked_mean(high, counted),
+            "ratio_mean": _masked_mean(ratio, counted),
             "pg_loss": aggregate(pg_per_token, mask).item(),
         }
     return loss, stats

@@ -1,0 +1,112 @@
+"""The GRPO optimizer: AdamW (fused where torch has it) or bitsandbytes' 8-bit AdamW, stepping the weights
+themselves or fp32 master copies of bf16 weights.
+
+bf16 weights with an fp32 optimizer (`weights_dtype: bfloat16`): the model, its gradients, the reference model and
+sampling hold bf16, and `MasterWeights` keeps an fp32 copy of every trainable weight that the inner optimizer
+steps (with fp32 state), writing the rounded result back into the model after each step. Stepping bf16 weights
+directly would lose every update smaller than bf16's resolution (2^-8 of the weight: a learning rate of 1e-6
+moves nothing). This is the bf16 mode of DeepSpeed and Megatron; TRL and accelerate instead keep fp32 weights and
+autocast the forward to bf16 (`mixed_precision: bf16` here), which keeps the same fp32 optimizer but holds fp32
+weights and gradients (and autocast's bf16 copies of the weights) in memory.
+
+Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from grpo.training.accelerator import make_adamw
+
+
+def require_bitsandbytes() -> None:
+    """Fail, saying what to install, when bitsandbytes (for `optimizer: adamw_8bit`) is not importable."""
+    try:
+        importlib.import_module("bitsandbytes")
+    except ImportError as e:
+        raise ImportError(f"optimizer: adamw_8bit needs bitsandbytes ({e}); install it with "
+                          f"`pip install bitsandbytes` or set optimizer: adamw") from None
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, *, eight_bit: bool = False,
+                   master_weights: bool = False) -> torch.optim.Optimizer:
+    """AdamW (or 8-bit AdamW) over the model's trainable parameters; with `master_weights`, over fp32 copies of them.
+
+    Build it before the model is cast to bf16, so the masters start from the weights' full precision.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def inner(targets: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if eight_bit:
+            require_bitsandbytes()
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(targets, lr=lr, weight_decay=weight_decay)
+        return make_adamw(targets, lr, weight_decay)
+
+    if master_weights:
+        return MasterWeights(params, inner)
+    return inner(params)
+
+
+class MasterWeights(torch.optim.Optimizer):
+    """Steps fp32 master copies of the parameters with an inner optimizer, then copies them back, rounded.
+
+    The parameters' gradients (in the model's dtype, accumulated over the micro-batches) are upcast onto the
+    masters at each step. `param_groups` and `state` are the inner optimizer's (an LR scheduler drives it through
+    them); `state_dict` carries the masters, so a resumed run continues from the fp32 weights, not the rounded ones.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], make_inner):
+        self.params = list(params)
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]  # fp32 copies
+        self.inner = make_inner(self.masters)
+        super().__init__(self.masters, dict(self.inner.defaults))
+        self.param_groups = self.inner.param_groups  # one set of groups: the scheduler's lr reaches the inner
+        self.state = self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MasterWeights.step takes no closure")
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)  # rounded to the model's dtype
+            m.grad = None  # an fp32 gradient per weight only for the length of the step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for m in self.masters]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict["inner"])
+        with torch.no_grad():
+            for p, m, saved in zip(self.params, self.masters, state_dict["masters"]):
+                m.copy_(saved)
+                p.copy_(m)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    @torch.no_grad()
+    def export_weights(self) -> None:
+        """Put the fp32 masters into the model's parameters, which become fp32 (to save the trained model)."""
+        for p, m in zip(self.params, self.masters):
+            p.data = m.detach().clone()
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters only, as `from_pretrained(dtype=...)` leaves them: buffers such as the
+    rotary frequencies stay float32 (`model.to(dtype)` would round them too). The Parameter objects stay the same."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
