@@ -50,7 +50,7 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
         non_reasoning_uri = tracking.log_frame(run_id, rows, "dataset/non_reasoning")
     model_cfg = resolve_model(cfg.model, checkpoint_uri)
     shard_keys = rs.model_dump(mode="json", exclude=set(shards.MERGE_ONLY_FIELDS))
-    out = work_dir("rejection_sampling", checkpoint_uri, cfg.model, judge_cfg, shard_keys, cfg.data)
+    out = work_dir(run_id, "rejection_sampling", checkpoint_uri, cfg.model, judge_cfg, shard_keys, cfg.data)
     shards.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
     indices = [s.index for s in shards.plan_shards(prompts, rs)]
     done = sum(shards.shard_done(out, i) for i in indices)
