@@ -37,12 +37,11 @@ REUSED_FROM = "r1.reused_from"  # tag on a reusing run: the run that did the wor
 @lru_cache(maxsize=1)
 def code_version() -> str:
     """A digest of the project's code that computes results (grpo/, tasks/, flows/) and of torch and transformers."""
-    import torch
-    import transformers
+    from importlib.metadata import version
 
     import grpo
 
-    digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    digest = hashlib.sha256(f"{version('torch')} {version('transformers')}".encode())
     for package in (Path(grpo.__file__).parent, Path(__file__).parent, Path(__file__).parents[1] / "flows"):
         for path in sorted(package.rglob("*.py")):
             digest.update(str(path.relative_to(package.parent)).encode() + path.read_bytes())

@@ -40,10 +40,25 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{r1_home() / 'mlflow.db'}"
 
 
+_ready: set[str] = set()  # SQLite stores this process has opened (and so created, if they were new)
+
+
 def client() -> MlflowClient:
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)  # so mlflow.artifacts / mlflow.data helpers resolve runs:/ URIs the same way
-    return MlflowClient(tracking_uri=uri)
+    if not uri.startswith("sqlite:///") or uri in _ready:
+        return MlflowClient(tracking_uri=uri)
+    # two processes opening a new database at once (two `r1 run` on a fresh home) race in MLflow's schema
+    # migration and one fails with "table ... already exists": open it one process at a time
+    import fcntl
+
+    with open(f"{uri[len('sqlite:///'):]}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        c = MlflowClient(tracking_uri=uri)
+        c.search_experiments(max_results=1)  # creates the tracking tables
+        c.search_registered_models(max_results=1)  # and the registry's
+    _ready.add(uri)
+    return c
 
 
 def experiment_id(name: str | None = None) -> str:

@@ -107,6 +107,30 @@ def test_fresh_runs_every_stage_again(first, mlflow_client):
                                                                  "cold_start_sft" else "reward/total")][0] in (1, 2)
 
 
+def test_a_work_folder_is_used_by_one_run_at_a_time(mlflow_client):
+    from tasks import tracking
+    from tasks.stage import FRESH, release_work_dirs, work_dir
+
+    first_run, second_run = tracking.start_run("a", tags={}), tracking.start_run("b", tags={})
+    shared = work_dir(first_run, "locked", "same inputs")
+    (shared / "checkpoints").mkdir()
+    private = work_dir(second_run, "locked", "same inputs")  # the same inputs while the first holds the folder
+    assert private != shared and private.name.startswith(shared.name) and not any(private.glob("[!.]*"))
+    assert work_dir(first_run, "locked", "same inputs") == shared  # asked again: the one it holds
+    assert mlflow_client.get_run(second_run).data.tags["r1.work_dir.locked"] == str(private)
+    release_work_dirs(second_run)
+    assert not private.exists()  # a private folder cannot be resumed by anyone: gone with its run
+    release_work_dirs(first_run)
+    third_run = tracking.start_run("c", tags={})
+    assert work_dir(third_run, "locked", "same inputs") == shared and (shared / "checkpoints").exists()  # resumable
+    release_work_dirs(third_run)
+    fresh_run = tracking.start_run("d", tags={FRESH: "true"})
+    assert work_dir(fresh_run, "locked", "same inputs") == shared and not (shared / "checkpoints").exists()
+    release_work_dirs(fresh_run)
+    for run in (first_run, second_run, third_run, fresh_run):
+        tracking.end_run(run)
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -210,3 +234,102 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
     start = weights(mlflow_client, checkpoint, tmp_path / "c")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], start[k]) for k in a)  # GRPO did move the weights
+
+
+def test_ctrl_c_ends_the_runs_as_killed_and_exits_130(prefect_harness, mlflow_client, tmp_path, capsys):
+    import threading
+
+    from flows.cli import main
+    from tasks import tracking
+
+    cold = {**COLD, "train": {**COLD["train"], "seed": 13, "max_steps": 500}}
+    recipe = write_recipe(tmp_path / "interrupted.yaml", "resume-interrupted", cold_start_sft=cold)
+
+    def training() -> bool:
+        parents = [r.info.run_id for r in tracking.find_runs("tags.recipe = 'resume-interrupted'")]
+        return bool(parents) and any("r1.work_dir.cold_start_sft" in r.data.tags for r in tracking.find_runs(
+            f"tags.`mlflow.parentRunId` = '{parents[0]}'"))
+
+    def press_ctrl_c():
+        deadline = time.monotonic() + 120
+        while not training() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    assert main(["run", "--recipe", str(recipe), "--stages", "cold_start_sft"]) == 130
+    presser.join()
+    err = [line[line.index("r1:"):] for line in capsys.readouterr().err.splitlines() if "r1:" in line]
+    assert len(err) == 1 and "interrupted" in err[0] and "resumes" in err[0]  # (after a progress bar, maybe)
+    [parent] = tracking.find_runs("tags.recipe = 'resume-interrupted'")
+    assert parent.info.status == "KILLED"
+    assert children(mlflow_client, parent.info.run_id)["cold_start_sft"].info.status == "KILLED"
+
+
+def _two_runs_at_once(tmp_path: Path, env: dict[str, str]) -> list:
+    """Two `r1 run` of one recipe started together on one home; both must finish. Returns their parent runs."""
+    cold = {**COLD, "train": {**COLD["train"], "max_steps": 8, "checkpoint_every": 2, "seed": 14}}
+    recipe = write_recipe(tmp_path / "twice.yaml", "twice", cold_start_sft=cold)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", str(recipe), "--stages",
+                               "cold_start_sft,reasoning_grpo"], cwd=ROOT, env={k: v for k, v in env.items() if v},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outputs = [p.communicate(timeout=400)[0].decode() for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def _check_nothing_crossed(client, outputs: list[str]) -> None:
+    import re
+
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    parents = client.search_runs(experiments, "tags.recipe = 'twice'")
+    assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
+    # each process reports its own pipeline run
+    assert {re.search(r"MLflow pipeline run (\w+)", out).group(1) for out in outputs} == {p.info.run_id
+                                                                                         for p in parents}
+    trained = []  # (work folder, start, end) of every stage run that trained
+    for parent in parents:
+        runs = client.search_runs(experiments, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+        by_stage = {r.data.tags["stage"]: r for r in runs}
+        assert len(runs) == 2 and set(by_stage) == {"cold_start_sft", "reasoning_grpo"}
+        assert all(r.info.status == "FINISHED" for r in runs)
+        cold, grpo = by_stage["cold_start_sft"], by_stage["reasoning_grpo"]
+        checkpoint = parent.data.tags["uri.cold_start_checkpoint"]
+        # each stage's input is what its own pipeline's stage before it produced (or reused, and says so)
+        assert grpo.data.params["input.checkpoint_uri"] == checkpoint
+        assert checkpoint == f"runs:/{cold.data.tags.get('r1.reused_from', cold.info.run_id)}/checkpoint"
+        assert parent.data.tags["uri.reasoning_checkpoint"] == f"runs:/{grpo.info.run_id}/checkpoint"
+        trained += [(r.data.tags[f"r1.work_dir.{r.data.tags['stage']}"], r.info.start_time, r.info.end_time)
+                    for r in (cold, grpo) if "r1.reused_from" not in r.data.tags]
+    # no two runs wrote checkpoints into one work folder at the same time
+    for i, (folder, start, end) in enumerate(trained):
+        for other, other_start, other_end in trained[i + 1:]:
+            assert folder != other or end <= other_start or other_end <= start, folder
+
+
+def test_two_runs_at_once_on_one_embedded_home(tmp_path):
+    from mlflow import MlflowClient
+
+    home = tmp_path / "home"
+    outputs = _two_runs_at_once(tmp_path, {"R1_HOME": str(home), "MLFLOW_TRACKING_URI": "", "PREFECT_HOME": "",
+                                           "PREFECT_API_URL": ""})
+    _check_nothing_crossed(MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}"), outputs)
+
+
+def test_two_runs_at_once_against_a_prefect_server_and_an_mlflow_server(deployed_server, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows import stack
+
+    mlflow, tracking_uri = stack.start_mlflow_server(tmp_path / "mlflow.db", tmp_path / "mlartifacts",
+                                                     stack.free_port(), tmp_path / "logs")
+    try:
+        outputs = _two_runs_at_once(tmp_path, {"R1_HOME": str(tmp_path / "home"), "MLFLOW_TRACKING_URI": tracking_uri,
+                                               "PREFECT_API_URL": deployed_server["api"]})
+        _check_nothing_crossed(MlflowClient(tracking_uri=tracking_uri), outputs)
+    finally:
+        stack.stop_process(mlflow)
