@@ -90,9 +90,9 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
     def run(stage_flow, config, **inputs: str | None) -> StageResult:  # or reuse a finished run of the same stage
         inputs = {k: v for k, v in inputs.items() if v is not None}
         key = reuse.stage_key(stage_flow.name, config, inputs)
-        earlier = None if fresh else reuse.find_finished(key)
-        if earlier is not None:
-            return reuse.reuse_stage(stage_flow.name, config, inputs, key, earlier.info.run_id, parent)
+        finished = None if fresh else reuse.find_finished(key)
+        if finished is not None:
+            return reuse.reuse_stage(stage_flow.name, config, inputs, key, finished.info.run_id, parent)
         result = stage_flow(config=config, parent_run_id=parent, **inputs)
         reuse.record_finished(result, key)
         return result

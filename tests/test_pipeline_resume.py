@@ -181,8 +181,15 @@ def _wait_for(what, check, proc: subprocess.Popen, timeout: float = 240, every: 
     raise AssertionError(f"no {what} within {timeout} s")
 
 
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrupted_one(
-        prefect_harness, mlflow_client, tmp_path):
+        prefect_harness, mlflow_client, tmp_path, request):
     from flows.r1_pipeline import r1_pipeline
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.config import ReasoningGRPOConfig
@@ -205,8 +212,9 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
         work = _wait_for("a reasoning_grpo run", grpo_work_dir, proc)
         _wait_for("a GRPO checkpoint", lambda: resumable_step(work), proc, every=0.02)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # kill -9, the Prefect server it started included
+        os.kill(proc.pid, signal.SIGKILL)  # kill -9 <pid>: the process only, whatever it started lives on
         proc.wait()
+    request.addfinalizer(lambda: _kill_group(proc.pid))  # (its temporary Prefect server, once the test is done)
     step = resumable_step(work)
     assert 2 <= step < 6
     [killed] = tracking.find_runs("tags.recipe = 'resume-killed'")
