@@ -1,6 +1,6 @@
 """The `r1` command: run the recipe, or one stage of it, on the embedded default or on configured servers.
 
-    r1 run [--recipe tiny] [--stages cold_start_sft,...] [--from-run <pipeline run id>]
+    r1 run [--recipe tiny] [--stages cold_start_sft,...] [--from-run <pipeline run id>] [--fresh]
     r1 stage cold_start_sft [--recipe tiny]
     r1 stage reasoning_grpo --checkpoint runs:/<run id>/checkpoint
     r1 stage sft --dataset runs:/<run id>/dataset/curated [--heldout runs:/<run id>/dataset/heldout]
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -32,6 +33,10 @@ def _where() -> str:
     if not api:
         lines.append("  browse it  : prefect server start   (then http://127.0.0.1:4200)")
     return "\n".join(lines)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _print_stage(name: str, result) -> None:
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all five)")
     run.add_argument("--from-run", default=None, help="an earlier pipeline run (MLflow run id) whose URIs feed the "
                                                       "stages left out")
+    run.add_argument("--fresh", action="store_true", help="start over: reuse no finished stage and resume from no "
+                                                          "checkpoint (default: the same run again reuses and resumes)")
     stage = sub.add_parser("stage", help="run one stage alone with its section of the recipe")
     stage.add_argument("name", help="stage name, e.g. cold_start_sft")
     stage.add_argument("--recipe", default="tiny")
@@ -190,7 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         from flows.r1_pipeline import r1_pipeline
 
         stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
-        result = r1_pipeline(recipe=args.recipe, stages=stages, from_run=args.from_run)
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the runs as KILLED too, like Ctrl-C
+        try:
+            result = r1_pipeline(recipe=args.recipe, stages=stages, from_run=args.from_run, fresh=args.fresh)
+        except KeyboardInterrupt:
+            print("r1: interrupted; its MLflow runs are marked KILLED, and the same `r1 run` resumes where it stopped "
+                  "(--fresh starts over)", file=sys.stderr)
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         print(f"\nMLflow pipeline run {result.run_id} (recipe {recipe.name}):")
         for name, r in result.stages.items():
             _print_stage(name, r)

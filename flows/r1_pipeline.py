@@ -7,6 +7,11 @@ left out of `stages` takes its inputs from `from_uris` or from an earlier pipeli
 run records every URI its stages produced as `uri.<name>` tags. When Prefect retries a failed pipeline run (its
 `retries`, or *Retry* in the UI), the retry carries on in the same parent run and skips the stages it records.
 
+Running the same pipeline again (after a crash, a kill, Ctrl-C, or just again) reuses every stage that already
+finished with the same config and inputs (tasks/reuse.py), and the interrupted stage resumes from the last checkpoint
+in its work folder, which is keyed by its config and inputs; `fresh=True` starts everything over. Runs that a dead
+process left RUNNING are marked FAILED when a pipeline starts; Ctrl-C ends the current runs as KILLED.
+
 Run:  r1 run --recipe tiny      (or: r1 run --stages sft,alignment_grpo --from-run <pipeline run id>)
 """
 
@@ -22,8 +27,8 @@ from flows.rejection_sampling import rejection_sampling
 from flows.sft import sft
 from flows.stages import FLOWS, OUTPUTS, finished_stages, missing_inputs
 from grpo.config import ClusterConfig, Recipe, load_recipe
-from tasks import tracking
-from tasks.stage import PipelineResult, StageResult, earlier_attempt_run, prefect_tags
+from tasks import reuse, tracking
+from tasks.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
 
 AVAILABLE_STAGES = tuple(FLOWS)
 
@@ -38,10 +43,11 @@ def with_cluster(cfg: Recipe, ray_address: str | None, shard_store: str | None) 
 
 @flow(name="r1_pipeline", log_prints=True)
 def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris: dict[str, str] | None = None,
-                from_run: str | None = None, ray_address: str | None = None,
+                from_run: str | None = None, fresh: bool = False, ray_address: str | None = None,
                 shard_store: str | None = None) -> PipelineResult:
     """Run the recipe's stages in order under one MLflow parent run; return each stage's result.
 
+    A stage that finished before with the same config and inputs is reused, not run again, unless `fresh`.
     `ray_address` and `shard_store` (a deployment's cluster) override the recipe's `rejection_sampling.cluster`.
     """
     cfg = load_recipe(recipe)  # a bad recipe fails here, before any run is created
@@ -57,13 +63,19 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         raise ValueError("missing inputs: " + ", ".join(f"{s} needs {u}" for s, u in missing) +
                          "; run the stage that makes them, or pass from_run=<pipeline run id> or from_uris")
 
+    ended = tracking.end_dead_runs()  # what a killed earlier run left RUNNING
+    if ended:
+        get_run_logger().info("marked FAILED %d run(s) whose process had ended: %s", len(ended), ", ".join(ended))
     parent = earlier_attempt_run()  # a Prefect retry of this flow run carries on in its first attempt's run
     attempt = flow_run.run_count if parent else 1
     if parent:
         tracking.reopen_run(parent)
+        if fresh:  # this run's own checkpoints are no earlier run's: a retry of a fresh run resumes from them
+            tracking.set_tags(parent, {FRESH: "retried"})
     else:
         parent = tracking.start_run(f"r1_pipeline:{cfg.name}", tags={"recipe": cfg.name, "stages": ",".join(stages),
                                                                       **({"from_run": from_run} if from_run else {}),
+                                                                      **({FRESH: "true"} if fresh else {}),
                                                                       **prefect_tags()})
         tracking.log_params(parent, {"recipe": cfg.name, "stages": ",".join(stages),
                                      **({"from_run": from_run} if from_run else {}),
@@ -87,20 +99,30 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
                               "%s", attempt, parent, ", ".join(results) or "none")
     todo = [s for s in stages if s not in results]
 
+    def run(stage_flow, config, **inputs: str | None) -> StageResult:  # or reuse a finished run of the same stage
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        key = reuse.stage_key(stage_flow.name, config, inputs)
+        finished = None if fresh else reuse.find_finished(key)
+        if finished is not None:
+            return reuse.reuse_stage(stage_flow.name, config, inputs, key, finished.info.run_id, parent)
+        result = stage_flow(config=config, parent_run_id=parent, **inputs)
+        reuse.record_finished(result, key)
+        return result
+
     try:
         if "cold_start_sft" in todo:
-            done(cold_start_sft(cfg.cold_start_sft, parent_run_id=parent))
+            done(run(cold_start_sft, cfg.cold_start_sft))
         if "reasoning_grpo" in todo:
-            done(reasoning_grpo(uris["cold_start_checkpoint"], cfg.reasoning_grpo, parent_run_id=parent))
+            done(run(reasoning_grpo, cfg.reasoning_grpo, checkpoint_uri=uris["cold_start_checkpoint"]))
         if "rejection_sampling" in todo:
-            done(rejection_sampling(uris["reasoning_checkpoint"], cfg.rejection_sampling, parent_run_id=parent))
+            done(run(rejection_sampling, cfg.rejection_sampling, checkpoint_uri=uris["reasoning_checkpoint"]))
         if "sft" in todo:
-            done(sft(uris["curated_dataset"], cfg.sft, heldout_uri=uris.get("heldout"),
-                     cold_start_dataset_uri=uris.get("cold_start_dataset"), parent_run_id=parent))
+            done(run(sft, cfg.sft, dataset_uri=uris["curated_dataset"], heldout_uri=uris.get("heldout"),
+                     cold_start_dataset_uri=uris.get("cold_start_dataset")))
         if "alignment_grpo" in todo:
-            done(alignment_grpo(uris["sft_checkpoint"], cfg.alignment_grpo, parent_run_id=parent))
-    except BaseException:
-        tracking.end_run(parent, "FAILED")
+            done(run(alignment_grpo, cfg.alignment_grpo, checkpoint_uri=uris["sft_checkpoint"]))
+    except BaseException as e:
+        tracking.end_run(parent, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     tracking.end_run(parent, "FINISHED")
     get_run_logger().info("MLflow pipeline run %s finished", parent)

@@ -45,7 +45,7 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
     pairs, heldout = load_preference_data(cfg.preferences)
     tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source,
                          context="reward_model")
-    out = work_dir("reward_model", cfg.preferences, cfg.reward_model)
+    out = work_dir(run_id, "reward_model", cfg.preferences, cfg.reward_model)
     result = train_reward_model(pairs, cfg.reward_model, out, on_metrics=tracking.MetricsLogger(run_id),
                                 heldout=heldout, source=cfg.preferences.source)
     tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,

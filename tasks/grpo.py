@@ -13,7 +13,7 @@ from grpo.training.reward_model import RewardModelScorer, reward_model_reward
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import resolve_model, work_dir
+from tasks.stage import note_resume, resolve_model, work_dir
 
 
 @task(name="train_grpo_model")
@@ -29,11 +29,14 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
         scorer = RewardModelScorer.from_pretrained(tracking.download(reward_model_uri))
         reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
     model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
-    out = work_dir(stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(), reward_model_uri)
+    out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
+                   reward_model_uri)
 
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
 
+    if step := note_resume(run_id, out):
+        get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
     progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
     trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, on_metrics=progress, on_samples=log_samples,
                           reward_functions=reward_functions)

@@ -47,7 +47,7 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     keys = (checkpoint_uri, cfg.model, cfg.judge, shard_keys, cfg.data, *served)
     store = cfg.cluster.shard_store
     out = shard_store_dir(store, "rejection_sampling", work_key(*keys)) if store else str(
-        work_dir("rejection_sampling", *keys))
+        work_dir(run_id, "rejection_sampling", *keys))
     ray_address = None
     if cfg.cluster.ray_address:  # an unreachable cluster or unwritable store fails here, before any shard
         ray_address = check_cluster(cfg.cluster, checkpoint_uri, out)

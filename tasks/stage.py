@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from pydantic import BaseModel, ConfigDict
 
@@ -57,28 +61,36 @@ def earlier_attempt_run() -> str | None:
 
     if not flow_run.id or flow_run.run_count <= 1:
         return None
-    runs = tracking.find_runs(f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+    runs = [r for r in tracking.find_runs(f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+            if "stage" not in r.data.tags]  # a stage the pipeline reused is a child run in its flow run too
     return runs[-1].info.run_id if runs else None  # the oldest: the first attempt's
 
 
 @contextmanager
 def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
               inputs: dict[str, str] | None = None) -> Iterator[str]:
-    """An MLflow child run tagged `stage=<stage>` with the config as params; marked FAILED if the body raises.
+    """An MLflow child run tagged `stage=<stage>` with the config as params; ended FAILED if the body raises, KILLED
+    on Ctrl-C. Its work folders are unlocked when it ends.
 
-    `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from.
+    `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from. A stage of
+    a pipeline started fresh (`r1.fresh` on the parent) is tagged the same, and its work folders start empty.
     """
     inputs = inputs or {}
-    run_id = tracking.start_run(stage, tags={"stage": stage, **prefect_tags(), **{f"input.{k}": v for k, v in
-                                                                                 inputs.items()}},
+    fresh = {}
+    if parent_run_id and tracking.client().get_run(parent_run_id).data.tags.get(FRESH) == "true":
+        fresh = {FRESH: "true"}
+    run_id = tracking.start_run(stage, tags={"stage": stage, **prefect_tags(), **fresh,
+                                             **{f"input.{k}": v for k, v in inputs.items()}},
                                 parent_run_id=parent_run_id, config=config)
     if inputs:
         tracking.log_params(run_id, {f"input.{k}": v for k, v in inputs.items()})
     try:
         yield run_id
-    except BaseException:
-        tracking.end_run(run_id, "FAILED")
+    except BaseException as e:
+        tracking.end_run(run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
+    finally:
+        release_work_dirs(run_id)
     tracking.end_run(run_id, "FINISHED")
 
 
@@ -88,11 +100,58 @@ def work_key(*keys) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def work_dir(stage: str, *keys) -> Path:
-    """A working folder keyed by the stage's inputs, so a rerun with the same inputs finds (and resumes) its work."""
-    path = tracking.r1_home() / "work" / stage / work_key(*keys)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+FRESH = "r1.fresh"  # tag: the run starts over, reusing nothing and resuming from no checkpoint
+_held: dict[str, dict[Path, int]] = {}  # stage run id -> the work folders it holds, each with its lock's descriptor
+_held_lock = threading.Lock()
+
+
+def work_dir(run_id: str, stage: str, *keys) -> Path:
+    """A working folder keyed by the stage's inputs, so a rerun with the same inputs finds (and resumes) its work.
+
+    The folder is locked for run `run_id` until its stage ends (an flock: a killed process lets go of it). A second
+    run with the same inputs at the same time, two `r1 run` of one recipe say, gets a private folder instead of
+    writing checkpoints into the first one's. A run started fresh finds its folder emptied.
+    """
+    shared = tracking.r1_home() / "work" / stage / work_key(*keys)
+    with _held_lock:
+        held = _held.setdefault(run_id, {})
+        for path in (shared, shared.with_name(f"{shared.name}-{run_id}")):
+            if path in held:
+                return path
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # in use by a live run
+                os.close(fd)
+                continue
+            held[path] = fd
+            if path == shared and tracking.client().get_run(run_id).data.tags.get(FRESH) == "true":
+                for item in path.iterdir():
+                    if item.name != ".lock":
+                        shutil.rmtree(item) if item.is_dir() else item.unlink()
+            tracking.set_tags(run_id, {f"r1.work_dir.{stage}": str(path)})  # where its checkpoints are
+            return path
+    raise RuntimeError(f"cannot lock a work folder for run {run_id} under {shared.parent}")
+
+
+def release_work_dirs(run_id: str) -> None:
+    """Unlock the run's work folders; a private one (see `work_dir`) is deleted, as no later run can resume it."""
+    with _held_lock:
+        for path, fd in _held.pop(run_id, {}).items():
+            if path.name.endswith(run_id):
+                shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+
+
+def note_resume(run_id: str, out: Path) -> int:
+    """Tag the run `r1.resumed_from_step` when the loop writing to `out` will resume from a checkpoint there."""
+    from grpo.training.checkpoints import resumable_step
+
+    step = resumable_step(out)
+    if step:
+        tracking.set_tags(run_id, {"r1.resumed_from_step": str(step)})
+    return step
 
 
 def resolve_model(cfg: ModelConfig, uri: str | None) -> ModelConfig:

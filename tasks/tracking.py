@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from pydantic import BaseModel
 
 from tasks.env import PROJECT_ROOT
+
 DEFAULT_EXPERIMENT = "r1-pipeline"
 
 
@@ -38,10 +40,25 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{r1_home() / 'mlflow.db'}"
 
 
+_ready: set[str] = set()  # SQLite stores this process has opened (and so created, if they were new)
+
+
 def client() -> MlflowClient:
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)  # so mlflow.artifacts / mlflow.data helpers resolve runs:/ URIs the same way
-    return MlflowClient(tracking_uri=uri)
+    if not uri.startswith("sqlite:///") or uri in _ready:
+        return MlflowClient(tracking_uri=uri)
+    # two processes opening a new database at once (two `r1 run` on a fresh home) race in MLflow's schema
+    # migration and one fails with "table ... already exists": open it one process at a time
+    import fcntl
+
+    with open(f"{uri[len('sqlite:///'):]}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        c = MlflowClient(tracking_uri=uri)
+        c.search_experiments(max_results=1)  # creates the tracking tables
+        c.search_registered_models(max_results=1)  # and the registry's
+    _ready.add(uri)
+    return c
 
 
 def experiment_id(name: str | None = None) -> str:
@@ -73,11 +90,51 @@ def flatten(config: BaseModel | dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def owner_tags() -> dict[str, str]:
+    """Which process owns a run while it is RUNNING: host, pid and the process's start time (pids are reused)."""
+    import psutil
+
+    return {"r1.host": socket.gethostname(), "r1.pid": str(os.getpid()),
+            "r1.process_started": f"{psutil.Process().create_time():.2f}"}
+
+
+def _owner_alive(tags: dict[str, str]) -> bool:
+    """Whether the process that owns a run on this host still runs (a pid now held by another process does not)."""
+    import psutil
+
+    try:
+        started = psutil.Process(int(tags["r1.pid"])).create_time()
+    except (psutil.NoSuchProcess, ValueError, KeyError):
+        return False
+    except psutil.AccessDenied:  # someone else's process: alive, and not ours to judge
+        return True
+    if "r1.process_started" not in tags:
+        return True
+    return abs(started - float(tags["r1.process_started"])) < 0.05
+
+
+def end_dead_runs() -> list[str]:
+    """Mark FAILED the runs left RUNNING by an r1 process on this host that has ended (killed, crashed, power cut).
+
+    Only runs whose owner tags name this host are judged: a run owned by a process on another machine may well be
+    running, and nothing here can tell. Returns the ids of the runs marked.
+    """
+    host = socket.gethostname().replace("'", "")
+    ended = []
+    for run in find_runs(f"attributes.status = 'RUNNING' and tags.`r1.host` = '{host}'"):
+        if not _owner_alive(run.data.tags):
+            set_tags(run.info.run_id, {"r1.ended_because": f"process {run.data.tags.get('r1.pid')} on {host} ended "
+                                                           "without closing the run"})
+            end_run(run.info.run_id, "FAILED")
+            ended.append(run.info.run_id)
+    return ended
+
+
 def start_run(name: str, *, tags: dict[str, str], parent_run_id: str | None = None,
               config: BaseModel | None = None) -> str:
     """Create a run (nested under `parent_run_id` if given), log the config as params, return its id."""
     c = client()
-    all_tags = dict(tags)
+    all_tags = {**tags, **owner_tags()}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     run = c.create_run(experiment_id(), run_name=name, tags=all_tags)
@@ -159,13 +216,20 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
         key = hashlib.sha256(f"{tracking_uri()} {uri}".encode()).hexdigest()[:16]
         cached = r1_home() / "downloads" / key
         done = cached / ".complete"
-        if done.exists():
-            return cached / done.read_text()
-        shutil.rmtree(cached, ignore_errors=True)  # a half-finished earlier copy
-        cached.mkdir(parents=True)
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(cached)))
-        done.write_text(str(local.relative_to(cached)))
-        return local
+        if not done.exists():
+            # downloaded aside and renamed into place: two processes fetching the same checkpoint (two pipelines
+            # reusing one stage) never see or remove each other's half-written copy
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            part = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f"{key}.part-"))
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(part)))
+            (part / ".complete").write_text(str(local.relative_to(part)))
+            if cached.exists() and not done.exists():  # a half copy an older version of this code left
+                shutil.rmtree(cached, ignore_errors=True)
+            try:
+                os.rename(part, cached)
+            except OSError:  # another process put a complete copy there first
+                shutil.rmtree(part, ignore_errors=True)
+        return cached / done.read_text()
     dst = Path(dst or tempfile.mkdtemp(prefix="r1-artifact-"))
     dst.mkdir(parents=True, exist_ok=True)
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
@@ -183,7 +247,8 @@ def find_runs(filter_string: str) -> list:
 
 
 def reopen_run(run_id: str) -> None:
-    """Mark a failed run RUNNING again, for a retry that carries on in it."""
+    """Mark a failed run RUNNING again, for a retry that carries on in it (owned by this process now)."""
+    set_tags(run_id, owner_tags())
     client().update_run(run_id, status="RUNNING")
 
 

@@ -8,6 +8,7 @@
 | `grpo_trainer` | the GRPO loop: sample, score, advantages, optimise (`GRPOTrainer`) |
 | `sft_trainer` | the SFT loop of stages 1 and 4 (`train_sft`) |
 | `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |
+| `checkpoints` | resumable checkpoints of the SFT and GRPO loops: save, find the newest, the step to resume from |
 | `accelerator` | the Accelerator, the optimizer and the clip/step/zero sequence every loop shares |
 
 Must not depend on Prefect or MLflow: loops report through callbacks.

@@ -16,7 +16,6 @@ Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import shutil
 import time
@@ -37,6 +36,7 @@ from grpo.rewards import REWARD_FUNCTIONS, score_completions
 from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
+from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
@@ -301,19 +301,14 @@ class GRPOTrainer:
         return pd.DataFrame(rows)
 
     def _save(self, root: Path, step: int) -> None:
-        path = root / f"step-{step}"
-        self.acc.save_state(str(path), safe_serialization=False)
-        (path / "trainer_state.json").write_text(json.dumps({"step": step}))
-        for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-1]:
-            shutil.rmtree(old, ignore_errors=True)
+        save_checkpoint(self.acc, root, step, keep=1)
 
     def _resume(self, root: Path) -> int:
-        done = [p for p in root.glob("step-*") if (p / "trainer_state.json").exists()]
-        if not done:
+        latest = latest_checkpoint(root)
+        if latest is None:
             return 0
-        latest = max(done, key=lambda p: int(p.name.split("-")[1]))
         self.acc.load_state(str(latest))
-        return json.loads((latest / "trainer_state.json").read_text())["step"]
+        return checkpoint_step(latest)
 
 
 def _chunks(n: int, size: int) -> list[slice]:

@@ -11,7 +11,6 @@ Must not depend on Prefect or MLflow: metrics go to a callback.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import shutil
@@ -21,7 +20,6 @@ from typing import Callable, NamedTuple
 import numpy as np
 import pandas as pd
 import torch
-from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
@@ -32,6 +30,7 @@ from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.sampling.backend import render_prompts
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
+from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -96,20 +95,6 @@ def batch_indices(n_rows: int, batch_size: int, micro_step: int, seed: int) -> l
     return perm[k * batch_size : (k + 1) * batch_size].tolist()
 
 
-def _latest_checkpoint(root: Path) -> Path | None:
-    done = [p for p in root.glob("step-*") if (p / "trainer_state.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
-
-
-def _save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int) -> None:
-    path = root / f"step-{step}"
-    acc.save_state(str(path), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
-    # written last: a checkpoint without it was interrupted mid-save and is ignored on resume
-    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
-    for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def train_sft(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -135,10 +120,10 @@ def train_sft(
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
 
     start = 0
-    resume_from = _latest_checkpoint(ckpt_root)
+    resume_from = latest_checkpoint(ckpt_root)
     if resume_from is not None:
         acc.load_state(str(resume_from))
-        start = json.loads((resume_from / "trainer_state.json").read_text())["step"]
+        start = checkpoint_step(resume_from)
 
     model.train()
     window: list[float] = []
@@ -170,7 +155,7 @@ def train_sft(
                                       "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                                       "train/epoch": done * cfg.grad_accum_steps * cfg.batch_size / len(examples)})
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                _save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints)
+                save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints)
     bar.close()
 
     model_dir = output_dir / "model"

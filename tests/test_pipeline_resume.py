@@ -1,0 +1,343 @@
+"""Running the same pipeline again reuses what finished and resumes what was interrupted; `fresh` starts over.
+
+Real MLflow (the session's SQLite), the real Prefect harness, the tiny model with a cut-down recipe. The crash is
+real: an `r1 run` in its own process killed with SIGKILL once reasoning GRPO has written a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from test_flows import TINY_GRPO, TINY_RS, TINY_STAGE
+
+ROOT = Path(__file__).resolve().parents[1]
+# no held-out split (no evaluation) and seeds of their own, so no other test's stage is reused here
+COLD = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0}, "train": {**TINY_STAGE["train"], "seed": 11}}
+GRPO = {**TINY_GRPO, "data": {"num_train": 32, "num_heldout": 0}, "grpo": {**TINY_GRPO["grpo"], "seed": 11}}
+RS = {**TINY_RS, "rejection": {**TINY_RS["rejection"], "seed": 11}}
+THREE = ["cold_start_sft", "reasoning_grpo", "rejection_sampling"]
+
+
+def write_recipe(path: Path, name: str, **sections) -> Path:
+    path.write_text(yaml.safe_dump({"name": name, "cold_start_sft": COLD, "reasoning_grpo": GRPO,
+                                    "rejection_sampling": RS, **sections}))
+    return path
+
+
+def children(client, parent_run_id: str) -> dict:
+    """A pipeline run's stage runs by stage (the newest where a stage has two)."""
+    runs = client.search_runs([client.get_run(parent_run_id).info.experiment_id],
+                              f"tags.`mlflow.parentRunId` = '{parent_run_id}'", order_by=["attributes.start_time ASC"])
+    return {r.data.tags["stage"]: r for r in runs}
+
+
+def weights(client, checkpoint_uri: str, dst: Path) -> dict[str, torch.Tensor]:
+    from tasks.tracking import download
+
+    return load_file(download(checkpoint_uri, dst) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def first(prefect_harness, tmp_path_factory):
+    from flows.r1_pipeline import r1_pipeline
+
+    recipe = write_recipe(tmp_path_factory.mktemp("resume") / "resume.yaml", "resume")
+    return r1_pipeline(recipe=str(recipe), stages=THREE), recipe
+
+
+def test_the_same_run_again_reuses_every_stage(first, mlflow_client):
+    from flows.r1_pipeline import r1_pipeline
+
+    result, recipe = first
+    again = r1_pipeline(recipe=str(recipe), stages=THREE)
+    assert again.run_id != result.run_id
+    assert mlflow_client.get_run(again.run_id).info.status == "FINISHED"
+    runs = children(mlflow_client, again.run_id)
+    for stage in THREE:
+        run = runs[stage]
+        assert run.info.status == "FINISHED" and run.info.run_id == again.stages[stage].run_id
+        assert run.data.tags["r1.reused_from"] == result.stages[stage].run_id, stage
+        assert again.stages[stage].uris == result.stages[stage].uris, stage  # the same checkpoints and datasets
+        assert not mlflow_client.list_artifacts(run.info.run_id), stage  # nothing trained or sampled again
+        assert "train/loss" not in run.data.metrics and "reward/total" not in run.data.metrics
+    assert (mlflow_client.get_run(again.run_id).data.tags["uri.reasoning_checkpoint"]
+            == result.stages["reasoning_grpo"].uris["checkpoint"])
+
+
+def test_a_changed_stage_reruns_with_everything_after_it(first, mlflow_client, tmp_path):
+    from flows.r1_pipeline import r1_pipeline
+
+    result, _ = first
+    recipe = write_recipe(tmp_path / "changed.yaml", "resume-changed",
+                          reasoning_grpo={**GRPO, "grpo": {**GRPO["grpo"], "learning_rate": 2e-5}})
+    changed = r1_pipeline(recipe=str(recipe), stages=THREE)
+    runs = children(mlflow_client, changed.run_id)
+    assert runs["cold_start_sft"].data.tags["r1.reused_from"] == result.stages["cold_start_sft"].run_id
+    for stage in ("reasoning_grpo", "rejection_sampling"):
+        assert "r1.reused_from" not in runs[stage].data.tags, stage
+        assert changed.stages[stage].uris != result.stages[stage].uris, stage
+    grpo = runs["reasoning_grpo"]
+    assert grpo.data.params["grpo.learning_rate"] == "2e-05"
+    assert grpo.data.params["input.checkpoint_uri"] == result.stages["cold_start_sft"].uris["checkpoint"]
+    assert (runs["rejection_sampling"].data.params["input.checkpoint_uri"]
+            == changed.stages["reasoning_grpo"].uris["checkpoint"])  # rerun because its input changed
+
+
+def test_fresh_runs_every_stage_again(first, mlflow_client):
+    from flows.r1_pipeline import r1_pipeline
+
+    result, recipe = first
+    fresh = r1_pipeline(recipe=str(recipe), stages=THREE[:2], fresh=True)
+    assert mlflow_client.get_run(fresh.run_id).data.tags["r1.fresh"] == "true"
+    runs = children(mlflow_client, fresh.run_id)
+    for stage in THREE[:2]:
+        assert "r1.reused_from" not in runs[stage].data.tags, stage
+        assert fresh.stages[stage].uris["checkpoint"] != result.stages[stage].uris["checkpoint"], stage
+        assert [m.step for m in mlflow_client.get_metric_history(runs[stage].info.run_id, "train/loss" if stage ==
+                                                                 "cold_start_sft" else "reward/total")][0] in (1, 2)
+
+
+def test_a_work_folder_is_used_by_one_run_at_a_time(mlflow_client):
+    from tasks import tracking
+    from tasks.stage import FRESH, release_work_dirs, work_dir
+
+    first_run, second_run = tracking.start_run("a", tags={}), tracking.start_run("b", tags={})
+    shared = work_dir(first_run, "locked", "same inputs")
+    (shared / "checkpoints").mkdir()
+    private = work_dir(second_run, "locked", "same inputs")  # the same inputs while the first holds the folder
+    assert private != shared and private.name.startswith(shared.name) and not any(private.glob("[!.]*"))
+    assert work_dir(first_run, "locked", "same inputs") == shared  # asked again: the one it holds
+    assert mlflow_client.get_run(second_run).data.tags["r1.work_dir.locked"] == str(private)
+    release_work_dirs(second_run)
+    assert not private.exists()  # a private folder cannot be resumed by anyone: gone with its run
+    release_work_dirs(first_run)
+    third_run = tracking.start_run("c", tags={})
+    assert work_dir(third_run, "locked", "same inputs") == shared and (shared / "checkpoints").exists()  # resumable
+    release_work_dirs(third_run)
+    fresh_run = tracking.start_run("d", tags={FRESH: "true"})
+    assert work_dir(fresh_run, "locked", "same inputs") == shared and not (shared / "checkpoints").exists()
+    release_work_dirs(fresh_run)
+    for run in (first_run, second_run, third_run, fresh_run):
+        tracking.end_run(run)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_runs_a_dead_process_left_running_are_marked_failed_at_the_next_start(first, mlflow_client):
+    from flows.r1_pipeline import r1_pipeline
+    from tasks import tracking
+
+    _, recipe = first
+    mine = tracking.owner_tags()
+    dead = tracking.start_run("dead", tags={"stage": "cold_start_sft"})
+    tracking.set_tags(dead, {"r1.pid": str(_dead_pid())})
+    reused_pid = tracking.start_run("reused-pid", tags={})  # our pid, but another process's start time
+    tracking.set_tags(reused_pid, {"r1.process_started": f"{float(mine['r1.process_started']) - 3600:.2f}"})
+    elsewhere = tracking.start_run("elsewhere", tags={})  # a dead pid on another host: not ours to judge
+    tracking.set_tags(elsewhere, {"r1.host": "another-host", "r1.pid": str(_dead_pid())})
+    alive = tracking.start_run("alive", tags={})  # this very process
+    try:
+        r1_pipeline(recipe=str(recipe), stages=THREE[:1])  # reused: a start and no training
+        status = {name: mlflow_client.get_run(run).info.status for name, run in
+                  [("dead", dead), ("reused_pid", reused_pid), ("elsewhere", elsewhere), ("alive", alive)]}
+        assert status == {"dead": "FAILED", "reused_pid": "FAILED", "elsewhere": "RUNNING", "alive": "RUNNING"}
+        assert "ended without closing" in mlflow_client.get_run(dead).data.tags["r1.ended_because"]
+    finally:
+        for run in (elsewhere, alive):
+            tracking.end_run(run, "FINISHED")
+
+
+def _r1_run(recipe: Path, prefect_home: Path, *args: str) -> subprocess.Popen:
+    """`r1 run` in a process of its own (and its own process group, as a terminal starts it), on the same home."""
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", str(recipe), *args], cwd=ROOT,
+                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _wait_for(what, check, proc: subprocess.Popen, timeout: float = 240, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"r1 run ended ({proc.returncode}) before {what}:\n{proc.stdout.read().decode()[-3000:]}")
+        time.sleep(every)
+    proc.kill()
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrupted_one(
+        prefect_harness, mlflow_client, tmp_path, request):
+    from flows.r1_pipeline import r1_pipeline
+    from flows.reasoning_grpo import reasoning_grpo
+    from grpo.config import ReasoningGRPOConfig
+    from grpo.training.checkpoints import resumable_step
+    from tasks import tracking
+
+    grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 6, "checkpoint_every": 2, "seed": 12}}
+    cold = {**COLD, "train": {**COLD["train"], "seed": 12}}
+    recipe = write_recipe(tmp_path / "killed.yaml", "resume-killed", cold_start_sft=cold, reasoning_grpo=grpo)
+    proc = _r1_run(recipe, tmp_path / "prefect", "--stages", "cold_start_sft,reasoning_grpo")
+
+    def grpo_work_dir():
+        runs = tracking.find_runs("tags.stage = 'reasoning_grpo' and attributes.status = 'RUNNING'")
+        parents = {r.info.run_id for r in tracking.find_runs("tags.recipe = 'resume-killed'")}
+        return next((Path(r.data.tags["r1.work_dir.reasoning_grpo"]) for r in runs
+                     if r.data.tags.get("mlflow.parentRunId") in parents and "r1.work_dir.reasoning_grpo" in
+                     r.data.tags), None)
+
+    try:
+        work = _wait_for("a reasoning_grpo run", grpo_work_dir, proc)
+        _wait_for("a GRPO checkpoint", lambda: resumable_step(work), proc, every=0.02)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # kill -9 <pid>: the process only, whatever it started lives on
+        proc.wait()
+    request.addfinalizer(lambda: _kill_group(proc.pid))  # (its temporary Prefect server, once the test is done)
+    step = resumable_step(work)
+    assert 2 <= step < 6
+    [killed] = tracking.find_runs("tags.recipe = 'resume-killed'")
+    killed_runs = children(mlflow_client, killed.info.run_id)
+    assert killed.info.status == "RUNNING" and killed_runs["reasoning_grpo"].info.status == "RUNNING"
+
+    result = r1_pipeline(recipe=str(recipe), stages=["cold_start_sft", "reasoning_grpo"])
+
+    for run in (killed, killed_runs["reasoning_grpo"]):  # the dead process's runs, closed by the next start
+        assert mlflow_client.get_run(run.info.run_id).info.status == "FAILED"
+    runs = children(mlflow_client, result.run_id)
+    assert runs["cold_start_sft"].data.tags["r1.reused_from"] == killed_runs["cold_start_sft"].info.run_id
+    resumed = runs["reasoning_grpo"]
+    assert resumed.data.tags["r1.resumed_from_step"] == str(step)
+    assert resumed.data.tags["r1.work_dir.reasoning_grpo"] == str(work)
+    history = mlflow_client.get_metric_history(resumed.info.run_id, "reward/total")
+    assert sorted(m.step for m in history) == list(range(step + 1, 7))  # only the steps after the checkpoint
+
+    # the same stage uninterrupted, from the same cold start: the same weights
+    checkpoint = result.stages["cold_start_sft"].uris["checkpoint"]
+    whole = reasoning_grpo(checkpoint, ReasoningGRPOConfig.model_validate(grpo))
+    assert "r1.resumed_from_step" not in mlflow_client.get_run(whole.run_id).data.tags
+    a = weights(mlflow_client, result.stages["reasoning_grpo"].uris["checkpoint"], tmp_path / "a")
+    b = weights(mlflow_client, whole.uris["checkpoint"], tmp_path / "b")
+    start = weights(mlflow_client, checkpoint, tmp_path / "c")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], start[k]) for k in a)  # GRPO did move the weights
+
+
+def test_ctrl_c_ends_the_runs_as_killed_and_exits_130(prefect_harness, mlflow_client, tmp_path, capsys):
+    import threading
+
+    from flows.cli import main
+    from tasks import tracking
+
+    cold = {**COLD, "train": {**COLD["train"], "seed": 13, "max_steps": 500}}
+    recipe = write_recipe(tmp_path / "interrupted.yaml", "resume-interrupted", cold_start_sft=cold)
+
+    def training() -> bool:
+        parents = [r.info.run_id for r in tracking.find_runs("tags.recipe = 'resume-interrupted'")]
+        return bool(parents) and any("r1.work_dir.cold_start_sft" in r.data.tags for r in tracking.find_runs(
+            f"tags.`mlflow.parentRunId` = '{parents[0]}'"))
+
+    def press_ctrl_c():
+        deadline = time.monotonic() + 120
+        while not training() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    assert main(["run", "--recipe", str(recipe), "--stages", "cold_start_sft"]) == 130
+    presser.join()
+    err = [line[line.index("r1:"):] for line in capsys.readouterr().err.splitlines() if "r1:" in line]
+    assert len(err) == 1 and "interrupted" in err[0] and "resumes" in err[0]  # (after a progress bar, maybe)
+    [parent] = tracking.find_runs("tags.recipe = 'resume-interrupted'")
+    assert parent.info.status == "KILLED"
+    assert children(mlflow_client, parent.info.run_id)["cold_start_sft"].info.status == "KILLED"
+
+
+def _two_runs_at_once(tmp_path: Path, env: dict[str, str]) -> list:
+    """Two `r1 run` of one recipe started together on one home; both must finish. Returns their parent runs."""
+    cold = {**COLD, "train": {**COLD["train"], "max_steps": 8, "checkpoint_every": 2, "seed": 14}}
+    recipe = write_recipe(tmp_path / "twice.yaml", "twice", cold_start_sft=cold)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", str(recipe), "--stages",
+                               "cold_start_sft,reasoning_grpo"], cwd=ROOT, env={k: v for k, v in env.items() if v},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outputs = [p.communicate(timeout=400)[0].decode() for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def _check_nothing_crossed(client, outputs: list[str]) -> None:
+    import re
+
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    parents = client.search_runs(experiments, "tags.recipe = 'twice'")
+    assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
+    # each process reports its own pipeline run
+    assert {re.search(r"MLflow pipeline run (\w+)", out).group(1) for out in outputs} == {p.info.run_id
+                                                                                         for p in parents}
+    trained = []  # (work folder, start, end) of every stage run that trained
+    for parent in parents:
+        runs = client.search_runs(experiments, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+        by_stage = {r.data.tags["stage"]: r for r in runs}
+        assert len(runs) == 2 and set(by_stage) == {"cold_start_sft", "reasoning_grpo"}
+        assert all(r.info.status == "FINISHED" for r in runs)
+        cold, grpo = by_stage["cold_start_sft"], by_stage["reasoning_grpo"]
+        checkpoint = parent.data.tags["uri.cold_start_checkpoint"]
+        # each stage's input is what its own pipeline's stage before it produced (or reused, and says so)
+        assert grpo.data.params["input.checkpoint_uri"] == checkpoint
+        assert checkpoint == f"runs:/{cold.data.tags.get('r1.reused_from', cold.info.run_id)}/checkpoint"
+        assert parent.data.tags["uri.reasoning_checkpoint"] == f"runs:/{grpo.info.run_id}/checkpoint"
+        trained += [(r.data.tags[f"r1.work_dir.{r.data.tags['stage']}"], r.info.start_time, r.info.end_time)
+                    for r in (cold, grpo) if "r1.reused_from" not in r.data.tags]
+    # no two runs wrote checkpoints into one work folder at the same time
+    for i, (folder, start, end) in enumerate(trained):
+        for other, other_start, other_end in trained[i + 1:]:
+            assert folder != other or end <= other_start or other_end <= start, folder
+
+
+def test_two_runs_at_once_on_one_embedded_home(tmp_path):
+    from mlflow import MlflowClient
+
+    home = tmp_path / "home"
+    outputs = _two_runs_at_once(tmp_path, {"R1_HOME": str(home), "MLFLOW_TRACKING_URI": "", "PREFECT_HOME": "",
+                                           "PREFECT_API_URL": ""})
+    _check_nothing_crossed(MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}"), outputs)
+
+
+def test_two_runs_at_once_against_a_prefect_server_and_an_mlflow_server(deployed_server, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows import stack
+
+    mlflow, tracking_uri = stack.start_mlflow_server(tmp_path / "mlflow.db", tmp_path / "mlartifacts",
+                                                     stack.free_port(), tmp_path / "logs")
+    try:
+        outputs = _two_runs_at_once(tmp_path, {"R1_HOME": str(tmp_path / "home"), "MLFLOW_TRACKING_URI": tracking_uri,
+                                               "PREFECT_API_URL": deployed_server["api"]})
+        _check_nothing_crossed(MlflowClient(tracking_uri=tracking_uri), outputs)
+    finally:
+        stack.stop_process(mlflow)
