@@ -13,7 +13,7 @@ from grpo.training.sft_trainer import train_sft
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import work_dir
+from tasks.stage import log_precision, work_dir
 
 
 @task(name="train_sft_model")
@@ -23,6 +23,7 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
     model, tokenizer = load_model_and_tokenizer(model_cfg)
     # keyed by what determines the result, so rerunning an interrupted stage resumes from its last checkpoint
     out = work_dir(stage, model_cfg, cfg, rows["prompt"].astype(str).tolist(), rows["response"].tolist())
+    log_precision(run_id, "train", cfg.mixed_precision)
     result = train_sft(model, tokenizer, rows, cfg, out, TrainingProgress(run_id, stage, cfg.max_steps),
                        source=train_uri)
     get_run_logger().info("SFT finished: %d steps, final loss %.4f", result.steps, result.final_loss)

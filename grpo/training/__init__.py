@@ -9,6 +9,7 @@
 | `sft_trainer` | the SFT loop of stages 1 and 4 (`train_sft`) |
 | `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |
 | `accelerator` | the Accelerator, the optimizer and the clip/step/zero sequence every loop shares |
+| `precision` | `auto`/`bf16`/`fp16`/`no` resolved against the hardware (bf16 only where it is native) |
 
 Must not depend on Prefect or MLflow: loops report through callbacks.
 """
