@@ -34,7 +34,12 @@ def _where() -> str:
 
 
 def _print_stage(name: str, result) -> None:
-    metrics = ", ".join(f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()))
+    if name == "rejection_sampling":  # dozens of counters, most of them zero: what was kept, and why the rest went
+        from grpo.rejection.filters import summary_line
+
+        metrics = summary_line(result.metrics)
+    else:
+        metrics = ", ".join(f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()))
     print(f"  {name:<20} run {result.run_id}  {metrics}")
     for key, uri in result.uris.items():
         print(f"  {'':<20} {key}: {uri}")

@@ -15,6 +15,7 @@ from grpo.config import ModelConfig, RejectionSamplingConfig
 from grpo.data.tables import read_table, validate_rows
 from grpo.models import load_model_and_tokenizer
 from grpo.rejection import shards
+from grpo.rejection.filters import summary_line
 from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.judge import HTTPJudge, build_judge
 from tasks import tracking
@@ -129,6 +130,5 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
     tracking.log_dataset(run_id, data, name="curated", source=f"runs:/{run_id}/dataset/curated", context="output")
     uri = tracking.log_frame(run_id, data, "dataset/curated")
     tracking.log_table(run_id, data.head(50).astype(str), "samples/curated_head.json")
-    get_run_logger().info("rejection sampling kept %d of %d samples (+%d non-reasoning rows)", c.kept, c.generated,
-                          result.non_reasoning)
+    get_run_logger().info("rejection sampling: %s", summary_line(metrics))
     return uri, metrics
