@@ -28,6 +28,7 @@ TASK_TEMPLATES = ("farm", "shop", "book", "boxes", "bus", "coins")  # synthetic 
 READABILITY_FILTERS = ("tags", "language", "paragraph_length", "reasoning_length", "code_in_reasoning", "empty_answer",
                        "repetition")  # rejection sampling's readability filters
 TINY = "tiny"  # the model name that means "build the embedded model from ModelConfig.tiny"
+SELF_JUDGE = "checkpoint"  # JudgeConfig.model: the checkpoint being sampled judges its own samples
 # transformers' schedulers that need nothing beyond the warmup and total steps (tests check transformers has them)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")

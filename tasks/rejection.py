@@ -11,7 +11,7 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import ModelConfig, RejectionSamplingConfig
+from grpo.config import SELF_JUDGE, ModelConfig, RejectionSamplingConfig
 from grpo.data.tables import read_table, validate_rows
 from grpo.models import load_model_and_tokenizer
 from grpo.rejection import shards
@@ -22,7 +22,6 @@ from tasks import tracking
 from tasks.data import read_frame
 from tasks.stage import resolve_model, work_dir
 
-SELF_JUDGE = "checkpoint"  # JudgeConfig.model value meaning: the checkpoint being sampled judges
 
 
 class RejectionPlan(NamedTuple):

@@ -52,8 +52,8 @@ def resolve_precision(requested: str, hw: Hardware) -> str:
     if requested == "auto":
         return "bf16" if hw.native_bf16 else "no"
     if requested == "fp16" and hw.device != "cuda":
-        raise ValueError(f"mixed_precision fp16 needs a CUDA GPU; this machine trains on {hw.describe()}: "
-                         "use auto (bf16 where the hardware computes it, else fp32), bf16 or no")
+        raise ValueError("mixed_precision fp16 needs a CUDA GPU and this machine has none: use auto (bf16 where "
+                         "the hardware computes it, else fp32), bf16 or no")
     if requested not in ("bf16", "fp16", "no"):
         raise ValueError(f"mixed_precision must be auto, bf16, fp16 or no, got {requested!r}")
     return requested
