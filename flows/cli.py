@@ -10,6 +10,9 @@
     r1 up [--prefect-port 4200] [--mlflow-port 5000]   # a local team stack: servers, a worker, every deployment
     r1 down                       # stop what `r1 up` started
     r1 compare RUN_A RUN_B        # two pipeline runs stage by stage: params that differ, metrics side by side
+
+A mistake in what was asked for (recipe, data, model, run id, stage, endpoint, port, folder) is found before
+anything starts and told in one line, exit code 2; --debug adds the traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import argparse
 import os
 import signal
 import sys
+import traceback
+
+from grpo.config import STAGES
 
 
 def _where() -> str:
@@ -40,7 +46,12 @@ def _interrupt(signum, frame) -> None:
 
 
 def _print_stage(name: str, result) -> None:
-    metrics = ", ".join(f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()))
+    if name == "rejection_sampling":  # dozens of counters, most of them zero: what was kept, and why the rest went
+        from grpo.rejection.filters import summary_line
+
+        metrics = summary_line(result.metrics)
+    else:
+        metrics = ", ".join(f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()))
     print(f"  {name:<20} run {result.run_id}  {metrics}")
     for key, uri in result.uris.items():
         print(f"  {'':<20} {key}: {uri}")
@@ -60,18 +71,19 @@ def _log_requests() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     """Load the checkpoint (fetching an MLflow URI first) and serve it until Ctrl-C."""
-    from grpo.sampling.serve import load_checkpoint, make_server, serve_until_interrupted
+    from flows.preflight import UsageError, check_port, check_uri, looks_like_a_path
 
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
-            print(f"r1: --api-key-env names ${args.api_key_env}, which is not set", file=sys.stderr)
-            return 2
-    if not 0 <= args.port <= 65535:
-        print(f"r1: --port must be in 0..65535 (0 picks a free port), got {args.port}", file=sys.stderr)
-        return 2
+            raise UsageError(f"--api-key-env names ${args.api_key_env}, which is not set")
+    check_port("--port", args.port, args.host)
     path = args.checkpoint
+    if path.startswith("runs:/") or looks_like_a_path(path):  # else a hub name, "tiny" or a registry URI
+        check_uri("CHECKPOINT", path)
+    from grpo.sampling.serve import load_checkpoint, make_server, serve_until_interrupted
+
     if path.startswith(("runs:/", "models:/")):
         from mlflow.exceptions import MlflowException
 
@@ -80,20 +92,16 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             path = str(tracking.download(path))
         except (MlflowException, OSError) as e:
-            print(f"r1: cannot fetch {args.checkpoint} from MLflow at {tracking.tracking_uri()}: {e}",
-                  file=sys.stderr)
-            return 2
+            raise UsageError(f"cannot fetch {args.checkpoint} from MLflow at {tracking.tracking_uri()}: {e}") from None
     try:
         model, tokenizer = load_checkpoint(path, dtype=args.dtype)
-    except (OSError, ValueError) as e:  # a missing or non-model folder, a bad dtype
-        print(f"r1: cannot load checkpoint {args.checkpoint!r}: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:  # a folder that holds no model
+        raise UsageError(f"cannot load checkpoint {args.checkpoint!r}: {e}") from None
     try:
         server = make_server(model, tokenizer, args.host, args.port, model_name=args.model_name or args.checkpoint,
                              api_key=api_key)
     except OSError as e:
-        print(f"r1: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     name = server.model_name
     _log_requests()
     print(f"serving {name!r} ({type(model).__name__} on {model.device}) at {server.url}", flush=True)
@@ -104,35 +112,37 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    import tasks  # noqa: F401  (embedded-default environment before Prefect loads)
-
-    parser = argparse.ArgumentParser(prog="r1", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, also print its traceback")
+    parser = argparse.ArgumentParser(prog="r1", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the pipeline (all available stages, or --stages)")
+    run = sub.add_parser("run", parents=[common], help="run the pipeline (all available stages, or --stages)")
     run.add_argument("--recipe", default="tiny", help="recipe name under recipes/ or a YAML path (default: tiny)")
     run.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all five)")
     run.add_argument("--from-run", default=None, help="an earlier pipeline run (MLflow run id) whose URIs feed the "
                                                       "stages left out")
     run.add_argument("--fresh", action="store_true", help="start over: reuse no finished stage and resume from no "
                                                           "checkpoint (default: the same run again reuses and resumes)")
-    stage = sub.add_parser("stage", help="run one stage alone with its section of the recipe")
+    stage = sub.add_parser("stage", parents=[common], help="run one stage alone with its section of the recipe")
     stage.add_argument("name", help="stage name, e.g. cold_start_sft")
     stage.add_argument("--recipe", default="tiny")
     stage.add_argument("--checkpoint", default=None, help="the upstream checkpoint URI (runs:/<id>/checkpoint)")
     stage.add_argument("--dataset", default=None, help="sft: the curated dataset URI (runs:/<id>/dataset/curated)")
     stage.add_argument("--heldout", default=None, help="sft: held-out rows to evaluate on (runs:/<id>/dataset/heldout)")
-    serve = sub.add_parser("serve", help="serve a checkpoint as an OpenAI-compatible chat API")
+    serve = sub.add_parser("serve", parents=[common], help="serve a checkpoint as an OpenAI-compatible chat API")
     serve.add_argument("checkpoint", help="a checkpoint folder, runs:/<id>/checkpoint, models:/<name>/<version>, "
                                           "or tiny")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     serve.add_argument("--model-name", default=None, help="the model id clients send (default: CHECKPOINT as given)")
-    serve.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16 or float16")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
     serve.add_argument("--api-key-env", default=None,
                        help="NAME of an env var holding a key every request must send as a Bearer token")
-    plan = sub.add_parser("plan", help="size a recipe's rejection sampling (prompts, samples, shards, tokens, rows "
-                                       "kept, time) without running it")
+    plan = sub.add_parser("plan", parents=[common], help="size a recipe's rejection sampling (prompts, samples, "
+                                                         "shards, tokens, rows kept, time) without running it")
     plan.add_argument("--recipe", default="tiny")
     plan.add_argument("--tokens-per-s", type=float, default=None,
                       help="generation throughput per generator (default: measured by a short real generation)")
@@ -143,15 +153,49 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--generators", type=int, default=None,
                       help="servers or GPUs sampling at once (default: the recipe's endpoints, or 1 locally)")
     plan.add_argument("--checkpoint", default=None, help="a model folder to measure with (default: the recipe's)")
-    sub.add_parser("where", help="print where state, MLflow and Prefect live")
-    up = sub.add_parser("up", help="start a Prefect server, an MLflow server and a worker; deploy every flow")
+    sub.add_parser("where", parents=[common], help="print where state, MLflow and Prefect live")
+    up = sub.add_parser("up", parents=[common],
+                        help="start a Prefect server, an MLflow server and a worker; deploy every flow")
     up.add_argument("--prefect-port", type=int, default=4200, help="Prefect server port; 0 picks a free one")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow server port; 0 picks a free one")
-    sub.add_parser("down", help="stop the processes `r1 up` started")
-    compare = sub.add_parser("compare", help="compare two pipeline runs (MLflow parent run ids) stage by stage")
+    sub.add_parser("down", parents=[common], help="stop the processes `r1 up` started")
+    compare = sub.add_parser("compare", parents=[common],
+                             help="compare two pipeline runs (MLflow parent run ids) stage by stage")
     compare.add_argument("run_a")
     compare.add_argument("run_b")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """Errors a user causes and can fix (recipe, data, model, run id, endpoint, port, folder): one line, exit 2."""
+    from flows.preflight import UsageError
+    from grpo.config import RecipeError
+
+    kinds: tuple[type, ...] = (UsageError, RecipeError)
+    if "grpo.data.tables" in sys.modules:  # only loaded once data was read
+        kinds += (sys.modules["grpo.data.tables"].DataError,)
+    return isinstance(e, kinds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print("r1: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message held
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from flows import preflight
+
+    if args.command in ("where", "run", "stage", "up", "compare"):
+        preflight.check_state_folder()
+    import tasks  # noqa: F401  (embedded-default environment before Prefect loads)
 
     if args.command == "where":
         print(_where())
@@ -161,27 +205,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("up", "down"):
         from flows import stack
 
-        return stack.up(args.prefect_port, args.mlflow_port) if args.command == "up" else stack.down()
+        if args.command == "down":
+            return stack.down()
+        preflight.check_port("--prefect-port", args.prefect_port)
+        preflight.check_port("--mlflow-port", args.mlflow_port)
+        return stack.up(args.prefect_port, args.mlflow_port)
     if args.command == "compare":
         from mlflow.exceptions import MlflowException
 
         from flows.compare import compare
 
+        preflight.check_servers()
+        preflight.check_run("RUN_A", args.run_a)
+        preflight.check_run("RUN_B", args.run_b)
         try:
             print(compare(args.run_a, args.run_b))
         except (MlflowException, ValueError) as e:
-            print(f"r1: cannot compare {args.run_a} and {args.run_b}: {e}", file=sys.stderr)
-            return 2
+            raise preflight.UsageError(f"cannot compare {args.run_a} and {args.run_b}: {e}") from None
         return 0
 
-    from grpo.config import RecipeError, load_recipe
+    from grpo.config import load_recipe
 
-    try:
-        recipe = load_recipe(args.recipe)
-    except RecipeError as e:
-        print(f"r1: {e}", file=sys.stderr)
-        return 2
-
+    # everything that can be checked is checked here, before a server or a run starts
+    recipe = load_recipe(args.recipe)
     if args.command == "plan":
         from flows.plan import plan_text
 
@@ -190,42 +236,62 @@ def main(argv: list[str] | None = None) -> int:
                             mean_fraction=args.mean_fraction, keep_rate=args.keep_rate, generators=args.generators,
                             checkpoint=args.checkpoint))
         except (OSError, ValueError, RuntimeError) as e:  # a bad figure, a model or an endpoint out of reach
-            print(f"r1 plan: {e}", file=sys.stderr)
-            return 2
+            raise preflight.UsageError(f"plan: {e}") from None
         return 0
     if args.command == "run":
-        from flows.r1_pipeline import r1_pipeline
-
-        stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
-        previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the runs as KILLED too, like Ctrl-C
-        try:
-            result = r1_pipeline(recipe=args.recipe, stages=stages, from_run=args.from_run, fresh=args.fresh)
-        except KeyboardInterrupt:
-            print("r1: interrupted; its MLflow runs are marked KILLED, and the same `r1 run` resumes where it stopped "
-                  "(--fresh starts over)", file=sys.stderr)
-            return 130
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        print(f"\nMLflow pipeline run {result.run_id} (recipe {recipe.name}):")
-        for name, r in result.stages.items():
-            _print_stage(name, r)
+        stages = preflight.check_stages([s.strip() for s in args.stages.split(",")] if args.stages else STAGES)
     else:
-        from flows import stages as stage_flows
+        stages = preflight.check_stages([args.name])
+    preflight.check_recipe(recipe, stages)
+    preflight.check_precision(recipe, stages)
+    preflight.check_servers()
+    return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
 
-        if args.name not in stage_flows.FLOWS:
-            print(f"r1: unknown stage {args.name!r}; available: {sorted(stage_flows.FLOWS)}", file=sys.stderr)
-            return 2
-        config = getattr(recipe, args.name)
-        given = {"checkpoint_uri": args.checkpoint, "dataset_uri": args.dataset, "heldout_uri": args.heldout}
-        kwargs = {p: given[p] for p in stage_flows.INPUTS[args.name] if given.get(p)}
-        needed = [p for p, uri in stage_flows.INPUTS[args.name].items() if uri not in stage_flows.OPTIONAL]
-        if any(p not in kwargs for p in needed):
-            flags = " ".join(f"--{p.removesuffix('_uri')} runs:/<run id>/..." for p in needed)
-            print(f"r1: stage {args.name} needs {flags}", file=sys.stderr)
-            return 2
-        result = stage_flows.FLOWS[args.name](config=config, **kwargs)
-        print()
-        _print_stage(args.name, result)
+
+def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
+    from flows import preflight
+
+    uris = preflight.check_from_run(args.from_run) if args.from_run else {}
+    from flows.stages import missing_inputs
+
+    missing = missing_inputs(stages, uris)
+    if missing:
+        raise preflight.UsageError("missing inputs: " + ", ".join(f"{s} needs {u}" for s, u in missing) +
+                                   "; add the stage that makes them to --stages, or give --from-run <pipeline run id>")
+    from flows.r1_pipeline import r1_pipeline
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the runs as KILLED too, like Ctrl-C
+    try:
+        result = r1_pipeline(recipe=args.recipe, stages=stages if args.stages else None, from_run=args.from_run,
+                             fresh=args.fresh)
+    except KeyboardInterrupt:
+        print("r1: interrupted; its MLflow runs are marked KILLED, and the same `r1 run` resumes where it stopped "
+              "(--fresh starts over)", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"\nMLflow pipeline run {result.run_id} (recipe {recipe.name}):")
+    for name, r in result.stages.items():
+        _print_stage(name, r)
+    print("\n" + _where())
+    return 0
+
+
+def _stage(args: argparse.Namespace, recipe) -> int:
+    from flows import preflight
+    from flows import stages as stage_flows
+
+    given = {"checkpoint_uri": args.checkpoint, "dataset_uri": args.dataset, "heldout_uri": args.heldout}
+    kwargs = {p: given[p] for p in stage_flows.INPUTS[args.name] if given.get(p)}
+    needed = [p for p, uri in stage_flows.INPUTS[args.name].items() if uri not in stage_flows.OPTIONAL]
+    if any(p not in kwargs for p in needed):
+        flags = " ".join(f"--{p.removesuffix('_uri')} runs:/<run id>/..." for p in needed)
+        raise preflight.UsageError(f"stage {args.name} needs {flags}")
+    for param, uri in kwargs.items():
+        preflight.check_uri(f"--{param.removesuffix('_uri')}", uri)
+    result = stage_flows.FLOWS[args.name](config=getattr(recipe, args.name), **kwargs)
+    print()
+    _print_stage(args.name, result)
     print("\n" + _where())
     return 0
 

@@ -5,6 +5,7 @@ Where things are:
 | module | what it holds |
 |---|---|
 | `config` | every setting as a frozen pydantic model, the recipe, and reading a recipe file (no torch) |
+| `checks` | checks that span several settings, the precision setting's type, pydantic errors on one line |
 | `texts` | the `<think>`/`<answer>` response format and the prompt texts several modules share |
 | `models`, `tiny` | loading models by name or path; the embedded tiny model and its locally made tokenizer |
 | `data/` | the synthetic arithmetic task, loading and validating user datasets, preference pairs |
@@ -15,6 +16,6 @@ Where things are:
 | `kernels/` | speed and memory tricks that keep the model's own numbers (attention, SwiGLU) |
 | `evaluate` | held-out accuracy, format rate and pass@k of a checkpoint |
 
-Imports point one way: `config` and `texts` import nothing heavy; `data`, `rewards` and `rejection.filters` are
+Imports point one way: `config`, `checks` and `texts` import nothing heavy; `data`, `rewards` and `rejection.filters` are
 pure Python and pandas; `training` and `sampling` are where torch lives.
 """

@@ -9,6 +9,7 @@ checked in well under a second.
 
 from __future__ import annotations
 
+import math
 import string
 from pathlib import Path
 from typing import Literal, get_args
@@ -16,7 +17,9 @@ from typing import Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from grpo.checks import Precision, check_fits_context, check_prompts_per_step, describe_errors
 from grpo.rewards.language import LANGUAGE_TESTS
+from grpo.rewards.registry import REWARD_FUNCTIONS
 from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 
 # The names the settings may use; the modules that implement them check that they agree (grpo.data.arithmetic,
@@ -28,6 +31,12 @@ DATA_ROLES = ("prompt", "answer", "response")  # what a stage reads from a datas
 AnswerFormat = Literal["plain", "gsm8k", "boxed"]  # how a reference answer is read from its column (grpo.data.formats)
 ANSWER_FORMATS = get_args(AnswerFormat)
 TINY = "tiny"  # the model name that means "build the embedded model from ModelConfig.tiny"
+SELF_JUDGE = "checkpoint"  # JudgeConfig.model: the checkpoint being sampled judges its own samples
+# transformers' schedulers that need nothing beyond the warmup and total steps (tests check transformers has them)
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
+REWARD_MODEL = "reward_model"  # the reward name that means the alignment stage's reward model
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Component settings: each is a section of a stage config
@@ -37,15 +46,25 @@ class TinyModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    hidden_size: int = 256  # width of the residual stream
-    intermediate_size: int = 688  # MLP width
-    num_hidden_layers: int = 4  # transformer blocks
-    num_attention_heads: int = 4  # query heads
-    num_key_value_heads: int = 2  # grouped-query KV heads
-    max_position_embeddings: int = 512  # longest prompt + completion, in tokens
+    hidden_size: int = Field(256, ge=2)  # width of the residual stream
+    intermediate_size: int = Field(688, ge=1)  # MLP width
+    num_hidden_layers: int = Field(4, ge=1)  # transformer blocks
+    num_attention_heads: int = Field(4, ge=1)  # query heads
+    num_key_value_heads: int = Field(2, ge=1)  # grouped-query KV heads
+    max_position_embeddings: int = Field(512, ge=2)  # longest prompt + completion, in tokens
     seed: int = 0  # weight initialisation seed: the same seed builds the same base model
     tokenizer: Literal["bpe", "byte"] = "bpe"  # BPE trained on the project's own text, or one token per byte
     vocab_size: int = Field(1024, ge=300, le=8192)  # BPE only: bytes, markers, tags and learned merges in all
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % (2 * self.num_attention_heads):  # rotary embeddings rotate pairs of a head's dims
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of 2 x num_attention_heads "
+                             f"({self.num_attention_heads}): each head's width must be even")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        return self
 
 
 class ModelConfig(BaseModel):
@@ -56,7 +75,7 @@ class ModelConfig(BaseModel):
     name_or_path: str = TINY  # "tiny" builds the embedded model; anything else goes to from_pretrained
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)  # used only when name_or_path == "tiny"
     trust_remote_code: bool = False  # off unless the recipe turns it on
-    dtype: str = "float32"  # weights dtype when loading: float32, bfloat16 or float16
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights dtype when loading
     attn_implementation: str | None = None  # e.g. "sdpa" or "flash_attention_2"; None lets transformers pick
 
 
@@ -65,15 +84,23 @@ class TaskConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_operand: int = 9  # largest number drawn; the difficulty dial (single digits are learnable in minutes)
-    templates: tuple[str, ...] = TASK_TEMPLATES  # which problem templates to draw from
-    heldout_percent: int = 20  # share of problems reserved for held-out, by hash of the name-free problem
+    max_operand: int = Field(9, ge=1)  # largest number drawn; the difficulty dial (single digits: minutes to learn)
+    templates: tuple[str, ...] = Field(TASK_TEMPLATES, min_length=1)  # which problem templates to draw from
+    heldout_percent: int = Field(20, ge=1, le=99)  # share of problems reserved for held-out, by hash of the problem
     seed: int = 0  # the same seed draws the same training problems (the held-out split never changes)
     restate_givens: bool = True  # the chain of thought starts by copying out the problem's numbers
     # share of the worked solutions that count each addition and subtraction out one number at a time
     # ("9 + 3 = 10 11 12.") instead of recalling the result ("9 + 3 = 12."); the rest recall. A small model taught
     # both habits picks one per answer, which leaves reasoning RL a choice to learn from (see recipes/tiny.yaml)
     counting_share: float = Field(0.4, ge=0.0, le=1.0)
+
+    @field_validator("templates")
+    @classmethod
+    def _known_templates(cls, templates: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [t for t in templates if t not in TASK_TEMPLATES]
+        if unknown:
+            raise ValueError(f"unknown task template(s) {unknown}; known: {list(TASK_TEMPLATES)}")
+        return templates
 
 
 class DataConfig(BaseModel):
@@ -93,8 +120,8 @@ class DataConfig(BaseModel):
     # "####", commas removed) or "boxed" (the last \boxed{...}, as in MATH). With gsm8k or boxed and no response
     # column, SFT rows are built from the worked solution: <think>solution</think><answer>final</answer>
     answer_format: AnswerFormat = "plain"
-    num_train: int = 2000  # synthetic rows to generate (or the most rows to read from a user dataset; 0 = all)
-    num_heldout: int = 200  # held-out rows for evaluation (0 = no evaluation)
+    num_train: int = Field(2000, ge=0)  # synthetic rows to generate (or the most rows to read from a user dataset; 0 = all)
+    num_heldout: int = Field(200, ge=0)  # held-out rows for evaluation (0 = no evaluation)
     # held-out (prompt, answer) rows: "synthetic" (the task's split) or a user dataset, read with the same
     # subset, columns and answer_format as the training rows
     heldout_source: str = "synthetic"
@@ -119,11 +146,11 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_new_tokens: int = 96  # completion budget in tokens; leave room, a truncated completion earns nothing
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus sampling; 1.0 keeps the whole distribution
-    top_k: int = 0  # 0 keeps every token
-    batch_size: int = 64  # sequences decoded together (prompts x n are cut into batches of this many)
+    max_new_tokens: int = Field(96, ge=1)  # completion budget in tokens; leave room, a truncated completion earns nothing
+    temperature: float = Field(1.0, ge=0)  # 0 means greedy
+    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling; 1.0 keeps the whole distribution
+    top_k: int = Field(0, ge=0)  # 0 keeps every token
+    batch_size: int = Field(64, ge=1)  # sequences decoded together (prompts x n are cut into batches of this many)
 
 
 class LoRAConfig(BaseModel):
@@ -143,12 +170,12 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    num_prompts: int = 200  # held-out prompts scored (0 = all)
-    num_samples: int = 4  # k for sample_accuracy and pass_at_k (0 skips sampling)
-    temperature: float = 1.0  # sampling temperature for the k samples
-    max_new_tokens: int = 96  # completion budget
-    batch_size: int = 128  # sequences decoded together
-    num_logged_samples: int = 16  # completions kept in the samples table
+    num_prompts: int = Field(200, ge=0)  # held-out prompts scored (0 = all)
+    num_samples: int = Field(4, ge=0)  # k for sample_accuracy and pass_at_k (0 skips sampling)
+    temperature: float = Field(1.0, ge=0)  # sampling temperature for the k samples
+    max_new_tokens: int = Field(96, ge=1)  # completion budget
+    batch_size: int = Field(128, ge=1)  # sequences decoded together
+    num_logged_samples: int = Field(16, ge=0)  # completions kept in the samples table
 
 
 class SFTConfig(BaseModel):
@@ -156,20 +183,20 @@ class SFTConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_steps: int = 500  # optimizer steps
-    batch_size: int = 32  # rows per micro-batch
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    learning_rate: float = 2e-3  # peak learning rate (a from-scratch tiny model takes a large one; real models ~1e-5)
-    lr_scheduler: str = "cosine"  # any transformers scheduler name
-    warmup_steps: int = 20  # linear warmup
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient clipping
-    max_seq_len: int = 384  # prompt + response tokens; longer rows are cut at the end of the response
-    mixed_precision: str = "bf16"  # "bf16", "fp16" (GPU) or "no"; bf16 autocast is faster on CPU too
+    max_steps: int = Field(500, ge=1)  # optimizer steps
+    batch_size: int = Field(32, ge=1)  # rows per micro-batch
+    grad_accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
+    learning_rate: float = Field(2e-3, gt=0)  # peak rate (a from-scratch tiny model takes a large one; real ~1e-5)
+    lr_scheduler: Literal[LR_SCHEDULERS] = "cosine"  # a transformers scheduler name
+    warmup_steps: int = Field(20, ge=0)  # linear warmup
+    weight_decay: float = Field(0.0, ge=0)  # AdamW weight decay
+    max_grad_norm: float = Field(1.0, gt=0)  # gradient clipping
+    max_seq_len: int = Field(384, ge=2)  # prompt + response tokens; longer rows are cut at the end of the response
+    mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
     gradient_checkpointing: bool = False  # trade compute for memory on real models
-    checkpoint_every: int = 100  # steps between resumable checkpoints (0 = only at the end)
-    keep_checkpoints: int = 1  # resumable checkpoints kept on disk
-    log_every: int = 10  # steps between metric callbacks
+    checkpoint_every: int = Field(100, ge=0)  # steps between resumable checkpoints (0 = only at the end)
+    keep_checkpoints: int = Field(1, ge=1)  # resumable checkpoints kept on disk
+    log_every: int = Field(10, ge=1)  # steps between metric callbacks
     seed: int = 0  # data order and dropout
 
 
@@ -178,42 +205,58 @@ class GRPOConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_steps: int = 200  # optimizer steps (times num_iterations)
-    prompts_per_step: int = 4  # distinct prompts sampled per step
-    num_generations: int = 8  # G: completions per prompt
+    max_steps: int = Field(200, ge=1)  # optimizer steps (times num_iterations)
+    prompts_per_step: int = Field(4, ge=1)  # distinct prompts sampled per step
+    num_generations: int = Field(8, ge=2)  # G: completions per prompt (a group of one has no advantage)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)  # temperature, completion budget
-    learning_rate: float = 1e-5  # AdamW learning rate; large ones destroy a tiny model's skills
-    lr_scheduler: str = "constant_with_warmup"  # any transformers scheduler name
-    warmup_steps: int = 0  # linear warmup
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient clipping
-    beta: float = 0.04  # KL coefficient (DeepSeekMath); 0 skips the reference model entirely
-    epsilon: float = 0.2  # lower clip range of the ratio
-    epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); None = epsilon
-    num_iterations: int = 1  # mu: optimisation passes per batch of samples
+    learning_rate: float = Field(1e-5, gt=0)  # AdamW learning rate; large ones destroy a tiny model's skills
+    lr_scheduler: Literal[LR_SCHEDULERS] = "constant_with_warmup"  # a transformers scheduler name
+    warmup_steps: int = Field(0, ge=0)  # linear warmup
+    weight_decay: float = Field(0.0, ge=0)  # AdamW weight decay
+    max_grad_norm: float = Field(1.0, gt=0)  # gradient clipping
+    beta: float = Field(0.04, ge=0)  # KL coefficient (DeepSeekMath); 0 skips the reference model entirely
+    epsilon: float = Field(0.2, gt=0)  # lower clip range of the ratio
+    epsilon_high: float | None = Field(None, gt=0)  # upper clip range (DAPO's clip-higher); None = epsilon
+    num_iterations: int = Field(1, ge=1)  # mu: optimisation passes per batch of samples
     # grpo (mean of sequence means), bnpo (token mean per micro-batch), dapo (token mean over the whole batch, DAPO
     # arXiv:2503.14476, TRL's default) or dr_grpo (token sum / (rows x completion budget), Dr. GRPO arXiv:2503.20783)
-    loss_type: str = "grpo"
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
     # ratio per "token", or one per "sequence": exp(mean log-ratio), clipped per sequence (GSPO, arXiv:2507.18071;
     # the paper pairs it with loss_type grpo)
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    scale_rewards: str = "group"  # advantage scaling: group, batch or none (Dr. GRPO)
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (none: Dr. GRPO)
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
     mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
-    max_refill_rounds: int = 3  # extra sampling rounds per step when dynamic sampling
-    micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation inside a step)
+    max_refill_rounds: int = Field(3, ge=0)  # extra sampling rounds per step when dynamic sampling
+    micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
     gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, one more forward
-    mixed_precision: str = "no"  # "bf16" autocast for speed; "no" keeps ratios exact at 1 when mu = 1
+    mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
     # the policy's weights while training: "float32", or "bfloat16" (weights, gradients, reference and sampling in
     # bf16; the optimizer steps fp32 master copies with fp32 state, and the saved model is the fp32 masters)
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"  # adamw_8bit: bitsandbytes' AdamW8bit (8-bit moments)
     lora: LoRAConfig | None = None  # train LoRA adapters instead of every weight (needs peft); None = full model
-    log_every: int = 1  # steps between metric callbacks
-    samples_every: int = 25  # steps between sample-completion tables
-    checkpoint_every: int = 50  # steps between resumable checkpoints (0 = only the final model)
+    log_every: int = Field(1, ge=1)  # steps between metric callbacks
+    samples_every: int = Field(25, ge=0)  # steps between sample-completion tables (0 = none)
+    checkpoint_every: int = Field(50, ge=0)  # steps between resumable checkpoints (0 = only the final model)
     seed: int = 0  # prompt order and sampling
+
+    @field_validator("rewards")
+    @classmethod
+    def _some_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        if not rewards:
+            raise ValueError("name at least one reward, e.g. {accuracy: 1.0}")
+        bad = {k: w for k, w in rewards.items() if not math.isfinite(w)}
+        if bad:
+            raise ValueError(f"reward weights must be finite numbers, got {bad}")
+        return rewards
+
+    def check_rewards(self, known: set[str]) -> None:
+        """Raise if a reward is not among the `known` names (the stage configs know which ones they offer)."""
+        unknown = sorted(set(self.rewards) - known)
+        if unknown:
+            raise ValueError(f"unknown reward(s) {unknown} in grpo.rewards; known here: {sorted(known)}")
 
 
 class JudgeConfig(BaseModel):
@@ -360,20 +403,20 @@ class RewardModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: ModelConfig = Field(default_factory=ModelConfig)  # backbone: "tiny", or a folder (R1: the policy's)
-    max_steps: int = 150  # optimizer steps
-    batch_size: int = 16  # pairs per micro-batch (two sequences each)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    learning_rate: float = 1e-3  # peak learning rate (a from-scratch tiny model takes a large one; real models ~1e-5)
-    lr_scheduler: str = "cosine"  # any transformers scheduler name
-    warmup_steps: int = 10  # linear warmup
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient clipping
-    max_seq_len: int = 256  # prompt + response tokens; a longer training pair fails before training starts
-    eval_fraction: float = 0.1  # share of prompts held out for evaluation when no held-out pairs are given (0 = none)
-    eval_batch_size: int = 64  # sequences per scoring batch
-    mixed_precision: str = "bf16"  # "bf16", "fp16" (GPU) or "no"
+    max_steps: int = Field(150, ge=1)  # optimizer steps
+    batch_size: int = Field(16, ge=1)  # pairs per micro-batch (two sequences each)
+    grad_accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
+    learning_rate: float = Field(1e-3, gt=0)  # peak rate (a from-scratch tiny model takes a large one; real ~1e-5)
+    lr_scheduler: Literal[LR_SCHEDULERS] = "cosine"  # a transformers scheduler name
+    warmup_steps: int = Field(10, ge=0)  # linear warmup
+    weight_decay: float = Field(0.0, ge=0)  # AdamW weight decay
+    max_grad_norm: float = Field(1.0, gt=0)  # gradient clipping
+    max_seq_len: int = Field(256, ge=2)  # prompt + response tokens; a longer training pair fails before training
+    eval_fraction: float = Field(0.1, ge=0, lt=1)  # share of prompts held out when no held-out pairs are given
+    eval_batch_size: int = Field(64, ge=1)  # sequences per scoring batch
+    mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
     gradient_checkpointing: bool = False  # trade compute for memory on real models
-    log_every: int = 10  # steps between metric callbacks
+    log_every: int = Field(10, ge=1)  # steps between metric callbacks
     seed: int = 0  # head initialisation and data order
 
 
@@ -384,9 +427,9 @@ class PreferenceDataConfig(BaseModel):
 
     source: str = "synthetic"  # "synthetic", a .jsonl/.json/.parquet/.csv file, a saved `datasets` folder, or a hub name
     split: str = "train"  # split to read from a hub dataset or a DatasetDict folder
-    num_train: int = 1000  # synthetic pairs to draw (or the most pairs to read from a user dataset; 0 = all)
-    num_heldout: int = 200  # synthetic held-out pairs; a user dataset's held-out pairs are carved out by the trainer
-    heldout_percent: int = 20  # share of synthetic prompts reserved for held-out, by hash of the prompt
+    num_train: int = Field(1000, ge=0)  # synthetic pairs to draw (or the most pairs to read from a user dataset; 0 = all)
+    num_heldout: int = Field(200, ge=0)  # synthetic held-out pairs; a user dataset's are carved out by the trainer
+    heldout_percent: int = Field(20, ge=1, le=99)  # share of synthetic prompts reserved for held-out, by hash
     seed: int = 0  # the same seed draws the same training pairs (the held-out draw never changes)
 
 
@@ -417,6 +460,12 @@ class ReasoningGRPOConfig(BaseModel):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)  # the GRPO loop and its rewards
     eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation
     eval_before: bool = True  # also score the starting checkpoint (step 0), so the run shows what RL changed
+
+    @model_validator(mode="after")
+    def _check(self) -> "ReasoningGRPOConfig":
+        self.grpo.check_rewards(set(REWARD_FUNCTIONS))  # no reward model in this stage: rule rewards only
+        check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train if self.data.source == "synthetic" else None)
+        return self
 
 
 class RejectionSamplingConfig(BaseModel):
@@ -467,6 +516,13 @@ class AlignmentGRPOConfig(BaseModel):
     registered_model: str = "r1-tiny"  # MLflow registry name the final model is registered under
     alias: str = "champion"  # registry alias pointed at the new version (models:/<name>@<alias>)
 
+    @model_validator(mode="after")
+    def _check(self) -> "AlignmentGRPOConfig":
+        self.grpo.check_rewards(set(REWARD_FUNCTIONS) | {REWARD_MODEL})
+        synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
+        check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
+        return self
+
 
 class Recipe(BaseModel):
     """A whole pipeline's settings: one section per stage."""
@@ -480,6 +536,33 @@ class Recipe(BaseModel):
     rejection_sampling: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
     alignment_grpo: AlignmentGRPOConfig = Field(default_factory=AlignmentGRPOConfig)
+
+    def token_budgets(self) -> list[tuple[str, int, ModelConfig, bool]]:
+        """(field, tokens, the model they run on, whether a prompt comes on top) for every length the recipe sets.
+
+        A GRPO or rejection stage samples from the checkpoint of the stage before it, so its budgets are checked
+        against the model that stage trained: stage 1's for stages 2 and 3, stage 4's for stage 5.
+        """
+        cs, rg, rs, sft, al = (self.cold_start_sft, self.reasoning_grpo, self.rejection_sampling, self.sft,
+                               self.alignment_grpo)
+        return [("cold_start_sft.train.max_seq_len", cs.train.max_seq_len, cs.model, False),
+                ("cold_start_sft.eval.max_new_tokens", cs.eval.max_new_tokens, cs.model, True),
+                ("reasoning_grpo.grpo.sampling.max_new_tokens", rg.grpo.sampling.max_new_tokens, cs.model, True),
+                ("reasoning_grpo.eval.max_new_tokens", rg.eval.max_new_tokens, cs.model, True),
+                ("rejection_sampling.rejection.sampling.max_new_tokens", rs.rejection.sampling.max_new_tokens,
+                 cs.model, True),
+                ("sft.train.max_seq_len", sft.train.max_seq_len, sft.model, False),
+                ("sft.eval.max_new_tokens", sft.eval.max_new_tokens, sft.model, True),
+                ("alignment_grpo.grpo.sampling.max_new_tokens", al.grpo.sampling.max_new_tokens, sft.model, True),
+                ("alignment_grpo.eval.max_new_tokens", al.eval.max_new_tokens, sft.model, True),
+                ("alignment_grpo.reward_model.max_seq_len", al.reward_model.max_seq_len, al.reward_model.model, False)]
+
+    @model_validator(mode="after")
+    def _fits_tiny_context(self) -> "Recipe":
+        for field, tokens, model, plus_prompt in self.token_budgets():
+            if model.name_or_path == TINY:  # a folder's context is read from its config.json by check_recipe
+                check_fits_context(field, tokens, model.tiny.max_position_embeddings, plus_prompt)
+        return self
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -500,9 +583,11 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise RecipeError(f"{path}: {problems}") from None
+        raise RecipeError(f"{path}: {describe_errors(e, Recipe)}") from None
+

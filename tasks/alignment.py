@@ -13,7 +13,7 @@ from grpo.data.preferences import general_prompts, load_preference_data
 from grpo.training.reward_model import train_reward_model
 from tasks import tracking
 from tasks.data import DataURIs
-from tasks.stage import work_dir
+from tasks.stage import log_precision, work_dir
 
 
 @task(name="prepare_alignment_prompts")
@@ -46,6 +46,7 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
     tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source,
                          context="reward_model")
     out = work_dir(run_id, "reward_model", cfg.preferences, cfg.reward_model)
+    log_precision(run_id, "reward_model", cfg.reward_model.mixed_precision)
     result = train_reward_model(pairs, cfg.reward_model, out, on_metrics=tracking.MetricsLogger(run_id),
                                 heldout=heldout, source=cfg.preferences.source)
     tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,

@@ -13,7 +13,7 @@ from grpo.training.reward_model import RewardModelScorer, reward_model_reward
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import note_resume, resolve_model, work_dir
+from tasks.stage import log_precision, note_resume, resolve_model, work_dir
 
 
 @task(name="train_grpo_model")
@@ -35,6 +35,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
 
+    log_precision(run_id, "grpo", cfg.mixed_precision)
     if step := note_resume(run_id, out):
         get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
     progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact

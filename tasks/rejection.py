@@ -11,10 +11,11 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import ModelConfig, RejectionSamplingConfig
+from grpo.config import SELF_JUDGE, ModelConfig, RejectionSamplingConfig
 from grpo.data.tables import read_table, validate_rows
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
+from grpo.rejection.filters import summary_line
 from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.http_backend import HTTPGenerationBackend, build_http_backend
 from grpo.sampling.judge import HTTPJudge, build_judge
@@ -23,7 +24,6 @@ from tasks.cluster import check_cluster, shard_store_dir
 from tasks.data import read_frame
 from tasks.stage import resolve_model, work_dir, work_key
 
-SELF_JUDGE = "checkpoint"  # JudgeConfig.model value meaning: the checkpoint being sampled judges
 
 
 class RejectionPlan(NamedTuple):
@@ -176,6 +176,5 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
     tracking.log_dataset(run_id, data, name="curated", source=f"runs:/{run_id}/dataset/curated", context="output")
     uri = tracking.log_frame(run_id, data, "dataset/curated")
     tracking.log_table(run_id, data.head(50).astype(str), "samples/curated_head.json")
-    get_run_logger().info("rejection sampling kept %d of %d samples (+%d non-reasoning rows)", c.kept, c.generated,
-                          result.non_reasoning)
+    get_run_logger().info("rejection sampling: %s", summary_line(metrics))
     return uri, metrics

@@ -13,7 +13,7 @@ from grpo.training.sft_trainer import train_sft
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import note_resume, work_dir
+from tasks.stage import log_precision, note_resume, work_dir
 
 
 @task(name="train_sft_model")
@@ -26,6 +26,7 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
                    rows["response"].tolist())
     if step := note_resume(run_id, out):
         get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
+    log_precision(run_id, "train", cfg.mixed_precision)
     result = train_sft(model, tokenizer, rows, cfg, out, TrainingProgress(run_id, stage, cfg.max_steps),
                        source=train_uri)
     get_run_logger().info("SFT finished: %d steps, final loss %.4f", result.steps, result.final_loss)

@@ -94,6 +94,15 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
     tracking.end_run(run_id, "FINISHED")
 
 
+def log_precision(run_id: str, section: str, requested: str) -> str:
+    """Resolve the config's mixed_precision on this machine and log it as `<section>.resolved_precision`."""
+    from grpo.training.precision import choose_precision
+
+    precision = choose_precision(requested)
+    tracking.log_params(run_id, {f"{section}.resolved_precision": precision})
+    return precision
+
+
 def work_key(*keys) -> str:
     """A short hash of the stage's inputs: the name of its working folder, locally or in a shard store."""
     blob = json.dumps([k.model_dump(mode="json") if isinstance(k, BaseModel) else k for k in keys], sort_keys=True)

@@ -28,6 +28,8 @@ from pydantic import BaseModel
 from tasks.env import PROJECT_ROOT
 
 DEFAULT_EXPERIMENT = "r1-pipeline"
+# MLflow 3's UI opens an experiment on the view its kind names; without it, on the GenAI (traces) view
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # shown as "Machine learning": the runs
 
 
 def r1_home() -> Path:
@@ -67,12 +69,15 @@ def experiment_id(name: str | None = None) -> str:
     c = client()
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if "mlflow.experimentKind" not in exp.tags:  # made before the kind was set; a kind someone chose stays
+            for key, value in EXPERIMENT_KIND.items():
+                c.set_experiment_tag(exp.experiment_id, key, value)
         return exp.experiment_id
     location = None
     if tracking_uri().startswith("sqlite:"):  # a local store: keep artifacts beside it, not in the working folder
         location = (r1_home() / "mlartifacts").as_uri()
     try:
-        return c.create_experiment(name, artifact_location=location)
+        return c.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
     except mlflow.exceptions.MlflowException:  # another thread or process created it first
         return c.get_experiment_by_name(name).experiment_id
 

@@ -20,7 +20,7 @@ from grpo.data.arithmetic import generate_problems, rl_rows
 from grpo.data.tables import DataError
 from grpo.models import load_model_and_tokenizer
 from grpo.rejection.curate import KEPT_COLUMNS, contamination_mask, curate, decontaminate, dedupe
-from grpo.rejection.filters import READABILITY_CHECKS, Counts
+from grpo.rejection.filters import READABILITY_CHECKS, Counts, summary_line
 from grpo.rejection.shards import (
     check_writable,
     merge_shards,
@@ -442,3 +442,26 @@ def test_an_unwritable_store_is_refused_before_sampling(tmp_path):
         check_writable(f"file://{tmp_path}/a-file/shards")
     check_writable(f"file://{tmp_path}/fine")
     assert os.listdir(tmp_path / "fine") == []  # the probe is gone
+
+
+def test_the_summary_line_shows_what_was_kept_and_only_the_filters_that_dropped_something():
+    counts = Counts.zero(RejectionConfig())._replace(generated=20, kept=5, truncated=2, judge_asked=4,
+                                                     judge_accepted=3)
+    counts.dropped.update({"incorrect": 9, "repetition": 2, "per_prompt_cap": 4})
+    metrics = {**counts.metrics(), "rejection/rows": 7.0, "rejection/non_reasoning_rows": 2.0}
+    line = summary_line(metrics)
+    assert line == ("kept 5 of 20 samples (keep rate 0.250), 7 rows with 2 non-reasoning; "
+                    "dropped: incorrect 9, per_prompt_cap 4, repetition 2; judge accepted 3 of 4; 2 truncated")
+    assert "tags" not in line and "=0" not in line  # the filters that dropped nothing are left out
+
+
+def test_the_cli_prints_the_rejection_summary_line(capsys):
+    from flows.cli import _print_stage
+    from tasks.stage import StageResult
+
+    counts = Counts.zero(RejectionConfig())._replace(generated=8, kept=2)
+    counts.dropped["incorrect"] = 6
+    _print_stage("rejection_sampling", StageResult(stage="rejection_sampling", run_id="r", uris={},
+                                                   metrics=counts.metrics()))
+    out = capsys.readouterr().out
+    assert "kept 2 of 8 samples (keep rate 0.250); dropped: incorrect 6" in out and "dropped/tags" not in out

@@ -200,3 +200,28 @@ class Counts(NamedTuple):
         if self.both_checked:
             out[f"{prefix}judge_rule_agreement"] = self.agreed / self.both_checked
         return out
+
+
+def summary_line(metrics: dict[str, float], prefix: str = "rejection/") -> str:
+    """What a person wants from `Counts.metrics()` (plus the merge's row counts), on one line: what was kept, the
+    keep rate, and only the filters that dropped something, largest first.
+
+    >>> summary_line({"rejection/generated": 8, "rejection/kept": 2, "rejection/keep_rate": 0.25,
+    ...               "rejection/dropped/tags": 0, "rejection/dropped/incorrect": 6})
+    'kept 2 of 8 samples (keep rate 0.250); dropped: incorrect 6'
+    """
+    def n(key: str) -> int:
+        return int(metrics.get(prefix + key, 0))
+
+    line = f"kept {n('kept')} of {n('generated')} samples (keep rate {metrics.get(prefix + 'keep_rate', 0.0):.3f})"
+    if prefix + "rows" in metrics:
+        line += f", {n('rows')} rows" + (f" with {n('non_reasoning_rows')} non-reasoning" if n("non_reasoning_rows")
+                                         else "")
+    dropped = {k[len(prefix + "dropped/"):]: int(v) for k, v in metrics.items() if k.startswith(prefix + "dropped/")}
+    if any(dropped.values()):
+        line += "; dropped: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]) if v)
+    if n("judge_asked"):
+        line += f"; judge accepted {n('judge_accepted')} of {n('judge_asked')}"
+    if n("truncated"):
+        line += f"; {n('truncated')} truncated"
+    return line

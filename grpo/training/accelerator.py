@@ -5,21 +5,32 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+
+from grpo.training.precision import choose_precision, emulated_bf16_warning, this_machine
 
 
 def make_accelerator(mixed_precision: str, gradient_accumulation_steps: int = 1) -> Accelerator:
     """An Accelerator with these settings, even if an earlier stage in this process used others.
 
+    `mixed_precision` is the config's (`auto`, `bf16`, `fp16`, `no`), resolved here against the hardware
+    (`grpo.training.precision`); the Accelerator's `mixed_precision` is the answer, which the loops pass on.
     Accelerate keeps its state process-global and refuses a second, different mixed-precision setting; the
     pipeline runs several stages in one process (cold-start SFT in bf16, then GRPO in fp32, say), so each loop
     starts from a clean state. Under `accelerate launch` the distributed setup is re-read from the environment.
     """
+    hw = this_machine()
+    precision = choose_precision(mixed_precision, hw)
+    slow = emulated_bf16_warning(mixed_precision, hw)
+    if slow:  # once per process: the warnings module shows a given message once
+        warnings.warn(slow, RuntimeWarning)
     AcceleratorState._reset_state(reset_partial_state=True)
-    return Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
-                       cpu=not torch.cuda.is_available())
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
+                       cpu=hw.device != "cuda")
 
 
 def make_adamw(model: torch.nn.Module | list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -122,7 +122,7 @@ class GRPOTrainer:
                                   num_training_steps=cfg.max_steps * cfg.num_iterations)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
         self.backend = backend or TransformersBackend(self.acc.unwrap_model(self.model), tokenizer,
-                                                      autocast=cfg.mixed_precision == "bf16")
+                                                      autocast=self.acc.mixed_precision == "bf16")
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
 
     # -- one step, in the paper's order ------------------------------------------------------------------------

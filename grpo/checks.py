@@ -1,0 +1,68 @@
+"""How settings are checked and their errors told: the precision setting's type, checks that span several fields,
+and pydantic's errors as one line that names each field.
+
+Imported by `grpo.config`, so plain Python and pydantic only (no project module, no torch).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ValidationError
+
+
+def _precision_spelling(value):
+    """YAML reads a bare `no` as false; `fp32` is the other usual name for no mixed precision."""
+    return "no" if value is False or value == "fp32" else value
+
+
+# `auto`: bf16 where the hardware computes it natively, else fp32 (grpo.training.precision resolves it)
+Precision = Annotated[Literal["auto", "bf16", "fp16", "no"], BeforeValidator(_precision_spelling)]
+
+
+def check_prompts_per_step(prompts_per_step: int, prompts: int | None, source: str = "the data section") -> None:
+    """A step draws prompts_per_step distinct prompts: the training set must hold that many (None: not known yet)."""
+    if prompts is not None and prompts < prompts_per_step:
+        raise ValueError(f"grpo.prompts_per_step ({prompts_per_step}) is more than the {prompts} training prompts "
+                         f"{source} gives; lower it or give more prompts (data.num_train)")
+
+
+def check_fits_context(field: str, tokens: int, context: int, plus_prompt: bool) -> None:
+    """Raise if `tokens` (plus at least one prompt token for a completion budget) cannot fit `context`."""
+    if tokens + plus_prompt > context:
+        what = f"{field} ({tokens}) + the prompt" if plus_prompt else f"{field} ({tokens})"
+        raise ValueError(f"{what} must fit the model's context of {context} tokens (max_position_embeddings)")
+
+
+def describe_errors(e: ValidationError, root: type[BaseModel]) -> str:
+    """Pydantic's errors on one line: `field.path: what was expected (got ...)`, joined by `; `.
+
+    `root` is the model that was validated, to suggest the field a misspelt name meant.
+    """
+    problems = []
+    for err in e.errors():
+        where = ".".join(map(str, err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        if err["type"] == "extra_forbidden":
+            known = fields_at(root, err["loc"][:-1])
+            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            msg = f"unknown field; did you mean {close[0]!r}?" if close else f"unknown field; known here: {known}"
+        elif err["type"] not in ("value_error", "missing") and not isinstance(given, (dict, list)):
+            msg += f" (got {given!r})"
+        problems.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(problems)
+
+
+def fields_at(root: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the settings section at `loc` below `root` (empty when `loc` leads nowhere)."""
+    model = root
+    for key in loc:
+        annotation = model.model_fields[key].annotation if key in model.model_fields else None
+        inner = [a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type)
+                 and issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)

@@ -1,0 +1,415 @@
+"""The catalogue of mistakes a user can make, each told by the real `r1` command in one line before anything starts.
+
+Every case runs `flows.cli.main` in process against a fresh state folder and MLflow store, and checks: exit code 2,
+one line on stderr naming what is wrong, no traceback, and no MLflow run made (a pipeline or stage creates one as
+its first act, right after the Prefect server it runs under has started). The base recipe is small, so a case that
+wrongly got through would fail fast instead of training for minutes. One case runs `r1` as a subprocess to show
+that no Prefect server started either.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.cli import main
+
+SMALL_MODEL = {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                        "num_key_value_heads": 1}}
+SMALL = {
+    "name": "small",
+    "cold_start_sft": {"model": SMALL_MODEL, "data": {"num_train": 64, "num_heldout": 8},
+                       "train": {"max_steps": 2, "batch_size": 8, "checkpoint_every": 0},
+                       "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
+    "reasoning_grpo": {"data": {"num_train": 32, "num_heldout": 8},
+                       "grpo": {"max_steps": 1, "prompts_per_step": 2, "num_generations": 2,
+                                "sampling": {"max_new_tokens": 16}, "checkpoint_every": 0},
+                       "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
+    "rejection_sampling": {"data": {"num_train": 8, "num_heldout": 8},
+                           "rejection": {"samples_per_prompt": 2, "sampling": {"max_new_tokens": 16},
+                                         "target_samples": 8, "shard_size": 8}},
+    "sft": {"model": SMALL_MODEL, "train": {"max_steps": 2, "batch_size": 8, "checkpoint_every": 0},
+            "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
+    "alignment_grpo": {"data": {"num_train": 8, "num_heldout": 8}, "general_prompts": 8,
+                       "preferences": {"num_train": 16, "num_heldout": 8},
+                       "reward_model": {"model": SMALL_MODEL, "max_steps": 1, "batch_size": 8},
+                       "grpo": {"max_steps": 1, "prompts_per_step": 2, "num_generations": 2,
+                                "sampling": {"max_new_tokens": 16}, "checkpoint_every": 0,
+                                "rewards": {"accuracy": 1.0, "reward_model": 1.0}},
+                       "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
+}
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound and released: connecting to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workspace:
+    """A fresh state folder and MLflow store, and helpers to write recipes and data into a temp folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.home = root / "home"
+        self.db = self.home / "mlflow.db"
+
+    def recipe(self, **sections) -> str:
+        """The small recipe with `sections` merged in (a dotted key sets one nested field)."""
+        data = copy.deepcopy(SMALL)
+        for dotted, value in sections.items():
+            *parents, last = dotted.split("__")
+            node = data
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[last] = value
+        path = self.root / "recipe.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return str(path)
+
+    def file(self, name: str, text: str) -> str:
+        path = self.root / name
+        path.write_text(text)
+        return str(path)
+
+    def jsonl(self, name: str, rows: list[dict]) -> str:
+        return self.file(name, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def model_folder(self, name: str, config: dict | None) -> str:
+        folder = self.root / name
+        folder.mkdir()
+        if config is not None:
+            (folder / "config.json").write_text(json.dumps(config))
+        return str(folder)
+
+    def client(self):
+        from tasks import tracking
+
+        return tracking.client()
+
+    def runs(self) -> int:
+        if not self.db.exists():
+            return 0
+        with sqlite3.connect(self.db) as c:
+            return c.execute("select count(*) from runs").fetchone()[0]
+
+
+@pytest.fixture
+def ws(tmp_path, monkeypatch):
+    w = Workspace(tmp_path)
+    monkeypatch.setenv("R1_HOME", str(w.home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{w.db}")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    return w
+
+
+def fails_cleanly(capsys, ws: Workspace, argv: list[str], *expected: str) -> str:
+    """Run `r1 argv`; assert it failed as a user error should, before anything started; return the line."""
+    runs_before = ws.runs()
+    capsys.readouterr()  # what the test's own set-up printed
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("r1: "), err
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+    assert ws.runs() == runs_before, "a run was made before the error"
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recipe: types, ranges, names, fields that must agree. Each is found when the recipe is read.
+
+RECIPE_CASES = {
+    "unknown field": ({"cold_start_sft__train__max_stpes": 3}, ["cold_start_sft.train.max_stpes",
+                                                                 "did you mean 'max_steps'"]),
+    "wrong type": ({"cold_start_sft__train__max_steps": "many"}, ["cold_start_sft.train.max_steps",
+                                                                   "valid integer", "'many'"]),
+    "negative steps": ({"cold_start_sft__train__max_steps": -5}, ["cold_start_sft.train.max_steps",
+                                                                   "greater than or equal to 1", "-5"]),
+    "zero GRPO steps": ({"reasoning_grpo__grpo__max_steps": 0}, ["reasoning_grpo.grpo.max_steps"]),
+    "group of one": ({"reasoning_grpo__grpo__num_generations": 1}, ["reasoning_grpo.grpo.num_generations",
+                                                                     "greater than or equal to 2"]),
+    "no group": ({"reasoning_grpo__grpo__num_generations": 0}, ["num_generations", "(got 0)"]),
+    "zero batch": ({"cold_start_sft__train__batch_size": 0}, ["cold_start_sft.train.batch_size"]),
+    "zero sampling batch": ({"rejection_sampling__rejection__sampling": {"batch_size": 0}},
+                            ["rejection_sampling.rejection.sampling.batch_size"]),
+    "negative learning rate": ({"sft__train__learning_rate": -0.1}, ["sft.train.learning_rate", "greater than 0"]),
+    "top_p above one": ({"reasoning_grpo__grpo__sampling": {"top_p": 1.5}}, ["reasoning_grpo.grpo.sampling.top_p"]),
+    "reward typo": ({"reasoning_grpo__grpo__rewards": {"accuarcy": 1.0}}, ["unknown reward(s) ['accuarcy']",
+                                                                           "'accuracy'"]),
+    "reward model in stage 2": ({"reasoning_grpo__grpo__rewards": {"reward_model": 1.0}},
+                                ["reasoning_grpo", "unknown reward(s) ['reward_model']"]),
+    "no rewards": ({"reasoning_grpo__grpo__rewards": {}}, ["reasoning_grpo.grpo.rewards", "at least one reward"]),
+    "more prompts per step than prompts": ({"reasoning_grpo__grpo__prompts_per_step": 500},
+                                           ["prompts_per_step (500)", "32 training prompts"]),
+    "unknown precision": ({"sft__train__mixed_precision": "bf61"}, ["sft.train.mixed_precision",
+                                                                    "'auto', 'bf16', 'fp16' or 'no'"]),
+    "unknown scheduler": ({"cold_start_sft__train__lr_scheduler": "cosnie"}, ["cold_start_sft.train.lr_scheduler",
+                                                                              "'cosine'"]),
+    "unknown loss type": ({"reasoning_grpo__grpo__loss_type": "ppo"}, ["reasoning_grpo.grpo.loss_type", "'dr_grpo'"]),
+    "completion budget over the context": ({"reasoning_grpo__grpo__sampling": {"max_new_tokens": 600}},
+                                           ["reasoning_grpo.grpo.sampling.max_new_tokens (600) + the prompt",
+                                            "context of 512 tokens"]),
+    "sequence over the context": ({"sft__train__max_seq_len": 1024}, ["sft.train.max_seq_len (1024)", "512"]),
+    "heads that do not divide": ({"cold_start_sft__model__tiny": {"hidden_size": 60, "num_attention_heads": 8}},
+                                 ["cold_start_sft.model.tiny", "hidden_size (60)"]),
+    "unknown task template": ({"cold_start_sft__data__task": {"templates": ["farm", "zoo"]}},
+                              ["cold_start_sft.data.task.templates", "'zoo'"]),
+    "unknown readability filter": ({"rejection_sampling__rejection__filters": ["tagz"]}, ["'tagz'"]),
+    "bad judge URL": ({"rejection_sampling__judge": {"backend": "http", "base_url": "localhost:8000"}},
+                      ["rejection_sampling.judge.base_url", "http://"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RECIPE_CASES))
+def test_a_bad_recipe_is_one_line_before_anything_starts(case, ws, capsys):
+    sections, expected = RECIPE_CASES[case]
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(**sections)], *expected)
+
+
+def test_an_unknown_recipe_lists_the_known_ones(ws, capsys):
+    fails_cleanly(capsys, ws, ["run", "--recipe", "no-such-recipe"], "no recipe 'no-such-recipe'", "tiny")
+
+
+def test_a_recipe_that_is_not_yaml_names_the_line(ws, capsys):
+    path = ws.file("broken.yaml", "cold_start_sft:\n  train: {max_steps: 3\n")
+    fails_cleanly(capsys, ws, ["run", "--recipe", path], "broken.yaml: not valid YAML at line")
+
+
+def test_fp16_without_a_gpu(ws, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: fp16 is a fine choice here")
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(cold_start_sft__train__mixed_precision="fp16")],
+                  "cold_start_sft.train.mixed_precision fp16 needs a CUDA GPU")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data and models the recipe names: read (never loaded as a model) before anything starts
+
+
+def test_a_missing_data_file(ws, capsys):
+    recipe = ws.recipe(cold_start_sft__data={"source": str(ws.root / "cold.jsonl")})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "cold_start_sft.data:", "cold.jsonl: no such file")
+
+
+def test_a_data_file_that_is_not_json_lines(ws, capsys):
+    path = ws.file("cold.jsonl", '{"prompt": "2+2?", "response": "<think>2+2=4</think><answer>4</answer>"}\n{oops\n')
+    recipe = ws.recipe(cold_start_sft__data={"source": path})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "cold_start_sft"],
+                  "cold.jsonl: line 2 is not valid JSON")
+
+
+def test_a_data_file_without_the_column_the_stage_needs(ws, capsys):
+    path = ws.jsonl("cold.jsonl", [{"prompt": "2+2?", "completion": "4"}])
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(cold_start_sft__data={"source": path})],
+                  "missing column(s) ['response']")
+
+
+def test_a_data_file_with_an_empty_cell(ws, capsys):
+    path = ws.jsonl("rl.jsonl", [{"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?", "answer": ""}])
+    recipe = ws.recipe(reasoning_grpo__data={"source": path})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "reasoning_grpo", "--from-run", "x"],
+                  "reasoning_grpo.data:", "row 1, column 'answer'")
+
+
+def test_too_few_prompts_in_a_user_file_for_one_step(ws, capsys):
+    path = ws.jsonl("rl.jsonl", [{"prompt": "2+2?", "answer": "4"}])
+    recipe = ws.recipe(reasoning_grpo__data={"source": path, "num_heldout": 0})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "cold_start_sft,reasoning_grpo"],
+                  "prompts_per_step (2) is more than the 1 training prompts", "rl.jsonl")
+
+
+def test_too_few_non_reasoning_rows(ws, capsys):
+    path = ws.jsonl("general.jsonl", [{"prompt": "Hi", "response": "Hello"}])
+    recipe = ws.recipe(rejection_sampling__non_reasoning_source=path,
+                       rejection_sampling__rejection={"target_samples": 8, "non_reasoning_rows": 4})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "cold_start_sft,reasoning_grpo,"
+                                                                      "rejection_sampling"],
+                  "rejection_sampling.non_reasoning_source", "has 1 rows", "asks for 4")
+
+
+def test_a_missing_model_folder(ws, capsys):
+    recipe = ws.recipe(cold_start_sft__model={"name_or_path": str(ws.root / "no-model")})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "cold_start_sft.model.name_or_path", "no model folder")
+
+
+def test_a_model_folder_without_config_json(ws, capsys):
+    folder = ws.model_folder("empty-model", None)
+    recipe = ws.recipe(sft__model={"name_or_path": folder})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "sft.model.name_or_path", "has no config.json")
+
+
+def test_a_completion_budget_over_a_model_folders_context(ws, capsys):
+    folder = ws.model_folder("short-model", {"model_type": "qwen2", "max_position_embeddings": 64})
+    recipe = ws.recipe(cold_start_sft__model={"name_or_path": folder},
+                       cold_start_sft__train={"max_steps": 2, "max_seq_len": 64},
+                       reasoning_grpo__grpo={"max_steps": 1, "prompts_per_step": 2, "num_generations": 2,
+                                             "sampling": {"max_new_tokens": 64}})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "cold_start_sft,reasoning_grpo"],
+                  "reasoning_grpo.grpo.sampling.max_new_tokens (64) + the prompt", "context of 64 tokens")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage names, run ids and URIs on the command line
+
+
+def test_an_unknown_stage_in_stages(ws, capsys):
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "sfft,alignment_grpo"],
+                  "unknown stage(s) ['sfft']", "cold_start_sft")
+
+
+def test_an_unknown_stage_to_run_alone(ws, capsys):
+    fails_cleanly(capsys, ws, ["stage", "no_such_stage", "--recipe", ws.recipe()], "unknown stage(s)",
+                  "cold_start_sft")
+
+
+def test_a_stage_without_its_input(ws, capsys):
+    fails_cleanly(capsys, ws, ["stage", "reasoning_grpo", "--recipe", ws.recipe()], "needs --checkpoint")
+
+
+def test_stages_whose_inputs_nothing_makes(ws, capsys):
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "sft,alignment_grpo"],
+                  "sft needs curated_dataset", "--from-run")
+
+
+def test_from_run_before_any_run_exists(ws, capsys):
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "sft", "--from-run", "abc123"],
+                  "--from-run: no MLflow run 'abc123'", "has no runs yet")
+    assert not ws.db.exists()  # the check did not create the store either
+
+
+def test_from_run_with_an_unknown_run_id(ws, capsys):
+    ws.client().search_experiments()  # the store exists
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "sft", "--from-run", "abc123"],
+                  "--from-run: no MLflow run 'abc123'")
+
+
+def test_from_run_with_a_stage_run_instead_of_a_pipeline_run(ws, capsys):
+    from tasks import tracking
+
+    run_id = tracking.start_run("cold_start_sft", tags={"stage": "cold_start_sft"})
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "sft", "--from-run", run_id],
+                  f"--from-run {run_id}: the run records no stage URIs", "expected a pipeline run")
+
+
+def test_a_checkpoint_uri_of_an_unknown_run(ws, capsys):
+    ws.client().search_experiments()
+    fails_cleanly(capsys, ws, ["stage", "reasoning_grpo", "--recipe", ws.recipe(), "--checkpoint",
+                               "runs:/0123abcd/checkpoint"], "--checkpoint: no MLflow run '0123abcd'")
+
+
+def test_a_checkpoint_uri_whose_run_has_no_checkpoint(ws, capsys):
+    from tasks import tracking
+
+    run_id = tracking.start_run("cold_start_sft", tags={"stage": "cold_start_sft"})
+    fails_cleanly(capsys, ws, ["stage", "reasoning_grpo", "--recipe", ws.recipe(), "--checkpoint",
+                               f"runs:/{run_id}/checkpoint"], f"run {run_id} has no artifact 'checkpoint'")
+
+
+def test_a_checkpoint_folder_that_is_not_there(ws, capsys):
+    fails_cleanly(capsys, ws, ["stage", "reasoning_grpo", "--recipe", ws.recipe(), "--checkpoint",
+                               str(ws.root / "ckpt")], "ckpt: no such file or folder")
+
+
+def test_compare_with_unknown_runs(ws, capsys):
+    ws.client().search_experiments()
+    fails_cleanly(capsys, ws, ["compare", "aaa", "bbb"], "RUN_A: no MLflow run 'aaa'")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Endpoints, ports and folders
+
+
+def test_an_mlflow_server_that_does_not_answer(ws, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "cold_start_sft"],
+                  "MLFLOW_TRACKING_URI=http://127.0.0.1:", "no MLflow server answers")
+
+
+def test_a_tracking_uri_of_an_unknown_kind(ws, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "ftp://example/mlflow")
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "cold_start_sft"],
+                  "MLFLOW_TRACKING_URI=ftp://example/mlflow", "expected an http(s):// server")
+
+
+def test_a_prefect_server_that_does_not_answer(ws, capsys, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{closed_port()}/api")
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "cold_start_sft"],
+                  "PREFECT_API_URL=http://127.0.0.1:", "no Prefect server answers")
+
+
+def test_a_judge_endpoint_that_does_not_answer(ws, capsys):
+    judge = {"backend": "http", "base_url": f"http://127.0.0.1:{closed_port()}/v1", "model": "judge"}
+    recipe = ws.recipe(rejection_sampling__judge=judge)
+    fails_cleanly(capsys, ws, ["stage", "rejection_sampling", "--recipe", recipe, "--checkpoint", str(ws.root)],
+                  "rejection_sampling.judge:")
+
+
+def test_a_state_folder_that_is_a_file(ws, capsys, monkeypatch):
+    monkeypatch.setenv("R1_HOME", ws.file("home-file", ""))
+    fails_cleanly(capsys, ws, ["where"], "home-file is a file", "expected a folder")
+
+
+def test_serve_on_a_port_out_of_range(ws, capsys):
+    fails_cleanly(capsys, ws, ["serve", "tiny", "--port", "70000"], "--port must be in 0..65535", "70000")
+
+
+def test_serve_a_checkpoint_folder_that_is_not_there(ws, capsys):
+    fails_cleanly(capsys, ws, ["serve", str(ws.root / "no-ckpt"), "--port", "0"], "no-ckpt: no such file or folder")
+
+
+def test_serve_with_a_key_variable_that_is_not_set(ws, capsys, monkeypatch):
+    monkeypatch.delenv("R1_TEST_UNSET_KEY", raising=False)
+    fails_cleanly(capsys, ws, ["serve", "tiny", "--api-key-env", "R1_TEST_UNSET_KEY"], "$R1_TEST_UNSET_KEY")
+
+
+def test_up_on_a_port_out_of_range(ws, capsys):
+    fails_cleanly(capsys, ws, ["up", "--prefect-port", "70000"], "--prefect-port must be in 0..65535")
+
+
+def test_up_on_a_port_in_use(ws, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        fails_cleanly(capsys, ws, ["up", "--prefect-port", "0", "--mlflow-port", str(port)],
+                      f"--mlflow-port {port}: cannot listen on 127.0.0.1:{port}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --debug, and what a user sees from a process of their own
+
+
+def test_debug_adds_the_traceback(ws, capsys):
+    recipe = ws.recipe(reasoning_grpo__grpo__num_generations=1)
+    assert main(["run", "--recipe", recipe, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("r1: ")
+
+
+def test_from_a_process_of_its_own_nothing_starts(ws):
+    """The command a user types: one line, exit 2, no Prefect server started, no MLflow store made."""
+    recipe = ws.recipe(reasoning_grpo__grpo__rewards={"accuarcy": 1.0})
+    prefect_home = ws.root / "prefect"
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", recipe], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "accuarcy" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and "Starting temporary server" not in proc.stdout
+    assert not list(prefect_home.rglob("*.db")) and not ws.db.exists()
