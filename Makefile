@@ -4,19 +4,21 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+CORE   := $(VENV)/.installed-core
+DEV    := $(VENV)/.installed-dev
 
 .PHONY: demo test install clean
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(VENV)/bin/r1 run --recipe tiny
 
-test: $(STAMP)
+test: $(DEV)
 	$(PY) -m pytest -q
 
-install: $(STAMP)
+install: $(DEV)
 
-$(STAMP): pyproject.toml
+# the demo needs the package alone; the tests also need the dev extra (TRL, a Ray cluster, peft, bitsandbytes)
+$(CORE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
@@ -25,8 +27,12 @@ $(STAMP): pyproject.toml
 		echo "no GPU: installing the CPU build of torch first"; \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
+	$(PY) -m pip install -q -e .
+	touch $(CORE)
+
+$(DEV): $(CORE)
 	$(PY) -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $(DEV)
 
 clean:
 	rm -rf .r1
