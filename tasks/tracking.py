@@ -54,7 +54,9 @@ def client() -> MlflowClient:
     # migration and one fails with "table ... already exists": open it one process at a time
     import fcntl
 
-    with open(f"{uri[len('sqlite:///'):]}.lock", "w") as lock:
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         c = MlflowClient(tracking_uri=uri)
         c.search_experiments(max_results=1)  # creates the tracking tables
