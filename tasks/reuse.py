@@ -78,10 +78,14 @@ def find_finished(key: str):
 
 
 def record_finished(result: StageResult, key: str) -> None:
-    """Tag a finished stage run with its key and result, which makes it reusable."""
+    """Tag a finished stage run with its key and result, which makes it reusable (both at once, or neither)."""
     from mlflow.entities import RunTag
+    from mlflow.exceptions import MlflowException
 
-    tracking.client().log_batch(result.run_id, tags=[RunTag(KEY, key), RunTag(RESULT, result.model_dump_json())])
+    try:
+        tracking.client().log_batch(result.run_id, tags=[RunTag(KEY, key), RunTag(RESULT, result.model_dump_json())])
+    except MlflowException as e:  # a result too long for a tag, say: the stage stands, it just cannot be reused
+        get_run_logger().warning("%s: run %s cannot be recorded for reuse: %s", result.stage, result.run_id, e)
 
 
 @task(name="reuse_stage", task_run_name="reuse {stage}")
