@@ -8,6 +8,7 @@ or an unwritable store is one clear error before anything is sampled, not a hang
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -64,6 +65,10 @@ def check_ray_address(address: str, timeout: float = 5.0) -> None:
 
 def check_cluster(cfg: ClusterConfig, checkpoint_uri: str, shard_dir: str) -> str:
     """Everything a Ray run needs, checked on the driver before any shard; returns the resolved Ray address."""
+    missing = [m for m in ("ray", "prefect_ray") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"rejection_sampling.cluster.ray_address is set, but {' and '.join(missing)} "
+                                  f"is not installed: pip install 'r1-pipeline[cluster]' (here and on every node)")
     address = resolve_ray_address(cfg.ray_address)
     uri = tracking.tracking_uri()
     if not uri.startswith(("http://", "https://", "databricks")):

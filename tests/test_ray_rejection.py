@@ -181,3 +181,17 @@ def test_bad_cluster_settings_fail_before_any_shard_is_sampled(prefect_harness, 
     fails(r"only this machine can read", ValueError, stage_config(prompts, **good))
     with pytest.raises(ValueError, match="ray_address needs a shard_store"):
         stage_config(prompts, ray_address="auto")
+
+
+def test_the_pipeline_s_cluster_parameters_override_the_recipe():
+    from pydantic import ValidationError
+
+    from flows.r1_pipeline import with_cluster
+    from grpo.config import ClusterConfig, load_recipe
+
+    cfg = with_cluster(load_recipe("tiny"), "head:6379", "s3://bucket/r1")
+    assert cfg.rejection_sampling.cluster == ClusterConfig(ray_address="head:6379", shard_store="s3://bucket/r1")
+    assert with_cluster(cfg, None, "file:///mnt/r1").rejection_sampling.cluster == ClusterConfig(
+        ray_address="head:6379", shard_store="file:///mnt/r1")
+    with pytest.raises(ValidationError, match="ray_address needs a shard_store"):
+        with_cluster(load_recipe("tiny"), "auto", None)
