@@ -242,9 +242,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         stages = preflight.check_stages([s.strip() for s in args.stages.split(",")] if args.stages else STAGES)
     else:
         stages = preflight.check_stages([args.name])
+    preflight.check_servers()  # first: the recipe's runs:/ URIs are looked up on the tracking server
     preflight.check_recipe(recipe, stages)
     preflight.check_precision(recipe, stages)
-    preflight.check_servers()
     return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
 
 

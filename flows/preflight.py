@@ -122,6 +122,8 @@ def _check_alignment(cfg) -> None:
     if cfg.reward_model_uri is None:
         with _reading("alignment_grpo.preferences"):
             load_preference_data(cfg.preferences)
+    elif cfg.reward_model_uri.startswith("runs:/"):
+        check_uri("alignment_grpo.reward_model_uri", cfg.reward_model_uri)
     elif looks_like_a_path(cfg.reward_model_uri):
         _check_model_folder("alignment_grpo.reward_model_uri", cfg.reward_model_uri)
 

@@ -326,6 +326,13 @@ def test_a_checkpoint_folder_that_is_not_there(ws, capsys):
                                str(ws.root / "ckpt")], "ckpt: no such file or folder")
 
 
+def test_a_reward_model_uri_of_an_unknown_run(ws, capsys):
+    ws.client().search_experiments()
+    recipe = ws.recipe(alignment_grpo__reward_model_uri="runs:/feedbeef/reward_model")
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "alignment_grpo", "--from-run", "x"],
+                  "alignment_grpo.reward_model_uri: no MLflow run 'feedbeef'")
+
+
 def test_compare_with_unknown_runs(ws, capsys):
     ws.client().search_experiments()
     fails_cleanly(capsys, ws, ["compare", "aaa", "bbb"], "RUN_A: no MLflow run 'aaa'")
