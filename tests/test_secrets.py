@@ -21,7 +21,7 @@ import yaml
 
 from grpo.config import ModelConfig
 from grpo.models import load_model_and_tokenizer
-from test_rejection_stage import prompts_file, stage_config  # noqa: F401  (a fixture; answering_checkpoint is in conftest)
+from test_rejection_stage import prompts_file, stage_config  # noqa: F401  (a fixture; the checkpoint: conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY_ENV = "R1_TEST_JUDGE_KEY"
