@@ -73,7 +73,7 @@ def main() -> None:
     from flows.rejection_sampling import rejection_sampling
     from answering import SMALL as small
     from answering import train_answering_checkpoint
-    from grpo.config import RejectionSamplingConfig
+    from grpo.recipe import RejectionSamplingConfig
     from ray_local import LocalRayCluster
 
     root = Path(tempfile.mkdtemp(prefix="r1ray-", dir="/tmp"))

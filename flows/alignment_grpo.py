@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from grpo.config import AlignmentGRPOConfig
+from grpo.recipe import AlignmentGRPOConfig
 from tasks.alignment import prepare_alignment_prompts, register_model, train_reward_model_task
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model

@@ -23,7 +23,7 @@ import signal
 import sys
 import traceback
 
-from grpo.config import STAGES
+from grpo.recipe import STAGES
 
 
 def _where() -> str:
@@ -169,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
 def _is_user_error(e: BaseException) -> bool:
     """Errors a user causes and can fix (recipe, data, model, run id, endpoint, port, folder): one line, exit 2."""
     from flows.preflight import UsageError
-    from grpo.config import RecipeError
+    from grpo.recipe import RecipeError
 
     kinds: tuple[type, ...] = (UsageError, RecipeError)
     if "grpo.data.tables" in sys.modules:  # only loaded once data was read
@@ -224,7 +224,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise preflight.UsageError(f"cannot compare {args.run_a} and {args.run_b}: {e}") from None
         return 0
 
-    from grpo.config import load_recipe
+    from grpo.recipe import load_recipe
 
     # everything that can be checked is checked here, before a server or a run starts
     recipe = load_recipe(args.recipe)

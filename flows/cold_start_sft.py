@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from grpo.config import ColdStartSFTConfig
+from grpo.recipe import ColdStartSFTConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
 from tasks.report import publish_stage_report

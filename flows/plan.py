@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.config import DataConfig, ModelConfig, RejectionSamplingConfig
+from grpo.config import DataConfig, ModelConfig
+from grpo.recipe import RejectionSamplingConfig
 from grpo.rejection.budget import format_budget, measure_tokens_per_s, plan_budget
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from grpo.checks import check_fits_context, check_prompts_per_step
-from grpo.config import SELF_JUDGE, STAGES, TINY, Recipe
+from grpo.config import SELF_JUDGE, TINY
+from grpo.recipe import STAGES, Recipe
 
 
 class UsageError(ValueError):

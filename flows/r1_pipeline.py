@@ -26,7 +26,8 @@ from flows.reasoning_grpo import reasoning_grpo
 from flows.rejection_sampling import rejection_sampling
 from flows.sft import sft
 from flows.stages import FLOWS, OUTPUTS, finished_stages, missing_inputs
-from grpo.config import ClusterConfig, Recipe, load_recipe
+from grpo.config import ClusterConfig
+from grpo.recipe import Recipe, load_recipe
 from tasks import reuse, tracking
 from tasks.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
 

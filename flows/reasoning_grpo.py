@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from grpo.config import ReasoningGRPOConfig
+from grpo.recipe import ReasoningGRPOConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from prefect import flow, unmapped
 
-from grpo.config import RejectionSamplingConfig
+from grpo.recipe import RejectionSamplingConfig
 from tasks.cluster import ray_task_runner
 from tasks.data import prepare_data
 from tasks.rejection import RejectionPlan, merge_rejection_shards, plan_rejection_sampling, sample_shard

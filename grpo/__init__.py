@@ -4,7 +4,7 @@ Where things are:
 
 | module | what it holds |
 |---|---|
-| `config` | every setting as a frozen pydantic model, the recipe, and reading a recipe file (no torch) |
+| `config`, `recipe` | every setting as a frozen pydantic model; the stage configs, the recipe and reading a recipe file (no torch) |
 | `checks` | checks that span several settings, the precision setting's type, pydantic errors on one line |
 | `texts` | the `<think>`/`<answer>` response format and the prompt texts several modules share |
 | `models`, `tiny` | loading models by name or path; the embedded tiny model and its locally made tokenizer |

@@ -1,7 +1,7 @@
-"""One frozen config object per stage, and the recipe that holds them all.
+"""Every setting of the pipeline's parts: models, data, sampling, the training loops, the judge, rejection sampling.
 
-Each stage config is at once the stage flow's Prefect parameter (the UI renders it as a form), a section of a
-recipe YAML file, and the params logged on the stage's MLflow run. Defaults are the `tiny` recipe's values.
+Each is a frozen pydantic model with a default and a one-line comment per field; the stage configs and the recipe
+that hold them are in `grpo.recipe`. Defaults are the `tiny` recipe's values.
 
 Plain pydantic: must not import torch, transformers or the modules that do the work, so a recipe is read and
 checked in well under a second.
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import math
 import string
-from pathlib import Path
 from typing import Literal, get_args
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from grpo.checks import Precision, check_fits_context, check_prompts_per_step, describe_errors
+from grpo.checks import Precision
 from grpo.rewards.language import LANGUAGE_TESTS
-from grpo.rewards.registry import REWARD_FUNCTIONS
 from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 
 # The names the settings may use; the modules that implement them check that they agree (grpo.data.arithmetic,
@@ -431,163 +428,3 @@ class PreferenceDataConfig(BaseModel):
     num_heldout: int = Field(200, ge=0)  # synthetic held-out pairs; a user dataset's are carved out by the trainer
     heldout_percent: int = Field(20, ge=1, le=99)  # share of synthetic prompts reserved for held-out, by hash
     seed: int = 0  # the same seed draws the same training pairs (the held-out draw never changes)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stage settings and the recipe
-
-STAGES = ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo")
-
-
-class ColdStartSFTConfig(BaseModel):
-    """Stage 1: supervised fine-tuning of the base model on a few thousand chain-of-thought rows."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: ModelConfig = Field(default_factory=ModelConfig)  # the base model
-    data: DataConfig = Field(default_factory=DataConfig)  # the cold-start rows (prompt, response)
-    train: SFTConfig = Field(default_factory=SFTConfig)  # the training loop
-    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation after training
-
-
-class ReasoningGRPOConfig(BaseModel):
-    """Stage 2: GRPO from the cold-start checkpoint with rule rewards (accuracy, format, language)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
-    data: DataConfig = Field(default_factory=DataConfig)  # prompts with reference answers (prompt, answer)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)  # the GRPO loop and its rewards
-    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation
-    eval_before: bool = True  # also score the starting checkpoint (step 0), so the run shows what RL changed
-
-    @model_validator(mode="after")
-    def _check(self) -> "ReasoningGRPOConfig":
-        self.grpo.check_rewards(set(REWARD_FUNCTIONS))  # no reward model in this stage: rule rewards only
-        check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train if self.data.source == "synthetic" else None)
-        return self
-
-
-class RejectionSamplingConfig(BaseModel):
-    """Stage 3: many samples per prompt from the reasoning-RL checkpoint; keep the correct, readable ones."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
-    data: DataConfig = Field(default_factory=DataConfig)  # prompts (answer where verifiable); held-out for decontam.
-    rejection: RejectionConfig = Field(default_factory=RejectionConfig)  # samples, filters, shards, target
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)  # the checkpoint here, or servers
-    # who checks rows the rule cannot (and, with judge_when="always", every row); None = rule check only.
-    # model "checkpoint" = the checkpoint being sampled, asked in the judge prompt
-    judge: JudgeConfig | None = None
-    non_reasoning_source: str = "synthetic"  # rows (prompt, response) added as non-reasoning data: "synthetic"
-    #                                          (generated general requests) or a file/dataset read like `data`
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # threads here, or shard tasks on a Ray cluster
-
-
-class SFTStageConfig(BaseModel):
-    """Stage 4: SFT of the base model (not the RL model) on the curated rows."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: ModelConfig = Field(default_factory=ModelConfig)  # the base model, as in stage 1
-    train: SFTConfig = Field(default_factory=SFTConfig)  # the training loop
-    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation after training
-    # also train on the cold-start rows (R1 reuses parts of DeepSeek-V3's SFT data; a recipe whose curated set is
-    # small keeps what stage 1 taught this way)
-    include_cold_start: bool = False
-
-
-class AlignmentGRPOConfig(BaseModel):
-    """Stage 5: GRPO for helpfulness and harmlessness (a reward model) on a mix that keeps reasoning prompts."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
-    data: DataConfig = Field(default_factory=DataConfig)  # reasoning prompts with answers: rule rewards
-    general_prompts: int = 200  # general (non-reasoning) prompts mixed in: scored by the reward model
-    general_source: str = "synthetic"  # "synthetic" (generated requests, some harmful) or a file with `prompt`
-    preferences: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig)  # pairs the reward model learns
-    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)  # trained in this stage...
-    reward_model_uri: str | None = None  # ...unless this names an existing one (folder, runs:/ URI or hub name)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)  # rewards by name; "reward_model" is the trained scorer
-    eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out reasoning evaluation
-    eval_before: bool = True  # also score the starting checkpoint, so the run shows what alignment cost or gained
-    registered_model: str = "r1-tiny"  # MLflow registry name the final model is registered under
-    alias: str = "champion"  # registry alias pointed at the new version (models:/<name>@<alias>)
-
-    @model_validator(mode="after")
-    def _check(self) -> "AlignmentGRPOConfig":
-        self.grpo.check_rewards(set(REWARD_FUNCTIONS) | {REWARD_MODEL})
-        synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
-        check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
-        return self
-
-
-class Recipe(BaseModel):
-    """A whole pipeline's settings: one section per stage."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = "tiny"  # shown in MLflow as the pipeline run's `recipe` tag
-    description: str = ""  # one line for people
-    cold_start_sft: ColdStartSFTConfig = Field(default_factory=ColdStartSFTConfig)
-    reasoning_grpo: ReasoningGRPOConfig = Field(default_factory=ReasoningGRPOConfig)
-    rejection_sampling: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
-    sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
-    alignment_grpo: AlignmentGRPOConfig = Field(default_factory=AlignmentGRPOConfig)
-
-    def token_budgets(self) -> list[tuple[str, int, ModelConfig, bool]]:
-        """(field, tokens, the model they run on, whether a prompt comes on top) for every length the recipe sets.
-
-        A GRPO or rejection stage samples from the checkpoint of the stage before it, so its budgets are checked
-        against the model that stage trained: stage 1's for stages 2 and 3, stage 4's for stage 5.
-        """
-        cs, rg, rs, sft, al = (self.cold_start_sft, self.reasoning_grpo, self.rejection_sampling, self.sft,
-                               self.alignment_grpo)
-        return [("cold_start_sft.train.max_seq_len", cs.train.max_seq_len, cs.model, False),
-                ("cold_start_sft.eval.max_new_tokens", cs.eval.max_new_tokens, cs.model, True),
-                ("reasoning_grpo.grpo.sampling.max_new_tokens", rg.grpo.sampling.max_new_tokens, cs.model, True),
-                ("reasoning_grpo.eval.max_new_tokens", rg.eval.max_new_tokens, cs.model, True),
-                ("rejection_sampling.rejection.sampling.max_new_tokens", rs.rejection.sampling.max_new_tokens,
-                 cs.model, True),
-                ("sft.train.max_seq_len", sft.train.max_seq_len, sft.model, False),
-                ("sft.eval.max_new_tokens", sft.eval.max_new_tokens, sft.model, True),
-                ("alignment_grpo.grpo.sampling.max_new_tokens", al.grpo.sampling.max_new_tokens, sft.model, True),
-                ("alignment_grpo.eval.max_new_tokens", al.eval.max_new_tokens, sft.model, True),
-                ("alignment_grpo.reward_model.max_seq_len", al.reward_model.max_seq_len, al.reward_model.model, False)]
-
-    @model_validator(mode="after")
-    def _fits_tiny_context(self) -> "Recipe":
-        for field, tokens, model, plus_prompt in self.token_budgets():
-            if model.name_or_path == TINY:  # a folder's context is read from its config.json by check_recipe
-                check_fits_context(field, tokens, model.tiny.max_position_embeddings, plus_prompt)
-        return self
-
-
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-
-
-class RecipeError(ValueError):
-    """A recipe file that cannot be used, naming the file and the field."""
-
-
-def load_recipe(name_or_path: str | Path) -> Recipe:
-    """A recipe by name (`recipes/<name>.yaml`) or by path; unknown or mistyped fields fail here, naming them."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = RECIPES_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-        raise RecipeError(f"no recipe {str(name_or_path)!r} (looked for {path}); known recipes: {known}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as e:
-        raise RecipeError(f"{path}: {describe_errors(e, Recipe)}") from None
-

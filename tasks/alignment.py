@@ -7,7 +7,7 @@ from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import AlignmentGRPOConfig
+from grpo.recipe import AlignmentGRPOConfig
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import general_prompts, load_preference_data
 from grpo.training.reward_model import train_reward_model

@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 from conftest import gsm8k_rows
 
-from grpo.config import RECIPES_DIR, DataConfig, RecipeError, load_recipe
+from grpo.config import DataConfig
+from grpo.recipe import RECIPES_DIR, RecipeError, load_recipe
 from grpo.data.tables import DataError, load_heldout, load_rl_data, load_sft_data
 from grpo.rewards import accuracy_reward, format_reward
 

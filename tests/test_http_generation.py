@@ -22,14 +22,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.config import (
-    GenerationConfig,
-    ModelConfig,
-    RejectionConfig,
-    RejectionSamplingConfig,
-    SamplingConfig,
-    TinyModelConfig,
-)
+from grpo.config import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig, TinyModelConfig
+from grpo.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rejection.shards import run_rejection_sampling, shard_seed
 from grpo.sampling.backend import Completions, TransformersBackend, render_prompts

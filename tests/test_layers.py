@@ -36,7 +36,7 @@ def test_grpo_imports_neither_prefect_nor_mlflow():
 
 
 def test_reading_a_recipe_imports_no_torch():
-    code = ("import sys; from grpo.config import load_recipe; load_recipe('tiny'); "
+    code = ("import sys; from grpo.recipe import load_recipe; load_recipe('tiny'); "
             "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -193,7 +193,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
         prefect_harness, mlflow_client, tmp_path, request):
     from flows.r1_pipeline import r1_pipeline
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.config import ReasoningGRPOConfig
+    from grpo.recipe import ReasoningGRPOConfig
     from grpo.training.checkpoints import resumable_step
     from tasks import tracking
 

@@ -14,14 +14,8 @@ import pytest
 
 from flows.cli import main
 from flows.plan import plan_text
-from grpo.config import (
-    ModelConfig,
-    RejectionConfig,
-    RejectionSamplingConfig,
-    SamplingConfig,
-    TinyModelConfig,
-    load_recipe,
-)
+from grpo.config import ModelConfig, RejectionConfig, SamplingConfig, TinyModelConfig
+from grpo.recipe import RejectionSamplingConfig, load_recipe
 from grpo.rejection.budget import expected_kept_per_prompt, plan_budget
 
 ROOT = Path(__file__).resolve().parents[1]

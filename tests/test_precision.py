@@ -5,7 +5,8 @@ import warnings
 import pytest
 import yaml
 
-from grpo.config import GRPOConfig, RecipeError, SFTConfig, load_recipe
+from grpo.config import GRPOConfig, SFTConfig
+from grpo.recipe import RecipeError, load_recipe
 from grpo.training.precision import (
     Hardware,
     choose_precision,

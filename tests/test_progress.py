@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from grpo.config import ColdStartSFTConfig, ReasoningGRPOConfig
+from grpo.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
 from test_flows import TINY_GRPO, TINY_STAGE
 
 

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from answering import SMALL  # the checkpoint's model (the fixture `answering_checkpoint` is in conftest.py)
-from grpo.config import ModelConfig, RejectionSamplingConfig
+from grpo.config import ModelConfig
+from grpo.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo.config import ColdStartSFTConfig
+from grpo.recipe import ColdStartSFTConfig
 from tasks.report import stage_report_markdown
 from tasks.stage import StageResult
 from test_flows import TINY_STAGE
