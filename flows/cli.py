@@ -193,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     from flows import preflight
 
-    if args.command in ("where", "run", "stage", "up", "compare"):
-        preflight.check_state_folder()
+    preflight.check_state_folder()
     import tasks  # noqa: F401  (embedded-default environment before Prefect loads)
 
     if args.command == "where":

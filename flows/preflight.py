@@ -134,6 +134,7 @@ CHECKS = {"cold_start_sft": _check_cold_start, "reasoning_grpo": _check_reasonin
 
 
 def looks_like_a_path(name: str) -> bool:
+    """Whether `name` means a local folder (a hub name is `org/name`, checked only by the hub)."""
     return name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
 
 
