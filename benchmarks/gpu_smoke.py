@@ -1,0 +1,179 @@
+"""Each stage's core loop on CUDA with a real model's shape: SFT steps, GRPO steps (plain, and with the memory
+knobs and loss variants), rejection-sampling generation, reward-model steps. A check that the GPU path runs and
+learns something, not a timing.
+
+usage: python ../shared/bench/gpu/make_model.py qwen2.5-0.5b /tmp/m && python benchmarks/gpu_smoke.py /tmp/m
+       python benchmarks/gpu_smoke.py MODEL_DIR --device cpu      (the same code path on the CPU, for a tiny model)
+MODEL_DIR is any folder `from_pretrained` opens with a `prompts.jsonl` of {prompt, answer} rows (gpu/make_model.py
+makes one: random weights, a tokenizer that covers the whole vocabulary). On CUDA the loops run under bf16 autocast
+over float32 weights (the recipes' setting), except the GRPO run that holds bf16 weights. Prints one JSON line per
+check (seconds, peak CUDA GiB, what it checked) and exits non-zero at the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tokens", type=int, default=32, help="completion budget of the sampling checks")
+    args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: every loop then finds no GPU
+
+    import pandas as pd
+    import torch
+
+    from grpo.config import (GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig, RewardModelConfig,
+                             SamplingConfig, SFTConfig)
+    from grpo.models import load_model_and_tokenizer
+    from grpo.rejection.shards import process_shard
+    from grpo.sampling.backend import TransformersBackend
+    from grpo.training.grpo_trainer import GRPOTrainer
+    from grpo.training.reward_model import train_reward_model
+    from grpo.training.sft_trainer import train_sft
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device here (use --device cpu for the CPU path)")
+    precision = "bf16" if cuda else "no"  # bf16 autocast is ~30x slower on CPUs without bf16 instructions
+    rows = pd.read_json(Path(args.model_dir) / "prompts.jsonl", lines=True, dtype={"answer": str})
+    sft_rows = pd.DataFrame({"prompt": rows["prompt"],
+                             "response": [f"<think>{p[8:-1]} = {a}</think><answer>{a}</answer>"
+                                          for p, a in zip(rows["prompt"], rows["answer"])]})
+
+    def load():
+        return load_model_and_tokenizer(model_cfg)
+
+    def check(name: str, fn) -> None:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        what = fn()
+        row = {"check": name, "seconds": round(time.perf_counter() - t, 2), **what}
+        if cuda:
+            row["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        print(json.dumps(row), flush=True)
+
+    def changed(model, before: dict) -> int:
+        """How many parameter tensors differ from `before` (compared on the CPU, in float32)."""
+        return sum(not torch.equal(p.detach().float().cpu(), before[n]) for n, p in model.named_parameters()
+                   if n in before)
+
+    def snapshot(model) -> dict:
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_cfg = ModelConfig(name_or_path=str(_with_chat_template(Path(args.model_dir), tmp / "base")))
+
+        def sft():
+            model, tok = load()
+            before = snapshot(model)
+            losses = []
+            cfg = SFTConfig(max_steps=3, batch_size=4, learning_rate=1e-4, warmup_steps=0, max_seq_len=128,
+                            mixed_precision=precision, gradient_checkpointing=True, checkpoint_every=0, log_every=1)
+            result = train_sft(model, tok, sft_rows, cfg, tmp / "sft", lambda s, m: losses.append(m["train/loss"]),
+                               progress=False)
+            assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
+            assert changed(model, before) > 0, "SFT left the weights alone"
+            assert (result.model_dir / "config.json").is_file()
+            return {"losses": [round(v, 3) for v in losses]}
+
+        def grpo(name: str, **overrides):
+            def run():
+                model, tok = load()
+                before = snapshot(model)
+                seen = []
+                cfg = GRPOConfig(**{"max_steps": 2, "prompts_per_step": 4, "num_generations": 4,
+                                    "sampling": SamplingConfig(max_new_tokens=args.tokens, batch_size=16),
+                                    "learning_rate": 1e-5, "beta": 0.04, "rewards": {"digits": 1.0},
+                                    "checkpoint_every": 0, "samples_every": 0, "micro_batch_size": 8,
+                                    "mixed_precision": precision, **overrides})
+                trainer = GRPOTrainer(model, tok, rows, cfg, tmp / name, progress=False,
+                                      reward_functions={"digits": _digits}, on_metrics=lambda s, m: seen.append(m))
+                result = trainer.train()
+                assert len(seen) == 2, seen
+                for m in seen:
+                    assert all(math.isfinite(m[k]) for k in ("train/loss", "kl", "grad_norm", "entropy")), m
+                trained = load_model_and_tokenizer(ModelConfig(name_or_path=str(result.model_dir)))[0]
+                assert changed(trained, before) > 0, "GRPO left the weights alone"
+                return {"step_s": [round(m["time/step_s"], 2) for m in seen],
+                        "loss": [round(m["train/loss"], 4) for m in seen], "overrides": _jsonable(overrides)}
+            return run
+
+        def rejection():
+            model, tok = load()
+            backend = TransformersBackend(model.to("cuda" if cuda else "cpu"), tok, autocast=cuda)
+            cfg = RejectionConfig(samples_per_prompt=4, sampling=SamplingConfig(max_new_tokens=args.tokens),
+                                  target_samples=8, shard_size=8, judge_when="never")
+            result = process_shard(backend, rows.head(8), cfg, judge=None, shard_index=0)
+            assert len(result.samples) == 32 and result.samples["response"].map(len).sum() > 0
+            return {"samples": len(result.samples), "kept": len(result.kept)}
+
+        def reward_model():
+            pairs = pd.DataFrame({"prompt": rows["prompt"][:32],
+                                  "chosen": [f"<answer>{a}</answer>" for a in rows["answer"][:32]],
+                                  "rejected": [f"<answer>{int(a) + 1}</answer>" for a in rows["answer"][:32]]})
+            seen = []
+            cfg = RewardModelConfig(model=model_cfg, max_steps=3, batch_size=4, learning_rate=1e-5, warmup_steps=0,
+                                    max_seq_len=128, eval_fraction=0.25, eval_batch_size=8,
+                                    mixed_precision=precision, gradient_checkpointing=True, log_every=1)
+            result = train_reward_model(pairs, cfg, tmp / "rm", lambda s, m: seen.append(m), progress=False)
+            losses = [m["rm/loss"] for m in seen if "rm/loss" in m]
+            assert losses and all(math.isfinite(v) for v in losses), seen
+            return {"losses": [round(v, 3) for v in losses], "model_dir": result.model_dir.name}
+
+        check("sft", sft)
+        check("grpo", grpo("grpo"))
+        check("grpo_memory_knobs", grpo("grpo_knobs", weights_dtype="bfloat16", gradient_checkpointing=True,
+                                        loss_type="dapo", importance_sampling_level="sequence", micro_batch_size=4))
+        if importlib.util.find_spec("peft"):
+            check("grpo_lora", grpo("grpo_lora", lora=LoRAConfig(r=8), learning_rate=1e-4))
+        if importlib.util.find_spec("bitsandbytes"):
+            check("grpo_adamw_8bit", grpo("grpo_8bit", optimizer="adamw_8bit"))
+        check("rejection_sampling", rejection)
+        check("reward_model", reward_model)
+    print(json.dumps({"gpu_smoke": "passed", "device": torch.cuda.get_device_name() if cuda else "cpu"}))
+
+
+def _with_chat_template(model_dir: Path, out: Path) -> Path:
+    """`model_dir` as a folder whose tokenizer has a chat template (plain text, as the benchmarks feed prompts):
+    links to its files, and the tokenizer saved anew. Every stage renders prompts through the template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.chat_template is not None:
+        return model_dir
+    out.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens")):
+            (out / f.name).symlink_to(f.resolve())
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(out)
+    return out
+
+
+def _digits(completions, **_):
+    """A reward with spread on random weights: the share of digits in the completion."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _jsonable(overrides: dict) -> dict:
+    return {k: (v.model_dump() if hasattr(v, "model_dump") else v) for k, v in overrides.items()}
+
+
+if __name__ == "__main__":
+    main()
