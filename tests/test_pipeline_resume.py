@@ -279,7 +279,7 @@ def test_ctrl_c_ends_the_runs_as_killed_and_exits_130(prefect_harness, mlflow_cl
 
 def _two_runs_at_once(tmp_path: Path, env: dict[str, str]) -> list:
     """Two `r1 run` of one recipe started together on one home; both must finish. Returns their parent runs."""
-    cold = {**COLD, "train": {**COLD["train"], "max_steps": 8, "checkpoint_every": 2, "seed": 14}}
+    cold = {**COLD, "train": {**COLD["train"], "checkpoint_every": 2, "seed": 14}}  # a checkpoint at step 2 of 4
     recipe = write_recipe(tmp_path / "twice.yaml", "twice", cold_start_sft=cold)
     env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", str(recipe), "--stages",
