@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,11 +88,15 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
     try:
         yield run_id
     except BaseException as e:
-        tracking.end_run(run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        try:
+            tracking.end_run(run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        finally:
+            release_work_dirs(run_id)
         raise
+    try:  # ended before its folders are let go: a run that takes them over starts after this one's end
+        tracking.end_run(run_id, "FINISHED")
     finally:
         release_work_dirs(run_id)
-    tracking.end_run(run_id, "FINISHED")
 
 
 def log_precision(run_id: str, section: str, requested: str) -> str:
@@ -139,7 +144,9 @@ def work_dir(run_id: str, stage: str, *keys) -> Path:
                 for item in path.iterdir():
                     if item.name != ".lock":
                         shutil.rmtree(item) if item.is_dir() else item.unlink()
-            tracking.set_tags(run_id, {f"r1.work_dir.{stage}": str(path)})  # where its checkpoints are
+            # where its checkpoints are, and since when it holds the folder (it may have waited for another run)
+            tracking.set_tags(run_id, {f"r1.work_dir.{stage}": str(path),
+                                       f"r1.work_dir_since.{stage}": str(int(time.time() * 1000))})
             return path
     raise RuntimeError(f"cannot lock a work folder for run {run_id} under {shared.parent}")
 

@@ -41,7 +41,7 @@ def children(client, parent_run_id: str) -> dict:
     return {r.data.tags["stage"]: r for r in runs}
 
 
-def weights(client, checkpoint_uri: str, dst: Path) -> dict[str, torch.Tensor]:
+def weights(checkpoint_uri: str, dst: Path) -> dict[str, torch.Tensor]:
     from tasks.tracking import download
 
     return load_file(download(checkpoint_uri, dst) / "model.safetensors")
@@ -238,9 +238,9 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
     checkpoint = result.stages["cold_start_sft"].uris["checkpoint"]
     whole = reasoning_grpo(checkpoint, ReasoningGRPOConfig.model_validate(grpo))
     assert "r1.resumed_from_step" not in mlflow_client.get_run(whole.run_id).data.tags
-    a = weights(mlflow_client, result.stages["reasoning_grpo"].uris["checkpoint"], tmp_path / "a")
-    b = weights(mlflow_client, whole.uris["checkpoint"], tmp_path / "b")
-    start = weights(mlflow_client, checkpoint, tmp_path / "c")
+    a = weights(result.stages["reasoning_grpo"].uris["checkpoint"], tmp_path / "a")
+    b = weights(whole.uris["checkpoint"], tmp_path / "b")
+    start = weights(checkpoint, tmp_path / "c")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], start[k]) for k in a)  # GRPO did move the weights
 
@@ -300,7 +300,7 @@ def _check_nothing_crossed(client, outputs: list[str]) -> None:
     # each process reports its own pipeline run
     assert {re.search(r"MLflow pipeline run (\w+)", out).group(1) for out in outputs} == {p.info.run_id
                                                                                          for p in parents}
-    trained = []  # (work folder, start, end) of every stage run that trained
+    trained = []  # (work folder, since when it was held, end) of every stage run that trained
     for parent in parents:
         runs = client.search_runs(experiments, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
         by_stage = {r.data.tags["stage"]: r for r in runs}
@@ -312,7 +312,8 @@ def _check_nothing_crossed(client, outputs: list[str]) -> None:
         assert grpo.data.params["input.checkpoint_uri"] == checkpoint
         assert checkpoint == f"runs:/{cold.data.tags.get('r1.reused_from', cold.info.run_id)}/checkpoint"
         assert parent.data.tags["uri.reasoning_checkpoint"] == f"runs:/{grpo.info.run_id}/checkpoint"
-        trained += [(r.data.tags[f"r1.work_dir.{r.data.tags['stage']}"], r.info.start_time, r.info.end_time)
+        trained += [(r.data.tags[f"r1.work_dir.{r.data.tags['stage']}"],
+                     int(r.data.tags[f"r1.work_dir_since.{r.data.tags['stage']}"]), r.info.end_time)
                     for r in (cold, grpo) if "r1.reused_from" not in r.data.tags]
     # no two runs wrote checkpoints into one work folder at the same time
     for i, (folder, start, end) in enumerate(trained):

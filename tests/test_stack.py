@@ -44,7 +44,7 @@ def test_up_then_down(tmp_path, monkeypatch, capsys):
                 state["prefect_api"] + "/deployments/filter", data=b"{}", method="POST",
                 headers={"Content-Type": "application/json"}), timeout=10) as r:
             names = {d["name"] for d in json.load(r)}
-        assert names == {"local", "gpu"}
+        assert names == {"local", "gpu", "ray"}
 
         assert main(["up", "--prefect-port", "0", "--mlflow-port", "0"]) == 1  # already up: starts nothing more
         assert "already up" in capsys.readouterr().out
@@ -78,6 +78,8 @@ def test_up_with_a_taken_port_starts_nothing(tmp_path, monkeypatch, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        assert main(["up", "--prefect-port", str(taken.getsockname()[1]), "--mlflow-port", "0"]) == 1
-    assert "is in use" in capsys.readouterr().out
+        port = taken.getsockname()[1]
+        assert main(["up", "--prefect-port", str(port), "--mlflow-port", "0"]) == 2  # a user error, said once
+    err = capsys.readouterr().err
+    assert f"--prefect-port {port}: cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
     assert not (tmp_path / "stack" / "stack.json").exists()

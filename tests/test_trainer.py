@@ -290,10 +290,14 @@ def _step_gradients(trainer, batch, **cfg) -> dict[str, torch.Tensor]:
 
     handle = trainer.optimizer.optimizer.register_step_pre_hook(record)  # the optimizer accelerate wraps
     trainer.cfg = trainer.cfg.model_copy(update=cfg)
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     try:
         trainer.optimise(batch)
     finally:
         handle.remove()
+        with torch.no_grad():  # the step moved the weights: put them back, so every call sees the same model
+            for n, p in trainer.model.named_parameters():
+                p.copy_(weights[n])
     return grads
 
 
@@ -301,8 +305,7 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(tmp_path):
     """Micro-batches of 3 rows (uneven, and cutting a group of 4) give the one-batch gradient for every loss type
     and ratio level but bnpo, whose token mean is per micro-batch (TRL's definition; dapo is the whole batch's)."""
     torch.manual_seed(0)
-    trainer, _ = make_trainer(tmp_path, {"digits": 1.0}, learning_rate=0.0, beta=0.04,
-                              sampling=SamplingConfig(max_new_tokens=16))
+    trainer, _ = make_trainer(tmp_path, {"digits": 1.0}, beta=0.04, sampling=SamplingConfig(max_new_tokens=16))
     rollout = trainer.sample([0, 1])
     completion_mask = rollout.completion_mask.clone()
     completion_mask[:3, 4:] = 0  # the first micro-batch holds fewer tokens than its share of rows
