@@ -130,4 +130,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # a kill (timeout, Ctrl-C) unwinds through main's `finally`s: the cluster and servers stop with the benchmark
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

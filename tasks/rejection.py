@@ -13,7 +13,7 @@ from prefect.logging import get_run_logger
 
 from grpo.config import SELF_JUDGE, ModelConfig
 from grpo.recipe import RejectionSamplingConfig
-from grpo.data.tables import read_table, validate_rows
+from grpo.data.tables import DataError, read_table, validate_rows
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
 from grpo.rejection.filters import summary_line
@@ -174,6 +174,10 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
         metrics["rejection/judge_accept_rate"] = c.judge_accepted / c.judge_asked
     tracking.MetricsLogger(run_id)(0, metrics)
     data = result.dataset
+    if data.empty:  # the counts are logged; the shards stay in the store for a rerun with other filters
+        raise DataError(f"rejection sampling kept no rows ({summary_line(metrics)}): the SFT stage would have "
+                        "nothing to train on; loosen the `rejection` filters, sample more per prompt, or check "
+                        "the checkpoint it sampled from")
     tracking.log_dataset(run_id, data, name="curated", source=f"runs:/{run_id}/dataset/curated", context="output")
     uri = tracking.log_frame(run_id, data, "dataset/curated")
     tracking.log_table(run_id, data.head(50).astype(str), "samples/curated_head.json")

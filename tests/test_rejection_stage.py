@@ -137,3 +137,18 @@ def test_with_the_judge_down_the_stage_fails_naming_the_url_and_writes_no_shard(
     failed = mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()],
                                        "tags.stage = 'rejection_sampling' and attributes.status = 'FAILED'")
     assert failed
+
+
+def test_when_nothing_is_kept_the_stage_fails_saying_so_and_keeps_its_counts(prefect_harness, answering_checkpoint,
+                                                                             prompts_file, mlflow_client):
+    from flows.rejection_sampling import rejection_sampling
+    from grpo.data.tables import DataError
+
+    raw = stage_config(prompts_file, max_reasoning_chars=1, shard_size=16, seed=3)  # every chain of thought too long
+    raw["data"]["num_train"] = 16
+    with pytest.raises(DataError, match=r"rejection sampling kept no rows \(kept 0 of 64 samples.*dropped: "):
+        rejection_sampling(answering_checkpoint, RejectionSamplingConfig.model_validate(raw))
+    failed = mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()],
+                                       "tags.stage = 'rejection_sampling' and attributes.status = 'FAILED'")
+    assert any(r.data.metrics.get("rejection/generated") == 64 and r.data.metrics.get("rejection/kept") == 0
+               for r in failed)  # what was dropped, and why, is on the run
