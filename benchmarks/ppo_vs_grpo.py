@@ -35,6 +35,7 @@ from pathlib import Path
 from grpo_step import DEFAULT_WORKLOAD, sum_reward
 
 ALGORITHMS = ("grpo", "ppo")
+MEMORY_LABELS = {"peak_rss_mib": "RSS MiB", "peak_cuda_gib": "CUDA GiB"}
 
 
 def run_one(algorithm: str, args) -> dict:
@@ -122,7 +123,7 @@ def run_side(algorithm: str, args) -> dict:
 def table(runs: dict[str, list[dict]], memory: str) -> str:
     """Medians over the pairs, one row per algorithm, in Markdown."""
     head = ("| algorithm | prompts x completions a step | step s | sampling + scoring s | ref, pi_old, values s "
-            f"| update s | peak {memory} | trained parameters |\n|---|---|---|---|---|---|---|---|")
+            f"| update s | peak {MEMORY_LABELS[memory]} | trained parameters |\n|---|---|---|---|---|---|---|---|")
     rows = []
     for algo, figs in runs.items():
         med = {k: statistics.median(f[k] for f in figs) for k in figs[0] if isinstance(figs[0][k], (int, float))}
