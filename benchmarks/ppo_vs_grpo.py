@@ -16,8 +16,9 @@ completion for each of prompts_per_step x num_generations prompts: the same comp
 own prompt. PPO runs with its defaults (a separate critic copied from the policy, GAE gamma 1, lambda 0.95, value
 clip 0.2, vf_coef 0.1, the workload's beta as a k1 KL penalty in the rewards). The timed step is the whole step:
 sampling, scoring, reference (and for PPO pi_old and value) passes, loss, backward, optimizer step(s); the median of
-the steps after the workload's warm-up. Prints one JSON line per side and pair, a Markdown table, and a JSON summary
-as its last line.
+the steps after the workload's warm-up. Beside it, `median_step_cpu_s`: the side's CPU seconds a step (all its
+threads), which other jobs on a shared machine move less than wall time. Prints one JSON line per side and pair, a
+Markdown table, and a JSON summary as its last line.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from grpo_step import DEFAULT_WORKLOAD, sum_reward
@@ -74,7 +76,13 @@ def run_one(algorithm: str, args) -> dict:
         mixed_precision="bf16" if bf16 else "no",
     )
     steps: list[dict] = []
-    kwargs = dict(reward_functions={"sum": sum_reward}, progress=False, on_metrics=lambda step, m: steps.append(m))
+    cpu_marks: list[float] = []  # the process's CPU seconds at the end of each step: less moved by other jobs
+
+    def on_metrics(step: int, m: dict) -> None:
+        steps.append(m)
+        cpu_marks.append(time.process_time())
+
+    kwargs = dict(reward_functions={"sum": sum_reward}, progress=False, on_metrics=on_metrics)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as out:
@@ -86,11 +94,14 @@ def run_one(algorithm: str, args) -> dict:
             critic_params = 0
         policy_params = sum(p.numel() for p in trainer.model.parameters())
         trainer.train()
-    timed = steps[g["warmup_steps_excluded_from_timing"]:]
+    warmup = g["warmup_steps_excluded_from_timing"]
+    timed = steps[warmup:]
+    cpu_steps = [b - a for a, b in zip(cpu_marks[warmup - 1:], cpu_marks[warmup:])] if warmup else []
     figures = {
         "algorithm": algorithm,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "median_step_s": round(statistics.median(m["time/step_s"] for m in timed), 4),
+        "median_step_cpu_s": round(statistics.median(cpu_steps), 4) if cpu_steps else None,  # all threads' CPU time
         **{f"median_{k}_s": round(statistics.median(m[f"time/{k}_s"] for m in timed), 4)
            for k in ("generation", "reference", "optimise")},
         "completion_tokens_per_s": round(statistics.median(m["completion_length"] * n / m["time/step_s"]
@@ -122,13 +133,15 @@ def run_side(algorithm: str, args) -> dict:
 
 def table(runs: dict[str, list[dict]], memory: str) -> str:
     """Medians over the pairs, one row per algorithm, in Markdown."""
-    head = ("| algorithm | prompts x completions a step | step s | sampling + scoring s | ref, pi_old, values s "
-            f"| update s | peak {MEMORY_LABELS[memory]} | trained parameters |\n|---|---|---|---|---|---|---|---|")
+    head = ("| algorithm | prompts x completions a step | step s | step CPU s | sampling + scoring s "
+            f"| ref, pi_old, values s | update s | peak {MEMORY_LABELS[memory]} | trained parameters |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     rows = []
     for algo, figs in runs.items():
         med = {k: statistics.median(f[k] for f in figs) for k in figs[0] if isinstance(figs[0][k], (int, float))}
         per_prompt = med["completions_per_step"] // med["prompts_per_step"]
         rows.append(f"| {algo} | {int(med['prompts_per_step'])} x {int(per_prompt)} | {med['median_step_s']:.3f} "
+                    f"| {med.get('median_step_cpu_s', float('nan')):.3f} "
                     f"| {med['median_generation_s']:.3f} | {med['median_reference_s']:.3f} "
                     f"| {med['median_optimise_s']:.3f} | {med[memory]:,.1f} "
                     f"| {int(med['policy_params'] + med['critic_params']):,} |")
@@ -159,8 +172,8 @@ def main() -> None:
         print(json.dumps(figs), flush=True)
         for algo in ALGORITHMS:
             runs[algo].append(figs[algo])
-        for k in ("median_step_s", "completion_tokens_per_s", "peak_rss_mib", "peak_cuda_gib"):
-            if k in figs["grpo"]:
+        for k in ("median_step_s", "median_step_cpu_s", "completion_tokens_per_s", "peak_rss_mib", "peak_cuda_gib"):
+            if figs["grpo"].get(k):
                 ratios.setdefault(k, []).append(figs["ppo"][k] / figs["grpo"][k])
     memory = "peak_cuda_gib" if "peak_cuda_gib" in runs["grpo"][0] else "peak_rss_mib"
     print(table(runs, memory))
