@@ -77,7 +77,7 @@ def _check_reasoning(cfg) -> None:
     with _reading("reasoning_grpo.data"):
         train, _ = load_rl_data(cfg.data)
     with _reading("reasoning_grpo"):
-        check_prompts_per_step(cfg.grpo.prompts_per_step, len(train), cfg.data.source)
+        cfg.check_prompts(len(train), cfg.data.source)
 
 
 def _check_rejection(cfg) -> None:

@@ -6,6 +6,10 @@ neural reward model. Here the prompts are the synthetic task's, or a user datase
 answer format named in `data`), and the held-out split is scored before and after, so the change RL made is visible
 in one MLflow run.
 
+With `algorithm: ppo` the stage runs PPO instead (`grpo.training.ppo_trainer`): the critic-based method GRPO was
+made to replace, on the same rewards, sampling and KL, so the two can be compared on one task
+(benchmarks/ppo_vs_grpo.py measures their memory and step time).
+
 Run alone:  r1 stage reasoning_grpo --checkpoint runs:/<cold-start run id>/checkpoint
 """
 
@@ -33,7 +37,8 @@ def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningG
         if data.heldout and config.eval_before:
             before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0)
             metrics.update({f"{k}_before": v for k, v in before.items()})
-        checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo)
+        checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo,
+                                      ppo=config.ppo if config.algorithm == "ppo" else None)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps))

@@ -10,6 +10,8 @@ the work, so a recipe is read and checked in well under a second.
 from pathlib import Path
 
 import yaml
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from grpo.checks import check_fits_context, check_prompts_per_step, describe_errors
@@ -28,6 +30,7 @@ from grpo.config import (
     RewardModelConfig,
     SFTConfig,
 )
+from grpo.ppo_config import PPOConfig, check_ppo_settings
 from grpo.rewards.registry import REWARD_FUNCTIONS
 
 # Stage settings and the recipe
@@ -56,12 +59,23 @@ class ReasoningGRPOConfig(BaseModel):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)  # the GRPO loop and its rewards
     eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation
     eval_before: bool = True  # also score the starting checkpoint (step 0), so the run shows what RL changed
+    # "ppo": PPO with a critic as large as the policy instead (the baseline GRPO replaced), with `grpo`'s rewards,
+    # sampling, KL and optimiser settings and `ppo`'s own
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    ppo: PPOConfig = Field(default_factory=PPOConfig)  # read only with algorithm ppo
 
     @model_validator(mode="after")
     def _check(self) -> "ReasoningGRPOConfig":
         self.grpo.check_rewards(set(REWARD_FUNCTIONS))  # no reward model in this stage: rule rewards only
-        check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train if self.data.source == "synthetic" else None)
+        self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
         return self
+
+    def check_prompts(self, prompts: int | None, source: str = "the data section") -> None:
+        """Raise if `prompts` training prompts (None: not known yet) cannot fill one step of the algorithm."""
+        if self.algorithm == "ppo":
+            check_ppo_settings(self.grpo, prompts, source)
+        else:
+            check_prompts_per_step(self.grpo.prompts_per_step, prompts, source)
 
 
 class RejectionSamplingConfig(BaseModel):

@@ -171,6 +171,14 @@ RECIPE_CASES = {
     "unknown readability filter": ({"rejection_sampling__rejection__filters": ["tagz"]}, ["'tagz'"]),
     "bad judge URL": ({"rejection_sampling__judge": {"backend": "http", "base_url": "localhost:8000"}},
                       ["rejection_sampling.judge.base_url", "http://"]),
+    "unknown algorithm": ({"reasoning_grpo__algorithm": "ppo2"}, ["reasoning_grpo.algorithm", "'grpo' or 'ppo'"]),
+    "PPO discount above one": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__ppo__gamma": 1.5},
+                               ["reasoning_grpo.ppo.gamma", "less than or equal to 1"]),
+    "PPO setting misspelt": ({"reasoning_grpo__ppo__lambda": 0.9}, ["reasoning_grpo.ppo.lambda", "'lam'"]),
+    "PPO with dynamic sampling": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__grpo__dynamic_sampling": True},
+                                  ["reasoning_grpo", "algorithm ppo", "grpo.dynamic_sampling"]),
+    "PPO step over the prompts": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__grpo__prompts_per_step": 20},
+                                  ["reasoning_grpo", "20 x 2 = 40 prompts a step", "32 training prompts"]),
 }
 
 

@@ -23,7 +23,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.masking_utils import eager_mask
 
 NAME = "r1_cpu_grouped"
-_SUPPORTED = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
+# the language models, and their decoders alone (PPO's critic is a copy of one)
+_SUPPORTED = {"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen2Model", "LlamaModel"}
 
 
 def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Training: the GRPO objective and advantages (pure tensor functions), log-probs, and the three training loops.
+"""Training: the GRPO objective and advantages (pure tensor functions), log-probs, and the training loops.
 
 | module | what it holds |
 |---|---|
@@ -6,6 +6,7 @@
 | `advantages` | `group_advantages`: (r - group mean) / group std, and its variants |
 | `logprobs` | per-token log-probs of completions, with a group's shared prompt run once (chunked head for large vocabularies) |
 | `grpo_trainer` | the GRPO loop: sample, score, advantages, optimise (`GRPOTrainer`) |
+| `ppo`, `value`, `ppo_trainer` | PPO with a critic, GRPO's measured baseline: GAE and the clipped losses (pure), the value model, the loop (`PPOTrainer`) |
 | `sft_trainer` | the SFT loop of stages 1 and 4 (`train_sft`) |
 | `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |
 | `checkpoints` | resumable checkpoints of the SFT and GRPO loops: save, find the newest, the step to resume from |

@@ -124,15 +124,16 @@ class GRPOTrainer:
         self.backend = backend or TransformersBackend(self.acc.unwrap_model(self.model), tokenizer,
                                                       autocast=self.acc.mixed_precision == "bf16")
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
+        self.completions_per_prompt = cfg.num_generations  # G; PPO's trainer samples one per prompt
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
     def sample(self, idx: list[int]) -> Rollout:
-        return self.backend.generate([self.prompts["prompt"][i] for i in idx], self.cfg.num_generations,
+        return self.backend.generate([self.prompts["prompt"][i] for i in idx], self.completions_per_prompt,
                                      self.cfg.sampling)
 
     def score(self, rollout: Rollout, idx: list[int]):
-        G = self.cfg.num_generations
+        G = self.completions_per_prompt
         columns = {k: [v[i] for i in idx for _ in range(G)] for k, v in self.columns.items()}
         # TRL's name for the prompts: a reward model reads the question, not only the answer
         columns["prompts"] = [self.prompts["prompt"][i] for i in idx for _ in range(G)]
@@ -268,7 +269,7 @@ class GRPOTrainer:
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
-        G = self.cfg.num_generations
+        G = self.completions_per_prompt
         total = torch.tensor(scores.total)  # [N]
         lengths = rollout.completion_mask.sum(-1).float()  # [N]
         m = {f"reward/{name}": _mean_scored(vals) for name, vals in scores.per_function.items()}
@@ -293,7 +294,7 @@ class GRPOTrainer:
         return m
 
     def _samples_table(self, rollout: Rollout, idx: list[int], scores) -> pd.DataFrame:
-        G = self.cfg.num_generations
+        G = self.completions_per_prompt
         rows = {"prompt": [str(self.prompts["prompt"][idx[i // G]]) for i in range(len(rollout.texts))],
                 "completion": rollout.texts, "reward": scores.total}
         for name, vals in scores.per_function.items():
