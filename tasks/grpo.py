@@ -9,6 +9,7 @@ from grpo.config import GRPOConfig, ModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.prm import prm_step_verifier
 from grpo.training.reward_model import RewardModelScorer, reward_model_reward
 from tasks import tracking
 from tasks.data import read_frame
@@ -28,6 +29,9 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     if reward_model_uri:
         scorer = RewardModelScorer.from_pretrained(tracking.download(reward_model_uri))
         reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
+    step_verifiers = None
+    if cfg.step_verifier == "prm":  # process supervision by a trained process reward model
+        step_verifiers = {"prm": prm_step_verifier(tracking.download(cfg.prm_path))}
     model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
                    reward_model_uri)
@@ -40,7 +44,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
         get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
     progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
     trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, on_metrics=progress, on_samples=log_samples,
-                          reward_functions=reward_functions)
+                          reward_functions=reward_functions, step_verifiers=step_verifiers)
     result = trainer.train()
     get_run_logger().info("GRPO finished: %d steps", result.steps)
     return tracking.log_dir(run_id, result.model_dir, "checkpoint")
