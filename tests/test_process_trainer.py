@@ -6,7 +6,15 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, SFTConfig, TaskConfig, TinyModelConfig
+from grpo.config import (
+    GRPOConfig,
+    ModelConfig,
+    RewardModelConfig,
+    SamplingConfig,
+    SFTConfig,
+    TaskConfig,
+    TinyModelConfig,
+)
 from grpo.data.arithmetic import generate_problems, rl_rows, sft_rows
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import accuracy_reward
@@ -15,7 +23,7 @@ from grpo.sampling.backend import Rollout, TransformersBackend, render_prompts
 from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.process import process_advantages
-from grpo.training.prm import label_steps
+from grpo.training.prm import label_steps, label_worked_solutions, prm_step_verifier, train_prm
 from grpo.training.sft_trainer import train_sft
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -170,3 +178,22 @@ def test_steps_are_labelled_by_rollouts_from_their_prefixes(cold_start):
     # sampled rollouts: one of k = 4 reaching the answer is enough
     sampled = label_steps(backend, rows, completions, 4, SamplingConfig(max_new_tokens=48, temperature=1.0))
     assert [len(x) for x in sampled["labels"]] == [len(x) for x in labels["labels"]]
+
+
+def test_training_with_a_process_reward_model_as_the_step_verifier(tmp_path, cold_start):
+    labelled = label_worked_solutions(generate_problems(TASK, 64, "train"))
+    prm = train_prm(labelled, RewardModelConfig(model=SMALL, max_steps=5, batch_size=16, mixed_precision="no"),
+                    tmp_path / "prm")
+    model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(cold_start)))
+    prompts = rl_rows(generate_problems(TASK, 8, "train"))
+    cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0, beta=0.0,
+                     sampling=SamplingConfig(max_new_tokens=48), supervision="process", step_verifier="prm",
+                     prm_path=str(prm.model_dir), mixed_precision="no")
+    seen = {}
+    trainer = GRPOTrainer(model, tok, prompts, cfg, tmp_path / "grpo", progress=False,
+                          on_metrics=lambda step, m: seen.__setitem__(step, m),
+                          step_verifiers={"prm": prm_step_verifier(prm.model_dir)})
+    trainer.train()
+    # the PRM's step rewards are probabilities, not the rule's 0/1
+    assert 0.0 < seen[1]["process/step_accuracy"] < 1.0
+    assert seen[1]["process/steps_per_completion"] > 0.5
