@@ -78,6 +78,11 @@ def _check_reasoning(cfg) -> None:
         train, _ = load_rl_data(cfg.data)
     with _reading("reasoning_grpo"):
         cfg.check_prompts(len(train), cfg.data.source)
+    if cfg.grpo.prm_path is not None:  # the process reward model that checks the steps
+        if cfg.grpo.prm_path.startswith("runs:/"):
+            check_uri("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
+        else:
+            _check_model_folder("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
 
 
 def _check_rejection(cfg) -> None:

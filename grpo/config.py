@@ -33,6 +33,7 @@ SELF_JUDGE = "checkpoint"  # JudgeConfig.model: the checkpoint being sampled jud
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 REWARD_MODEL = "reward_model"  # the reward name that means the alignment stage's reward model
+STEP_VERIFIERS = ("arithmetic", "gsm8k", "prm")  # process supervision's step verifiers (grpo.rewards.steps, .training.prm)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -222,6 +223,13 @@ class GRPOConfig(BaseModel):
     # the paper pairs it with loss_type grpo)
     importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (none: Dr. GRPO)
+    # outcome: one reward per completion; process: a reward at the end of every reasoning step, normalised over the
+    # group's steps, a token's advantage the sum over the steps that end at or after it (DeepSeekMath 4.1.3)
+    supervision: Literal["outcome", "process"] = "outcome"
+    # process only: who checks the steps: "arithmetic" (the synthetic task's equations), "gsm8k" (calculator
+    # annotations and plain equations, a line a step) or "prm" (a process reward model, at prm_path)
+    step_verifier: Literal[STEP_VERIFIERS] | None = None
+    prm_path: str | None = None  # step_verifier prm: the process reward model's folder or runs:/ URI
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
     mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
@@ -248,6 +256,25 @@ class GRPOConfig(BaseModel):
         if bad:
             raise ValueError(f"reward weights must be finite numbers, got {bad}")
         return rewards
+
+    @model_validator(mode="after")
+    def _process_needs_steps(self) -> "GRPOConfig":
+        if self.supervision == "process":
+            if self.step_verifier is None:
+                raise ValueError(f"supervision 'process' needs a step_verifier to score the steps: one of "
+                                 f"{list(STEP_VERIFIERS)} (arithmetic for the synthetic task, gsm8k for GSM8K-style "
+                                 f"solutions)")
+            if self.importance_sampling_level != "token":
+                raise ValueError("supervision 'process' gives every token its own advantage; it needs "
+                                 "importance_sampling_level 'token' (GSPO's one ratio a sequence goes with one "
+                                 "advantage a sequence)")
+        elif self.step_verifier is not None or self.prm_path is not None:
+            raise ValueError("step_verifier and prm_path are used only with supervision 'process'; set "
+                             "supervision: process, or remove them")
+        if (self.step_verifier == "prm") != (self.prm_path is not None):
+            raise ValueError("step_verifier 'prm' and prm_path go together: prm_path names the process reward "
+                             "model's folder or runs:/ URI")
+        return self
 
     def check_rewards(self, known: set[str]) -> None:
         """Raise if a reward is not among the `known` names (the stage configs know which ones they offer)."""

@@ -67,6 +67,12 @@ class ReasoningGRPOConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ReasoningGRPOConfig":
         self.grpo.check_rewards(set(REWARD_FUNCTIONS))  # no reward model in this stage: rule rewards only
+        if self.grpo.step_verifier == "arithmetic" and self.data.source != "synthetic":
+            raise ValueError(f"grpo.step_verifier 'arithmetic' reads the synthetic task's equations; data.source is "
+                             f"{self.data.source!r}: use step_verifier 'gsm8k' for GSM8K-style solutions, or 'prm'")
+        if self.algorithm == "ppo" and self.grpo.supervision == "process":
+            raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
+                             "reward at each completion's last token: use supervision 'outcome' with ppo")
         self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
         return self
 
@@ -129,6 +135,9 @@ class AlignmentGRPOConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "AlignmentGRPOConfig":
         self.grpo.check_rewards(set(REWARD_FUNCTIONS) | {REWARD_MODEL})
+        if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
+            raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
+                             "reasoning_grpo, whose prompts have checkable steps")
         synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
         check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
         return self

@@ -11,6 +11,7 @@ from grpo.ppo_config import PPOConfig
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.ppo_trainer import PPOTrainer
+from grpo.training.prm import prm_step_verifier
 from grpo.training.reward_model import RewardModelScorer, reward_model_reward
 from tasks import tracking
 from tasks.data import read_frame
@@ -31,6 +32,9 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     if reward_model_uri:
         scorer = RewardModelScorer.from_pretrained(tracking.download(reward_model_uri))
         reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
+    step_verifiers = None
+    if cfg.step_verifier == "prm":  # process supervision by a trained process reward model
+        step_verifiers = {"prm": prm_step_verifier(tracking.download(cfg.prm_path))}
     model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
                    reward_model_uri, *([ppo] if ppo else []))  # a PPO run never resumes a GRPO run's work
@@ -44,7 +48,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
     kwargs = dict(on_metrics=progress, on_samples=log_samples, reward_functions=reward_functions)
     if ppo is None:
-        trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, **kwargs)
+        trainer = GRPOTrainer(model, tokenizer, rows, cfg, out, step_verifiers=step_verifiers, **kwargs)
     else:
         trainer = PPOTrainer(model, tokenizer, rows, cfg, out, ppo=ppo, **kwargs)
     result = trainer.train()

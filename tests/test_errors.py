@@ -179,6 +179,24 @@ RECIPE_CASES = {
                                   ["reasoning_grpo", "algorithm ppo", "grpo.dynamic_sampling"]),
     "PPO step over the prompts": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__grpo__prompts_per_step": 20},
                                   ["reasoning_grpo", "20 x 2 = 40 prompts a step", "32 training prompts"]),
+    "process supervision without a step verifier": ({"reasoning_grpo__grpo__supervision": "process"},
+                                                    ["reasoning_grpo.grpo", "needs a step_verifier"]),
+    "unknown step verifier": ({"reasoning_grpo__grpo__supervision": "process",
+                               "reasoning_grpo__grpo__step_verifier": "arithmatic"},
+                              ["reasoning_grpo.grpo.step_verifier", "'gsm8k'"]),
+    "a process reward model without its path": ({"reasoning_grpo__grpo__supervision": "process",
+                                                 "reasoning_grpo__grpo__step_verifier": "prm"},
+                                                ["step_verifier 'prm' and prm_path go together"]),
+    "the arithmetic step verifier on a user dataset": ({"reasoning_grpo__grpo__supervision": "process",
+                                                        "reasoning_grpo__grpo__step_verifier": "arithmetic",
+                                                        "reasoning_grpo__data__source": "gsm8k_train.jsonl"},
+                                                       ["step_verifier 'arithmetic'", "use step_verifier 'gsm8k'"]),
+    "process supervision with PPO": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__grpo__supervision": "process",
+                                      "reasoning_grpo__grpo__step_verifier": "arithmetic"},
+                                     ["supervision 'outcome' with ppo"]),
+    "process supervision in alignment": ({"alignment_grpo__grpo__supervision": "process",
+                                          "alignment_grpo__grpo__step_verifier": "arithmetic"},
+                                         ["alignment_grpo.grpo.supervision must be 'outcome'"]),
 }
 
 
@@ -254,6 +272,12 @@ def test_too_few_non_reasoning_rows(ws, capsys):
 def test_a_missing_model_folder(ws, capsys):
     recipe = ws.recipe(cold_start_sft__model={"name_or_path": str(ws.root / "no-model")})
     fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "cold_start_sft.model.name_or_path", "no model folder")
+
+
+def test_a_process_reward_model_folder_that_is_not_there(ws, capsys):
+    recipe = ws.recipe(reasoning_grpo__grpo__supervision="process", reasoning_grpo__grpo__step_verifier="prm",
+                       reasoning_grpo__grpo__prm_path=str(ws.root / "no-prm"))
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "reasoning_grpo.grpo.prm_path", "no model folder")
 
 
 def test_a_model_folder_without_config_json(ws, capsys):

@@ -18,6 +18,7 @@ One module per kind of reward:
 | `language` | R1's language-consistency reward |
 | `overlong` | DAPO's overlong penalty |
 | `registry` | names to functions (`REWARD_FUNCTIONS`) and weighted scoring (`score_completions`) |
+| `steps` | step verifiers for process supervision: where each reasoning step ends and whether it holds (`arithmetic`, `gsm8k`) |
 
 To add a reward: write ``fn(completions, **columns)`` in a module here and add it to ``REWARD_FUNCTIONS`` in
 `registry`; recipes then name it under ``rewards:``.

@@ -4,6 +4,8 @@
 |---|---|
 | `loss` | `grpo_loss`: the clipped surrogate with the k3 KL penalty and its loss-type reductions |
 | `advantages` | `group_advantages`: (r - group mean) / group std, and its variants |
+| `process` | process supervision: step rewards normalised over the group, token advantages `[N, C]` from step ends |
+| `prm` | the process reward model: Math-Shepherd step labels from rollouts, training, and use as a step verifier |
 | `logprobs` | per-token log-probs of completions, with a group's shared prompt run once (chunked head for large vocabularies) |
 | `grpo_trainer` | the GRPO loop: sample, score, advantages, optimise (`GRPOTrainer`) |
 | `ppo`, `value`, `ppo_trainer` | PPO with a critic, GRPO's measured baseline: GAE and the clipped losses (pure), the value model, the loop (`PPOTrainer`) |

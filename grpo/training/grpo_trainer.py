@@ -3,7 +3,9 @@
 One step, as in the DeepSeekMath/R1 papers:
   1. sample G completions for each of `prompts_per_step` prompts from the current policy (pi_old);
   2. score them: a weighted sum of reward functions;
-  3. advantages relative to the group: (r - group mean) / group std; no value model;
+  3. advantages relative to the group: (r - group mean) / group std; no value model (with process supervision,
+     grpo.training.process: a reward at the end of every reasoning step, and each token's advantage the sum of
+     the normalised rewards of the steps that end at or after it);
   4. `num_iterations` (mu) passes of the clipped objective with a k3 KL penalty to a frozen reference model
      (no reference at all when beta = 0; with LoRA, the policy with its adapters off), one optimizer step per pass.
 With mu = 1 pi_old is the policy being optimised, so the ratio is exactly 1 and nothing is recomputed; with
@@ -33,6 +35,7 @@ from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.rewards import REWARD_FUNCTIONS, score_completions
+from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
@@ -41,6 +44,7 @@ from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
 from grpo.training.optimizers import MasterWeights, cast_parameters, make_optimizer, require_bitsandbytes
+from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -54,7 +58,7 @@ class Batch(NamedTuple):
     completion_mask: torch.Tensor  # [N, C] float: the tokens the loss counts (none of a masked truncated row)
     old_logps: torch.Tensor | None  # [N, C] pi_old log-probs before the first update; None when mu = 1
     ref_logps: torch.Tensor | None  # [N, C] reference log-probs, None when beta = 0
-    advantages: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N], or [N, C] one a token (process supervision)
 
 
 class GRPOResult(NamedTuple):
@@ -82,7 +86,8 @@ class GRPOTrainer:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
                  cfg: GRPOConfig, output_dir: str | Path, *, backend: GenerationBackend | None = None,
                  on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
-                 reward_functions: Mapping[str, Callable] | None = None, progress: bool = True):
+                 reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
+                 step_verifiers: Mapping[str, StepVerifier] | None = None):
         if "prompt" not in prompts.columns:
             raise ValueError(f"GRPO prompts need a 'prompt' column; found {list(prompts.columns)}")
         if len(prompts) < cfg.prompts_per_step:
@@ -92,6 +97,15 @@ class GRPOTrainer:
         unknown = sorted(set(cfg.rewards) - set(self.reward_functions))
         if unknown:  # fail now, not after the first rollout
             raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(self.reward_functions)}")
+        # process supervision: the step verifier by name, or one the caller brings (a process reward model)
+        self.step_verifier = None
+        if cfg.supervision == "process":
+            verifiers = {**STEP_VERIFIER_FUNCTIONS, **(step_verifiers or {})}
+            if cfg.step_verifier not in verifiers:
+                raise ValueError(f"step_verifier {cfg.step_verifier!r} is not available here (known: "
+                                 f"{sorted(verifiers)}); 'prm' needs a process reward model passed in "
+                                 f"step_verifiers (grpo.training.prm.prm_step_verifier)")
+            self.step_verifier = verifiers[cfg.step_verifier]
         if cfg.loss_type not in AGGREGATORS:
             raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
         if cfg.optimizer == "adamw_8bit":  # optional extras: say what is missing before any work
@@ -132,11 +146,16 @@ class GRPOTrainer:
         return self.backend.generate([self.prompts["prompt"][i] for i in idx], self.completions_per_prompt,
                                      self.cfg.sampling)
 
-    def score(self, rollout: Rollout, idx: list[int]):
+    def row_columns(self, idx: list[int]) -> dict[str, list]:
+        """The dataset columns of the prompts `idx`, one row a completion (G rows a prompt)."""
         G = self.completions_per_prompt
         columns = {k: [v[i] for i in idx for _ in range(G)] for k, v in self.columns.items()}
         # TRL's name for the prompts: a reward model reads the question, not only the answer
         columns["prompts"] = [self.prompts["prompt"][i] for i in idx for _ in range(G)]
+        return columns
+
+    def score(self, rollout: Rollout, idx: list[int]):
+        columns = self.row_columns(idx)
         lengths = rollout.completion_mask.sum(-1).tolist()
         return score_completions(rollout.texts, self.cfg.rewards,
                                  {**columns, "completion_lengths": lengths,
@@ -168,13 +187,35 @@ class GRPOTrainer:
         stats["dynamic/groups"] = float(len(idx))
         return rollout, idx, scores, stats
 
-    def build_batch(self, rollout: Rollout, rewards: list[float]) -> Batch:
+    def score_steps(self, rollout: Rollout, idx: list[int], outcome: list[float],
+                    metrics: dict[str, float] | None = None, first: bool = False) -> StepRewards:
+        """Process supervision: every completion's checked steps, then its answer step rewarded with `outcome`.
+
+        On the run's `first` step a verifier that finds no step in any completion does not fit the data: an error
+        then, rather than a run of outcome GRPO under another name.
+        """
+        chars = token_char_ends(self.tokenizer, rollout.completion_ids, rollout.completion_mask, rollout.texts)
+        steps = score_steps(self.step_verifier, rollout.texts, self.row_columns(idx), outcome, chars,
+                            name=self.cfg.step_verifier)
+        if first and not any(steps.checked):
+            raise ValueError(f"step_verifier {self.cfg.step_verifier!r} found no step in any of the first "
+                             f"{len(rollout.texts)} completions (one reads {rollout.texts[0][:200]!r}); choose a "
+                             f"step verifier that reads this data's reasoning")
+        if metrics is not None:
+            metrics.update(step_metrics(steps))
+        return steps
+
+    def build_batch(self, rollout: Rollout, rewards: list[float], steps: StepRewards | None = None) -> Batch:
         cfg = self.cfg
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.num_generations,
-                                      scale=cfg.scale_rewards)  # [N]
+        C = rollout.completion_ids.size(1)
+        if steps is None:
+            advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.num_generations,
+                                          scale=cfg.scale_rewards)  # [N]
+        else:
+            advantages = process_advantages(steps.rewards, steps.ends, cfg.num_generations, C,
+                                            scale=cfg.scale_rewards)  # [N, C]
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
-        C = rollout.completion_ids.size(1)
         ref_logps = None
         if cfg.beta != 0:
             reference = self.ref_model if self.ref_model is not None else self.acc.unwrap_model(self.model)
@@ -250,8 +291,9 @@ class GRPOTrainer:
             torch.manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run samples what it would have sampled
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
+            steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
             t_gen = time.perf_counter() - t0
-            batch = self.build_batch(rollout, scores.total)
+            batch = self.build_batch(rollout, scores.total, steps)
             t_ref = time.perf_counter() - t0 - t_gen
             for _ in range(cfg.num_iterations):
                 opt_stats = self.optimise(batch)

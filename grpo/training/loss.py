@@ -1,6 +1,7 @@
 """The GRPO objective: clipped policy-gradient surrogate plus a k3 KL penalty.
 
-Per completion token (ρ the importance ratio, A the sequence's advantage):
+Per completion token (ρ the importance ratio, A the sequence's advantage, or the token's own under process
+supervision):
 
     loss_t = -min(ρ·A, clip(ρ, 1-ε, 1+ε_high)·A) + β·KL_t
     KL_t   = exp(ref - logp) - (ref - logp) - 1          (k3, always >= 0)
@@ -127,7 +128,8 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss and detached stats.
 
-    logps, old_logps, ref_logps, mask: [B, T] over completion tokens; advantages: [B].
+    logps, old_logps, ref_logps, mask: [B, T] over completion tokens; advantages: [B], one a sequence, or [B, T],
+    one a token (process supervision).
     old_logps None means one update per rollout (μ=1): ratio 1, gradient -A.
     ref_logps may be None only when beta == 0; with beta == 0 no KL is computed.
     importance_sampling_level: "token" or "sequence" (GSPO), see ``IMPORTANCE_RATIOS``.
@@ -151,8 +153,11 @@ def grpo_loss(
                          f"expected one of {sorted(IMPORTANCE_RATIOS)}")
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps; pass them or set beta=0")
-    if advantages.shape != logps.shape[:1]:
-        raise ValueError(f"advantages must be [B]={tuple(logps.shape[:1])}, got {tuple(advantages.shape)}")
+    if advantages.shape not in (logps.shape[:1], logps.shape):
+        raise ValueError(f"advantages must be [B]={tuple(logps.shape[:1])} or, one a token, [B, T]="
+                         f"{tuple(logps.shape)}; got {tuple(advantages.shape)}")
+    if advantages.dim() == 2 and importance_sampling_level != "token":
+        raise ValueError("advantages one a token [B, T] need importance_sampling_level 'token'")
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
     aggregate = AGGREGATORS[loss_type]
@@ -163,7 +168,7 @@ def grpo_loss(
     ratio = torch.exp(log_ratio(logps, old, mask))  # [B, T] or [B, 1]
     # what a ratio stands for: the mask's tokens, or (one ratio a sequence) the sequences with any token
     counted = mask if ratio.size(1) == mask.size(1) else (mask.sum(1, keepdim=True) > 0).to(mask.dtype)
-    adv = advantages.detach().unsqueeze(1)  # [B, 1]
+    adv = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(1)  # [B, T] or [B, 1]
     unclipped = ratio * adv  # [B, T] or [B, 1]
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # [B, T] or [B, 1]
     pg_per_token = -torch.min(unclipped, clipped)  # [B, T] or [B, 1], broadcast over the tokens below
