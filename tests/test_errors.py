@@ -169,6 +169,16 @@ RECIPE_CASES = {
     "unknown task template": ({"cold_start_sft__data__task": {"templates": ["farm", "zoo"]}},
                               ["cold_start_sft.data.task.templates", "'zoo'"]),
     "unknown readability filter": ({"rejection_sampling__rejection__filters": ["tagz"]}, ["'tagz'"]),
+    "no training processes": ({"cold_start_sft__distributed": {"num_processes": 0}},
+                              ["cold_start_sft.distributed.num_processes", "at least 1", "(got 0)"]),
+    "prompts that do not split across processes": (
+        {"reasoning_grpo__distributed": {"num_processes": 4}},
+        ["reasoning_grpo", "grpo.prompts_per_step (2) must be a multiple of distributed.num_processes (4)"]),
+    "pairs that do not split across processes": (
+        {"alignment_grpo__distributed": {"num_processes": 3}, "alignment_grpo__grpo__prompts_per_step": 3},
+        ["alignment_grpo", "reward_model.batch_size (8) must be a multiple of distributed.num_processes (3)"]),
+    "no such accelerate config file": ({"sft__distributed": {"num_processes": 2, "config_file": "fsdp-70b.yaml"}},
+                                       ["sft: distributed.config_file", "'fsdp-70b.yaml'"]),
     "bad judge URL": ({"rejection_sampling__judge": {"backend": "http", "base_url": "localhost:8000"}},
                       ["rejection_sampling.judge.base_url", "http://"]),
 }
