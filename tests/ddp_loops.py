@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import zlib
 from pathlib import Path
@@ -92,9 +93,11 @@ class Recorder:
         folder.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        if step == 3 and (self.folder / "checkpoints" / "step-2").exists():  # the run's checkpoint, before cleanup
-            metrics = {**metrics, "checkpoint_files": sorted(p.name for p in (self.folder / "checkpoints" / "step-2")
-                                                              .iterdir())}
+        checkpoint = self.folder / "checkpoints" / "step-2"
+        if step == 3 and checkpoint.exists():  # the run's checkpoint, complete, before the finished run clears it
+            metrics = {**metrics, "checkpoint_files": sorted(p.name for p in checkpoint.iterdir())}
+            if self.folder.name == "sft":  # what an interrupted run would have left: `run_sft_resumed` picks it up
+                shutil.copytree(checkpoint, self.folder.with_name("sft-resumed") / "checkpoints" / "step-2")
         self.seen[step] = metrics
         rank = os.environ.get("RANK", "0")
         (self.folder / f"metrics-rank{rank}.json").write_text(json.dumps(self.seen))
@@ -103,6 +106,12 @@ class Recorder:
 def run_sft(out: Path) -> None:
     model, tok = load_model_and_tokenizer(SMALL)
     train_sft(model, tok, SFT_ROWS, SFT, out / "sft", Recorder(out / "sft"), progress=False)
+
+
+def run_sft_resumed(out: Path) -> None:
+    """SFT again from the step-2 checkpoint the first run left: it trains step 3 only."""
+    model, tok = load_model_and_tokenizer(SMALL)
+    train_sft(model, tok, SFT_ROWS, SFT, out / "sft-resumed", Recorder(out / "sft-resumed"), progress=False)
 
 
 def run_grpo(out: Path) -> None:
@@ -121,6 +130,7 @@ def run_reward_model(out: Path) -> None:
 
 def run_all(out: Path) -> None:
     run_sft(out)
+    run_sft_resumed(out)
     run_grpo(out)
     run_reward_model(out)
 

@@ -84,6 +84,12 @@ def test_checkpoints_hold_every_process_state_once(runs):
     assert not (two / "sft" / "checkpoints").exists()  # the finished run cleared them, once
 
 
+def test_a_run_resumed_on_two_processes_ends_where_the_whole_run_ends(runs):
+    _, two = runs
+    assert sorted(reported(two, "sft-resumed")) == [3]  # it started from the step-2 checkpoint
+    assert_same_weights(two / "sft" / "model", two / "sft-resumed" / "model", atol=1e-6)
+
+
 def test_grpo_on_two_processes_matches_one(runs):
     one, two = runs
     a, b = reported(one, "grpo"), reported(two, "grpo")
