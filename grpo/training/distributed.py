@@ -8,11 +8,11 @@ meaning, the *global* batch:
   so N processes see the rows one process would.
 - GRPO: each process samples `prompts_per_step / N` prompts x G completions. A group never straddles two
   processes, so group advantages need no communication; each process draws its own completions (`sampling_seed`).
-- Loss normalisations over the whole batch are made global before the backward (`ProcessWeight`): DDP's mean
+- Loss normalisations over the whole batch are made global before the backward (`process_weight`): DDP's mean
   over processes then equals the one-process gradient at the same global batch, whatever each process's share of
   tokens (SFT's and DAPO's token means) or of padded width (Dr. GRPO).
 - Metrics are reduced across processes before they are reported (`reduce_metrics`); only the main process reports,
-  saves the final model and writes checkpoint markers, the others wait for it (`main_process_first` style barriers).
+  saves the final model and writes checkpoint markers, the others wait for it (`main_only`).
 
 With one process every function here is the identity (weights 1.0 exactly), so single-process results do not move.
 Must not depend on Prefect or MLflow.
@@ -21,7 +21,6 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Sequence, TypeVar
 
 import pandas as pd
@@ -55,7 +54,8 @@ def sampling_seed(seed: int, step: int, process_index: int) -> int:
 
 
 def main_only(acc: Accelerator):
-    """Run the body on the main process only; every process leaves it together (a barrier after)."""
+    """`with main_only(acc) as main: if main: ...`: work for the main process alone (saving), between two barriers,
+    so the others neither read what it has not finished writing nor run ahead."""
     return _MainOnly(acc)
 
 
@@ -68,21 +68,16 @@ class _MainOnly:
         return self.acc.is_main_process
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is None:  # a failing main process must not leave the others waiting forever in a barrier
+        if exc[0] is None:  # a failing process skips it and exits; the launcher then stops the others
             self.acc.wait_for_everyone()
-
-
-def sync_gradients_if(acc: Accelerator, model: torch.nn.Module, last: bool):
-    """Skip DDP's gradient all-reduce on all but the last micro-batch of an optimizer step (the sum is the same)."""
-    return nullcontext() if last or acc.num_processes == 1 else acc.no_sync(model)
 
 
 def matched_chunks(acc: Accelerator, chunks: list[slice]) -> list[tuple[slice, bool]]:
     """`(rows, counts)` for each micro-batch, padded so that every process runs as many forward/backward passes.
 
-    DDP synchronises in every forward (buffers) and backward (gradients): a process with fewer micro-batches than
-    the others (dynamic sampling short of groups) would leave them waiting. It repeats its last micro-batch with
-    `counts=False`, whose loss is multiplied by zero.
+    DDP all-reduces the gradients in every backward: a process with fewer micro-batches than the others (dynamic
+    sampling short of groups) would leave them waiting. It repeats its last micro-batch with `counts=False`, whose
+    loss is multiplied by zero.
     """
     if acc.num_processes == 1 or not chunks:
         return [(s, True) for s in chunks]
