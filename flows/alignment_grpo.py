@@ -35,7 +35,7 @@ def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentG
             before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0)
             metrics.update({f"{k}_before": v for k, v in before.items()})
         checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo,
-                                      reward_model_uri=reward_model)
+                                      reward_model_uri=reward_model, distributed=config.distributed)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps))

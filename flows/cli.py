@@ -244,6 +244,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     preflight.check_servers()  # first: the recipe's runs:/ URIs are looked up on the tracking server
     preflight.check_recipe(recipe, stages)
     preflight.check_precision(recipe, stages)
+    preflight.check_distributed(recipe, stages)
     return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
 
 

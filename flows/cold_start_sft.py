@@ -27,7 +27,8 @@ def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run
     """Fine-tune the base model on chain-of-thought rows; return the checkpoint URI and held-out metrics."""
     with stage_run(STAGE, config, parent_run_id) as run_id:
         data = prepare_data(run_id, config.data, "sft")
-        checkpoint = train_sft_model(run_id, STAGE, config.model, data.train, config.train)
+        checkpoint = train_sft_model(run_id, STAGE, config.model, data.train, config.train,
+                                     config.distributed)
         metrics = {}
         if data.heldout:
             metrics = evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,

@@ -202,6 +202,28 @@ def check_precision(recipe: Recipe, stages: Sequence[str]) -> None:
             raise UsageError(f"{where}.{e}") from None
 
 
+def check_distributed(recipe: Recipe, stages: Sequence[str]) -> None:
+    """Each training stage's `distributed` setting can run here: its accelerate config file exists, the machine has
+    a GPU per process (on a GPU machine), and "auto" splits the stage's global batches evenly."""
+    batches = {"cold_start_sft": {"train__batch_size": recipe.cold_start_sft.train.batch_size},
+               "reasoning_grpo": {"grpo__prompts_per_step": recipe.reasoning_grpo.grpo.prompts_per_step},
+               "sft": {"train__batch_size": recipe.sft.train.batch_size},
+               "alignment_grpo": {"grpo__prompts_per_step": recipe.alignment_grpo.grpo.prompts_per_step,
+                                  "reward_model__batch_size": recipe.alignment_grpo.reward_model.batch_size}}
+    for stage in stages:
+        cfg = getattr(getattr(recipe, stage), "distributed", None)
+        if cfg is None or (cfg.num_processes == 1 and cfg.config_file is None):
+            continue
+        from tasks import launch  # reads the GPUs (imports torch): only when a stage asks for processes
+
+        try:
+            launch.check_splits(cfg, **batches[stage])
+            if cfg.config_file:
+                launch.config_file_path(cfg.config_file)
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(f"{stage}: {e}") from None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The machine and the services around it
 

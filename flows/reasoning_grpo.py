@@ -38,7 +38,8 @@ def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningG
             before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0)
             metrics.update({f"{k}_before": v for k, v in before.items()})
         checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo,
-                                      ppo=config.ppo if config.algorithm == "ppo" else None)
+                                      ppo=config.ppo if config.algorithm == "ppo" else None,
+                                      distributed=config.distributed)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps))

@@ -30,7 +30,7 @@ def sft(dataset_uri: str, config: SFTStageConfig = SFTStageConfig(), heldout_uri
               **({"cold_start_dataset_uri": cold_start_dataset_uri} if config.include_cold_start else {})}
     with stage_run(STAGE, config, parent_run_id, inputs=inputs) as run_id:
         train = prepare_sft_mix(run_id, dataset_uri, cold_start_dataset_uri if config.include_cold_start else None)
-        checkpoint = train_sft_model(run_id, STAGE, config.model, train, config.train)
+        checkpoint = train_sft_model(run_id, STAGE, config.model, train, config.train, config.distributed)
         metrics = {}
         if heldout_uri:
             metrics = evaluate_model(run_id, checkpoint, config.model, heldout_uri, config.eval,

@@ -28,6 +28,13 @@ def check_prompts_per_step(prompts_per_step: int, prompts: int | None, source: s
                          f"{source} gives; lower it or give more prompts (data.num_train)")
 
 
+def check_process_split(field: str, size: int, num_processes: int | str) -> None:
+    """Each of the training processes takes an equal share of `field` (a global batch): it must split evenly."""
+    if isinstance(num_processes, int) and num_processes > 1 and size % num_processes:
+        raise ValueError(f"{field} ({size}) must be a multiple of distributed.num_processes ({num_processes}): each "
+                         f"process takes an equal share of it")
+
+
 def check_fits_context(field: str, tokens: int, context: int, plus_prompt: bool) -> None:
     """Raise if `tokens` (plus at least one prompt token for a completion budget) cannot fit `context`."""
     if tokens + plus_prompt > context:

@@ -8,13 +8,12 @@ the work, so a recipe is read and checked in well under a second.
 
 
 from pathlib import Path
-
-import yaml
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpo.checks import check_fits_context, check_prompts_per_step, describe_errors
+from grpo.checks import check_fits_context, check_process_split, check_prompts_per_step, describe_errors
 from grpo.config import (
     REWARD_MODEL,
     TINY,
@@ -38,6 +37,29 @@ from grpo.rewards.registry import REWARD_FUNCTIONS
 STAGES = ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo")
 
 
+class DistributedConfig(BaseModel):
+    """How many processes a stage's training loops run on: one, inside the stage's own process, by default.
+
+    With more, the stage task runs the loop under `accelerate launch` (DDP: gloo on CPU, NCCL with one GPU per
+    process) and the batch sizes stay global: each process takes an equal share (README: "Training across
+    processes").
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # processes; "auto": one per GPU the machine shows (in a Kubernetes job: the GPUs it requested), 1 without GPUs
+    num_processes: int | Literal["auto"] = 1
+    # an accelerate config file for the launch (e.g. deployments/accelerate/fsdp-7b.yaml); None: plain DDP
+    config_file: str | None = None
+
+    @field_validator("num_processes")
+    @classmethod
+    def _at_least_one(cls, n):
+        if isinstance(n, int) and n < 1:
+            raise ValueError(f"must be at least 1 or \"auto\" (got {n})")
+        return n
+
+
 class ColdStartSFTConfig(BaseModel):
     """Stage 1: supervised fine-tuning of the base model on a few thousand chain-of-thought rows."""
 
@@ -47,6 +69,12 @@ class ColdStartSFTConfig(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig)  # the cold-start rows (prompt, response)
     train: SFTConfig = Field(default_factory=SFTConfig)  # the training loop
     eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation after training
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # processes the training runs on
+
+    @model_validator(mode="after")
+    def _check(self) -> "ColdStartSFTConfig":
+        check_process_split("train.batch_size", self.train.batch_size, self.distributed.num_processes)
+        return self
 
 
 class ReasoningGRPOConfig(BaseModel):
@@ -63,9 +91,11 @@ class ReasoningGRPOConfig(BaseModel):
     # sampling, KL and optimiser settings and `ppo`'s own
     algorithm: Literal["grpo", "ppo"] = "grpo"
     ppo: PPOConfig = Field(default_factory=PPOConfig)  # read only with algorithm ppo
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # processes the training runs on
 
     @model_validator(mode="after")
     def _check(self) -> "ReasoningGRPOConfig":
+        check_process_split("grpo.prompts_per_step", self.grpo.prompts_per_step, self.distributed.num_processes)
         self.grpo.check_rewards(set(REWARD_FUNCTIONS))  # no reward model in this stage: rule rewards only
         if self.grpo.step_verifier == "arithmetic" and self.data.source != "synthetic":
             raise ValueError(f"grpo.step_verifier 'arithmetic' reads the synthetic task's equations; data.source is "
@@ -73,6 +103,9 @@ class ReasoningGRPOConfig(BaseModel):
         if self.algorithm == "ppo" and self.grpo.supervision == "process":
             raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
                              "reward at each completion's last token: use supervision 'outcome' with ppo")
+        if self.algorithm == "ppo" and (self.distributed.num_processes != 1 or self.distributed.config_file):
+            raise ValueError("algorithm ppo trains in one process (its critic is not split across processes): "
+                             "leave distributed at its default, num_processes 1")
         self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
         return self
 
@@ -112,6 +145,12 @@ class SFTStageConfig(BaseModel):
     # also train on the cold-start rows (R1 reuses parts of DeepSeek-V3's SFT data; a recipe whose curated set is
     # small keeps what stage 1 taught this way)
     include_cold_start: bool = False
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # processes the training runs on
+
+    @model_validator(mode="after")
+    def _check(self) -> "SFTStageConfig":
+        check_process_split("train.batch_size", self.train.batch_size, self.distributed.num_processes)
+        return self
 
 
 class AlignmentGRPOConfig(BaseModel):
@@ -131,9 +170,12 @@ class AlignmentGRPOConfig(BaseModel):
     eval_before: bool = True  # also score the starting checkpoint, so the run shows what alignment cost or gained
     registered_model: str = "r1-tiny"  # MLflow registry name the final model is registered under
     alias: str = "champion"  # registry alias pointed at the new version (models:/<name>@<alias>)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's
 
     @model_validator(mode="after")
     def _check(self) -> "AlignmentGRPOConfig":
+        check_process_split("grpo.prompts_per_step", self.grpo.prompts_per_step, self.distributed.num_processes)
+        check_process_split("reward_model.batch_size", self.reward_model.batch_size, self.distributed.num_processes)
         self.grpo.check_rewards(set(REWARD_FUNCTIONS) | {REWARD_MODEL})
         if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
             raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "

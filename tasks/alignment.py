@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 from mlflow.exceptions import MlflowException
 from prefect import task
@@ -10,8 +12,8 @@ from prefect.logging import get_run_logger
 from grpo.recipe import AlignmentGRPOConfig
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import general_prompts, load_preference_data
-from grpo.training.reward_model import train_reward_model
-from tasks import tracking
+from grpo.training.reward_model import RewardModelResult, train_reward_model
+from tasks import launch, tracking
 from tasks.data import DataURIs
 from tasks.stage import log_precision, work_dir
 
@@ -43,12 +45,21 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
     if cfg.reward_model_uri:
         return cfg.reward_model_uri
     pairs, heldout = load_preference_data(cfg.preferences)
+    launch.check_splits(cfg.distributed, reward_model__batch_size=cfg.reward_model.batch_size)
     tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source,
                          context="reward_model")
-    out = work_dir(run_id, "reward_model", cfg.preferences, cfg.reward_model)
+    launched = launch.is_launched(cfg.distributed)
+    out = work_dir(run_id, "reward_model", cfg.preferences, cfg.reward_model, *([cfg.distributed] if launched else []))
     log_precision(run_id, "reward_model", cfg.reward_model.mixed_precision)
-    result = train_reward_model(pairs, cfg.reward_model, out, on_metrics=tracking.MetricsLogger(run_id),
-                                heldout=heldout, source=cfg.preferences.source)
+    if launched:
+        frames = {"rows": pairs, **({"heldout": heldout} if heldout is not None else {})}
+        report = launch.run_launched("reward_model", out, cfg.distributed,
+                                     {"cfg": cfg.reward_model.model_dump(mode="json"), "source": cfg.preferences.source},
+                                     tracking.MetricsLogger(run_id), frames=frames)
+        result = RewardModelResult(**{**report, "model_dir": Path(report["model_dir"])})
+    else:
+        result = train_reward_model(pairs, cfg.reward_model, out, on_metrics=tracking.MetricsLogger(run_id),
+                                    heldout=heldout, source=cfg.preferences.source)
     tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,
                                                   "rm/heldout_accuracy_before": result.heldout_accuracy_before})
     get_run_logger().info("reward model: held-out pair accuracy %.3f (untrained %.3f)", result.heldout_accuracy,

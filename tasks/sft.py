@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
@@ -9,28 +11,39 @@ from prefect.logging import get_run_logger
 from grpo.config import ModelConfig, SFTConfig
 from grpo.data.tables import validate_rows
 from grpo.models import load_model_and_tokenizer
+from grpo.recipe import DistributedConfig
 from grpo.training.sft_trainer import train_sft
-from tasks import tracking
+from tasks import launch, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
 from tasks.stage import log_precision, note_resume, work_dir
 
 
 @task(name="train_sft_model")
-def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: str, cfg: SFTConfig) -> str:
+def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: str, cfg: SFTConfig,
+                    distributed: DistributedConfig = DistributedConfig()) -> str:
     """Fine-tune the model on the training rows; log per-step metrics; return the checkpoint's URI."""
     rows = read_frame(train_uri)
-    model, tokenizer = load_model_and_tokenizer(model_cfg)
+    processes = launch.check_splits(distributed, train__batch_size=cfg.batch_size)  # before any model loads
     # keyed by what determines the result, so rerunning an interrupted stage resumes from its last checkpoint
-    out = work_dir(run_id, stage, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
-                   rows["response"].tolist())
+    keys = (model_cfg, cfg, rows["prompt"].astype(str).tolist(), rows["response"].tolist())
+    out = work_dir(run_id, stage, *keys, *([distributed] if launch.is_launched(distributed) else []))
     if step := note_resume(run_id, out):
         get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
     log_precision(run_id, "train", cfg.mixed_precision)
-    result = train_sft(model, tokenizer, rows, cfg, out, TrainingProgress(run_id, stage, cfg.max_steps),
-                       source=train_uri)
-    get_run_logger().info("SFT finished: %d steps, final loss %.4f", result.steps, result.final_loss)
-    return tracking.log_dir(run_id, result.model_dir, "checkpoint")
+    progress = TrainingProgress(run_id, stage, cfg.max_steps)
+    if launch.is_launched(distributed):
+        get_run_logger().info("training on %d processes (accelerate launch)", processes)
+        report = launch.run_launched("sft", out, distributed, {"model": model_cfg.model_dump(mode="json"),
+                                                               "cfg": cfg.model_dump(mode="json"),
+                                                               "source": train_uri},
+                                     progress, frames={"rows": rows})
+        model_dir, steps, final_loss = Path(report["model_dir"]), report["steps"], report["final_loss"]
+    else:
+        model, tokenizer = load_model_and_tokenizer(model_cfg)
+        model_dir, steps, final_loss = train_sft(model, tokenizer, rows, cfg, out, progress, source=train_uri)
+    get_run_logger().info("SFT finished: %d steps, final loss %.4f", steps, final_loss)
+    return tracking.log_dir(run_id, model_dir, "checkpoint")
 
 
 @task(name="prepare_sft_mix")

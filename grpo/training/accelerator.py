@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
 from accelerate.state import AcceleratorState
 
 from grpo.training.precision import choose_precision, emulated_bf16_warning, this_machine
@@ -21,7 +21,8 @@ def make_accelerator(mixed_precision: str, gradient_accumulation_steps: int = 1)
     (`grpo.training.precision`); the Accelerator's `mixed_precision` is the answer, which the loops pass on.
     Accelerate keeps its state process-global and refuses a second, different mixed-precision setting; the
     pipeline runs several stages in one process (cold-start SFT in bf16, then GRPO in fp32, say), so each loop
-    starts from a clean state. Under `accelerate launch` the distributed setup is re-read from the environment.
+    starts from a clean state. Under `accelerate launch` the distributed setup is re-read from the environment
+    (gloo on CPU, NCCL on GPU; `grpo.training.distributed` says how the loops split their batches).
     """
     hw = this_machine()
     precision = choose_precision(mixed_precision, hw)
@@ -29,8 +30,14 @@ def make_accelerator(mixed_precision: str, gradient_accumulation_steps: int = 1)
     if slow:  # once per process: the warnings module shows a given message once
         warnings.warn(slow, RuntimeWarning)
     AcceleratorState._reset_state(reset_partial_state=True)
+    # DDP's buffer broadcast in every forward would tie the processes' forward counts together (sampling and
+    # reference passes differ per process); the models' buffers (rotary frequencies) never change anyway
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
+    # the loops' batch sizes are global (each process takes its share), so the prepared scheduler steps once per
+    # optimizer step, not once per process as it would for per-process batches
+    global_batches = DataLoaderConfiguration(split_batches=True)
     return Accelerator(mixed_precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
-                       cpu=hw.device != "cuda")
+                       cpu=hw.device != "cuda", kwargs_handlers=[ddp], dataloader_config=global_batches)
 
 
 def make_adamw(model: torch.nn.Module | list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:

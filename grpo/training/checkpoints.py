@@ -32,7 +32,11 @@ def resumable_step(output_dir: str | Path) -> int:
 def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int) -> None:
     """Model, optimizer, scheduler and RNG state at `step`; only the newest `keep` checkpoints stay."""
     path = root / f"step-{step}"
+    # every process calls it: the main process writes the weights and optimizer, each process its RNG state
     acc.save_state(str(path), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
-    (path / "trainer_state.json").write_text(json.dumps({"step": step}))  # last: marks the checkpoint complete
-    for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()  # the marker goes in once every process has written its part
+    if acc.is_main_process:
+        (path / "trainer_state.json").write_text(json.dumps({"step": step}))  # last: marks the checkpoint complete
+        for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()

@@ -11,6 +11,8 @@ One step, as in the DeepSeekMath/R1 papers:
 With mu = 1 pi_old is the policy being optimised, so the ratio is exactly 1 and nothing is recomputed; with
 mu > 1 pi_old's log-probs are computed once, before the first update. Optional dynamic sampling (DAPO)
 drops groups whose rewards all agree, which carry no gradient, and samples more prompts to refill the batch.
+Under `accelerate launch --num_processes N` each process samples and trains on prompts_per_step / N of the step's
+prompts, whole groups each (`grpo.training.distributed` says what is split and what is reduced).
 
 Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 """
@@ -40,6 +42,8 @@ from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBacken
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
+from grpo.training.distributed import (check_split, gather_table, main_only, matched_chunks, process_share,
+                                       process_weight, reduce_metrics, sampling_seed)
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
@@ -116,6 +120,7 @@ class GRPOTrainer:
         self.output_dir = Path(output_dir)
         self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
         self.acc = make_accelerator(cfg.mixed_precision)
+        check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)  # whole groups per process
         model = model.to(self.acc.device)
         if cfg.lora is not None:  # only the adapters train; the reference is the base with them off
             model = add_lora(model, cfg.lora)
@@ -164,8 +169,9 @@ class GRPOTrainer:
 
     def collect(self, step: int) -> tuple[Rollout, list[int], object, dict[str, float]]:
         """Sample and score one step's groups (refilling dropped ones when dynamic sampling is on)."""
-        G, want = self.cfg.num_generations, self.cfg.prompts_per_step
-        idx = prompt_order(len(self.prompts), step, want, self.cfg.seed)
+        G, want = self.cfg.num_generations, self.cfg.prompts_per_step // self.acc.num_processes
+        # this process's share of the step's prompts (all of them in one process)
+        idx = process_share(self.acc, prompt_order(len(self.prompts), step, self.cfg.prompts_per_step, self.cfg.seed))
         rollout = self.sample(idx)
         scores = self.score(rollout, idx)
         stats = {"dynamic/refill_rounds": 0.0}
@@ -178,7 +184,8 @@ class GRPOTrainer:
         for draw in range(1, self.cfg.max_refill_rounds + 1):
             if sum(len(p[3]) for p in parts) >= want:
                 break
-            more = prompt_order(len(self.prompts), step, want, self.cfg.seed, draw)
+            more = process_share(self.acc, prompt_order(len(self.prompts), step, self.cfg.prompts_per_step,
+                                                        self.cfg.seed, draw))
             r = self.sample(more)
             s = self.score(r, more)
             parts.append((r, s, more, _spread_groups(s.total, G)))
@@ -243,7 +250,9 @@ class GRPOTrainer:
         C = batch.completion_mask.size(1)
         sums: dict[str, float] = {}
         self.model.train()
-        for s in _chunks(N, cfg.micro_batch_size):
+        # this process's loss as a share of the global batch's (1.0 in one process); DDP averages the gradients
+        weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
+        for s, counts in matched_chunks(self.acc, _chunks(N, cfg.micro_batch_size)):
             with self.acc.autocast():
                 logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
                                              cfg.sampling.temperature, with_entropy=True)
@@ -252,7 +261,7 @@ class GRPOTrainer:
                                     batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
                                     epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
                                     importance_sampling_level=cfg.importance_sampling_level)
-            share = batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask)
+            share = batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask) * weight * float(counts)
             self.acc.backward(loss * share)
             mask = batch.completion_mask[s]
             stats["train/loss"] = loss.item()
@@ -269,7 +278,8 @@ class GRPOTrainer:
         cfg = self.cfg
         ckpt_root = self.output_dir / "checkpoints"
         start = self._resume(ckpt_root)
-        bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", disable=not self.progress, mininterval=2.0)
+        bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", mininterval=2.0,
+                   disable=not self.progress or not self.acc.is_main_process)
         policy = self.acc.unwrap_model(self.model)
         core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
         with (cpu_attention(core, self.ref_model), compact_mlp(core),
@@ -279,16 +289,18 @@ class GRPOTrainer:
         model_dir = self.output_dir / "model"
         if self.master_weights is not None:  # bf16 weights: save the fp32 masters the optimizer stepped
             self.master_weights.export_weights()
-        # with LoRA: merged weights (what the next stage loads) and the adapter alone beside them
-        save_merged(policy, model_dir, self.output_dir / "adapter")
-        self.tokenizer.save_pretrained(model_dir)
-        shutil.rmtree(ckpt_root, ignore_errors=True)
+        with main_only(self.acc) as main:
+            if main:  # with LoRA: merged weights (what the next stage loads) and the adapter alone beside them
+                save_merged(policy, model_dir, self.output_dir / "adapter")
+                self.tokenizer.save_pretrained(model_dir)
+                shutil.rmtree(ckpt_root, ignore_errors=True)
         return GRPOResult(model_dir, cfg.max_steps)
 
     def _loop(self, start: int, bar, ckpt_root: Path) -> None:
         cfg = self.cfg
         for step in range(start, cfg.max_steps):
-            torch.manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run samples what it would have sampled
+            # a resumed run samples what it would have sampled; each process draws its own completions
+            torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
             steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
@@ -302,10 +314,16 @@ class GRPOTrainer:
             metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen, t_ref))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/total']:.3f}")
-            if self.on_metrics and (done % cfg.log_every == 0 or done == cfg.max_steps):
-                self.on_metrics(done, metrics)
-            if self.on_samples and cfg.samples_every and (done % cfg.samples_every == 0 or done == 1):
-                self.on_samples(done, self._samples_table(rollout, idx, scores))
+            main = self.acc.is_main_process  # the one that reports; the others join the reductions
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                metrics = reduce_metrics(self.acc, metrics)  # the global batch's figures
+                if self.on_metrics and main:
+                    self.on_metrics(done, metrics)
+            wants_samples = self.on_samples is not None or self.acc.num_processes > 1  # the same on every process
+            if wants_samples and cfg.samples_every and (done % cfg.samples_every == 0 or done == 1):
+                table = gather_table(self.acc, self._samples_table(rollout, idx, scores))
+                if self.on_samples and main:
+                    self.on_samples(done, table)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
 

@@ -50,6 +50,7 @@ from grpo.rewards import completion_text
 from grpo.sampling.backend import render_prompts
 from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
+from grpo.training.distributed import check_split, full_state_dict, main_only, process_share, reduce_metrics
 from grpo.training.sft_trainer import _response_text, batch_indices
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -280,6 +281,7 @@ def train_reward_model(
     torch.manual_seed(cfg.seed)
 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
+    check_split("batch_size", cfg.batch_size, acc.num_processes)  # pairs per global micro-batch
     model.config.use_cache = False  # one forward per batch: a KV cache would only cost memory
     checkpointing = activation_checkpointing(model, cfg.gradient_checkpointing)  # on for the training loop only
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
@@ -290,11 +292,15 @@ def train_reward_model(
     def evaluate() -> dict[str, float]:
         if heldout is None:
             return {"rm/heldout_accuracy": math.nan, "rm/heldout_margin": math.nan}
-        model.eval()  # the mode a scorer loaded from the saved folder runs in: the same figures
-        with acc.autocast():
-            metrics = evaluate_pairs(RewardModelScorer(acc.unwrap_model(model), tok, cfg.eval_batch_size), heldout)
-        model.train()
-        return metrics
+        metrics = {}
+        with main_only(acc) as main:  # the processes hold the same weights: one evaluates, the others wait
+            if main:
+                model.eval()  # the mode a scorer loaded from the saved folder runs in: the same figures
+                with acc.autocast():
+                    metrics = evaluate_pairs(RewardModelScorer(acc.unwrap_model(model), tok, cfg.eval_batch_size),
+                                             heldout)
+                model.train()
+        return metrics or {"rm/heldout_accuracy": math.nan, "rm/heldout_margin": math.nan}
 
     before = evaluate()["rm/heldout_accuracy"]
     with checkpointing:
@@ -307,7 +313,7 @@ def train_reward_model(
         for step in range(cfg.max_steps):
             for micro in range(cfg.grad_accum_steps):
                 idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
-                batch = [examples[i] for i in idx]
+                batch = [examples[i] for i in process_share(acc, idx)]  # pairs are equal shares: DDP's mean is exact
                 B = len(batch)
                 # chosen and rejected in one forward: rows [0, B) are chosen, [B, 2B) their rejected partners
                 ids, mask = pad_right([e.chosen_ids for e in batch] + [e.rejected_ids for e in batch],
@@ -325,24 +331,27 @@ def train_reward_model(
             bar.update(1)
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
-                means = {k: sum(v) / len(v) for k, v in window.items()}
+                means = reduce_metrics(acc, {k: sum(v) / len(v) for k, v in window.items()})  # over processes
                 for v in window.values():
                     v.clear()
                 last_loss = means["rm/loss"]
                 bar.set_postfix(loss=f"{last_loss:.3f}", acc=f"{means['rm/accuracy']:.2f}")
-                if on_metrics:
+                if on_metrics and acc.is_main_process:
                     on_metrics(done, {**means, "rm/learning_rate": scheduler.get_last_lr()[0],
                                       "rm/grad_norm": float(grad_norm) if grad_norm is not None else math.nan})
         bar.close()
     seconds = time.perf_counter() - start_time
 
     heldout_metrics = evaluate()
-    if on_metrics and heldout is not None:
+    if on_metrics and heldout is not None and acc.is_main_process:
         on_metrics(cfg.max_steps, heldout_metrics)
     model_dir = Path(output_dir) / "model"
     unwrapped = acc.unwrap_model(model)
     unwrapped.config.use_cache = True
-    unwrapped.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    weights = full_state_dict(acc, model)  # None: save_pretrained reads the model's own
+    with main_only(acc) as main:
+        if main:
+            unwrapped.save_pretrained(model_dir, state_dict=weights)
+            tok.save_pretrained(model_dir)
     return RewardModelResult(model_dir, cfg.max_steps, last_loss, heldout_metrics["rm/heldout_accuracy"], before,
                              heldout_metrics, seconds)

@@ -3,7 +3,8 @@
 The loop is plain and visible: tokenize every row up front (so a row that cannot fit fails before any training),
 draw batches by step number (so a resumed run sees exactly the batches it would have seen), and step through
 Hugging Face Accelerate, which handles device placement, mixed precision, gradient accumulation and multi-GPU
-launches. Every `checkpoint_every` steps the model, optimizer, scheduler and RNG state are saved; a run that finds
+launches (under `accelerate launch --num_processes N` each process takes 1/N of every batch's rows and the loss
+stays the token mean over the whole batch: `grpo.training.distributed`). Every `checkpoint_every` steps the model, optimizer, scheduler and RNG state are saved; a run that finds
 a checkpoint in its output folder resumes from it and loses at most the steps since.
 
 Must not depend on Prefect or MLflow: metrics go to a callback.
@@ -31,6 +32,7 @@ from grpo.models import activation_checkpointing
 from grpo.sampling.backend import render_prompts
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
+from grpo.training.distributed import check_split, full_state_dict, main_only, process_share, reduce_sum
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -114,6 +116,9 @@ def train_sft(
     torch.manual_seed(cfg.seed)
 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
+    check_split("batch_size", cfg.batch_size, acc.num_processes)  # batch_size is the global micro-batch
+    # the tokens the loss counts in each row (the model shifts labels by one): a batch's token mean across processes
+    label_tokens = [sum(t != -100 for t in e.labels[1:]) for e in examples]
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=cfg.max_steps)
@@ -137,20 +142,24 @@ def train_sft(
         for step in range(start, cfg.max_steps):
             for micro in range(cfg.grad_accum_steps):
                 idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
-                collated = collate([examples[i] for i in idx], tokenizer.pad_token_id)
+                mine = process_share(acc, idx)  # all of idx in one process
+                collated = collate([examples[i] for i in mine], tokenizer.pad_token_id)
                 batch = {k: v.to(acc.device) for k, v in collated.items()}
+                # this process's share of the batch's response tokens: 1.0 in one process
+                share = sum(label_tokens[i] for i in mine) / sum(label_tokens[i] for i in idx)
                 with acc.accumulate(model):
-                    loss = model(**batch).loss  # mean over response tokens (labels -100 elsewhere)
-                    acc.backward(loss)
+                    loss = model(**batch).loss  # mean over this process's response tokens (labels -100 elsewhere)
+                    # DDP averages over processes: x N x share makes it the token mean over the whole batch
+                    acc.backward(loss * (acc.num_processes * share))
                     grad_norm = optimizer_step(acc, model, optimizer, scheduler, cfg.max_grad_norm)
-                window.append(loss.item())
+                window.append(loss.item() * share)
             bar.update(1)
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
-                last_loss = sum(window) / len(window)
+                last_loss = reduce_sum(acc, sum(window)) / len(window)  # every process's shares of each batch
                 window.clear()
                 bar.set_postfix(loss=f"{last_loss:.3f}")
-                if on_metrics:
+                if on_metrics and acc.is_main_process:
                     on_metrics(done, {"train/loss": last_loss, "train/learning_rate": scheduler.get_last_lr()[0],
                                       "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                                       "train/epoch": done * cfg.grad_accum_steps * cfg.batch_size / len(examples)})
@@ -159,7 +168,10 @@ def train_sft(
     bar.close()
 
     model_dir = output_dir / "model"
-    unwrapped.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    shutil.rmtree(ckpt_root, ignore_errors=True)  # the run finished: the final model supersedes its checkpoints
+    weights = full_state_dict(acc, model)  # None: save_pretrained reads the model's own
+    with main_only(acc) as main:
+        if main:
+            unwrapped.save_pretrained(model_dir, state_dict=weights)
+            tokenizer.save_pretrained(model_dir)
+            shutil.rmtree(ckpt_root, ignore_errors=True)  # the run finished: the final model supersedes its checkpoints
     return SFTResult(model_dir, cfg.max_steps, last_loss)

@@ -1,0 +1,148 @@
+"""A stage's training loop across processes: `accelerate launch` of `tasks.worker`, its reports logged here.
+
+A stage whose recipe section sets `distributed.num_processes` above 1 (or an accelerate config file) does not
+train in the Prefect task's own process: the task resolves every input to a local file, writes a job file in its
+work folder and runs `accelerate launch --num_processes N -m tasks.worker <job file>` as a subprocess (DDP:
+accelerate picks gloo on CPU and NCCL on GPU). The main process of the launch appends its metrics and sample tables
+to an events file; this module follows that file while the children run and hands each line to the stage's
+callbacks (MLflow metrics, the Prefect progress artifact), so the task's process is the only one that talks to
+MLflow. The children's output goes to `launch.log` beside the job file; a failed launch raises with its tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from grpo.recipe import DistributedConfig
+from tasks.env import PROJECT_ROOT
+
+MetricsCallback = Callable[[int, dict[str, float]], None]
+SamplesCallback = Callable[[int, pd.DataFrame], None]
+
+
+def num_processes(cfg: DistributedConfig) -> int:
+    """The recipe's process count on this machine ("auto": one per visible GPU, 1 without); refused if it cannot run."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = max(gpus, 1) if cfg.num_processes == "auto" else cfg.num_processes
+    if gpus and n > gpus:  # NCCL wants a GPU of its own per process
+        raise ValueError(f"distributed.num_processes={n}: this machine shows {gpus} GPU(s), and each process needs "
+                         f"one; lower it, or use \"auto\" for one process per GPU")
+    return n
+
+
+def is_launched(cfg: DistributedConfig) -> bool:
+    """Whether the stage's loops run in launched processes (else in the task's own, as one process)."""
+    return num_processes(cfg) > 1 or cfg.config_file is not None
+
+
+def check_splits(cfg: DistributedConfig, **sizes: int) -> int:
+    """The process count, once every global batch size in `sizes` (field name -> size) splits evenly across it."""
+    from grpo.checks import check_process_split
+
+    n = num_processes(cfg)
+    for field, size in sizes.items():
+        check_process_split(field.replace("__", "."), size, n)
+    return n
+
+
+def config_file_path(name: str) -> Path:
+    """An accelerate config file as given, or relative to the project (deployments/accelerate/...)."""
+    path = Path(name)
+    path = path if path.is_absolute() or path.exists() else PROJECT_ROOT / path
+    if not path.is_file():
+        raise FileNotFoundError(f"distributed.config_file: no accelerate config file {name!r} (looked in the current "
+                                f"folder and the project's)")
+    return path
+
+
+def launch_command(cfg: DistributedConfig, n: int, job_file: Path, port: int) -> list[str]:
+    """The `accelerate launch` command line that runs the job on `n` processes of this machine."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+    if cfg.config_file:
+        cmd += ["--config_file", str(config_file_path(cfg.config_file))]
+    else:
+        # accelerate's flag for its torchrun launcher: N processes on this machine. The children's Accelerator
+        # then takes NCCL with a GPU each, or gloo on CPU (make_accelerator passes cpu=True where there is no GPU)
+        cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return cmd + ["-m", "tasks.worker", str(job_file)]
+
+
+def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_metrics: MetricsCallback | None,
+                 on_samples: SamplesCallback | None = None, frames: dict[str, pd.DataFrame] | None = None) -> dict:
+    """Run `loop` (a `tasks.worker.LOOPS` name) across the processes; return what its main process reported.
+
+    `job` holds the loop's inputs (JSON-able); `frames` are written as Parquet beside the job file and passed by
+    path under the same keys. Blocks until the launch ends; metrics and sample tables reach the callbacks as the
+    main process writes them.
+    """
+    n = num_processes(cfg)
+    folder = out / "launch"
+    folder.mkdir(parents=True, exist_ok=True)
+    events, result, log = folder / "events.jsonl", folder / "result.json", folder / "launch.log"
+    for stale in (events, result):
+        stale.unlink(missing_ok=True)
+    job = {**job, "loop": loop, "output_dir": str(out), "events": str(events), "result": str(result)}
+    for key, frame in (frames or {}).items():
+        frame.to_parquet(folder / f"{key}.parquet")
+        job[key] = str(folder / f"{key}.parquet")
+    job_file = folder / "job.json"
+    job_file.write_text(json.dumps(job, indent=1))
+    cmd = launch_command(cfg, n, job_file, _free_port())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+           "MASTER_ADDR": "127.0.0.1"}
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_ROOT)
+        try:
+            _follow(proc, events, on_metrics, on_samples)
+        except BaseException:
+            proc.terminate()  # the launcher stops its children
+            proc.wait(30)
+            raise
+    if proc.returncode != 0 or not result.exists():
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        raise RuntimeError(f"training on {n} processes failed (exit code {proc.returncode}); `{' '.join(cmd)}`; "
+                           f"the end of {log}:\n{tail}")
+    return json.loads(result.read_text())
+
+
+def _follow(proc: subprocess.Popen, events: Path, on_metrics: MetricsCallback | None,
+            on_samples: SamplesCallback | None) -> None:
+    """Hand each complete line of the events file to its callback until the process has ended and all is read."""
+    offset = 0
+    while True:
+        ended = proc.poll() is not None
+        if events.exists():
+            with events.open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next round
+            offset += len(complete)
+            for line in complete.splitlines():
+                event = json.loads(line)
+                if "metrics" in event and on_metrics:
+                    on_metrics(event["step"], event["metrics"])
+                elif "samples" in event and on_samples:
+                    split = event["samples"]
+                    on_samples(event["step"], pd.DataFrame(split["data"], columns=split["columns"]))
+        if ended:
+            return
+        time.sleep(0.5)
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on now, for the launch's rendezvous on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

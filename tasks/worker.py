@@ -1,0 +1,120 @@
+"""What each process of a launched training stage runs: one training loop, read from a job file.
+
+    accelerate launch --num_processes N -m tasks.worker <work folder>/launch/job.json
+
+The stage task (`tasks.launch`) writes the job file with every input already a local file (rows as Parquet, the
+model as a folder or the tiny config), starts this module under `accelerate launch`, and logs what the main process
+reports. Only the main process (rank 0) reports, through the loops' callbacks: it appends metrics and sample
+tables as JSON lines to the job's events file, and writes `result.json` when the loop has finished. Imports
+neither Prefect nor MLflow: the task that launched it is the only process that talks to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+class EventWriter:
+    """The loops' `on_metrics` and `on_samples` callbacks: one JSON line each, appended to the events file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def _write(self, event: dict) -> None:
+        with self.path.open("a") as f:  # one write per line, flushed on close: the task reads whole lines only
+            f.write(json.dumps(event) + "\n")
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self._write({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}})
+
+    def samples(self, step: int, table: pd.DataFrame) -> None:
+        self._write({"step": step, "samples": json.loads(table.to_json(orient="split", index=False))})
+
+
+def _sft(job: dict, events: EventWriter) -> dict:
+    from grpo.config import ModelConfig, SFTConfig
+    from grpo.models import load_model_and_tokenizer
+    from grpo.training.sft_trainer import train_sft
+
+    model, tokenizer = load_model_and_tokenizer(ModelConfig.model_validate(job["model"]))
+    result = train_sft(model, tokenizer, pd.read_parquet(job["rows"]), SFTConfig.model_validate(job["cfg"]),
+                       job["output_dir"], events.metrics, source=job["source"])
+    return {"model_dir": str(result.model_dir), "steps": result.steps, "final_loss": result.final_loss}
+
+
+def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_model: str | None = None,
+                     prm: str | None = None, ppo=None, on_metrics=None, on_samples=None):
+    """The GRPO (or, with `ppo`, PPO) trainer of a stage, from local inputs only: the stage task's own process and
+    each launched process build it the same way.
+
+    `reward_model` and `prm` are local folders: the alignment stage's reward model (the "reward_model" reward) and
+    the process reward model that scores steps (`step_verifier: prm`).
+    """
+    from grpo.models import load_model_and_tokenizer
+    from grpo.rewards import REWARD_FUNCTIONS
+    from grpo.training.grpo_trainer import GRPOTrainer
+    from grpo.training.reward_model import RewardModelScorer, reward_model_reward
+
+    reward_functions = None
+    if reward_model:
+        scorer = RewardModelScorer.from_pretrained(reward_model)
+        reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
+    model, tokenizer = load_model_and_tokenizer(model_cfg)
+    kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions)
+    if ppo is not None:
+        from grpo.training.ppo_trainer import PPOTrainer
+
+        return PPOTrainer(model, tokenizer, rows, cfg, output_dir, ppo=ppo, **kwargs)
+    step_verifiers = None
+    if prm:
+        from grpo.training.prm import prm_step_verifier
+
+        step_verifiers = {"prm": prm_step_verifier(prm)}
+    return GRPOTrainer(model, tokenizer, rows, cfg, output_dir, step_verifiers=step_verifiers, **kwargs)
+
+
+def _grpo(job: dict, events: EventWriter) -> dict:
+    from grpo.config import GRPOConfig, ModelConfig
+
+    trainer = build_rl_trainer(ModelConfig.model_validate(job["model"]), pd.read_parquet(job["rows"]),
+                               GRPOConfig.model_validate(job["cfg"]), job["output_dir"],
+                               reward_model=job.get("reward_model"), prm=job.get("prm"),
+                               on_metrics=events.metrics, on_samples=events.samples)
+    result = trainer.train()
+    return {"model_dir": str(result.model_dir), "steps": result.steps}
+
+
+def _reward_model(job: dict, events: EventWriter) -> dict:
+    from grpo.config import RewardModelConfig
+    from grpo.training.reward_model import train_reward_model
+
+    heldout = pd.read_parquet(job["heldout"]) if job.get("heldout") else None
+    result = train_reward_model(pd.read_parquet(job["rows"]), RewardModelConfig.model_validate(job["cfg"]),
+                                job["output_dir"], events.metrics, heldout=heldout, source=job["source"])
+    return {**result._asdict(), "model_dir": str(result.model_dir)}
+
+
+LOOPS = {"sft": _sft, "grpo": _grpo, "reward_model": _reward_model}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not Path(argv[0]).is_file():
+        print(__doc__, file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text())
+    if job.get("loop") not in LOOPS:
+        raise SystemExit(f"{argv[0]}: loop must be one of {sorted(LOOPS)}, got {job.get('loop')!r}")
+    result = LOOPS[job["loop"]](job, EventWriter(job["events"]))
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's global rank; the loops have saved and synchronised
+        Path(job["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

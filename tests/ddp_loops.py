@@ -1,0 +1,139 @@
+"""The SFT, GRPO and reward-model loops on a tiny model, run alike in one process or under `accelerate launch`.
+
+    accelerate launch --multi_gpu --num_processes 2 tests/ddp_loops.py OUT     # what test_distributed.py does
+
+Each loop writes the metrics its main process reported to OUT/<loop>/metrics-rank<R>.json (so a file from any
+other rank means a rank other than 0 reported) and its final model to OUT/<loop>/model. GRPO samples through
+`PromptSeededBackend`: each prompt's completions come from a generator seeded by the prompt and the step, so one
+process and two draw the same completions while their weights agree, and their curves compare; each prompt gets a
+completion budget of its own, so the processes hold unequal numbers of tokens (what DAPO's token mean must see).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import zlib
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from grpo.config import GRPOConfig, ModelConfig, RewardModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.sampling.backend import Rollout, TransformersBackend
+from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.reward_model import train_reward_model
+from grpo.training.sft_trainer import train_sft
+
+SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+SFT_ROWS = pd.DataFrame({"prompt": [f"What is {i} + {i % 3}?" for i in range(16)],
+                         "response": [f"<think>{i} + {i % 3} = {i + i % 3}.</think><answer>{i + i % 3}</answer>"
+                                      * (1 + 3 * (i % 2)) for i in range(16)]})  # uneven lengths: token means matter
+# global micro-batch 8 rows (4 per process), 2 micro-batches a step; a checkpoint at step 2 of 3
+SFT = SFTConfig(max_steps=3, batch_size=8, grad_accum_steps=2, learning_rate=3e-3, warmup_steps=0, log_every=1,
+                checkpoint_every=2, mixed_precision="no", seed=3)
+GRPO_PROMPTS = pd.DataFrame({"prompt": [f"Count to {i}" for i in range(8)]})
+# 4 prompts x 4 completions a step (2 prompts per process), micro-batches of 4 rows; dapo's token mean and a KL term
+GRPO = GRPOConfig(max_steps=3, prompts_per_step=4, num_generations=4, micro_batch_size=4, learning_rate=1e-2,
+                  warmup_steps=0, beta=0.04, loss_type="dapo", rewards={"digits": 1.0}, checkpoint_every=0,
+                  log_every=1, samples_every=1, mixed_precision="no",
+                  sampling=SamplingConfig(max_new_tokens=10, temperature=1.0))
+PAIRS = pd.DataFrame({"prompt": [f"Q{i}" for i in range(16)], "chosen": [f"A good answer {i}." for i in range(16)],
+                      "rejected": [f"bad {i}" * (1 + i % 3) for i in range(16)]})
+RM = RewardModelConfig(model=SMALL, max_steps=3, batch_size=4, learning_rate=1e-3, warmup_steps=0, log_every=1,
+                       eval_fraction=0.0, mixed_precision="no")
+
+
+def digits(completions, **_):
+    """A completion's reward is how many digits it holds: a random model writes some, unevenly."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+class PromptSeededBackend:
+    """Transformers sampling, one prompt at a time from a generator seeded by the prompt and the step (the trainer
+    calls it once a step)."""
+
+    def __init__(self, model, tokenizer):
+        self.inner, self.steps, self.pad_id = TransformersBackend(model, tokenizer), 0, tokenizer.pad_token_id
+
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
+        parts = []
+        self.steps += 1
+        for prompt in prompts:
+            seed = zlib.crc32(prompt.encode()) * 100 + self.steps
+            torch.manual_seed(seed)
+            # a budget per prompt (a random model rarely stops by itself): processes hold unequal token counts
+            budget = sampling.model_copy(update={"max_new_tokens": 3 + seed % 9})
+            parts.append(self.inner.generate([prompt], n, budget))
+        P = max(r.prompt_ids.size(1) for r in parts)
+        C = max(r.completion_ids.size(1) for r in parts)
+
+        def pad(t, width, value, left=False):
+            extra = width - t.size(1)
+            return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+        return Rollout(prompt_ids=torch.cat([pad(r.prompt_ids, P, self.pad_id, left=True) for r in parts]),
+                       prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, left=True) for r in parts]),
+                       completion_ids=torch.cat([pad(r.completion_ids, C, self.pad_id) for r in parts]),
+                       completion_mask=torch.cat([pad(r.completion_mask, C, 0) for r in parts]),
+                       logprobs=torch.cat([pad(r.logprobs, C, 0.0) for r in parts]),
+                       truncated=torch.cat([r.truncated for r in parts]),
+                       texts=[t for r in parts for t in r.texts])
+
+
+class Recorder:
+    """A loop's metrics callback: what it was told, written to a file named by the rank that told it."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.seen = folder, {}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        checkpoint = self.folder / "checkpoints" / "step-2"
+        if step == 3 and checkpoint.exists():  # the run's checkpoint, complete, before the finished run clears it
+            metrics = {**metrics, "checkpoint_files": sorted(p.name for p in checkpoint.iterdir())}
+            if self.folder.name == "sft":  # what an interrupted run would have left: `run_sft_resumed` picks it up
+                shutil.copytree(checkpoint, self.folder.with_name("sft-resumed") / "checkpoints" / "step-2")
+        self.seen[step] = metrics
+        rank = os.environ.get("RANK", "0")
+        (self.folder / f"metrics-rank{rank}.json").write_text(json.dumps(self.seen))
+
+
+def run_sft(out: Path) -> None:
+    model, tok = load_model_and_tokenizer(SMALL)
+    train_sft(model, tok, SFT_ROWS, SFT, out / "sft", Recorder(out / "sft"), progress=False)
+
+
+def run_sft_resumed(out: Path) -> None:
+    """SFT again from the step-2 checkpoint the first run left: it trains step 3 only."""
+    model, tok = load_model_and_tokenizer(SMALL)
+    train_sft(model, tok, SFT_ROWS, SFT, out / "sft-resumed", Recorder(out / "sft-resumed"), progress=False)
+
+
+def run_grpo(out: Path) -> None:
+    model, tok = load_model_and_tokenizer(SMALL)
+    recorder = Recorder(out / "grpo")
+    trainer = GRPOTrainer(model, tok, GRPO_PROMPTS, GRPO, out / "grpo", on_metrics=recorder,
+                          backend=None, reward_functions={"digits": digits}, progress=False,
+                          on_samples=lambda step, table: table.to_json(out / "grpo" / f"samples-{step}.json"))
+    trainer.backend = PromptSeededBackend(trainer.acc.unwrap_model(trainer.model), tok)
+    trainer.train()
+
+
+def run_reward_model(out: Path) -> None:
+    train_reward_model(PAIRS, RM, out / "rm", Recorder(out / "rm"), progress=False)
+
+
+def run_all(out: Path) -> None:
+    run_sft(out)
+    run_sft_resumed(out)
+    run_grpo(out)
+    run_reward_model(out)
+
+
+if __name__ == "__main__":
+    run_all(Path(sys.argv[1]))

@@ -1,0 +1,178 @@
+"""Training across processes: two CPU processes (gloo, on 127.0.0.1) give what one process gives at the same
+global batch, and only the main one reports and saves.
+
+`accelerate launch` starts two real processes of tests/ddp_loops.py (SFT, GRPO and the reward model, a few steps
+each on a tiny model); the same functions then run here in one process. Tolerances: both runs see the same rows
+(GRPO: the same completions, tests/ddp_loops.py says how) and start from the same weights, so they differ only in
+float32 rounding: DDP sums the gradient from two halves, a token mean is two partial sums. That is ~1e-7 relative
+per operation, a few 1e-6 after three Adam steps; the checks allow 1e-4 relative on metrics, and on weights 2e-5
+absolute (SFT) or 1e-4 (GRPO, lr 1e-2: Adam turns the rounding of a near-zero gradient into a visible step). One
+wrong normalisation is far outside that: a token mean taken per process instead of over the whole batch moves the
+gradient norm by ~4% at the first or second step, in SFT and in GRPO's dapo loss alike (checked by breaking it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ddp_loops import GRPO, SFT, run_all
+from grpo.recipe import DistributedConfig
+from tasks import launch
+
+HERE = Path(__file__).resolve().parent
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(one process, two processes): each loop's output folder root."""
+    one, two = tmp_path_factory.mktemp("one-process"), tmp_path_factory.mktemp("two-processes")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()),
+           str(HERE / "ddp_loops.py"), str(two)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    run_all(one)
+    return one, two
+
+
+def reported(root: Path, loop: str) -> dict[int, dict]:
+    ranks = sorted(p.name for p in (root / loop).glob("metrics-rank*.json"))
+    assert ranks == ["metrics-rank0.json"], f"{loop}: reports came from {ranks}; only rank 0 may report"
+    return {int(k): v for k, v in json.loads((root / loop / "metrics-rank0.json").read_text()).items()}
+
+
+def assert_curves_match(one: dict, two: dict, keys: list[str]) -> None:
+    assert sorted(one) == sorted(two)
+    apart = {(step, key): (one[step][key], two[step][key]) for step in one for key in keys
+             if two[step][key] != pytest.approx(one[step][key], rel=RTOL, abs=1e-7)}
+    assert not apart, f"(step, metric): (one process, two): {apart}"
+
+
+def assert_same_weights(a: Path, b: Path, atol: float) -> None:
+    ma, mb = (AutoModelForCausalLM.from_pretrained(p) for p in (a, b))
+    for (name, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.allclose(pa, pb, atol=atol, rtol=0), (name, (pa - pb).abs().max().item())
+
+
+def test_sft_on_two_processes_matches_one(runs):
+    one, two = runs
+    a, b = reported(one, "sft"), reported(two, "sft")
+    assert sorted(a) == list(range(1, SFT.max_steps + 1))
+    assert_curves_match(a, b, ["train/loss", "train/grad_norm", "train/learning_rate"])
+    assert a[1]["train/loss"] > a[3]["train/loss"]  # it trained
+    assert_same_weights(one / "sft" / "model", two / "sft" / "model", atol=2e-5)
+
+
+def test_checkpoints_hold_every_process_state_once(runs):
+    _, two = runs
+    files = reported(two, "sft")[3]["checkpoint_files"]  # step-2's folder as rank 0 saw it at step 3
+    assert {"random_states_0.pkl", "random_states_1.pkl", "trainer_state.json", "optimizer.bin"} <= set(files)
+    assert len([f for f in files if f.startswith(("pytorch_model", "model"))]) == 1, files
+    assert not (two / "sft" / "checkpoints").exists()  # the finished run cleared them, once
+
+
+def test_a_run_resumed_on_two_processes_ends_where_the_whole_run_ends(runs):
+    _, two = runs
+    assert sorted(reported(two, "sft-resumed")) == [3]  # it started from the step-2 checkpoint
+    assert_same_weights(two / "sft" / "model", two / "sft-resumed" / "model", atol=1e-6)
+
+
+def test_grpo_on_two_processes_matches_one(runs):
+    one, two = runs
+    a, b = reported(one, "grpo"), reported(two, "grpo")
+    assert sorted(a) == list(range(1, GRPO.max_steps + 1))
+    # sampled completions, rewards and the loss over the global batch of 4 prompts x 4 completions
+    assert_curves_match(a, b, ["reward/total", "reward/std", "completion_length", "train/loss", "kl",
+                               "grad_norm", "entropy", "clip_ratio"])
+    assert a[1]["reward/std"] > 0  # groups had spread: the steps carried a gradient
+    assert_same_weights(one / "grpo" / "model", two / "grpo" / "model", atol=1e-4)
+    for step in (1, 2, 3):  # the samples table holds every process's groups
+        table_one, table_two = (pd.read_json(r / "grpo" / f"samples-{step}.json") for r in runs)
+        assert len(table_two) == GRPO.prompts_per_step * GRPO.num_generations
+        assert table_two["completion"].tolist() == table_one["completion"].tolist()
+
+
+def test_reward_model_on_two_processes_matches_one(runs):
+    one, two = runs
+    a, b = reported(one, "rm"), reported(two, "rm")
+    assert_curves_match(a, b, ["rm/loss", "rm/accuracy", "rm/margin", "rm/grad_norm"])
+
+
+def test_a_batch_that_cannot_split_is_refused_before_training():
+    with pytest.raises(ValueError, match=r"grpo.prompts_per_step \(6\) must be a multiple of "
+                                         r"distributed.num_processes \(4\)"):
+        launch.check_splits(DistributedConfig(num_processes=4), grpo__prompts_per_step=6)
+    assert launch.check_splits(DistributedConfig(num_processes="auto"), grpo__prompts_per_step=3) == max(
+        torch.cuda.device_count(), 1)
+
+
+def test_the_task_follows_what_the_main_process_reports(tmp_path):
+    """The worker's event lines reach the task's callbacks as metrics and tables, a torn last line waits."""
+    from tasks.worker import EventWriter
+
+    events = tmp_path / "events.jsonl"
+    writer = EventWriter(events)
+    writer.metrics(1, {"train/loss": 0.5})
+    writer.samples(1, pd.DataFrame({"prompt": ["p"], "completion": ["c"], "reward": [1.0]}))
+    with events.open("a") as f:
+        f.write('{"step": 2, "metr')  # a line still being written when the launch ended: not a whole event
+    seen = []
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    launch._follow(done, events, lambda step, m: seen.append((step, m)), lambda step, t: seen.append((step, t)))
+    assert seen[0] == (1, {"train/loss": 0.5})
+    assert seen[1][1].to_dict("list") == {"prompt": ["p"], "completion": ["c"], "reward": [1.0]}
+    assert len(seen) == 2
+
+
+STAGE = {
+    "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "num_key_value_heads": 1}},
+    "data": {"num_train": 64, "num_heldout": 8},
+    "train": {"max_steps": 4, "batch_size": 8, "log_every": 2, "checkpoint_every": 0, "mixed_precision": "no"},
+    "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 2},
+    "distributed": {"num_processes": 2},
+}
+
+
+def test_a_stage_trains_on_two_processes_and_only_its_task_logs(prefect_harness, mlflow_client, tmp_path):
+    """`distributed: {num_processes: 2}` in a stage's recipe section: the Prefect task launches the loop, follows
+    rank 0's reports into its one MLflow run, and the result is the one-process training of the same rows."""
+    import time
+
+    from flows.cold_start_sft import cold_start_sft
+    from grpo.models import load_model_and_tokenizer
+    from grpo.recipe import ColdStartSFTConfig
+    from grpo.training.sft_trainer import train_sft
+    from tasks.data import read_frame
+
+    cfg = ColdStartSFTConfig.model_validate(STAGE)
+    since = int(time.time() * 1000)
+    result = cold_start_sft(cfg)
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    made = mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()],
+                                     f"attributes.start_time >= {since}")
+    assert [r.info.run_id for r in made] == [result.run_id]  # the launched processes made no run of their own
+    losses = mlflow_client.get_metric_history(result.run_id, "train/loss")
+    assert [m.step for m in losses] == [2, 4]  # once per logging step: one process reported
+    assert "eval/accuracy" in run.data.metrics  # evaluated in the task's process after training
+
+    seen = {}
+    model, tok = load_model_and_tokenizer(cfg.model)
+    train_sft(model, tok, read_frame(result.uris["dataset"]), cfg.train, tmp_path,
+              lambda step, m: seen.__setitem__(step, m["train/loss"]), progress=False)
+    assert [m.value for m in losses] == pytest.approx([seen[2], seen[4]], rel=RTOL)
