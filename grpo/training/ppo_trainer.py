@@ -88,7 +88,9 @@ class PPOTrainer(GRPOTrainer):
         rollout = self.sample(idx)
         return rollout, idx, self.score(rollout, idx), {}
 
-    def build_batch(self, rollout: Rollout, rewards: list[float]) -> PPOBatch:
+    def build_batch(self, rollout: Rollout, rewards: list[float], steps=None) -> PPOBatch:
+        # `steps` (process supervision's step rewards) is never given: the recipe refuses `supervision: process`
+        # with ppo, whose reward is the outcome at each completion's last token
         cfg, ppo = self.cfg, self.ppo
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
