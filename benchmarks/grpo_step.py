@@ -37,24 +37,16 @@ def sum_reward(completions, answer, **_):
             for c, a in zip(completions, answer)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model_dir")
-    ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
-    ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="auto: CUDA where there is a GPU; cpu hides the GPUs from this process")
-    ap.add_argument("--smoke", action="store_true", help="a cut-down workload that checks the path runs")
-    args = ap.parse_args()
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: the trainer then finds no GPU
+def load_workload(args):
+    """The workload's model, prompts and GRPO settings, read the way every side of a comparison reads them.
 
+    Returns (cuda, the workload's `grpo` section, completions a step, prompt rows, model, tokenizer, GRPOConfig).
+    """
     import pandas as pd
     import torch
 
     from grpo.config import GRPOConfig, ModelConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.training.grpo_trainer import GRPOTrainer
 
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
@@ -80,6 +72,26 @@ def main() -> None:
         micro_batch_size=g.get("micro_batch_size", n), gradient_checkpointing=args.gradient_checkpointing,
         mixed_precision="bf16" if bf16 else "no",
     )
+    return cuda, g, n, rows, model, tok, cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: CUDA where there is a GPU; cpu hides the GPUs from this process")
+    ap.add_argument("--smoke", action="store_true", help="a cut-down workload that checks the path runs")
+    args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: the trainer then finds no GPU
+
+    import torch
+
+    from grpo.training.grpo_trainer import GRPOTrainer
+
+    cuda, g, n, rows, model, tok, cfg = load_workload(args)
     steps: list[dict] = []
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -32,9 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from grpo_step import DEFAULT_WORKLOAD, sum_reward
+from grpo_step import DEFAULT_WORKLOAD, load_workload, sum_reward
 
 ALGORITHMS = ("grpo", "ppo")
 MEMORY_LABELS = {"peak_rss_mib": "RSS MiB", "peak_cuda_gib": "CUDA GiB"}
@@ -42,39 +41,13 @@ MEMORY_LABELS = {"peak_rss_mib": "RSS MiB", "peak_cuda_gib": "CUDA GiB"}
 
 def run_one(algorithm: str, args) -> dict:
     """Train one side on the workload in this process; its figures."""
-    import pandas as pd
     import torch
 
-    from grpo.config import GRPOConfig, ModelConfig, SamplingConfig
-    from grpo.models import load_model_and_tokenizer
     from grpo.ppo_config import PPOConfig
     from grpo.training.grpo_trainer import GRPOTrainer
     from grpo.training.ppo_trainer import PPOTrainer
 
-    cuda = torch.cuda.is_available()
-    if args.device == "cuda" and not cuda:
-        sys.exit("--device cuda: torch sees no CUDA device here")
-    spec = json.loads(Path(args.workload).read_text())
-    g = dict(spec["grpo"])
-    if args.smoke:
-        g.update(steps=2, warmup_steps_excluded_from_timing=1, prompts_per_step=2, num_generations=4,
-                 max_completion_length=16, micro_batch_size=min(g.get("micro_batch_size", 8), 4))
-    torch.manual_seed(spec["seed"])
-    rows = pd.read_json(Path(args.model_dir) / "prompts.jsonl", lines=True, dtype={"answer": str})
-    model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=args.model_dir))
-    if tok.chat_template is None:  # the workload's prompts are plain text, as the peers feed them
-        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    n = g["prompts_per_step"] * g["num_generations"]  # completions a step, for both
-    bf16 = cuda and "bf16" in spec.get("precision", "")
-    cfg = GRPOConfig(
-        max_steps=g["steps"], prompts_per_step=g["prompts_per_step"], num_generations=g["num_generations"],
-        sampling=SamplingConfig(max_new_tokens=g["max_completion_length"], temperature=g["temperature"],
-                                batch_size=n),  # the whole step's completions in one batch
-        learning_rate=g["learning_rate"], beta=g["beta"], epsilon=g["epsilon"], num_iterations=g["num_iterations"],
-        rewards={"sum": 1.0}, checkpoint_every=0, samples_every=0, seed=spec["seed"],
-        micro_batch_size=g.get("micro_batch_size", n), gradient_checkpointing=args.gradient_checkpointing,
-        mixed_precision="bf16" if bf16 else "no",
-    )
+    cuda, g, n, rows, model, tok, cfg = load_workload(args)  # n: completions a step, for both
     steps: list[dict] = []
     cpu_marks: list[float] = []  # the process's CPU seconds at the end of each step: less moved by other jobs
 
