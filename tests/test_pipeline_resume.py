@@ -311,7 +311,9 @@ def _check_nothing_crossed(client, outputs: list[str]) -> None:
         # each stage's input is what its own pipeline's stage before it produced (or reused, and says so)
         assert grpo.data.params["input.checkpoint_uri"] == checkpoint
         assert checkpoint == f"runs:/{cold.data.tags.get('r1.reused_from', cold.info.run_id)}/checkpoint"
-        assert parent.data.tags["uri.reasoning_checkpoint"] == f"runs:/{grpo.info.run_id}/checkpoint"
+        # the other pipeline may have finished the same GRPO first: then this one reuses it, and says so
+        assert parent.data.tags["uri.reasoning_checkpoint"] == \
+            f"runs:/{grpo.data.tags.get('r1.reused_from', grpo.info.run_id)}/checkpoint"
         trained += [(r.data.tags[f"r1.work_dir.{r.data.tags['stage']}"],
                      int(r.data.tags[f"r1.work_dir_since.{r.data.tags['stage']}"]), r.info.end_time)
                     for r in (cold, grpo) if "r1.reused_from" not in r.data.tags]
