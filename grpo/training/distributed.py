@@ -20,6 +20,8 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Sequence, TypeVar
 
@@ -83,6 +85,16 @@ def matched_chunks(acc: Accelerator, chunks: list[slice]) -> list[tuple[slice, b
         return [(s, True) for s in chunks]
     most = int(acc.gather(torch.tensor([len(chunks)], device=acc.device)).max())
     return [(s, True) for s in chunks] + [(chunks[-1], False)] * (most - len(chunks))
+
+
+def accumulating(acc: Accelerator, model: torch.nn.Module, last: bool):
+    """The context of one micro-batch's forward and backward: DDP all-reduces the gradients only in the last one.
+
+    The others add to each process's own gradients (DDP's `no_sync`, around the forward too, where DDP decides);
+    the last backward then averages the sums once, which is the same average as one all-reduce per micro-batch
+    at a fraction of the traffic. Every process must agree on which is last: `matched_chunks` evens the counts.
+    """
+    return acc.no_sync(model) if not last else contextlib.nullcontext()
 
 
 def process_weight(acc: Accelerator, loss_type: str, completion_mask: torch.Tensor) -> float:

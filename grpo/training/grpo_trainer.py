@@ -42,8 +42,8 @@ from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBacken
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
-from grpo.training.distributed import (check_split, gather_table, main_only, matched_chunks, process_share,
-                                       process_weight, reduce_metrics, sampling_seed)
+from grpo.training.distributed import (accumulating, check_split, gather_table, main_only, matched_chunks,
+                                       process_share, process_weight, reduce_metrics, sampling_seed)
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
@@ -252,22 +252,25 @@ class GRPOTrainer:
         self.model.train()
         # this process's loss as a share of the global batch's (1.0 in one process); DDP averages the gradients
         weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
-        for s, counts in matched_chunks(self.acc, _chunks(N, cfg.micro_batch_size)):
-            with self.acc.autocast():
-                logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
-                                             cfg.sampling.temperature, with_entropy=True)
-            loss, stats = grpo_loss(logps, None if batch.old_logps is None else batch.old_logps[s],
-                                    None if batch.ref_logps is None else batch.ref_logps[s],
-                                    batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
-                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                    importance_sampling_level=cfg.importance_sampling_level)
-            share = batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask) * weight * float(counts)
-            self.acc.backward(loss * share)
-            mask = batch.completion_mask[s]
-            stats["train/loss"] = loss.item()
-            stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v * share
+        chunks = matched_chunks(self.acc, _chunks(N, cfg.micro_batch_size))
+        for i, (s, counts) in enumerate(chunks):
+            with accumulating(self.acc, self.model, last=i == len(chunks) - 1):
+                with self.acc.autocast():
+                    logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
+                                                 cfg.sampling.temperature, with_entropy=True)
+                loss, stats = grpo_loss(logps, None if batch.old_logps is None else batch.old_logps[s],
+                                        None if batch.ref_logps is None else batch.ref_logps[s],
+                                        batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
+                                        epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                                        importance_sampling_level=cfg.importance_sampling_level)
+                share = (batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask) * weight
+                         * float(counts))
+                self.acc.backward(loss * share)
+                mask = batch.completion_mask[s]
+                stats["train/loss"] = loss.item()
+                stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v * share
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
         sums["grad_norm"] = float(grad_norm)
         return sums
