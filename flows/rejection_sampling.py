@@ -15,9 +15,10 @@ Run alone:  r1 stage rejection_sampling --checkpoint runs:/<reasoning_grpo run i
 from __future__ import annotations
 
 from prefect import flow, unmapped
+from prefect.logging import get_run_logger
 
 from grpo.recipe import RejectionSamplingConfig
-from tasks.cluster import ray_task_runner
+from tasks.cluster import ray_task_runner, shard_gpus
 from tasks.data import prepare_data
 from tasks.rejection import RejectionPlan, merge_rejection_shards, plan_rejection_sampling, sample_shard
 from tasks.report import publish_stage_report
@@ -29,11 +30,14 @@ STAGE = "rejection_sampling"
 @flow(name="rejection_sampling_shards")
 def sample_shards(plan: RejectionPlan, config: RejectionSamplingConfig) -> list[dict]:
     """Every shard of the plan on this flow's task runner (a Ray cluster), one shard per node before a second."""
+    import ray
     from prefect_ray.context import remote_options
 
+    gpus = shard_gpus(config, [n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]])
+    get_run_logger().info("shard tasks ask Ray for %g GPU(s) each", gpus)
     # the Parquet shard is the output: the small return value must not be written to the driver's result storage
     task = sample_shard.with_options(persist_result=False)
-    with remote_options(scheduling_strategy="SPREAD"):
+    with remote_options(scheduling_strategy="SPREAD", num_gpus=gpus):
         futures = task.map(unmapped(plan), plan.shards, unmapped(config))
     return futures.result()  # raises if any shard failed
 

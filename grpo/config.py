@@ -412,9 +412,15 @@ class ClusterConfig(BaseModel):
     # where the shards are written: an fsspec URI every node and the driver can write (file:///shared/mount/r1,
     # s3://bucket/r1, gs://...); None = the local work folder (threads only). A rerun resumes from what it holds
     shard_store: str | None = None
+    # GPUs each shard task asks Ray for. "auto": 1 when the shard loads a model (local generation or a transformers
+    # judge) and the cluster has GPUs, else 0. A number: that many (0.5 packs two shards on a GPU). A task that asks
+    # for none sees every GPU of its node, and every such task on the node would load its copy onto the first one
+    gpus_per_shard: float | Literal["auto"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
+        if self.gpus_per_shard != "auto" and self.gpus_per_shard < 0:
+            raise ValueError(f"gpus_per_shard is {self.gpus_per_shard}: give a number >= 0 or 'auto'")
         if self.ray_address is not None and not self.shard_store:
             raise ValueError("ray_address needs a shard_store: Ray nodes cannot write the driver's local work "
                              "folder; give an fsspec URI every node can write (file:///shared/mount/r1, s3://...)")

@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 
 from grpo.config import ClusterConfig
+from grpo.recipe import RejectionSamplingConfig
 from grpo.rejection import shards
 from tasks import tracking
 
@@ -86,6 +87,25 @@ def check_cluster(cfg: ClusterConfig, checkpoint_uri: str, shard_dir: str) -> st
     check_ray_address(address)
     shards.check_writable(shard_dir)
     return address
+
+
+def shard_gpus(cfg: RejectionSamplingConfig, node_gpus: list[float]) -> float:
+    """GPUs each shard task asks Ray for, given the GPUs of each live node (`cluster.gpus_per_shard`).
+
+    Ray makes a task's assigned GPUs its visible ones, so each shard loads its model onto a GPU of its own; a task
+    that asks for none sees them all. Asking for more than any node has would leave the shards waiting forever, so
+    that is an error here, before any shard is submitted.
+    """
+    wanted = cfg.cluster.gpus_per_shard
+    loads_model = cfg.generation.backend == "local" or (
+        cfg.judge is not None and cfg.judge.backend == "transformers" and cfg.rejection.judge_when != "never")
+    if wanted == "auto":
+        return 1.0 if loads_model and max(node_gpus, default=0) >= 1 else 0.0
+    if wanted > max(node_gpus, default=0):
+        raise ValueError(f"rejection_sampling.cluster.gpus_per_shard is {wanted:g}, but no node of the Ray cluster "
+                         f"has that many GPUs (per node: {[f'{g:g}' for g in node_gpus]}): no shard task could ever "
+                         f"start; lower it, or add GPU nodes (`ray start --num-gpus=N`)")
+    return float(wanted)
 
 
 def ray_task_runner(address: str):

@@ -174,6 +174,9 @@ def test_bad_cluster_settings_fail_before_any_shard_is_sampled(prefect_harness, 
           stage_config(prompts, **{**good, "shard_store": f"file://{cluster['root']}/shared/a-file/r1"}))
     fails(r"a local path the Ray nodes cannot read", ValueError, stage_config(prompts, **good),
           uri=answering_checkpoint)
+    # the nodes declare no GPU: a shard asking for one could never start, so it is refused instead of waiting forever
+    fails(r"gpus_per_shard is 1, but no node of the Ray cluster has that many GPUs \(per node: \['0', '0'\]\)",
+          ValueError, stage_config(prompts, **good, gpus_per_shard=1))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     fails(r"ray_address is 'auto' but RAY_ADDRESS is not set", ValueError,
           stage_config(prompts, **{**good, "ray_address": "auto"}))
@@ -181,6 +184,28 @@ def test_bad_cluster_settings_fail_before_any_shard_is_sampled(prefect_harness, 
     fails(r"only this machine can read", ValueError, stage_config(prompts, **good))
     with pytest.raises(ValueError, match="ray_address needs a shard_store"):
         stage_config(prompts, ray_address="auto")
+
+
+def test_shards_ask_for_a_gpu_each_where_the_cluster_has_them_and_they_load_a_model():
+    from tasks.cluster import shard_gpus
+
+    def cfg(**over) -> RejectionSamplingConfig:
+        base = stage_config("prompts.jsonl", ray_address="127.0.0.1:6379", shard_store="file:///shared/r1")
+        return base.model_validate({**base.model_dump(), **over})
+
+    local = cfg()
+    assert shard_gpus(local, [0.0, 8.0]) == 1.0  # one GPU node is enough
+    assert shard_gpus(local, [0.0, 0.0]) == 0.0  # a CPU cluster: the shards sample on CPU
+    served = cfg(generation={"backend": "http", "endpoints": ["http://127.0.0.1:9/v1"], "model": "m"})
+    assert shard_gpus(served, [8.0]) == 0.0  # the servers generate: a shard only sends requests
+    judged = served.model_validate({**served.model_dump(), "judge": {"backend": "transformers"}})
+    assert shard_gpus(judged, [8.0]) == 1.0  # ...unless it loads a judge model
+    packed = cfg(cluster={**local.cluster.model_dump(), "gpus_per_shard": 0.5})
+    assert shard_gpus(packed, [1.0]) == 0.5
+    with pytest.raises(ValueError, match=r"gpus_per_shard is 2, but no node .* \(per node: \['1', '1'\]\)"):
+        shard_gpus(cfg(cluster={**local.cluster.model_dump(), "gpus_per_shard": 2}), [1.0, 1.0])
+    with pytest.raises(ValueError, match="gpus_per_shard is -1"):
+        cfg(cluster={**local.cluster.model_dump(), "gpus_per_shard": -1})
 
 
 def test_the_pipeline_s_cluster_parameters_override_the_recipe():
