@@ -186,6 +186,7 @@ def main() -> None:
     finally:
         stack.stop_process(mlflow)
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
     runs = results["runs"]
     if len(workers) == 2:
         lo, hi = workers
