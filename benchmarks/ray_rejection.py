@@ -76,7 +76,7 @@ def stage_config(args, prompts: Path, address: str | None = None, store: str | N
 
 def shard_work(args, checkpoint: str, prompts: Path, first: int, start_at: float) -> None:
     """One probe process: load the checkpoint, wait for the common start, sample `--probe-shards` shards the way a
-    shard task does (one torch thread, as Ray gives a 1-CPU task), print the work's start and end times."""
+    shard task does (one torch thread, as Ray gives a 1-CPU task), print the work's start and end and its samples."""
     import torch
 
     from grpo.models import load_model_and_tokenizer
@@ -89,10 +89,11 @@ def shard_work(args, checkpoint: str, prompts: Path, first: int, start_at: float
     table = pd.read_json(prompts, lines=True)
     plan = shards.plan_shards(table, cfg.rejection)
     time.sleep(max(0.0, start_at - time.time()))
-    t0 = time.time()
+    t0, samples = time.time(), 0
     for i in range(first, first + args.probe_shards):
-        shards.process_shard(backend, shards.rows_of_shard(table, plan[i % len(plan)]), cfg.rejection, None, i)
-    print(json.dumps({"start": t0, "end": time.time()}), flush=True)
+        rows = shards.rows_of_shard(table, plan[i % len(plan)])
+        samples += shards.process_shard(backend, rows, cfg.rejection, None, i).counts.generated
+    print(json.dumps({"start": t0, "end": time.time(), "samples": samples}), flush=True)
 
 
 def probe(args, checkpoint: str, prompts: Path, n: int) -> float:
@@ -107,7 +108,7 @@ def probe(args, checkpoint: str, prompts: Path, n: int) -> float:
         raise RuntimeError(f"a probe process failed (exit codes {[p.returncode for p in procs]}; its error is above)")
     times = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     seconds = max(t["end"] for t in times) - min(t["start"] for t in times)
-    return n * args.probe_shards * args.shard_size * args.samples / seconds
+    return sum(t["samples"] for t in times) / seconds
 
 
 def main() -> None:

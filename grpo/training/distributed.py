@@ -21,7 +21,6 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import contextlib
-
 import math
 from typing import Sequence, TypeVar
 
