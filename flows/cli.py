@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import traceback
 
@@ -39,10 +38,6 @@ def _where() -> str:
     if not api:
         lines.append("  browse it  : prefect server start   (then http://127.0.0.1:4200)")
     return "\n".join(lines)
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def _print_stage(name: str, result) -> None:
@@ -260,21 +255,32 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
                                    "; add the stage that makes them to --stages, or give --from-run <pipeline run id>")
     from flows.r1_pipeline import r1_pipeline
 
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the runs as KILLED too, like Ctrl-C
-    try:
-        result = r1_pipeline(recipe=args.recipe, stages=stages if args.stages else None, from_run=args.from_run,
-                             fresh=args.fresh)
-    except KeyboardInterrupt:
-        print("r1: interrupted; its MLflow runs are marked KILLED, and the same `r1 run` resumes where it stopped "
-              "(--fresh starts over)", file=sys.stderr)
+    result = _until_stopped(lambda: r1_pipeline(recipe=args.recipe, stages=stages if args.stages else None,
+                                                from_run=args.from_run, fresh=args.fresh),
+                            "the same `r1 run` resumes where it stopped (--fresh starts over)")
+    if result is None:
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print(f"\nMLflow pipeline run {result.run_id} (recipe {recipe.name}):")
     for name, r in result.stages.items():
         _print_stage(name, r)
     print("\n" + _where())
     return 0
+
+
+def _until_stopped(run, resumes: str):
+    """`run()` on the local Prefect API (unless a server is configured), stopped cleanly by Ctrl-C or SIGTERM (to this
+    process or its whole group): its MLflow runs end KILLED, its flow run Crashed, and None is returned."""
+    from flows.local_api import local_prefect_api
+    from tasks.interrupts import is_interrupt, stop_on_signals
+
+    try:
+        with stop_on_signals(), local_prefect_api():
+            return run()
+    except BaseException as e:
+        if not is_interrupt(e):
+            raise
+    print(f"r1: interrupted; its MLflow runs are marked KILLED, and {resumes}", file=sys.stderr)
+    return None
 
 
 def _stage(args: argparse.Namespace, recipe) -> int:
@@ -289,7 +295,10 @@ def _stage(args: argparse.Namespace, recipe) -> int:
         raise preflight.UsageError(f"stage {args.name} needs {flags}")
     for param, uri in kwargs.items():
         preflight.check_uri(f"--{param.removesuffix('_uri')}", uri)
-    result = stage_flows.FLOWS[args.name](config=getattr(recipe, args.name), **kwargs)
+    result = _until_stopped(lambda: stage_flows.FLOWS[args.name](config=getattr(recipe, args.name), **kwargs),
+                            "the same `r1 stage` resumes from its last checkpoint")
+    if result is None:
+        return 130
     print()
     _print_stage(args.name, result)
     print("\n" + _where())

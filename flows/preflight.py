@@ -184,13 +184,16 @@ def _check_models(recipe: Recipe, stages: Sequence[str]) -> None:
 
 
 def check_precision(recipe: Recipe, stages: Sequence[str]) -> None:
-    """Every training loop's mixed_precision resolves on this machine (only fp16 can fail: it needs a GPU)."""
-    asked = {"cold_start_sft": [("cold_start_sft.train", recipe.cold_start_sft.train.mixed_precision)],
-             "reasoning_grpo": [("reasoning_grpo.grpo", recipe.reasoning_grpo.grpo.mixed_precision)],
-             "sft": [("sft.train", recipe.sft.train.mixed_precision)],
-             "alignment_grpo": [("alignment_grpo.grpo", recipe.alignment_grpo.grpo.mixed_precision),
-                                ("alignment_grpo.reward_model", recipe.alignment_grpo.reward_model.mixed_precision)]}
-    wanted = [(where, p) for s in stages for where, p in asked.get(s, []) if p == "fp16"]
+    """`R1_CPU_BF16` reads, and every training loop's mixed_precision resolves on this machine (only fp16 can fail:
+    it needs a GPU). The loops are found in the stages' configs, wherever they keep one."""
+    from grpo.training.precision import cpu_bf16_override, precision_fields
+
+    try:
+        cpu_bf16_override()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    wanted = [(f"{stage}.{path}", asked) for stage in stages
+              for path, asked in precision_fields(getattr(recipe, stage)).items() if asked == "fp16"]
     if not wanted:
         return
     from grpo.training.precision import choose_precision  # reads the hardware (imports torch): only when it matters
@@ -199,7 +202,7 @@ def check_precision(recipe: Recipe, stages: Sequence[str]) -> None:
         try:
             choose_precision(precision)
         except ValueError as e:
-            raise UsageError(f"{where}.{e}") from None
+            raise UsageError(f"{where.removesuffix('mixed_precision')}{e}") from None
 
 
 def check_distributed(recipe: Recipe, stages: Sequence[str]) -> None:

@@ -29,6 +29,7 @@ from flows.stages import FLOWS, OUTPUTS, finished_stages, missing_inputs
 from grpo.config import ClusterConfig
 from grpo.recipe import Recipe, load_recipe
 from tasks import reuse, tracking
+from tasks.interrupts import is_interrupt
 from tasks.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
 
 AVAILABLE_STAGES = tuple(FLOWS)
@@ -123,7 +124,7 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         if "alignment_grpo" in todo:
             done(run(alignment_grpo, cfg.alignment_grpo, checkpoint_uri=uris["sft_checkpoint"]))
     except BaseException as e:
-        tracking.end_run(parent, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        tracking.end_run(parent, "KILLED" if is_interrupt(e) else "FAILED")
         raise
     tracking.end_run(parent, "FINISHED")
     get_run_logger().info("MLflow pipeline run %s finished", parent)

@@ -15,7 +15,7 @@ from grpo.data.preferences import general_prompts, load_preference_data
 from grpo.training.reward_model import RewardModelResult, train_reward_model
 from tasks import launch, tracking
 from tasks.data import DataURIs
-from tasks.stage import log_precision, work_dir
+from tasks.stage import resolve_precision, work_dir
 
 
 @task(name="prepare_alignment_prompts")
@@ -49,16 +49,16 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
     tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source,
                          context="reward_model")
     launched = launch.is_launched(cfg.distributed)
-    out = work_dir(run_id, "reward_model", cfg.preferences, cfg.reward_model, *([cfg.distributed] if launched else []))
-    log_precision(run_id, "reward_model", cfg.reward_model.mixed_precision)
+    rm_cfg = resolve_precision(run_id, "reward_model", cfg.reward_model)
+    out = work_dir(run_id, "reward_model", cfg.preferences, rm_cfg, *([cfg.distributed] if launched else []))
     if launched:
         frames = {"rows": pairs, **({"heldout": heldout} if heldout is not None else {})}
         report = launch.run_launched("reward_model", out, cfg.distributed,
-                                     {"cfg": cfg.reward_model.model_dump(mode="json"), "source": cfg.preferences.source},
+                                     {"cfg": rm_cfg.model_dump(mode="json"), "source": cfg.preferences.source},
                                      tracking.MetricsLogger(run_id), frames=frames)
         result = RewardModelResult(**{**report, "model_dir": Path(report["model_dir"])})
     else:
-        result = train_reward_model(pairs, cfg.reward_model, out, on_metrics=tracking.MetricsLogger(run_id),
+        result = train_reward_model(pairs, rm_cfg, out, on_metrics=tracking.MetricsLogger(run_id),
                                     heldout=heldout, source=cfg.preferences.source)
     tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,
                                                   "rm/heldout_accuracy_before": result.heldout_accuracy_before})

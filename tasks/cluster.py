@@ -17,6 +17,7 @@ from grpo.config import ClusterConfig
 from grpo.recipe import RejectionSamplingConfig
 from grpo.rejection import shards
 from tasks import tracking
+from tasks.env import LOCAL_API
 
 HINT = "start one with `ray start --head`, or fix rejection_sampling.cluster.ray_address (or $RAY_ADDRESS)"
 
@@ -81,7 +82,8 @@ def check_cluster(cfg: ClusterConfig, checkpoint_uri: str, shard_dir: str) -> st
                          f"URI (runs:/<run id>/checkpoint) or a URI every node can read")
     from prefect.settings import get_current_settings
 
-    if not get_current_settings().api.url:
+    api = get_current_settings().api.url
+    if not api or api == os.environ.get(LOCAL_API):  # none, or the one `r1` started for itself on 127.0.0.1
         raise ValueError("shard tasks on Ray report to the Prefect API, but this run has none (ephemeral mode): "
                          "set PREFECT_API_URL to a Prefect server the nodes can reach")
     check_ray_address(address)

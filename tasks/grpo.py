@@ -13,7 +13,7 @@ from grpo.recipe import DistributedConfig
 from tasks import launch, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import log_precision, note_resume, resolve_model, work_dir
+from tasks.stage import note_resume, resolve_model, resolve_precision, work_dir
 from tasks.worker import build_rl_trainer
 
 
@@ -31,6 +31,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     launched = launch.is_launched(distributed)
     if launched and ppo is not None:
         raise ValueError("algorithm ppo trains in one process: set distributed.num_processes to 1")
+    cfg = resolve_precision(run_id, "grpo", cfg)
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
                    reward_model_uri, *([ppo] if ppo else []),  # a PPO run never resumes a GRPO run's work
                    *([distributed] if launched else []))
@@ -38,7 +39,6 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
 
-    log_precision(run_id, "grpo", cfg.mixed_precision)
     if step := note_resume(run_id, out):
         get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
     progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact

@@ -107,14 +107,36 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
         try:
             _follow(proc, events, on_metrics, on_samples)
         except BaseException:
-            proc.terminate()  # the launcher stops its children
-            proc.wait(30)
+            _stop_launch(proc)
             raise
     if proc.returncode != 0 or not result.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise RuntimeError(f"training on {n} processes failed (exit code {proc.returncode}); `{' '.join(cmd)}`; "
                            f"the end of {log}:\n{tail}")
     return json.loads(result.read_text())
+
+
+def _stop_launch(proc: subprocess.Popen, grace: float = 10) -> None:
+    """End the launch and every process it started: SIGTERM to the launcher (which passes it to its workers), then
+    SIGKILL to whatever is left after `grace` seconds, so a stopped stage is gone within a Ctrl-C's 30 s."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(family, timeout=1)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _follow(proc: subprocess.Popen, events: Path, on_metrics: MetricsCallback | None,

@@ -23,6 +23,7 @@ from grpo.sampling.judge import HTTPJudge, build_judge
 from tasks import tracking
 from tasks.cluster import check_cluster, shard_store_dir
 from tasks.data import read_frame
+from tasks.interrupts import interruptible
 from tasks.stage import resolve_model, work_dir, work_key
 
 
@@ -150,7 +151,8 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
                  and cfg.judge.model == SELF_JUDGE else build_judge(cfg.judge))
     prompts = read_frame(plan.prompts_uri).reset_index(drop=True)
     shard = shards.plan_shards(prompts, cfg.rejection)[index]
-    result = shards.process_shard(backend, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index)
+    with interruptible():  # a stopped stage stops its shards mid-sampling, not after them
+        result = shards.process_shard(backend, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index)
     shards.write_shard(result, out, index)
     c = result.counts
     given_up = [url for url, s in backend.stats().items() if s["dead"]] if cfg.generation.backend == "http" else []

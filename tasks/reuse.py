@@ -1,7 +1,8 @@
 """Reusing a stage that already finished with the same config and inputs, found in MLflow by a key.
 
 Every stage run the pipeline finishes is tagged `r1.stage_key`: a digest of the stage's name, its config, its input
-URIs, the size and time of any local file the config or inputs name, and the project's code. A later pipeline run
+URIs, the size and time of any local file the config or inputs name, the project's code, and the precision its
+training loops resolve to. A later pipeline run
 whose stage has the same key reuses that run: it records a new child run (tagged `r1.reused_from`, holding the same
 URIs and headline metrics) instead of training again. Input URIs name the upstream runs, so a reused upstream stage
 keeps the downstream keys equal and the whole chain is reused; a changed stage changes its outputs' URIs and so
@@ -64,10 +65,15 @@ def _local_files(values) -> dict[str, list]:
 
 
 def stage_key(stage: str, config: BaseModel, inputs: dict[str, str]) -> str:
-    """What decides a stage's result: its name, config, input URIs, the local files they name, and the code."""
+    """What decides a stage's result: its name, config, input URIs, the local files they name, the code, and the
+    precision its loops resolve to here (`auto` is bf16 on one machine and fp32 on another: not the same work)."""
+    from grpo.training.precision import resolve_config
+
     flat = tracking.flatten(config)
+    precision = {path: r.precision for path, r in resolve_config(config).items()}
     blob = json.dumps({"stage": stage, "config": flat, "inputs": inputs, "code": code_version(),
-                       "files": _local_files([*flat.values(), *inputs.values()])}, sort_keys=True)
+                       "files": _local_files([*flat.values(), *inputs.values()]), "precision": precision},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 

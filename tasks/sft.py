@@ -16,7 +16,7 @@ from grpo.training.sft_trainer import train_sft
 from tasks import launch, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import log_precision, note_resume, work_dir
+from tasks.stage import note_resume, resolve_precision, work_dir
 
 
 @task(name="train_sft_model")
@@ -25,12 +25,12 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
     """Fine-tune the model on the training rows; log per-step metrics; return the checkpoint's URI."""
     rows = read_frame(train_uri)
     processes = launch.check_splits(distributed, train__batch_size=cfg.batch_size)  # before any model loads
+    cfg = resolve_precision(run_id, "train", cfg)
     # keyed by what determines the result, so rerunning an interrupted stage resumes from its last checkpoint
     keys = (model_cfg, cfg, rows["prompt"].astype(str).tolist(), rows["response"].tolist())
     out = work_dir(run_id, stage, *keys, *([distributed] if launch.is_launched(distributed) else []))
     if step := note_resume(run_id, out):
         get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
-    log_precision(run_id, "train", cfg.mixed_precision)
     progress = TrainingProgress(run_id, stage, cfg.max_steps)
     if launch.is_launched(distributed):
         get_run_logger().info("training on %d processes (accelerate launch)", processes)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from grpo.config import ModelConfig
 from tasks import tracking
+from tasks.interrupts import interrupt_threads, is_interrupt
 
 
 class StageResult(BaseModel):
@@ -71,7 +72,7 @@ def earlier_attempt_run() -> str | None:
 def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
               inputs: dict[str, str] | None = None) -> Iterator[str]:
     """An MLflow child run tagged `stage=<stage>` with the config as params; ended FAILED if the body raises, KILLED
-    on Ctrl-C. Its work folders are unlocked when it ends.
+    on Ctrl-C or SIGTERM (`tasks.interrupts`). Its work folders are unlocked when it ends.
 
     `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from. A stage of
     a pipeline started fresh (`r1.fresh` on the parent) is tagged the same, and its work folders start empty.
@@ -88,8 +89,11 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
     try:
         yield run_id
     except BaseException as e:
+        stopped = is_interrupt(e)
+        if stopped:  # shard tasks in other threads stop too, so the flow's end does not wait for them
+            interrupt_threads()
         try:
-            tracking.end_run(run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
         finally:
             release_work_dirs(run_id)
         raise
@@ -99,13 +103,16 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
         release_work_dirs(run_id)
 
 
-def log_precision(run_id: str, section: str, requested: str) -> str:
-    """Resolve the config's mixed_precision on this machine and log it as `<section>.resolved_precision`."""
-    from grpo.training.precision import choose_precision
+def resolve_precision(run_id: str, section: str, cfg: BaseModel) -> BaseModel:
+    """`cfg` with its `mixed_precision` resolved on this machine (`grpo.training.precision`), which is what the
+    stage's loop, its launched processes and its work folder's key are given, so work trained in bf16 is never
+    resumed by an fp32 run. Logged as `<section>.resolved_precision` and `<section>.precision_reason`."""
+    from grpo.training.precision import resolve
 
-    precision = choose_precision(requested)
-    tracking.log_params(run_id, {f"{section}.resolved_precision": precision})
-    return precision
+    resolved = resolve(cfg.mixed_precision)
+    tracking.log_params(run_id, {f"{section}.resolved_precision": resolved.precision,
+                                 f"{section}.precision_reason": resolved.reason})
+    return cfg.model_copy(update={"mixed_precision": resolved.precision})
 
 
 def work_key(*keys) -> str:

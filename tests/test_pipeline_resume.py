@@ -197,8 +197,14 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
     from grpo.training.checkpoints import resumable_step
     from tasks import tracking
 
-    grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 6, "checkpoint_every": 2, "seed": 12}}
-    cold = {**COLD, "train": {**COLD["train"], "seed": 12}}
+    # GRPO needs something to learn, whatever the precision: a cold start that writes the format about half the
+    # time (100 steps at a high rate: 2 s in fp32, which it is pinned to, as it is not what this test is about) and
+    # room to write it, so groups' rewards spread. With 4 steps' cold start every reward was 0 and GRPO rightly
+    # moved nothing under bf16; in fp32 it only seemed to, through Adam stepping on float noise.
+    grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 6, "checkpoint_every": 2, "seed": 12,
+                             "sampling": {"max_new_tokens": 48}}}
+    cold = {**COLD, "train": {**COLD["train"], "seed": 12, "max_steps": 100, "learning_rate": 1e-2,
+                              "warmup_steps": 0, "mixed_precision": "no"}}
     recipe = write_recipe(tmp_path / "killed.yaml", "resume-killed", cold_start_sft=cold, reasoning_grpo=grpo)
     proc = _r1_run(recipe, "--stages", "cold_start_sft,reasoning_grpo")
 
@@ -233,6 +239,8 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
     assert resumed.data.tags["r1.work_dir.reasoning_grpo"] == str(work)
     history = mlflow_client.get_metric_history(resumed.info.run_id, "reward/total")
     assert sorted(m.step for m in history) == list(range(step + 1, 7))  # only the steps after the checkpoint
+    spread = mlflow_client.get_metric_history(resumed.info.run_id, "reward/std")
+    assert max(m.value for m in spread) > 0, "no group's rewards differed: GRPO had nothing to learn from"
 
     # the same stage uninterrupted, from the same cold start: the same weights
     checkpoint = result.stages["cold_start_sft"].uris["checkpoint"]

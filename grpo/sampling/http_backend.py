@@ -137,12 +137,17 @@ class HTTPGenerationBackend:
         futures = [self._pool.submit(self._sample, texts[i], sampling,
                                      None if seed is None else sample_seed(seed, i, j))
                    for i in range(len(texts)) for j in range(n)]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f in done and f.exception() is not None), None)
-        if failed is not None:
-            for f in pending:  # the shard fails whole: its queued samples are not sent
+        try:
+            pending = futures
+            while pending:  # in short waits: an interrupt raised in this thread lands between them
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+                failed = next((f for f in done if f.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()
+        except BaseException:
+            for f in futures:  # the shard fails whole: its queued samples are not sent
                 f.cancel()
-            raise failed.exception()
+            raise
         results = [f.result() for f in futures]
         return Completions(texts=[r[0] for r in results], truncated=torch.tensor([r[1] for r in results]),
                            completion_tokens=torch.tensor([r[2] for r in results]))

@@ -1,0 +1,118 @@
+"""The embedded default's Prefect API: a local server that `r1` starts for one run, in a session of its own.
+
+With no `PREFECT_API_URL`, Prefect would start a temporary API as a child in the caller's process group. A terminal's
+Ctrl-C (SIGINT to the whole foreground group), `timeout` or a job scheduler (SIGTERM to the group) then kills the API
+first, and the flow spends minutes retrying it to record how it ended. Here the same server (Prefect's API app under
+uvicorn, UI off, on 127.0.0.1, its SQLite under PREFECT_HOME) starts in a session of its own: no signal meant for the
+run reaches it, the run records its end, and `r1` stops the server last. If `r1` itself is killed (-9), the kernel
+ends the server with it (PR_SET_PDEATHSIG, Linux), as Prefect's own temporary server would have ended.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks.env import LOCAL_API
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()  # a session (and process group) of its own: a terminal's signals to ours do not reach it
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: it outlives a killed parent, as any orphan would
+        pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def local_prefect_api() -> Iterator[str | None]:
+    """Within the block, Prefect talks to a local API this process started (its URL is yielded); with
+    `PREFECT_API_URL` set (a real server), nothing starts and None is yielded."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield None
+        return
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    home = Path(os.environ["PREFECT_HOME"]).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
+           "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    env.pop("PREFECT_API_URL", None)
+    log = home / "local-api.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
+                                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
+                                 "--lifespan", "on"], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    try:
+        _wait_healthy(url, proc, log, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 120)))
+        os.environ["PREFECT_API_URL"] = os.environ[LOCAL_API] = url  # for what this process starts, too
+        try:
+            with temporary_settings({PREFECT_API_URL: url}):
+                yield url
+        finally:
+            _drain_prefect_clients()  # what the run logged and emitted reaches the API before the API stops
+            os.environ.pop("PREFECT_API_URL", None)
+            os.environ.pop(LOCAL_API, None)
+    finally:
+        _stop(proc)
+
+
+def _drain_prefect_clients(timeout: float = 10) -> None:
+    """Send the logs and events Prefect still queues (it sends them in the background, and at exit would retry
+    a stopped API for minutes), while the API is up."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise RuntimeError(f"the local Prefect API did not start within {timeout:.0f} s (see {log}):\n{tail}")

@@ -1,0 +1,73 @@
+"""Stopping a run on Ctrl-C or SIGTERM within seconds, its MLflow runs ended KILLED rather than FAILED.
+
+A signal reaches Python's main thread only. A training loop runs there (Prefect runs a sync task in its caller's
+thread), but rejection sampling's shard tasks run in a thread pool, and Prefect waits for every running one before
+the flow can end: a shard that samples for minutes would hold the stop that long. So a thread doing such work
+registers itself (`interruptible`), and when a stage is interrupted the same exception is raised in each of those
+threads (`interrupt_threads`): it lands at the thread's next Python instruction, within a decoding step.
+
+Within a flow run Prefect turns SIGTERM into its own `TerminationSignal`; `is_interrupt` counts it with
+KeyboardInterrupt, so a run cancelled by a worker or killed by a scheduler is KILLED too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_threads: set[int] = set()  # idents of threads inside `interruptible` work
+_lock = threading.Lock()
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Whether `exc` means someone stopped the run (Ctrl-C, SIGTERM, a cancelled flow run), not that it failed."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(exc, (KeyboardInterrupt, TerminationSignal))
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Mark the calling thread's work in the block as stoppable by `interrupt_threads`."""
+    me = threading.get_ident()
+    with _lock:
+        _threads.add(me)
+    try:
+        yield
+    finally:
+        with _lock:
+            _threads.discard(me)
+
+
+def interrupt_threads() -> int:
+    """Raise KeyboardInterrupt in every other thread inside `interruptible` work; returns how many."""
+    me = threading.get_ident()
+    with _lock:  # a thread cannot leave its block while this runs, so no exception lands outside one
+        targets = [t for t in _threads if t != me]
+        for ident in targets:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
+        _threads.difference_update(targets)  # once is enough
+    return len(targets)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """In the main thread: SIGINT and SIGTERM raise KeyboardInterrupt once; signals after the first are ignored, so
+    the clean-up the first one started (ending runs, stopping processes) is not itself interrupted."""
+    received = []
+
+    def handler(signum, frame):
+        if received:
+            return
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
