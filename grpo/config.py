@@ -29,7 +29,7 @@ AnswerFormat = Literal["plain", "gsm8k", "boxed"]  # how a reference answer is r
 ANSWER_FORMATS = get_args(AnswerFormat)
 TINY = "tiny"  # the model name that means "build the embedded model from ModelConfig.tiny"
 SELF_JUDGE = "checkpoint"  # JudgeConfig.model: the checkpoint being sampled judges its own samples
-# transformers' schedulers that need nothing beyond the warmup and total steps (tests check transformers has them)
+# transformers' schedulers that need nothing beyond the warmup and total steps (grpo.training.schedules has them)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 REWARD_MODEL = "reward_model"  # the reward name that means the alignment stage's reward model
