@@ -29,7 +29,7 @@ AnswerFormat = Literal["plain", "gsm8k", "boxed"]  # how a reference answer is r
 ANSWER_FORMATS = get_args(AnswerFormat)
 TINY = "tiny"  # the model name that means "build the embedded model from ModelConfig.tiny"
 SELF_JUDGE = "checkpoint"  # JudgeConfig.model: the checkpoint being sampled judges its own samples
-# transformers' schedulers that need nothing beyond the warmup and total steps (tests check transformers has them)
+# transformers' schedulers that need nothing beyond the warmup and total steps (grpo.training.schedules has them)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 REWARD_MODEL = "reward_model"  # the reward name that means the alignment stage's reward model
@@ -118,6 +118,9 @@ class DataConfig(BaseModel):
     # "####", commas removed) or "boxed" (the last \boxed{...}, as in MATH). With gsm8k or boxed and no response
     # column, SFT rows are built from the worked solution: <think>solution</think><answer>final</answer>
     answer_format: AnswerFormat = "plain"
+    # a row whose reference cannot be read in answer_format (gsm8k: no number after "####"; boxed: no \boxed{}):
+    # "error" stops before any model with the file, row and value; "drop" leaves it out and reports how many
+    unreadable_answers: Literal["error", "drop"] = "error"
     num_train: int = Field(2000, ge=0)  # synthetic rows to generate (or the most rows to read from a user dataset; 0 = all)
     num_heldout: int = Field(200, ge=0)  # held-out rows for evaluation (0 = no evaluation)
     # held-out (prompt, answer) rows: "synthetic" (the task's split) or a user dataset, read with the same

@@ -14,7 +14,7 @@ from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import general_prompts, load_preference_data
 from grpo.training.reward_model import RewardModelResult, train_reward_model
 from tasks import launch, tracking
-from tasks.data import DataURIs
+from tasks.data import DataURIs, report_dropped
 from tasks.stage import resolve_precision, work_dir
 
 
@@ -36,6 +36,7 @@ def prepare_alignment_prompts(run_id: str, cfg: AlignmentGRPOConfig) -> DataURIs
     train_uri = tracking.log_frame(run_id, rows, "dataset/train")
     heldout_uri = tracking.log_frame(run_id, heldout, "dataset/heldout") if heldout is not None else None
     get_run_logger().info("alignment prompts: %d reasoning + %d general", len(reasoning), len(general))
+    report_dropped(run_id, cfg.data, reasoning, heldout)
     return DataURIs(train_uri, heldout_uri)
 
 

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.config import DataConfig
-from grpo.data.tables import load_rl_data, load_sft_data
+from grpo.data.tables import dropped_rows, load_rl_data, load_sft_data
 from tasks import tracking
 
 
@@ -35,7 +35,21 @@ def prepare_data(run_id: str, cfg: DataConfig, kind: Literal["sft", "rl"]) -> Da
         heldout_uri = tracking.log_frame(run_id, heldout, "dataset/heldout")
     get_run_logger().info("%s data: %d training rows, %s held-out rows", kind, len(train),
                           len(heldout) if heldout is not None else "no")
+    report_dropped(run_id, cfg, train, heldout)
     return DataURIs(train_uri, heldout_uri)
+
+
+def report_dropped(run_id: str, cfg: DataConfig, train: pd.DataFrame, heldout: pd.DataFrame | None) -> None:
+    """Under `unreadable_answers: drop`, the rows left out, as metrics of the run and a warning in the flow's log:
+    a dataset that lost rows should be seen where the run is read, not only in the loader's own output."""
+    if cfg.unreadable_answers != "drop":
+        return  # unreadable answers failed the load; nothing was left out
+    counts = {"data/dropped_train_rows": dropped_rows(train), "data/dropped_heldout_rows": dropped_rows(heldout)}
+    tracking.MetricsLogger(run_id)(0, counts)
+    if any(counts.values()):
+        get_run_logger().warning("dropped rows whose answer cannot be read (data.unreadable_answers: drop): %d of "
+                                 "%s, %d of %s", counts["data/dropped_train_rows"], cfg.source,
+                                 counts["data/dropped_heldout_rows"], cfg.heldout_source)
 
 
 def read_frame(uri: str) -> pd.DataFrame:

@@ -8,7 +8,8 @@ from conftest import gsm8k_rows
 
 from grpo.config import DataConfig
 from grpo.recipe import RECIPES_DIR, RecipeError, load_recipe
-from grpo.data.tables import DataError, load_heldout, load_rl_data, load_sft_data
+from grpo.data.formats import gsm8k_answer
+from grpo.data.tables import DataError, dropped_rows, load_heldout, load_rl_data, load_sft_data
 from grpo.rewards import accuracy_reward, format_reward
 
 GSM8K = {"columns": {"prompt": "question"}, "answer_format": "gsm8k"}
@@ -83,7 +84,7 @@ def test_an_answer_that_cannot_be_read_names_file_row_and_column(tmp_path):
     rows[5]["answer"] = "#### "
     path = write_jsonl(tmp_path / "gsm.jsonl", rows)
     with pytest.raises(DataError, match=r"gsm\.jsonl: row 3, column 'answer': expected a solution ending in a "
-                                        r"'#### <answer>' line .*2 of 6 rows"):
+                                        r"'#### <number>' line .*2 of 6 rows"):
         load_rl_data(DataConfig(source=path, **GSM8K))
     with pytest.raises(DataError, match=r"row 0, column 'answer': expected a solution with a \\boxed\{\.\.\.\}"):
         load_rl_data(DataConfig(source=path, columns={"prompt": "question"}, answer_format="boxed"))
@@ -95,6 +96,80 @@ def test_an_answer_that_cannot_be_read_names_file_row_and_column(tmp_path):
     nums = write_jsonl(tmp_path / "nums.jsonl", [{"question": "q", "answer": 4}])
     with pytest.raises(DataError, match=r"row 0, column 'answer': expected text"):
         load_rl_data(DataConfig(source=nums, **GSM8K))
+
+
+def test_a_gsm8k_answer_that_is_not_a_number_names_file_row_and_value(tmp_path):
+    rows = gsm8k_rows(20)
+    rows[17]["answer"] = rows[17]["answer"].rsplit("####", 1)[0] + "#### seventy"
+    path = write_jsonl(tmp_path / "gsm.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        load_rl_data(DataConfig(source=path, num_heldout=0, **GSM8K))
+    msg = str(e.value)
+    assert "\n" not in msg  # one line, though the cell is a multi-line solution
+    assert msg.startswith(f"{path}: row 17, column 'answer': expected a solution ending in a '#### <number>' line")
+    assert "got '#### seventy'" in msg and "1 of 20 rows" in msg and "data.unreadable_answers" in msg
+    # the SFT loader reads the same column the same way
+    with pytest.raises(DataError, match=r"row 17, .*got '#### seventy'"):
+        load_sft_data(DataConfig(source=path, num_heldout=0, **GSM8K))
+
+
+def test_plain_numbers_after_gsm8k_marks_are_read():
+    for tail, answer in [("1,234", "1234"), ("-3", "-3"), ("+7", "+7"), ("2.50", "2.50"), (".5", ".5"),
+                         ("3/4", "3/4"), (" 72 ", "72")]:
+        assert gsm8k_answer(f"Work.\n#### {tail}") == answer, tail
+    for tail in ["seventy", "72 cows", "$72", "1/", "--3", "3/4/5", "1e3", ""]:
+        assert gsm8k_answer(f"Work.\n#### {tail}") is None, tail
+
+
+def test_unreadable_answers_drop_leaves_the_rows_out_and_counts_them(tmp_path, caplog):
+    rows = gsm8k_rows(20)
+    rows[17]["answer"] = rows[17]["answer"].rsplit("####", 1)[0] + "#### seventy"
+    rows[4]["answer"] = "They have 12 cows."  # no #### at all: the same switch
+    path = write_jsonl(tmp_path / "gsm.jsonl", rows)
+    heldout = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(5, start=50))
+    cfg = DataConfig(source=path, heldout_source=heldout, unreadable_answers="drop", **GSM8K)
+    train, held = load_rl_data(cfg)
+    kept = [r for i, r in enumerate(rows) if i not in (4, 17)]
+    assert len(train) == 18 and dropped_rows(train) == 2 and dropped_rows(held) == 0
+    assert train["prompt"].tolist() == [r["question"] for r in kept]  # each prompt still has its own answer
+    assert train["answer"].tolist() == [r["answer"].rsplit("#### ", 1)[1].replace(",", "") for r in kept]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(f"{path}: dropped 2 of 20 rows") and "row 4" in m for m in warned), warned
+    # SFT responses are built from the rows that are left, each from its own solution
+    sft, _ = load_sft_data(cfg.model_copy(update={"num_heldout": 0}))
+    assert len(sft) == 18 and dropped_rows(sft) == 2
+    assert sft["response"][17].endswith(f"<answer>{train['answer'][17]}</answer>")
+    # num_train counts the rows that are left
+    assert len(load_rl_data(cfg.model_copy(update={"num_train": 18}))[0]) == 18
+    # MATH rows without a \boxed{} are the same kind of row: one switch for both formats
+    math = [{"problem": "1+1?", "solution": "So $\\boxed{2}$."}, {"problem": "2+2?", "solution": "It is 4."}]
+    math_file = write_jsonl(tmp_path / "math.jsonl", math)
+    boxed = DataConfig(source=math_file, columns={"prompt": "problem", "answer": "solution"}, answer_format="boxed",
+                       num_heldout=0)
+    with pytest.raises(DataError, match=r"math\.jsonl: row 1, column 'solution': expected a solution with a "
+                                        r"\\boxed\{\.\.\.\}.*got 'It is 4\.'"):
+        load_rl_data(boxed)
+    train, _ = load_rl_data(boxed.model_copy(update={"unreadable_answers": "drop"}))
+    assert train["answer"].tolist() == ["2"] and dropped_rows(train) == 1
+    # a file where no answer can be read is still an error: nothing would be left to train on
+    none = write_jsonl(tmp_path / "none.jsonl", [{"question": "q", "answer": "#### many"}] * 3)
+    with pytest.raises(DataError, match=r"none\.jsonl: no row has an answer that can be read.*all 3"):
+        load_rl_data(DataConfig(source=none, num_heldout=0, unreadable_answers="drop", **GSM8K))
+
+
+def test_the_data_task_logs_how_many_rows_were_dropped(prefect_harness, mlflow_client, tmp_path):
+    from tasks import tracking
+    from tasks.data import prepare_data, read_frame
+
+    rows = gsm8k_rows(20)
+    rows[17]["answer"] = rows[17]["answer"].rsplit("####", 1)[0] + "#### seventy"
+    path = write_jsonl(tmp_path / "gsm.jsonl", rows)
+    cfg = DataConfig(source=path, num_heldout=0, unreadable_answers="drop", **GSM8K)
+    run_id = tracking.start_run("reasoning_grpo", tags={"stage": "reasoning_grpo"})
+    uris = prepare_data(run_id, cfg, "rl")
+    metrics = mlflow_client.get_run(run_id).data.metrics
+    assert metrics["data/dropped_train_rows"] == 1 and metrics["data/dropped_heldout_rows"] == 0
+    assert len(read_frame(uris.train)) == 19 and uris.heldout is None  # the rows the stage trains on
 
 
 def test_unknown_roles_fail_when_the_recipe_is_read(tmp_path):

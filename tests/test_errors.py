@@ -265,6 +265,18 @@ def test_a_data_file_with_an_empty_cell(ws, capsys):
                   "reasoning_grpo.data:", "row 1, column 'answer'")
 
 
+def test_a_gsm8k_answer_that_is_not_a_number(ws, capsys):
+    from conftest import gsm8k_rows
+
+    rows = gsm8k_rows(20)
+    rows[17]["answer"] = rows[17]["answer"].rsplit("####", 1)[0] + "#### seventy"
+    path = ws.jsonl("gsm.jsonl", rows)
+    recipe = ws.recipe(reasoning_grpo__data={"source": path, "columns": {"prompt": "question"},
+                                             "answer_format": "gsm8k"})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "reasoning_grpo", "--from-run", "x"],
+                  "reasoning_grpo.data:", f"{path}: row 17, column 'answer'", "got '#### seventy'")
+
+
 def test_too_few_prompts_in_a_user_file_for_one_step(ws, capsys):
     path = ws.jsonl("rl.jsonl", [{"prompt": "2+2?", "answer": "4"}])
     recipe = ws.recipe(reasoning_grpo__data={"source": path, "num_heldout": 0})

@@ -1,4 +1,5 @@
-"""The house rules a newcomer relies on: imports point one way, no import circle, no module grows past ~500 lines."""
+"""The house rules a newcomer relies on: imports point one way, no import circle, no module grows past ~500 lines,
+and an optional library loads only where a recipe or command uses it."""
 
 from __future__ import annotations
 
@@ -40,6 +41,40 @@ def test_reading_a_recipe_imports_no_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+OPTIONAL = ("bitsandbytes", "peft", "ray", "selenium")  # extras: LoRA, 8-bit AdamW, Ray shards, the UI's browser
+
+
+def test_a_stage_loads_no_optional_library_it_does_not_use(tmp_path):
+    """Every project module, then a GRPO step on a tiny model as a stage runs it: none of the optional libraries is
+    imported, so none prints its warnings (bitsandbytes, once loaded, warns about CPU kernels it cannot find)."""
+    modules = sorted(_module(p) for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py"))
+    code = f"""
+import importlib, sys
+import pandas as pd
+for m in {modules!r}:
+    importlib.import_module(m)
+from transformers import AutoModelForCausalLM
+from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.rewards import REWARD_FUNCTIONS
+from grpo.training.grpo_trainer import GRPOTrainer
+tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1)
+model, tok = load_model_and_tokenizer(ModelConfig(tiny=tiny))
+cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=2, checkpoint_every=0,
+                 sampling=SamplingConfig(max_new_tokens=4))
+prompts = pd.DataFrame({{"prompt": ["Say 1", "Say 2"], "answer": ["1", "2"]}})
+result = GRPOTrainer(model, tok, prompts, cfg, {str(tmp_path)!r}, reward_functions=REWARD_FUNCTIONS,
+                     progress=False).train()
+AutoModelForCausalLM.from_pretrained(result.model_dir)
+print(sorted({{n.split(".")[0] for n in sys.modules}} & {set(OPTIONAL)!r}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    assert "bitsandbytes" not in out.stderr, out.stderr[-3000:]
 
 
 def test_no_import_circle_in_the_project():

@@ -6,12 +6,15 @@ Rows come in two shapes:
 A dataset's own column names are mapped onto these roles by `DataConfig.columns`, and the reference answer is read
 from its column as `DataConfig.answer_format` says (grpo.data.formats), so every consumer (rewards, evaluation,
 rejection sampling, decontamination) sees the clean reference. A bad dataset fails here with a `DataError` naming
-the file, row and column. Must not depend on torch, Prefect or MLflow.
+the file, row and column; a reference that cannot be read is an error too, unless `DataConfig.unreadable_answers`
+says to drop such rows, when the loaded frame says how many went (`dropped_rows`). Must not depend on torch, Prefect
+or MLflow.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -19,13 +22,16 @@ import pandas as pd
 
 from grpo.config import DataConfig, TaskConfig
 from grpo.data.arithmetic import Problem, generate_problems, rl_rows, sft_rows
-from grpo.data.formats import ANSWER_READERS, EXPECTED, REASONING_READERS
+from grpo.data.formats import ANSWER_READERS, EXPECTED, REASONING_READERS, shown
 from grpo.texts import render_response
+
+logger = logging.getLogger(__name__)
 
 # Loading and validating datasets
 
 SFT_SCHEMA = {"prompt": "text or chat messages", "response": "text"}
 RL_SCHEMA = {"prompt": "text or chat messages", "answer": "text or number"}
+DROPPED = "unreadable_answers_dropped"  # DataFrame.attrs key: rows left out under unreadable_answers: drop
 
 
 class DataError(ValueError):
@@ -159,25 +165,50 @@ def to_roles(df: pd.DataFrame, cfg: DataConfig, schema: dict[str, str], source: 
     for column in df.columns:  # the role wins over a dataset column of the same name
         if column not in columns.values() and column not in produced:
             rows[column] = df[column].tolist()
+    dropped = 0
     if "answer" in rows.columns:
         solutions = rows["answer"].tolist()
-        rows["answer"] = read_answers(solutions, fmt, source, columns["answer"])
+        answers = read_answers(solutions, cfg, source, columns["answer"])
+        keep = [a is not None for a in answers]
+        dropped = len(keep) - sum(keep)
+        if dropped:
+            rows = rows[keep].reset_index(drop=True)
+            solutions, answers = [s for s, k in zip(solutions, keep) if k], [a for a in answers if a is not None]
+        rows["answer"] = answers
         if build_responses:
             reasoning = REASONING_READERS[fmt]
             rows.insert(1, "response", [render_response(reasoning(s), a) for s, a in zip(solutions, rows["answer"])])
             rows = rows.drop(columns="answer")  # SFT rows are (prompt, response)
-    return normalise_rows(rows)
+    rows = normalise_rows(rows)
+    rows.attrs[DROPPED] = dropped
+    return rows
 
 
-def read_answers(values: list, fmt: str, source: str, column: str) -> list[str]:
-    """Each cell's reference answer in `fmt`; a cell that has none is an error naming the file, row and column."""
+def read_answers(values: list, cfg: DataConfig, source: str, column: str) -> list[str | None]:
+    """Each cell's reference answer in `cfg.answer_format`. A cell that has none is an error naming the file, row,
+    column and value; under `unreadable_answers: drop` its answer is None, and a warning says how many."""
+    fmt = cfg.answer_format
     answers = [ANSWER_READERS[fmt](v) for v in values]
     bad = [i for i, a in enumerate(answers) if a is None]
-    if bad:
-        i = bad[0]
-        raise DataError(f"{source}: row {i}, column {column!r}: expected {EXPECTED[fmt]} (data.answer_format: "
-                        f"{fmt}), got {values[i]!r:.80}; {len(bad)} of {len(values)} rows are like this")
+    if not bad:
+        return answers
+    i = bad[0]
+    what = (f"row {i}, column {column!r}: expected {EXPECTED[fmt]} (data.answer_format: {fmt}), got "
+            f"{shown(fmt, values[i])}")
+    if cfg.unreadable_answers == "error":
+        raise DataError(f"{source}: {what}; {len(bad)} of {len(values)} rows are like this (data.unreadable_answers: "
+                        f"drop leaves them out)")
+    if len(bad) == len(values):
+        raise DataError(f"{source}: no row has an answer that can be read ({what}); all {len(values)} would be "
+                        f"dropped (data.unreadable_answers: drop)")
+    logger.warning("%s: dropped %d of %d rows whose answer cannot be read (data.unreadable_answers: drop); the first, "
+                   "%s", source, len(bad), len(values), what)
     return answers
+
+
+def dropped_rows(df: pd.DataFrame | None) -> int:
+    """How many rows the loader left out of `df` under `unreadable_answers: drop` (0 for generated rows)."""
+    return 0 if df is None else int(df.attrs.get(DROPPED, 0))
 
 
 def _load(cfg: DataConfig, schema: dict[str, str],

@@ -13,6 +13,7 @@
 | `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |
 | `checkpoints` | resumable checkpoints of the SFT and GRPO loops: save, find the newest, the step to resume from |
 | `accelerator` | the Accelerator, the optimizer and the clip/step/zero sequence every loop shares |
+| `schedules` | learning-rate schedules by name, transformers' own without importing `transformers.optimization` (which loads peft and bitsandbytes) |
 | `distributed` | training across processes: each process's share of a global batch, global loss weights, reduced metrics |
 | `precision` | `auto`/`bf16`/`fp16`/`no` resolved against the hardware (bf16 only where it is native) |
 

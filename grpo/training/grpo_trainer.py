@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import GRPOConfig
 from grpo.kernels.attention import cpu_attention
@@ -49,6 +49,7 @@ from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, 
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
 from grpo.training.optimizers import MasterWeights, cast_parameters, make_optimizer, require_bitsandbytes
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
+from grpo.training.schedules import make_scheduler
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -137,8 +138,8 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.beta != 0 and cfg.lora is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                                  num_training_steps=cfg.max_steps * cfg.num_iterations)
+        scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+                                   num_training_steps=cfg.max_steps * cfg.num_iterations)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
         self.backend = backend or TransformersBackend(self.acc.unwrap_model(self.model), tokenizer,
                                                       autocast=self.acc.mixed_precision == "bf16")

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import pandas as pd
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import GRPOConfig
 from grpo.kernels.attention import cpu_attention
@@ -38,6 +38,7 @@ from grpo.training.logprobs import token_logps
 from grpo.training.loss import batch_share, k3_kl
 from grpo.training.optimizers import cast_parameters, make_optimizer
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
+from grpo.training.schedules import make_scheduler
 from grpo.training.value import ValueModel
 
 
@@ -74,8 +75,8 @@ class PPOTrainer(GRPOTrainer):
                                    master_weights=cfg.weights_dtype == "bfloat16")
         if cfg.weights_dtype == "bfloat16":
             cast_parameters(critic, torch.bfloat16)
-        scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                                  num_training_steps=cfg.max_steps * cfg.num_iterations)
+        scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+                                   num_training_steps=cfg.max_steps * cfg.num_iterations)
         # prepared after the policy: the accelerator's checkpoints then hold both, in this order
         self.critic, self.critic_optimizer, self.critic_scheduler = self.acc.prepare(critic, optimizer, scheduler)
 

@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Sequence
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import TINY, ModelConfig, RewardModelConfig, SamplingConfig
 from grpo.data.arithmetic import Problem, format_response
@@ -41,6 +41,7 @@ from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
 from grpo.training.reward_model import pad_right
+from grpo.training.schedules import make_scheduler
 from grpo.training.sft_trainer import batch_indices
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -202,8 +203,8 @@ def train_prm(labelled: pd.DataFrame, cfg: RewardModelConfig, output_dir: str | 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
     model.config.use_cache = False
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
-    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=cfg.max_steps)
+    scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+                               num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     model.train()
     window: list[float] = []

@@ -40,7 +40,6 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2ForSequenceClassification,
-    get_scheduler,
 )
 
 from grpo.config import TINY, ModelConfig, RewardModelConfig
@@ -51,6 +50,7 @@ from grpo.sampling.backend import render_prompts
 from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
 from grpo.training.distributed import check_split, full_state_dict, main_only, process_share, reduce_metrics
+from grpo.training.schedules import make_scheduler
 from grpo.training.sft_trainer import _response_text, batch_indices
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -285,8 +285,8 @@ def train_reward_model(
     model.config.use_cache = False  # one forward per batch: a KV cache would only cost memory
     checkpointing = activation_checkpointing(model, cfg.gradient_checkpointing)  # on for the training loop only
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
-    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=cfg.max_steps)
+    scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+                               num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
 
     def evaluate() -> dict[str, float]:

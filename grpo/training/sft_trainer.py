@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import SFTConfig
 from grpo.data.tables import DataError, as_messages
@@ -33,6 +33,7 @@ from grpo.sampling.backend import render_prompts
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, full_state_dict, main_only, process_share, reduce_sum
+from grpo.training.schedules import make_scheduler
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -120,8 +121,8 @@ def train_sft(
     # the tokens the loss counts in each row (the model shifts labels by one): a batch's token mean across processes
     label_tokens = [sum(t != -100 for t in e.labels[1:]) for e in examples]
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
-    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=cfg.max_steps)
+    scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+                               num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
 
     start = 0
