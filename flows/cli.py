@@ -31,7 +31,9 @@ def _where() -> str:
     uri = tracking.tracking_uri()
     lines = [f"state folder : {tracking.r1_home()}", f"MLflow       : {uri}"]
     if uri.startswith("sqlite:"):
-        lines.append(f"  browse it  : mlflow ui --backend-store-uri {uri} --port 5000   (then http://127.0.0.1:5000)")
+        lines.append(f"  browse it  : {tracking.ui_command(uri)}   (then {tracking.ui_base(uri)})")
+    elif uri.startswith(("http://", "https://")):
+        lines.append(f"  browse it  : {tracking.ui_base(uri)}")
     api = os.environ.get("PREFECT_API_URL")
     home = os.environ.get('PREFECT_HOME', '~/.prefect')
     lines.append(f"Prefect      : {api or 'temporary local API, database under ' + home}")
@@ -50,6 +52,12 @@ def _print_stage(name: str, result) -> None:
     print(f"  {name:<20} run {result.run_id}  {metrics}")
     for key, uri in result.uris.items():
         print(f"  {'':<20} {key}: {uri}")
+
+
+def _print_links(runs: dict[str, str]) -> None:
+    from tasks import tracking
+
+    print("\n" + tracking.ui_text(runs))
 
 
 def _log_requests() -> None:
@@ -263,6 +271,7 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
     print(f"\nMLflow pipeline run {result.run_id} (recipe {recipe.name}):")
     for name, r in result.stages.items():
         _print_stage(name, r)
+    _print_links({"pipeline run": result.run_id})
     print("\n" + _where())
     return 0
 
@@ -301,6 +310,7 @@ def _stage(args: argparse.Namespace, recipe) -> int:
         return 130
     print()
     _print_stage(args.name, result)
+    _print_links({"stage run": result.run_id})
     print("\n" + _where())
     return 0
 

@@ -1,4 +1,5 @@
-"""`r1 compare RUN_A RUN_B`: two pipeline runs stage by stage: the params that differ, the metrics side by side.
+"""`r1 compare RUN_A RUN_B`: two pipeline runs stage by stage: the params that differ, the metrics side by side,
+and the MLflow UI's pages for both and for their comparison.
 
 A pipeline run is an MLflow parent run; its stages are the child runs tagged `stage=<name>`. Upstream URIs
 (`input.*` params) differ between any two runs by construction, so they are left out of the diff.
@@ -78,4 +79,5 @@ def compare(run_a: str, run_b: str) -> str:
         for k, x, y in metrics:
             delta = f"  {y - x:+.4g}" if x is not None and y is not None else ""
             lines.append(row(k, x, y, delta))
+    lines += ["", tracking.ui_text({"A": run_a, "B": run_b})]
     return "\n".join(lines)

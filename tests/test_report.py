@@ -12,7 +12,7 @@ def test_the_report_links_to_the_run_on_an_mlflow_server():
     result = StageResult(stage="sft", run_id="abc123", uris={"checkpoint": "runs:/abc123/checkpoint"},
                          metrics={"eval/accuracy": 0.3125, "eval/format_rate": 1.0})
     text = stage_report_markdown(result, "7", "http://mlflow.team:5000/")
-    assert "[`abc123`](http://mlflow.team:5000/#/experiments/7/runs/abc123)" in text
+    assert "[`abc123`](http://mlflow.team:5000/#/experiments/7/runs/abc123?workflowType=machine_learning)" in text
     assert "| eval/accuracy | 0.3125 |" in text and "| checkpoint | `runs:/abc123/checkpoint` |" in text
     local = stage_report_markdown(result, "7", "sqlite:////tmp/m.db")
     assert "mlflow ui --backend-store-uri sqlite:////tmp/m.db" in local and "](" not in local

@@ -1,14 +1,20 @@
-"""The Prefect UI in a real (headless) browser: start a stage's deployment from its *Custom run* form and watch it run.
+"""The UIs in a real (headless) browser: start a stage's deployment from Prefect's *Custom run* form and watch it
+run; open the MLflow pages `r1` prints and find the runs on them.
 
 A Prefect server on a free port with every deployment and a process worker (MLflow on SQLite in a temp folder);
 Chromium opens the cold_start_sft deployment's custom-run form, changes a few fields of the stage's config form
-(so the run is small), submits, and follows the flow run's page until it says Completed. Needs Debian's
-`chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`) and `selenium` (the dev extra);
-skipped, saying which is missing, without them.
+(so the run is small), submits, and follows the flow run's page until it says Completed. An `mlflow server` on
+127.0.0.1 holds two pipeline runs made through `tasks.tracking`; Chromium opens each link `r1 compare` prints.
+
+Needs Debian's `chromium` and `chromium-driver` and `selenium` (the dev extra); `make test` installs them where it
+may (root with apt-get, as in CI). Without them the tests are skipped, saying how to get them, except in CI (`CI`
+set), where they fail: there a missing browser is a broken install, not a reason to test less.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import time
 
@@ -19,9 +25,24 @@ from flows import stack
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="needs Chromium and its driver: apt-get install -y chromium chromium-driver")
-webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium: pip install -e '.[dev]'")
+try:
+    from selenium import webdriver
+except ImportError:
+    webdriver = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def needs_chromium():
+    """Skip (fail in CI) before any server starts: session scope puts it ahead of the session-wide Prefect server."""
+    missing = [what for what, found in (("Chromium and its driver: apt-get install -y chromium chromium-driver",
+                                         CHROMIUM and CHROMEDRIVER),
+                                        ("selenium: pip install -e '.[dev]'", webdriver)) if not found]
+    if missing:
+        reason = "needs " + "; ".join(missing)
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason} (CI is set: `make test` installs them as root; see its output)", pytrace=False)
+        pytest.skip(reason)
+
 
 # form field label -> value typed into it: a run of a few seconds instead of the recipe's 500 steps
 CHANGES = {"Max Steps": "2", "Num Train": "64", "Num Heldout": "0", "Log Every": "1", "Checkpoint Every": "0"}
@@ -40,13 +61,16 @@ def team_stack(deployed_server, tmp_path_factory):
 
 
 @pytest.fixture
-def browser():
+def browser(tmp_path):
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,1000"):
+    # as root (CI) Chromium starts only without its sandbox; a profile of its own, so runs side by side never
+    # share one; and nothing that reaches for the internet (updates, sync, QUIC), which a CI machine may not have
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1000"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.implicitly_wait(0)
@@ -146,3 +170,50 @@ def _final_state(api: str, flow_run_id: str) -> str | None:
     with urllib.request.urlopen(f"{api}/flow_runs/{flow_run_id}", timeout=30) as reply:
         state = json.load(reply)["state"]
     return state["type"] if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+
+@pytest.fixture(scope="module")
+def mlflow_ui(tmp_path_factory):
+    """A real `mlflow server` (SQLite in a temp folder, bound to 127.0.0.1 only): its tracking URI is its UI's."""
+    root = tmp_path_factory.mktemp("mlflow-ui")
+    server, uri = stack.start_mlflow_server(root / "mlflow.db", root / "artifacts", stack.free_port(), root / "logs")
+    try:
+        yield uri
+    finally:
+        stack.stop_process(server)
+
+
+@pytest.fixture
+def on_mlflow_ui(mlflow_ui, monkeypatch):
+    """`tasks.tracking` pointed at that server for one test, then back at the session's store."""
+    import mlflow
+
+    before = os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_ui)
+    yield mlflow_ui
+    mlflow.set_tracking_uri(before)  # tracking.client() set the process-wide one to the server, which now stops
+
+
+def test_the_printed_mlflow_links_show_the_runs(on_mlflow_ui, browser, capsys):
+    from flows.cli import main
+    from test_compare import make_pipeline
+
+    a = make_pipeline("0.001", 0.25)  # r1_pipeline:tiny, with cold_start_sft and reasoning_grpo child runs
+    b = make_pipeline("0.0005", 0.5, stages=("cold_start_sft",), recipe="small")
+    assert main(["compare", a, b]) == 0
+    out = capsys.readouterr().out
+    ui = out[out.index("MLflow UI"):].splitlines()
+    links = dict(re.fullmatch(r"\s+(.+?)\s+: (\S+)", line).groups() for line in ui[1:])
+    assert list(links) == ["runs of r1-pipeline", "A", "B", "A and B compared"], out
+    assert all(url.startswith(on_mlflow_ui + "/#/") for url in links.values()), links
+
+    # what each page must show, read from the page the browser rendered (MLflow's UI draws it after loading)
+    expected = {"runs of r1-pipeline": ["r1_pipeline:tiny", "r1_pipeline:small"],  # the list: both pipeline runs
+                "A": [a, "r1_pipeline:tiny", "cold_start_sft", "reasoning_grpo"],  # the run, with its child runs
+                "B": [b, "r1_pipeline:small", "cold_start_sft"],
+                "A and B compared": ["Comparing 2 Runs", a, b, "r1_pipeline:tiny", "r1_pipeline:small"]}
+    for label, url in links.items():
+        browser.get(url)
+        body = lambda: browser.find_element("tag name", "body").text  # noqa: E731
+        wait_for(f"{label} ({url}) to show {expected[label]}", lambda: all(x in body() for x in expected[label]),
+                 60, browser)
