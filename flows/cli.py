@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)
+    except KeyboardInterrupt:  # before a run started (a run's own Ctrl-C is told in _until_stopped)
+        print("r1: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:
         if not _is_user_error(e):
             raise

@@ -11,6 +11,7 @@ ends the server with it (PR_SET_PDEATHSIG, Linux), as Prefect's own temporary se
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import signal
 import subprocess
@@ -59,11 +60,12 @@ def _stop(proc: subprocess.Popen) -> None:
 @contextmanager
 def local_prefect_api() -> Iterator[str | None]:
     """Within the block, Prefect talks to a local API this process started (its URL is yielded); with
-    `PREFECT_API_URL` set (a real server), nothing starts and None is yielded."""
-    if os.environ.get("PREFECT_API_URL"):
+    an API already configured (`PREFECT_API_URL`: a real server), nothing starts and None is yielded."""
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    if get_current_settings().api.url:  # a server in the environment (or a test harness's)
         yield None
         return
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     home = Path(os.environ["PREFECT_HOME"]).expanduser()
     home.mkdir(parents=True, exist_ok=True)
@@ -73,13 +75,23 @@ def local_prefect_api() -> Iterator[str | None]:
            "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     env.pop("PREFECT_API_URL", None)
     log = home / "local-api.log"
-    with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
-                                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
-                                 "--lifespan", "on"], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    # a server migrates its database as it starts: two `r1` starting at once on one home would both create its
+    # tables, and one would fail; the second waits until the first answers, then finds the tables made
+    with (home / "local-api.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with log.open("ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory",
+                                     "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
+                                     str(port), "--log-level", "error", "--lifespan", "on"], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=_die_with_parent)
+        try:
+            _wait_healthy(url, proc, log, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+                                                               120)))
+        except BaseException:
+            _stop(proc)
+            raise
     try:
-        _wait_healthy(url, proc, log, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 120)))
         os.environ["PREFECT_API_URL"] = os.environ[LOCAL_API] = url  # for what this process starts, too
         try:
             with temporary_settings({PREFECT_API_URL: url}):

@@ -236,6 +236,12 @@ def test_fp16_without_a_gpu(ws, capsys):
                   "cold_start_sft.train.mixed_precision fp16 needs a CUDA GPU")
 
 
+
+def test_a_cpu_bf16_override_that_is_neither_0_nor_1(ws, capsys, monkeypatch):
+    monkeypatch.setenv("R1_CPU_BF16", "yes")
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe()], "R1_CPU_BF16 must be 1", "or 0", "got 'yes'")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Data and models the recipe names: read (never loaded as a model) before anything starts
 

@@ -63,7 +63,7 @@ from grpo.training.grpo_trainer import GRPOTrainer
 tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1)
 model, tok = load_model_and_tokenizer(ModelConfig(tiny=tiny))
-cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=2, checkpoint_every=0,
+cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=2, checkpoint_every=0, mixed_precision="no",
                  sampling=SamplingConfig(max_new_tokens=4))
 prompts = pd.DataFrame({{"prompt": ["Say 1", "Say 2"], "answer": ["1", "2"]}})
 result = GRPOTrainer(model, tok, prompts, cfg, {str(tmp_path)!r}, reward_functions=REWARD_FUNCTIONS,

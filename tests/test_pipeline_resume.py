@@ -189,6 +189,7 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+@pytest.mark.precision  # GRPO under `auto`: resumed and uninterrupted must agree in either precision
 def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrupted_one(
         prefect_harness, mlflow_client, tmp_path, request):
     from flows.r1_pipeline import r1_pipeline
@@ -202,7 +203,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
     # room to write it, so groups' rewards spread. With 4 steps' cold start every reward was 0 and GRPO rightly
     # moved nothing under bf16; in fp32 it only seemed to, through Adam stepping on float noise.
     grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 6, "checkpoint_every": 2, "seed": 12,
-                             "sampling": {"max_new_tokens": 48}}}
+                             "sampling": {"max_new_tokens": 48}, "mixed_precision": "auto"}}
     cold = {**COLD, "train": {**COLD["train"], "seed": 12, "max_steps": 100, "learning_rate": 1e-2,
                               "warmup_steps": 0, "mixed_precision": "no"}}
     recipe = write_recipe(tmp_path / "killed.yaml", "resume-killed", cold_start_sft=cold, reasoning_grpo=grpo)

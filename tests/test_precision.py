@@ -3,18 +3,24 @@
 import warnings
 
 import pytest
+import torch
 import yaml
 
 from grpo.config import GRPOConfig, SFTConfig
 from grpo.recipe import RecipeError, load_recipe
 from grpo.training.precision import (
     Hardware,
-    choose_precision,
+    Resolved,
+    cpu_bf16_override,
     emulated_bf16_warning,
+    precision_fields,
     read_cpu_flags,
+    resolve,
+    resolve_config,
     resolve_precision,
-    this_machine,
 )
+
+pytestmark = pytest.mark.precision
 
 AVX2_CPU = Hardware("cpu", cpu_flags=frozenset({"sse4_2", "avx", "avx2", "fma"}))  # CI's EPYC: no bf16 instructions
 AVX512_BF16_CPU = Hardware("cpu", cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"}))  # Cooper Lake, Zen 4
@@ -84,18 +90,84 @@ def test_every_default_and_the_tiny_recipe_say_auto():
     assert tiny.reasoning_grpo.grpo.mixed_precision == tiny.alignment_grpo.reward_model.mixed_precision == "auto"
 
 
-def test_the_accelerator_trains_in_the_resolved_precision():
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="R1_CPU_BF16 speaks for a CPU; this machine trains "
+                                                                "on its GPU")
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("override, expected", [("1", "bf16"), ("0", "no")])
+def test_the_accelerator_trains_in_the_resolved_precision(monkeypatch, override, expected):
     from grpo.training.accelerator import make_accelerator
 
-    assert make_accelerator("auto").mixed_precision == choose_precision("auto", this_machine())
+    monkeypatch.setenv("R1_CPU_BF16", override)  # the CPU's answer given, whatever this machine's flags say
+    assert make_accelerator("auto").mixed_precision == expected
     assert make_accelerator("no").mixed_precision == "no"
 
 
-@pytest.mark.skipif(this_machine().native_bf16, reason="this machine computes bf16 natively: nothing to warn")
-def test_explicit_bf16_on_an_emulating_machine_runs_and_warns():
+@CPU_ONLY
+def test_explicit_bf16_on_an_emulating_machine_runs_and_warns(monkeypatch):
     from grpo.training.accelerator import make_accelerator
 
+    monkeypatch.setenv("R1_CPU_BF16", "0")  # a CPU without bf16 instructions, on any machine
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert make_accelerator("bf16").mixed_precision == "bf16"
     assert [str(w.message) for w in caught if "30x slower" in str(w.message) or "emulated" in str(w.message)]
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("", None), (None, None)])
+def test_r1_cpu_bf16_overrides_the_cpu_check_and_says_so(value, expected):
+    environ = {} if value is None else {"R1_CPU_BF16": value}
+    assert cpu_bf16_override(environ) is expected
+    hw = Hardware("cpu", cpu_flags=AVX2_CPU.cpu_flags, cpu_bf16_override=expected)
+    resolved = resolve("auto", hw)
+    assert resolved.precision == ("bf16" if expected else "no")
+    assert resolved.reason == ("auto on a CPU: R1_CPU_BF16=1 overrides the CPU check" if expected else
+                               "auto on a CPU: R1_CPU_BF16=0 overrides the CPU check" if expected is False else
+                               "auto on a CPU: no avx512_bf16 or amx_bf16 CPU flag")
+    # a GPU answers for itself
+    assert resolve("auto", Hardware("cuda", cuda_bf16=True, cpu_bf16_override=False)).precision == "bf16"
+
+
+def test_the_reason_names_the_cpu_flag_found_or_the_explicit_choice():
+    assert resolve("auto", AMX_CPU).reason == "auto on a CPU: CPU flag amx_bf16"
+    assert resolve("auto", AVX512_BF16_CPU).reason == "auto on a CPU: CPU flag avx512_bf16"
+    assert resolve("no", AMX_CPU) == Resolved("no", "no", "asked for explicitly")
+
+
+def test_a_bad_override_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"R1_CPU_BF16 must be 1 .* or 0 .*, got 'yes'"):
+        cpu_bf16_override({"R1_CPU_BF16": "yes"})
+
+
+def test_every_training_loop_of_a_stage_is_found_in_its_config():
+    from grpo.recipe import load_recipe
+
+    tiny = load_recipe("tiny")
+    assert precision_fields(tiny.alignment_grpo) == {"reward_model.mixed_precision": "auto",
+                                                     "grpo.mixed_precision": "auto"}
+    assert precision_fields(tiny.cold_start_sft) == {"train.mixed_precision": "auto"}
+    assert precision_fields(tiny.rejection_sampling) == {}  # samples only: no training loop
+    resolved = resolve_config(tiny.alignment_grpo, AVX2_CPU)
+    assert {path: r.precision for path, r in resolved.items()} == {"reward_model.mixed_precision": "no",
+                                                                    "grpo.mixed_precision": "no"}
+
+
+@CPU_ONLY
+def test_reuse_is_keyed_by_the_precision_auto_resolves_to(monkeypatch):
+    """Work trained in bf16 is not what an fp32 run would make: the stage key differs, unless the recipe pins one."""
+    from grpo.recipe import load_recipe
+    from tasks.reuse import stage_key
+
+    cfg = load_recipe("tiny").cold_start_sft
+    keys = {}
+    for override in ("0", "1"):
+        monkeypatch.setenv("R1_CPU_BF16", override)
+        keys[override] = stage_key("cold_start_sft", cfg, {})
+    assert keys["0"] != keys["1"]
+    pinned = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mixed_precision": "no"})})
+    pinned_keys = set()
+    for override in ("0", "1"):
+        monkeypatch.setenv("R1_CPU_BF16", override)
+        pinned_keys.add(stage_key("cold_start_sft", pinned, {}))
+    assert len(pinned_keys) == 1

@@ -196,6 +196,7 @@ def test_the_grpo_trainer_scores_its_samples_with_the_reward_model(tmp_path):
     tok = build_tokenizer()
     policy = build_tiny_model(SMALL.tiny, tok)
     cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=2, beta=0.0, rewards={"reward_model": 1.0},
+                     mixed_precision="no",
                      sampling=SamplingConfig(max_new_tokens=8), checkpoint_every=0)
     trainer = GRPOTrainer(policy, tok, general_prompts(4), cfg, tmp_path, progress=False,
                           reward_functions={"reward_model": reward_model_reward(scorer)})

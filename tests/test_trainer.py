@@ -16,6 +16,8 @@ from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.loss import grpo_loss
 
+pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
+
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
 PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
@@ -72,6 +74,27 @@ def test_a_step_raises_the_likelihood_of_rewarded_completions(tmp_path):
     seq_change = ((after - before.detach()) * batch.completion_mask).sum(-1)  # [N]
     # sequences with positive advantage became more likely, negative ones less likely, on average
     assert seq_change[batch.advantages > 0].mean() > 0 > seq_change[batch.advantages < 0].mean()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_an_update_with_spread_rewards_moves_the_weights_in_either_precision(tmp_path, precision):
+    """bf16 autocast keeps fp32 weights and an fp32 optimizer: GRPO's own small learning rate (1e-5) still moves
+    them once advantages are non-zero (bf16 given explicitly, so it runs on any CPU: emulated on an AVX2 one)."""
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "emulated, 30x slower" on a CPU without bf16
+        trainer, _ = make_trainer(tmp_path, {"digits": 1.0}, mixed_precision=precision, learning_rate=1e-5,
+                                  sampling=SamplingConfig(max_new_tokens=16))
+    assert trainer.acc.mixed_precision == precision
+    rollout = trainer.sample([0, 1])
+    batch = trainer.build_batch(rollout, trainer.score(rollout, [0, 1]).total)
+    assert batch.advantages.abs().max() > 0
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.optimise(batch)
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(moved) == len(before), sorted(set(before) - set(moved))
 
 
 def test_equal_rewards_give_no_gradient_and_leave_weights_alone(tmp_path):

@@ -1,0 +1,193 @@
+"""Ctrl-C and SIGTERM stop a run within seconds, in whatever stage it is, and the next run carries on.
+
+Each test starts a real `r1` in a session of its own, as a terminal or a job scheduler starts it, on an embedded home
+of its own with no Prefect server configured, so it starts its own local Prefect API, as a user's first run does.
+The signal goes to the whole process group (a terminal's Ctrl-C, `timeout`) or to the `r1` process alone (`kill`).
+After it: `r1` exits 130 within 30 s with one line and no traceback, every process it started has ended, its MLflow
+runs are KILLED, its Prefect flow runs Crashed (read from the local API's own database), and the same command resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from answering import SMALL
+from test_distributed import STAGE as DISTRIBUTED_STAGE
+from test_flows import TINY_STAGE
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_WITHIN_S = 30
+
+
+class R1:
+    """One `r1` command on its own embedded home: its process, output and MLflow store."""
+
+    def __init__(self, home: Path, args: list[str]):
+        self.home = home
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MLFLOW_TRACKING_URI", "PREFECT_HOME", "PREFECT_API_URL")}
+        env.update(R1_HOME=str(home), PYTHONPATH=str(ROOT))
+        self.log = (home.parent / f"{home.name}-{int(time.time() * 1000)}.log").open("w+b")
+        self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
+                                     start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT)
+        self.mlflow = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def runs(self) -> list:
+        if not (self.home / "mlflow.db").exists():
+            return []
+        try:
+            return self.mlflow.search_runs([e.experiment_id for e in self.mlflow.search_experiments()])
+        except Exception:  # the store is being created by the run
+            return []
+
+    def wait_for(self, what: str, check, timeout: float = 300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = check()
+            if found:
+                return found
+            if self.proc.poll() is not None:
+                raise AssertionError(f"r1 ended ({self.proc.returncode}) before {what}:\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+        self.kill()
+        raise AssertionError(f"no {what} within {timeout} s:\n{self.output()[-3000:]}")
+
+    def stop(self, sig: int, whole_group: bool) -> tuple[float, list[psutil.Process]]:
+        """Send `sig`; return how long r1 took to exit, and the processes it had started (alive or not)."""
+        family = psutil.Process(self.proc.pid).children(recursive=True)
+        sent = time.monotonic()
+        (os.killpg if whole_group else os.kill)(self.proc.pid, sig)
+        try:
+            self.proc.wait(STOP_WITHIN_S + 30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"r1 did not exit within {STOP_WITHIN_S + 30} s of the signal:\n"
+                                 f"{self.output()[-3000:]}")
+        return time.monotonic() - sent, family
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def flow_run_states(self) -> list[str]:
+        with sqlite3.connect(self.home / "prefect" / "prefect.db") as db:
+            return [row[0] for row in db.execute("SELECT state_type FROM flow_run")]
+
+
+@pytest.fixture
+def r1(tmp_path, request):
+    started = []
+
+    def start(*args: str) -> R1:
+        run = R1(tmp_path / "home", list(args))
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:  # nothing is left behind, whatever the test found
+        run.kill()
+
+
+def assert_stopped_cleanly(run: R1, took: float, family: list[psutil.Process], runs: list[str]) -> None:
+    """... and `runs` (stage names; "pipeline" for a pipeline's parent run) are the MLflow runs it made."""
+    out = run.output()
+    assert run.proc.returncode == 130, out[-3000:]
+    assert took < STOP_WITHIN_S, f"r1 took {took:.1f} s to exit"
+    assert "Traceback" not in out and "Error logging to API" not in out, out[-3000:]
+    assert [line for line in out.splitlines() if line.startswith("r1:")] == [
+        next(line for line in out.splitlines() if line.startswith("r1: interrupted"))]
+    _, alive = psutil.wait_procs(family, timeout=5)
+    assert not alive, f"still running after r1 exited: {[p.cmdline() for p in alive]}"
+    status = {r.data.tags.get("stage", "pipeline"): r.info.status for r in run.runs()}
+    assert set(status) == set(runs) and set(status.values()) == {"KILLED"}, status
+    states = run.flow_run_states()
+    assert states and set(states) <= {"CRASHED", "CANCELLED"}, states
+
+
+def stage_run(run: R1, stage: str):
+    return next((r for r in run.runs() if r.data.tags.get("stage") == stage and r.info.status == "RUNNING"), None)
+
+
+def test_ctrl_c_in_a_terminal_during_training_stops_it_and_the_next_run_resumes(r1, tmp_path):
+    from grpo.training.checkpoints import resumable_step
+
+    # fp32: the stop is the point, and the remaining steps then take seconds on any CPU
+    cold = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0},
+            "train": {**TINY_STAGE["train"], "max_steps": 300, "checkpoint_every": 5, "mixed_precision": "no"}}
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "signals", "cold_start_sft": cold}))
+    args = ["run", "--recipe", str(recipe), "--stages", "cold_start_sft"]
+    run = r1(*args)
+    work = run.wait_for("cold-start training", lambda: (r := stage_run(run, "cold_start_sft")) and
+                        r.data.tags.get("r1.work_dir.cold_start_sft"))
+    run.wait_for("a checkpoint", lambda: resumable_step(Path(work)))
+    took, family = run.stop(signal.SIGINT, whole_group=True)
+    assert_stopped_cleanly(run, took, family, ["pipeline", "cold_start_sft"])
+    step = resumable_step(Path(work))
+
+    again = r1(*args)
+    assert again.proc.wait(300) == 0, again.output()[-3000:]
+    resumed = next(r for r in again.runs() if r.data.tags.get("stage") == "cold_start_sft"
+                   and r.info.status == "FINISHED")
+    assert int(resumed.data.tags["r1.resumed_from_step"]) == step >= 5
+
+
+def test_ctrl_c_during_rejection_sampling_stops_its_shards_and_the_next_run_skips_the_written_ones(
+        r1, tmp_path, answering_checkpoint):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Problem {i}: what is it?", "answer": "1"}}\n' for i in range(96)))
+    stage = {"model": {"tiny": SMALL.model_dump()}, "data": {"source": str(prompts), "num_train": 96, "num_heldout": 0},
+             "rejection": {"samples_per_prompt": 4, "sampling": {"max_new_tokens": 64}, "target_samples": 200,
+                           "shard_size": 4, "decontamination_ngram": 0, "non_reasoning_rows": 0}}
+    recipe = tmp_path / "rs.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "signals-rs", "rejection_sampling": stage}))
+    args = ["stage", "rejection_sampling", "--recipe", str(recipe), "--checkpoint", answering_checkpoint]
+    run = r1(*args)
+    shards = run.home / "work" / "rejection_sampling"
+    run.wait_for("a written shard", lambda: list(shards.glob("*/shard-*.parquet")))
+    took, family = run.stop(signal.SIGINT, whole_group=True)
+    written = sorted(p.name for p in shards.glob("*/shard-*.parquet"))
+    assert 0 < len(written) < 24
+    assert_stopped_cleanly(run, took, family, ["rejection_sampling"])
+
+    again = r1(*args)
+    assert again.proc.wait(300) == 0, again.output()[-3000:]
+    assert f"({len(written)} already written in" in again.output()
+    assert len(list(shards.glob("*/shard-*.parquet"))) == 24
+
+
+def test_sigterm_to_r1_alone_stops_a_loop_launched_on_two_processes(r1, tmp_path):
+    stage = {**DISTRIBUTED_STAGE, "train": {**DISTRIBUTED_STAGE["train"], "max_steps": 100000}}
+    recipe = tmp_path / "ddp.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "signals-ddp", "cold_start_sft": stage}))
+    run = r1("stage", "cold_start_sft", "--recipe", str(recipe))
+
+    def training_on_two_processes() -> bool:  # the launcher and its two workers, each past its first step
+        work = (r := stage_run(run, "cold_start_sft")) and r.data.tags.get("r1.work_dir.cold_start_sft")
+        events = Path(work) / "launch" / "events.jsonl" if work else None
+        return bool(events and events.exists() and events.stat().st_size)
+
+    run.wait_for("training on two processes", training_on_two_processes)
+    # the launcher (accelerate's, then torch's elastic agent) and the two training processes name the worker module
+    workers = [p for p in psutil.Process(run.proc.pid).children(recursive=True) if "tasks.worker" in p.cmdline()]
+    assert len(workers) >= 3, [p.cmdline() for p in psutil.Process(run.proc.pid).children(recursive=True)]
+    took, family = run.stop(signal.SIGTERM, whole_group=False)  # `kill <pid>`: nothing else gets the signal
+    assert_stopped_cleanly(run, took, family, ["cold_start_sft"])
+    assert all(w in family for w in workers)
