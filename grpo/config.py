@@ -222,7 +222,7 @@ class CodeConfig(BaseModel):
     max_open_files: int = Field(64, ge=8)  # file descriptors per process
     max_output_bytes: int = Field(1 << 20, ge=1024)  # stdout beyond this fails the test
     max_file_bytes: int = Field(16 << 20, ge=1)  # largest file a program may write; also its folder's size
-    python: str = "/usr/bin/python3"  # the interpreter inside the sandbox (standard library only; outside home)
+    python: str = "python3"  # the sandbox's interpreter: a path, or a name found in /usr/local/bin, /usr/bin, /bin
     workers: int = Field(0, ge=0)  # tests run at once; 0 = one per core this process may use
 
 

@@ -168,7 +168,7 @@ print(n)
 def test_the_interpreter_is_the_one_named(bwrap, tmp_path):
     missing = tmp_path / "python3"
     sandbox._probe.cache_clear()
-    with pytest.raises(SandboxUnavailable, match="does not exist"):
+    with pytest.raises(SandboxUnavailable, match="is not on this machine"):
         check_sandbox(Limits(python=str(missing)))
     assert shutil.which("bwrap")
 

@@ -45,6 +45,7 @@ from typing import NamedTuple
 BWRAP_INSTALL = "apt-get install -y bubblewrap"  # Debian/Ubuntu; other systems package it as bubblewrap too
 SANDBOX_HOST_UID = 65534  # "nobody": who owns the sandbox on the host when the caller is root (see above)
 INSIDE_UID = 1000  # the program's uid inside its user namespace
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"  # where the sandbox looks for programs: all of it under /usr
 _STDERR_KEPT = 4096  # bytes of the program's stderr kept for messages; the rest is read and dropped
 
 
@@ -63,7 +64,8 @@ class Limits:
     max_open_files: int = 64  # file descriptors per process
     max_output_bytes: int = 1 << 20  # stdout beyond this kills the run
     max_file_bytes: int = 16 << 20  # largest file it may write; also the size of its working folder
-    python: str = "/usr/bin/python3"  # the interpreter inside (standard library only; a path on this machine)
+    # the interpreter inside (standard library only): a path on this machine, or a name looked up in SYSTEM_PATH
+    python: str = "python3"
 
     def __post_init__(self):
         for name in ("cpu_time_s", "wall_time_s", "memory_mb", "max_processes", "max_open_files",
@@ -117,6 +119,14 @@ def _root_links() -> list[str]:
     return args
 
 
+def interpreter(python: str) -> str | None:
+    """The interpreter's path on this machine: `python` itself, or where a bare name is found on SYSTEM_PATH (the
+    caller's own, say in a virtual environment or a home folder, stays out of the sandbox)."""
+    if os.sep in python:
+        return python if os.path.isfile(python) else None
+    return shutil.which(python, path=SYSTEM_PATH)
+
+
 def _interpreter_binds(python: str) -> list[str]:
     """The interpreter's install folder, read-only, when it is not under /usr (e.g. /opt/python3.11)."""
     real = Path(os.path.realpath(python))
@@ -127,20 +137,24 @@ def _interpreter_binds(python: str) -> list[str]:
 
 
 def bwrap_argv(limits: Limits, status_fd: int) -> list[str]:
-    """The bwrap command line up to (not including) the program; see the module docstring for each part."""
+    """The bwrap command line and the interpreter; see the module docstring for each part."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable(f"bubblewrap (bwrap) is not installed, and code rewards never run programs "
                                  f"unsandboxed: install it ({BWRAP_INSTALL})")
+    python = interpreter(limits.python)
+    if python is None:
+        raise SandboxUnavailable(f"no interpreter {limits.python!r} for the sandbox (looked on {SYSTEM_PATH}): "
+                                 f"install python3 (apt-get install -y python3) or name one in code.python")
     return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID),
-            "--ro-bind", "/usr", "/usr", *_root_links(), *_interpreter_binds(limits.python),
+            "--ro-bind", "/usr", "/usr", *_root_links(), *_interpreter_binds(python),
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(limits.max_file_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
             "--remount-ro", "/dev", "--remount-ro", "/",
-            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+            "--clearenv", "--setenv", "PATH", SYSTEM_PATH, "--setenv", "HOME", "/tmp",
             "--setenv", "LANG", "C.UTF-8",
-            "--json-status-fd", str(status_fd), "--"]
+            "--json-status-fd", str(status_fd), "--", python]
 
 
 def _host_user() -> dict:
@@ -160,16 +174,15 @@ def run_python(source: str, args: list[str] | tuple[str, ...] = (), stdin: bytes
     launcher = _LAUNCHER.format(rlimits=_rlimits(limits))
     status_r, status_w = os.pipe()
     try:
-        argv = [*bwrap_argv(limits, status_w), limits.python, "-I", "-S", "-B", "-c", launcher, source, *args]
-        start = time.monotonic()
         try:
+            argv = [*bwrap_argv(limits, status_w), "-I", "-S", "-B", "-c", launcher, source, *args]
+            start = time.monotonic()
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     pass_fds=(status_w,), env={}, start_new_session=True, **_host_user())
         except OSError as e:  # E2BIG: a program too long for one argument (128 KiB)
             return RunResult(b"", f"cannot start the sandbox: {e}".encode(), None, "start failed", 0.0)
-    finally:
-        os.close(status_w)
-    try:
+        finally:
+            os.close(status_w)
         return _communicate(proc, status_r, stdin, limits, start)
     finally:
         os.close(status_r)
@@ -275,8 +288,9 @@ def _probe(python: str) -> str | None:
     """None when a sandboxed interpreter starts here, else why not (cached per interpreter)."""
     if shutil.which("bwrap") is None:
         return f"bubblewrap (bwrap) is not installed ({BWRAP_INSTALL})"
-    if not os.path.isfile(python):
-        return f"the sandbox's interpreter {python} does not exist (code.python names an interpreter on this machine)"
+    if interpreter(python) is None:
+        return (f"the sandbox's interpreter {python!r} is not on this machine (looked on {SYSTEM_PATH}): install "
+                f"python3 (apt-get install -y python3) or name one in code.python")
     result = run_python("import sys; print(sys.version_info[0])", limits=Limits(python=python, wall_time_s=20.0))
     if result.exit_code == 0 and result.stdout.strip() == b"3":
         return None
