@@ -101,6 +101,11 @@ def test_rows_without_tests_do_not_apply_and_other_languages_are_refused(bwrap):
     assert check_code([answer(RIGHT), answer(RIGHT)], tests=[ADD_TESTS, None]).scores == [1.0, None]
     with pytest.raises(ValueError, match="language 'cpp' is not supported"):
         check_code([answer(RIGHT)], tests=[ADD_TESTS], language="cpp")
+    # a dataset's language column reaches the reward as a keyword list, like any column
+    rows = {"tests": [ADD_TESTS] * 2, "language": ["Python", None]}
+    assert score_completions([answer(RIGHT)] * 2, {"code": 1.0}, rows).per_function["code"] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="language 'cpp' is not supported"):
+        check_code([answer(RIGHT)], tests=[ADD_TESTS], language=["cpp"])
 
 
 def test_the_registry_weights_code_like_any_reward(bwrap):
@@ -178,6 +183,12 @@ def test_bad_code_rows_are_named_before_training(tmp_path, row, columns, message
     path = write_jsonl(tmp_path / "bad.jsonl", [good, row])
     with pytest.raises(DataError, match=f"bad.jsonl: {message}"):
         load_rl_data(DataConfig(source=path, columns=columns, num_heldout=0))
+
+
+def test_code_rows_cannot_be_held_out_yet(tmp_path):
+    path = write_jsonl(tmp_path / "mbpp.jsonl", [MBPP_ROW])
+    with pytest.raises(DataError, match="held-out rows need an answer column"):
+        load_rl_data(DataConfig(source=path, heldout_source=path, columns=MBPP))
 
 
 def test_no_tests_column_for_the_code_reward_is_an_error(tmp_path):

@@ -266,7 +266,12 @@ def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
     if cfg.heldout_source == "synthetic":
         return rl_rows(generate_problems(cfg.task, cfg.num_heldout, "heldout"))
     df = read_table(cfg.heldout_source, cfg.heldout_split, cfg.subset)
-    return to_roles(df, cfg, RL_SCHEMA, cfg.heldout_source).head(cfg.num_heldout)
+    rows = to_roles(df, cfg, RL_SCHEMA, cfg.heldout_source).head(cfg.num_heldout)
+    if "answer" not in rows.columns:  # code rows: evaluation compares answers, it does not run tests yet
+        raise DataError(f"{cfg.heldout_source}: held-out rows need an answer column; evaluating code by its tests is "
+                        f"not built yet: set data.heldout_source to synthetic or to rows with answers, or "
+                        f"data.num_heldout to 0")
+    return rows
 
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:

@@ -303,11 +303,16 @@ def _column(values: Any, n: int) -> list:
 
 
 def check_code(completions: Sequence[Any], tests: Sequence[Any] | None = None, io_tests: Sequence[Any] | None = None,
-               setup: Sequence[Any] | None = None, *, all_or_nothing: bool = False, language: str = "python",
-               limits: Limits = Limits(), workers: int = 0, answer_tags: Sequence[str] = ANSWER_TAGS) -> CodeReport:
-    """`code_reward` plus how many tests each completion passed."""
-    if language not in CODE_LANGUAGES:
-        raise ValueError(f"code reward: language {language!r} is not supported (supported: {list(CODE_LANGUAGES)})")
+               setup: Sequence[Any] | None = None, *, all_or_nothing: bool = False,
+               language: str | Sequence[Any] = "python", limits: Limits = Limits(), workers: int = 0,
+               answer_tags: Sequence[str] = ANSWER_TAGS) -> CodeReport:
+    """`code_reward` plus how many tests each completion passed. `language` is the setting, or a dataset's
+    `language` column (one a row; a missing one, None or NaN, means Python)."""
+    languages = [language] if isinstance(language, str) else [v for v in language if isinstance(v, str)]
+    unsupported = sorted({str(v) for v in languages if str(v).strip().lower() not in CODE_LANGUAGES})
+    if unsupported:
+        raise ValueError(f"code reward: language {unsupported[0]!r} is not supported (supported: "
+                         f"{list(CODE_LANGUAGES)})")
     check_sandbox(limits)  # refuses, saying why, rather than run anything unsandboxed
     n = len(completions)
     tests_col, io_col, setup_col = _column(tests, n), _column(io_tests, n), _column(setup, n)
@@ -350,7 +355,7 @@ def check_code(completions: Sequence[Any], tests: Sequence[Any] | None = None, i
 
 def code_reward(completions: Sequence[Any], tests: Sequence[Any] | None = None,
                 io_tests: Sequence[Any] | None = None, setup: Sequence[Any] | None = None, *,
-                all_or_nothing: bool = False, language: str = "python", limits: Limits = Limits(),
+                all_or_nothing: bool = False, language: str | Sequence[Any] = "python", limits: Limits = Limits(),
                 workers: int = 0, answer_tags: Sequence[str] = ANSWER_TAGS, **_: Any) -> list[float | None]:
     """The fraction of its row's tests the completion's program passes (1.0 / 0.0 with `all_or_nothing`), run in
     the sandbox, `workers` programs at a time (0: one per available core); None for a row without tests.
