@@ -1,6 +1,6 @@
 # Two commands for a fresh clone:  `make demo` runs the whole recipe on the embedded default, `make test` tests.
 # Each creates .venv when missing and installs what it needs (the CPU build of torch first where there is no GPU);
-# `make test` also installs Chromium where it may, for the browser tests.
+# `make test` also installs Chromium (the browser tests) and bubblewrap (the code reward's sandbox) where it may.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.installed-core
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: demo test install browser clean
+.PHONY: demo test install browser sandbox clean
 
 demo: $(CORE)
 	$(VENV)/bin/r1 run --recipe tiny
@@ -18,7 +18,7 @@ demo: $(CORE)
 # (R1_CPU_BF16), so no verdict depends on which kind CI got
 OTHER_BF16 := $(shell grep -qwsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo 0 || echo 1)
 
-test: $(DEV) browser
+test: $(DEV) browser sandbox
 	$(PY) -m pytest -q
 	R1_CPU_BF16=$(OTHER_BF16) $(PY) -m pytest -q -m precision
 
@@ -55,6 +55,21 @@ browser:
 	else \
 		echo "tests/test_ui.py needs Chromium and its driver, skipped without them:" \
 			"apt-get install -y chromium chromium-driver"; \
+	fi
+
+# The code reward runs programs only inside bubblewrap (Debian's bubblewrap package), and its tests
+# (tests/test_code_sandbox.py, tests/test_code_reward.py) need it: installed where we may, as for Chromium; else
+# those tests are skipped saying how to get it, or fail in CI. The demo's recipe has no code reward: `demo` skips it.
+sandbox:
+	@if command -v bwrap >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing bubblewrap for the code reward's sandbox (apt-get)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		{ apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || { \
+			echo "could not install bubblewrap: the code reward cannot run here"; [ -z "$$CI" ]; }; \
+	else \
+		echo "the code reward and its tests need bubblewrap, skipped without it: apt-get install -y bubblewrap"; \
 	fi
 
 clean:

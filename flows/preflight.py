@@ -71,11 +71,27 @@ def _check_cold_start(cfg) -> None:
         load_sft_data(cfg.data)
 
 
+def _check_rewards(stage: str, grpo, train) -> None:
+    """The rewards' columns in the rows, and for the code reward a sandbox that works on this machine."""
+    from grpo.rewards import SandboxUnavailable, check_reward_columns
+    from grpo.rewards.code import code_limits
+    from grpo.rewards.sandbox import check_sandbox
+
+    with _reading(f"{stage}.data"):
+        check_reward_columns(grpo.rewards, train.columns, "its rows")
+    if "code" in grpo.rewards:
+        try:
+            check_sandbox(code_limits(grpo.code.model_dump()))
+        except SandboxUnavailable as e:
+            raise UsageError(f"{stage}.grpo.rewards: {e}") from None
+
+
 def _check_reasoning(cfg) -> None:
     from grpo.data.tables import load_rl_data
 
     with _reading("reasoning_grpo.data"):
         train, _ = load_rl_data(cfg.data)
+    _check_rewards("reasoning_grpo", cfg.grpo, train)
     with _reading("reasoning_grpo"):
         cfg.check_prompts(len(train), cfg.data.source)
     if cfg.grpo.prm_path is not None:  # the process reward model that checks the steps
@@ -116,6 +132,7 @@ def _check_alignment(cfg) -> None:
 
     with _reading("alignment_grpo.data"):
         train, _ = load_rl_data(cfg.data)
+    _check_rewards("alignment_grpo", cfg.grpo, train)
     general = cfg.general_prompts
     if cfg.general_source != "synthetic":
         with _reading("alignment_grpo.general_source"):

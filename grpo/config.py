@@ -16,6 +16,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo.checks import Precision
+from grpo.rewards.code import CODE_LANGUAGES
 from grpo.rewards.language import LANGUAGE_TESTS
 from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 
@@ -24,7 +25,8 @@ from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 TASK_TEMPLATES = ("farm", "shop", "book", "boxes", "bus", "coins")  # synthetic word-problem templates
 READABILITY_FILTERS = ("tags", "language", "paragraph_length", "reasoning_length", "code_in_reasoning", "empty_answer",
                        "repetition")  # rejection sampling's readability filters
-DATA_ROLES = ("prompt", "answer", "response")  # what a stage reads from a dataset row (data.columns maps them)
+# what a stage reads from a dataset row (data.columns maps them); tests, io_tests and setup are the code reward's
+DATA_ROLES = ("prompt", "answer", "response", "tests", "io_tests", "setup")
 AnswerFormat = Literal["plain", "gsm8k", "boxed"]  # how a reference answer is read from its column (grpo.data.formats)
 ANSWER_FORMATS = get_args(AnswerFormat)
 TINY = "tiny"  # the model name that means "build the embedded model from ModelConfig.tiny"
@@ -112,7 +114,9 @@ class DataConfig(BaseModel):
     subset: str | None = None  # the dataset's configuration (hub datasets and data-file folders; GSM8K: "main")
     split: str = "train"  # split to read from a hub dataset or a DatasetDict folder
     # role -> the dataset's column: {prompt: question} reads prompts from `question`; a role not named here is read
-    # from the column of its own name. Roles: prompt, answer (the reference), response (SFT targets)
+    # from the column of its own name. Roles: prompt, answer (the reference), response (SFT targets), and for the
+    # code reward tests (assert statements, MBPP's test_list), io_tests ({inputs, outputs} on stdin/stdout) and
+    # setup (code run before the tests, MBPP's test_setup_code); a row with tests needs no answer
     columns: dict[str, str] = Field(default_factory=dict)
     # how the reference answer is read from the answer column: "plain" (as it is), "gsm8k" (the number after
     # "####", commas removed) or "boxed" (the last \boxed{...}, as in MATH). With gsm8k or boxed and no response
@@ -201,6 +205,27 @@ class SFTConfig(BaseModel):
     seed: int = 0  # data order and dropout
 
 
+class CodeConfig(BaseModel):
+    """The code reward: how a completion's program is run against its row's tests (grpo.rewards.code).
+
+    Each test runs in its own sandbox (grpo.rewards.sandbox); the limits are per test, like a programming judge's.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    all_or_nothing: bool = False  # score 1.0 only when every test passes (else 0.0); off: the fraction passed
+    language: Literal[CODE_LANGUAGES] = "python"  # the programs' language: Python only for now
+    cpu_time_s: float = Field(2.0, gt=0)  # CPU seconds per process of a test
+    wall_time_s: float = Field(5.0, gt=0)  # wall-clock seconds per test; then everything it started is killed
+    memory_mb: int = Field(1024, ge=64)  # address space per process, in MiB
+    max_processes: int = Field(32, ge=4)  # processes and threads at once (the sandbox itself takes 3)
+    max_open_files: int = Field(64, ge=8)  # file descriptors per process
+    max_output_bytes: int = Field(1 << 20, ge=1024)  # stdout beyond this fails the test
+    max_file_bytes: int = Field(16 << 20, ge=1)  # largest file a program may write; also its folder's size
+    python: str = "python3"  # the sandbox's interpreter: a path, or a name found in /usr/local/bin, /usr/bin, /bin
+    workers: int = Field(0, ge=0)  # tests run at once; 0 = one per core this process may use
+
+
 class GRPOConfig(BaseModel):
     """The GRPO loop (names follow TRL's GRPOConfig where they mean the same thing)."""
 
@@ -234,6 +259,7 @@ class GRPOConfig(BaseModel):
     step_verifier: Literal[STEP_VERIFIERS] | None = None
     prm_path: str | None = None  # step_verifier prm: the process reward model's folder or runs:/ URI
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})  # name -> weight
+    code: CodeConfig = Field(default_factory=CodeConfig)  # the code reward's settings, read when rewards name code
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
     mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
     max_refill_rounds: int = Field(3, ge=0)  # extra sampling rounds per step when dynamic sampling
@@ -274,6 +300,9 @@ class GRPOConfig(BaseModel):
         elif self.step_verifier is not None or self.prm_path is not None:
             raise ValueError("step_verifier and prm_path are used only with supervision 'process'; set "
                              "supervision: process, or remove them")
+        if self.supervision == "process" and "code" in self.rewards:
+            raise ValueError("supervision 'process' checks reasoning steps, and no step verifier checks code yet: "
+                             "use supervision 'outcome' with the code reward")
         if (self.step_verifier == "prm") != (self.prm_path is not None):
             raise ValueError("step_verifier 'prm' and prm_path go together: prm_path names the process reward "
                              "model's folder or runs:/ URI")

@@ -221,7 +221,7 @@ def test_overlong_penalty_character_fallback_and_factory():
 
 
 def test_registry_names():
-    names = {"format", "format_strict", "accuracy", "tag_count", "language_consistency", "overlong"}
+    names = {"format", "format_strict", "accuracy", "tag_count", "language_consistency", "overlong", "code"}
     assert set(REWARD_FUNCTIONS) == names
     assert REWARD_FUNCTIONS["format_strict"](["<think>a</think><answer>1</answer> x"]) == [0.0]
 

@@ -2,7 +2,8 @@
 
 Rows come in two shapes:
 - SFT rows: `prompt` (str or chat messages) and `response` (`<think>...</think><answer>...</answer>`);
-- RL rows: `prompt` and `answer` (the reference a reward checks against).
+- RL rows: `prompt` and `answer` (the reference a reward checks against), or, for code, `prompt` and tests
+  (`tests`, `io_tests`, optional `setup`: grpo.rewards.code), which need no answer.
 A dataset's own column names are mapped onto these roles by `DataConfig.columns`, and the reference answer is read
 from its column as `DataConfig.answer_format` says (grpo.data.formats), so every consumer (rewards, evaluation,
 rejection sampling, decontamination) sees the clean reference. A bad dataset fails here with a `DataError` naming
@@ -23,6 +24,7 @@ import pandas as pd
 from grpo.config import DataConfig, TaskConfig
 from grpo.data.arithmetic import Problem, generate_problems, rl_rows, sft_rows
 from grpo.data.formats import ANSWER_READERS, EXPECTED, REASONING_READERS, shown
+from grpo.rewards.code import as_io_tests, as_list, row_tests_problem
 from grpo.texts import render_response
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 SFT_SCHEMA = {"prompt": "text or chat messages", "response": "text"}
 RL_SCHEMA = {"prompt": "text or chat messages", "answer": "text or number"}
 DROPPED = "unreadable_answers_dropped"  # DataFrame.attrs key: rows left out under unreadable_answers: drop
+CODE_ROLES = ("tests", "io_tests", "setup")  # the code reward's columns: an RL row with tests needs no answer
 
 
 class DataError(ValueError):
@@ -141,6 +144,7 @@ def to_roles(df: pd.DataFrame, cfg: DataConfig, schema: dict[str, str], source: 
     (gsm8k, boxed), builds each response from the answer column: `<think>solution</think><answer>final</answer>`.
     """
     schema = dict(schema)
+    rl = "response" not in schema  # RL rows may carry tests (the code reward's) instead of an answer
     fmt = cfg.answer_format
     build_responses = ("response" in schema and "response" not in cfg.columns and "response" not in df.columns
                        and fmt in REASONING_READERS)
@@ -149,7 +153,17 @@ def to_roles(df: pd.DataFrame, cfg: DataConfig, schema: dict[str, str], source: 
         schema["answer"] = "text"
     if "answer" in schema and fmt != "plain":
         schema["answer"] = "text"  # a solution to read the answer from, not a bare number
+    code = {}  # code role -> dataset column, for RL rows
+    if rl:
+        code = {role: cfg.columns.get(role, role) for role in CODE_ROLES
+                if role in cfg.columns or role in df.columns}
+        if cfg.columns.get("answer", "answer") not in df.columns and {"tests", "io_tests"} & set(code):
+            del schema["answer"]  # rows checked by running their tests
     columns = {role: cfg.columns.get(role, role) for role in schema}
+    missing = {role: column for role, column in code.items() if column not in df.columns}
+    if missing:
+        raise DataError(f"{source}: missing column(s) {list(missing.values())} (data.columns maps "
+                        f"{', '.join(f'{r} to {c!r}' for r, c in missing.items())}); found columns {list(df.columns)}")
     missing = {role: column for role, column in columns.items() if column not in df.columns}
     if missing:
         reads = ", ".join(f"{role} from {column!r}" for role, column in missing.items())
@@ -157,14 +171,19 @@ def to_roles(df: pd.DataFrame, cfg: DataConfig, schema: dict[str, str], source: 
         if "response" in missing and "response" not in cfg.columns:
             hint += ("; or, for worked solutions in the answer column, set data.answer_format (gsm8k or boxed) to "
                      "build responses from them")
+        if rl and "answer" in missing:
+            hint += "; or, for code problems, a tests (assert statements) or io_tests column instead of an answer"
         raise DataError(f"{source}: missing column(s) {list(missing.values())} (the stage reads {reads}); found "
                         f"columns {list(df.columns)}; {hint}")
     validate_rows(df, {columns[role]: kind for role, kind in schema.items()}, source)
     rows = pd.DataFrame({role: df[column].tolist() for role, column in columns.items()})
-    produced = set(schema) | ({"response"} if build_responses else set())
+    produced = set(schema) | set(code) | ({"response"} if build_responses else set())
     for column in df.columns:  # the role wins over a dataset column of the same name
-        if column not in columns.values() and column not in produced:
+        if column not in columns.values() and column not in code.values() and column not in produced:
             rows[column] = df[column].tolist()
+    if code:
+        for role, values in read_code_columns(df, code, "answer" not in schema, source).items():
+            rows[role] = pd.Series(values, dtype=object)  # None stays None (a str column would make it NaN)
     dropped = 0
     if "answer" in rows.columns:
         solutions = rows["answer"].tolist()
@@ -182,6 +201,26 @@ def to_roles(df: pd.DataFrame, cfg: DataConfig, schema: dict[str, str], source: 
     rows = normalise_rows(rows)
     rows.attrs[DROPPED] = dropped
     return rows
+
+
+def read_code_columns(df: pd.DataFrame, code: dict[str, str], need_tests: bool, source: str) -> dict[str, list]:
+    """The code roles' cells as plain Python (tests a list of str, io_tests {inputs, outputs}, setup str or None),
+    every row checked: tests that are not valid Python, io_tests whose inputs and outputs differ in number, a
+    `language` other than Python, or (when the rows have no answer) no test at all fail here, naming the row."""
+    n = len(df)
+    cells = {role: df[column].tolist() if column in df.columns else [None] * n for role, column in code.items()}
+    languages = df["language"].tolist() if "language" in df.columns else [None] * n
+    for role in CODE_ROLES:
+        cells.setdefault(role, [None] * n)
+    for i in range(n):
+        problem = row_tests_problem(cells["tests"][i], cells["io_tests"][i], cells["setup"][i], languages[i],
+                                    need_tests=need_tests)
+        if problem:
+            names = ", ".join(f"{role} from {column!r}" for role, column in code.items())
+            raise DataError(f"{source}: row {i}: {problem} (reading {names})")
+    out = {"tests": [as_list(t) for t in cells["tests"]], "io_tests": [as_io_tests(t) for t in cells["io_tests"]],
+           "setup": [s if isinstance(s, str) and s.strip() else None for s in cells["setup"]]}
+    return {role: out[role] for role in code}
 
 
 def read_answers(values: list, cfg: DataConfig, source: str, column: str) -> list[str | None]:
@@ -227,7 +266,12 @@ def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
     if cfg.heldout_source == "synthetic":
         return rl_rows(generate_problems(cfg.task, cfg.num_heldout, "heldout"))
     df = read_table(cfg.heldout_source, cfg.heldout_split, cfg.subset)
-    return to_roles(df, cfg, RL_SCHEMA, cfg.heldout_source).head(cfg.num_heldout)
+    rows = to_roles(df, cfg, RL_SCHEMA, cfg.heldout_source).head(cfg.num_heldout)
+    if "answer" not in rows.columns:  # code rows: evaluation compares answers, it does not run tests yet
+        raise DataError(f"{cfg.heldout_source}: held-out rows need an answer column; evaluating code by its tests is "
+                        f"not built yet: set data.heldout_source to synthetic or to rows with answers, or "
+                        f"data.num_heldout to 0")
+    return rows
 
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:

@@ -15,6 +15,8 @@ One module per kind of reward:
 | `format` | the `<think>…</think><answer>…</answer>` format rewards and TRL's tag count |
 | `answers` | answer extraction (`<answer>`, `\\boxed{}`) |
 | `accuracy` | the accuracy reward: fast exact paths first (`math_fast`, `math_latex`), math-verify for the rest (`math_verify_pool`) |
+| `code` | the code reward: the completion's program against its row's tests (`code_harness` runs inside the sandbox) |
+| `sandbox` | running an untrusted program: bubblewrap namespaces, limits, and a pool of them |
 | `language` | R1's language-consistency reward |
 | `overlong` | DAPO's overlong penalty |
 | `registry` | names to functions (`REWARD_FUNCTIONS`) and weighted scoring (`score_completions`) |
@@ -24,31 +26,42 @@ To add a reward: write ``fn(completions, **columns)`` in a module here and add i
 `registry`; recipes then name it under ``rewards:``.
 
 Everything here is pure Python: no torch, no Prefect, no MLflow. The only module-level state is the process pool
-for the symbolic math check (`math_verify_pool`).
+for the symbolic math check (`math_verify_pool`); the code reward's sandboxes live only as long as a call.
 """
 
 from grpo.rewards.accuracy import AccuracyReport, accuracy_reward, check_accuracy
 from grpo.rewards.answers import extract_answer, extract_boxed
+from grpo.rewards.code import CodeReport, check_code, code_reward, extract_program, make_code_reward
 from grpo.rewards.format import format_reward, format_reward_strict, make_format_reward, tag_count_reward
 from grpo.rewards.language import language_consistency_reward
 from grpo.rewards.math_verify_pool import prepare_for_math_verify, shutdown_symbolic_pool
 from grpo.rewards.overlong import make_overlong_penalty, overlong_penalty
-from grpo.rewards.registry import REWARD_FUNCTIONS, RewardScores, UnknownRewardError, score_completions
+from grpo.rewards.registry import (REWARD_COLUMNS, REWARD_FUNCTIONS, RewardScores, UnknownRewardError,
+                                   check_reward_columns, score_completions)
+from grpo.rewards.sandbox import SandboxUnavailable
 from grpo.rewards.text import completion_text
 
 __all__ = [
     "AccuracyReport",
+    "CodeReport",
+    "REWARD_COLUMNS",
     "REWARD_FUNCTIONS",
     "RewardScores",
+    "SandboxUnavailable",
     "UnknownRewardError",
     "accuracy_reward",
     "check_accuracy",
+    "check_code",
+    "check_reward_columns",
+    "code_reward",
     "completion_text",
     "extract_answer",
     "extract_boxed",
+    "extract_program",
     "format_reward",
     "format_reward_strict",
     "language_consistency_reward",
+    "make_code_reward",
     "make_format_reward",
     "make_overlong_penalty",
     "overlong_penalty",

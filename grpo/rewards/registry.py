@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from grpo.rewards.accuracy import accuracy_reward
+from grpo.rewards.code import code_reward
 from grpo.rewards.format import format_reward, format_reward_strict, tag_count_reward
 from grpo.rewards.language import language_consistency_reward
 from grpo.rewards.overlong import overlong_penalty
+from grpo.rewards.sandbox import SandboxUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,23 @@ REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {
     "tag_count": tag_count_reward,
     "language_consistency": language_consistency_reward,
     "overlong": overlong_penalty,  # needs max_completion_length: see make_overlong_penalty
+    "code": code_reward,  # runs programs in a sandbox; a recipe's settings: grpo.rewards.code.make_code_reward
 }
+
+# the dataset columns a reward reads: it needs at least one of them (checked before training)
+REWARD_COLUMNS: dict[str, tuple[str, ...]] = {"accuracy": ("answer",), "code": ("tests", "io_tests")}
+
+
+def check_reward_columns(rewards: Iterable[str], columns: Iterable[str], source: str = "the data") -> None:
+    """Raise ValueError, before any training, if a reward needs a column the rows do not have."""
+    columns = set(columns)
+    for name in rewards:
+        needed = REWARD_COLUMNS.get(name, ())
+        if needed and not columns & set(needed):
+            either = " or ".join(repr(c) for c in needed)
+            raise ValueError(f"{source}: the {name} reward reads the {either} column, and the rows have none "
+                             f"(columns: {sorted(columns)}); name the dataset's column in data.columns "
+                             f"(e.g. {needed[0]}: {'test_list' if name == 'code' else 'solution'})")
 
 
 class UnknownRewardError(KeyError, ValueError):
@@ -93,6 +111,8 @@ def _call_reward(
     name = getattr(fn, "__name__", repr(fn))
     try:
         raw = list(fn(completions, **columns))
+    except SandboxUnavailable:  # not a bad completion: nothing can be scored here, and training must stop
+        raise
     except Exception:
         logger.log(log_level, "reward %s raised", name, exc_info=True)
         return None
@@ -135,7 +155,8 @@ def score_completions(
     Bad specs (unknown name, duplicate, non-finite weight) and columns that do
     not align with the completions raise ValueError (unknown names:
     UnknownRewardError, also a KeyError) before anything is scored. After that
-    nothing raises: a score is None when its function returned None (it does
+    nothing raises but SandboxUnavailable (the code reward cannot run programs
+    here, and never runs them unsandboxed): a score is None when its function returned None (it does
     not apply to that completion, counted in ``skipped``), raised for it,
     returned NaN/inf/a non-number, or returned the wrong number of scores
     (then all its scores are None); the last three are counted in

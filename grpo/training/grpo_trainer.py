@@ -36,7 +36,9 @@ from grpo.config import GRPOConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.rewards import REWARD_FUNCTIONS, score_completions
+from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
+from grpo.rewards.code import code_limits
+from grpo.rewards.sandbox import check_sandbox
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator, optimizer_step
@@ -102,6 +104,13 @@ class GRPOTrainer:
         unknown = sorted(set(cfg.rewards) - set(self.reward_functions))
         if unknown:  # fail now, not after the first rollout
             raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(self.reward_functions)}")
+        # the registry's own rewards read columns the rows must have (one the caller brings reads what it likes)
+        own = [name for name in cfg.rewards if self.reward_functions[name] is REWARD_FUNCTIONS.get(name)]
+        check_reward_columns(own, prompts.columns, "the GRPO prompts")
+        if self.reward_functions.get("code") is code_reward and "code" in cfg.rewards:
+            settings = cfg.code.model_dump()
+            check_sandbox(code_limits(settings))  # refuses here, before any sampling, where it cannot sandbox
+            self.reward_functions["code"] = make_code_reward(settings)
         # process supervision: the step verifier by name, or one the caller brings (a process reward model)
         self.step_verifier = None
         if cfg.supervision == "process":
