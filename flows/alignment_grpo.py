@@ -32,13 +32,14 @@ def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentG
         reward_model = train_reward_model_task(run_id, config)
         metrics = {}
         if data.heldout and config.eval_before:
-            before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0)
+            before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
+                                    code=config.grpo.code)
             metrics.update({f"{k}_before": v for k, v in before.items()})
         checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo,
                                       reward_model_uri=reward_model, distributed=config.distributed)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
-                                          step=config.grpo.max_steps))
+                                          step=config.grpo.max_steps, code=config.grpo.code))
         registered = register_model(run_id, checkpoint, config.registered_model, config.alias)
     result = StageResult(stage=STAGE, run_id=run_id, metrics=metrics,
                          uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})

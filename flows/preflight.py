@@ -71,27 +71,30 @@ def _check_cold_start(cfg) -> None:
         load_sft_data(cfg.data)
 
 
-def _check_rewards(stage: str, grpo, train) -> None:
-    """The rewards' columns in the rows, and for the code reward a sandbox that works on this machine."""
+def _check_rewards(stage: str, grpo, train, heldout=None) -> None:
+    """The rewards' columns in the rows, and for the code reward (or held-out rows that evaluation checks by their
+    tests) a sandbox that works on this machine."""
     from grpo.rewards import SandboxUnavailable, check_reward_columns
     from grpo.rewards.code import code_limits
     from grpo.rewards.sandbox import check_sandbox
 
     with _reading(f"{stage}.data"):
         check_reward_columns(grpo.rewards, train.columns, "its rows")
-    if "code" in grpo.rewards:
+    heldout_tests = heldout is not None and bool({"tests", "io_tests"} & set(heldout.columns))
+    if "code" in grpo.rewards or heldout_tests:
         try:
             check_sandbox(code_limits(grpo.code.model_dump()))
         except SandboxUnavailable as e:
-            raise UsageError(f"{stage}.grpo.rewards: {e}") from None
+            field = "grpo.rewards" if "code" in grpo.rewards else "data.heldout_source"
+            raise UsageError(f"{stage}.{field}: {e}") from None
 
 
 def _check_reasoning(cfg) -> None:
     from grpo.data.tables import load_rl_data
 
     with _reading("reasoning_grpo.data"):
-        train, _ = load_rl_data(cfg.data)
-    _check_rewards("reasoning_grpo", cfg.grpo, train)
+        train, heldout = load_rl_data(cfg.data)
+    _check_rewards("reasoning_grpo", cfg.grpo, train, heldout)
     with _reading("reasoning_grpo"):
         cfg.check_prompts(len(train), cfg.data.source)
     if cfg.grpo.prm_path is not None:  # the process reward model that checks the steps
@@ -131,8 +134,8 @@ def _check_alignment(cfg) -> None:
     from grpo.data.tables import load_rl_data, read_table, validate_rows
 
     with _reading("alignment_grpo.data"):
-        train, _ = load_rl_data(cfg.data)
-    _check_rewards("alignment_grpo", cfg.grpo, train)
+        train, heldout = load_rl_data(cfg.data)
+    _check_rewards("alignment_grpo", cfg.grpo, train, heldout)
     general = cfg.general_prompts
     if cfg.general_source != "synthetic":
         with _reading("alignment_grpo.general_source"):

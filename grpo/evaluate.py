@@ -1,4 +1,9 @@
-"""Held-out evaluation: accuracy, format rate and completion length on prompts with verifiable answers.
+"""Held-out evaluation: accuracy, format rate and completion length on prompts with verifiable answers or tests.
+
+A completion is right by its row's own check (`grpo.rewards.correct`): a math row's answer matches its reference; a
+code row's program (rows with `tests` or `io_tests`) passes every one of its tests, run in the code reward's sandbox
+with the stage's `code` settings. So on code data `eval/accuracy` is pass@1 and `eval/pass_at_k` pass@k as code
+benchmarks count them, and stage headlines, compare and promotion read the same figure whatever the task.
 
 - `eval/accuracy`: greedy pass@1, the headline number every stage reports;
 - `eval/sample_accuracy` and `eval/pass_at_k`: over k = `num_samples` samples at the sampling temperature, which tells whether RL
@@ -16,30 +21,40 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from grpo.config import EvalConfig, SamplingConfig
-from grpo.rewards import accuracy_reward, format_reward
+from grpo.config import CodeConfig, EvalConfig, SamplingConfig
+from grpo.rewards import format_reward
+from grpo.rewards.correct import CHECK_COLUMNS, RowCheck, check_rows
 from grpo.sampling.backend import GenerationBackend, Rollout
 
 
 class EvalResult(NamedTuple):
     metrics: dict[str, float]  # eval/... figures
-    samples: pd.DataFrame  # prompt, answer, completion, correct, formatted: a few rows to read by eye
+    # prompt, answer (the reference; for a code row, how many tests it has), completion, correct, formatted (and
+    # tests_passed where rows have tests): a few rows to read by eye
+    samples: pd.DataFrame
 
 
-def _score(rollout: Rollout, answers: list[str]) -> tuple[list[float], list[float]]:
-    correct = [c or 0.0 for c in accuracy_reward(rollout.texts, answer=answers)]
+def _score(rollout: Rollout, columns: dict[str, list], code: dict) -> tuple[list[float], list[float], RowCheck]:
+    """Per completion: right (1.0 / 0.0) by its row's check, strict format, and the check itself."""
+    check = check_rows(rollout.texts, **columns, code=code)
+    correct = [1.0 if c else 0.0 for c in check.correct]  # no verdict (an unreadable reference) counts as wrong
     formatted = [f or 0.0 for f in format_reward(rollout.texts, strict=True)]
-    return correct, formatted
+    return correct, formatted, check
 
 
-def evaluate(backend: GenerationBackend, rows: pd.DataFrame, cfg: EvalConfig) -> EvalResult:
-    """Score a model (behind `backend`) on `rows` with `prompt` and `answer` columns."""
+def evaluate(backend: GenerationBackend, rows: pd.DataFrame, cfg: EvalConfig,
+             code: CodeConfig | None = None) -> EvalResult:
+    """Score a model (behind `backend`) on `rows`: a `prompt` column, and an `answer` or tests (`tests`, `io_tests`,
+    with optional `setup` and `language`) per row. `code` sets the sandbox for rows with tests (the stage's
+    `grpo.code`; default limits when None)."""
     if cfg.num_prompts:
         rows = rows.head(cfg.num_prompts)
-    prompts, answers = rows["prompt"].tolist(), [str(a) for a in rows["answer"]]
+    prompts = rows["prompt"].tolist()
+    columns = {c: rows[c].tolist() for c in CHECK_COLUMNS if c in rows.columns}
+    code_settings = (code or CodeConfig()).model_dump()
     greedy = backend.generate(prompts, 1, SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0,
                                                          batch_size=cfg.batch_size))
-    correct, formatted = _score(greedy, answers)
+    correct, formatted, check = _score(greedy, columns, code_settings)
     lengths = greedy.completion_mask.sum(-1).float()  # [N]
     metrics = {
         "eval/accuracy": sum(correct) / len(correct),
@@ -51,11 +66,17 @@ def evaluate(backend: GenerationBackend, rows: pd.DataFrame, cfg: EvalConfig) ->
         k = cfg.num_samples
         sampled = backend.generate(prompts, k, SamplingConfig(max_new_tokens=cfg.max_new_tokens,
                                                               temperature=cfg.temperature, batch_size=cfg.batch_size))
-        s_correct, _ = _score(sampled, [a for a in answers for _ in range(k)])
+        repeated = {c: [v for v in values for _ in range(k)] for c, values in columns.items()}
+        s_correct, _, _ = _score(sampled, repeated, code_settings)
         per_prompt = torch.tensor(s_correct).view(-1, k)  # [P, k]
         metrics["eval/sample_accuracy"] = per_prompt.mean().item()  # mean over the k samples
         metrics["eval/pass_at_k"] = per_prompt.max(-1).values.mean().item()  # any of the k right
     n = cfg.num_logged_samples
-    samples = pd.DataFrame({"prompt": [str(p) for p in prompts[:n]], "answer": answers[:n],
+    references = [str(a) for a in columns["answer"]] if "answer" in columns else [""] * len(prompts)
+    shown = [f"{t} tests" if by else ref for by, t, ref in zip(check.by_tests, check.total, references)]
+    samples = pd.DataFrame({"prompt": [str(p) for p in prompts[:n]], "answer": shown[:n],
                             "completion": greedy.texts[:n], "correct": correct[:n], "formatted": formatted[:n]})
+    if any(check.by_tests):
+        samples["tests_passed"] = [f"{p}/{t}" if by else "" for by, p, t in
+                                   zip(check.by_tests[:n], check.passed[:n], check.total[:n])]
     return EvalResult(metrics, samples)

@@ -259,19 +259,15 @@ def _load(cfg: DataConfig, schema: dict[str, str],
 
 
 def load_heldout(cfg: DataConfig) -> pd.DataFrame | None:
-    """Held-out (prompt, answer) rows: the task's fixed held-out split, a user dataset (read with the training
-    rows' subset, columns and answer format), or None when switched off."""
+    """Held-out (prompt, answer) rows, or (prompt, tests) code rows that evaluation checks by running their tests:
+    the task's fixed held-out split, a user dataset (read with the training rows' subset, columns and answer
+    format), or None when switched off."""
     if not cfg.num_heldout or not cfg.heldout_source:
         return None
     if cfg.heldout_source == "synthetic":
         return rl_rows(generate_problems(cfg.task, cfg.num_heldout, "heldout"))
     df = read_table(cfg.heldout_source, cfg.heldout_split, cfg.subset)
-    rows = to_roles(df, cfg, RL_SCHEMA, cfg.heldout_source).head(cfg.num_heldout)
-    if "answer" not in rows.columns:  # code rows: evaluation compares answers, it does not run tests yet
-        raise DataError(f"{cfg.heldout_source}: held-out rows need an answer column; evaluating code by its tests is "
-                        f"not built yet: set data.heldout_source to synthetic or to rows with answers, or "
-                        f"data.num_heldout to 0")
-    return rows
+    return to_roles(df, cfg, RL_SCHEMA, cfg.heldout_source).head(cfg.num_heldout)
 
 
 def load_sft_data(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame | None]:
