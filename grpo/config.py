@@ -288,6 +288,10 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _process_needs_steps(self) -> "GRPOConfig":
+        if self.supervision == "process" and "code" in self.rewards:  # before asking for a verifier: none would do
+            raise ValueError("supervision 'process' cannot be used with the code reward (rewards names code): its "
+                             "step verifiers check reasoning steps, and none checks code; set supervision: outcome, "
+                             "or take code out of rewards")
         if self.supervision == "process":
             if self.step_verifier is None:
                 raise ValueError(f"supervision 'process' needs a step_verifier to score the steps: one of "
@@ -300,9 +304,6 @@ class GRPOConfig(BaseModel):
         elif self.step_verifier is not None or self.prm_path is not None:
             raise ValueError("step_verifier and prm_path are used only with supervision 'process'; set "
                              "supervision: process, or remove them")
-        if self.supervision == "process" and "code" in self.rewards:
-            raise ValueError("supervision 'process' checks reasoning steps, and no step verifier checks code yet: "
-                             "use supervision 'outcome' with the code reward")
         if (self.step_verifier == "prm") != (self.prm_path is not None):
             raise ValueError("step_verifier 'prm' and prm_path go together: prm_path names the process reward "
                              "model's folder or runs:/ URI")
@@ -413,6 +414,8 @@ class RejectionConfig(BaseModel):
     # "no_reference": judge rows without an answer; "always": also ask it where the rule decides, to measure their
     # agreement; "never": drop rows without an answer
     judge_when: Literal["no_reference", "always", "never"] = "no_reference"
+    # how rows with tests (code) are checked: each sample's program must pass all of its row's tests in the sandbox
+    code: CodeConfig = Field(default_factory=CodeConfig)
     dedupe: bool = True  # drop samples whose normalised text repeats an earlier one of the same prompt
     decontamination_ngram: int = Field(8, ge=0)  # word n-gram length matched against held-out prompts (0 = off)
     # share of a held-out prompt's n-grams that marks a row (on the tiny task 0.5 flags 39% of the training

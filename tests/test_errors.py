@@ -206,6 +206,10 @@ RECIPE_CASES = {
                                      ["supervision 'outcome' with ppo"]),
     "PPO across processes": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__distributed__num_processes": 2},
                              ["algorithm ppo trains in one process"]),
+    "process supervision with the code reward": ({"reasoning_grpo__grpo__supervision": "process",
+                                                  "reasoning_grpo__grpo__rewards": {"code": 1.0, "format": 0.5}},
+                                                 ["reasoning_grpo.grpo", "supervision 'process' cannot be used with "
+                                                  "the code reward", "set supervision: outcome"]),
     "process supervision in alignment": ({"alignment_grpo__grpo__supervision": "process",
                                           "alignment_grpo__grpo__step_verifier": "arithmetic"},
                                          ["alignment_grpo.grpo.supervision must be 'outcome'"]),

@@ -26,11 +26,11 @@ from grpo.rejection.filters import (
     drop_reasons,
     first_failed_filter,
 )
-from grpo.rewards import accuracy_reward
+from grpo.rewards.correct import CHECK_COLUMNS, check_rows
 from grpo.sampling.judge import Judge, Verdict
 
 # ----------------------------------------------------------------------------------------------------------------
-# Correctness: the rule check where there is a reference, a judge otherwise (or both)
+# Correctness: the rule check where there is a reference or tests, a judge otherwise (or both)
 
 def prompt_text(prompt: Any) -> str:
     """A prompt cell as plain text: a string as is, chat messages as their contents one per line."""
@@ -138,7 +138,8 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
     """Filter, dedupe and check already generated samples; the part of `process_shard` after generation.
 
     `samples` columns: prompt, response, source_prompt_id, sample_index; optional answer (the reference, None
-    where a row has none), truncated (bool) and completion_tokens.
+    where a row has none), tests / io_tests / setup / language (a code row's, grpo.rewards.code), truncated (bool)
+    and completion_tokens. A row with tests is checked by them: a sample is correct when its program passes all.
     """
     missing = [c for c in ("prompt", "response", "source_prompt_id", "sample_index") if c not in samples.columns]
     if missing:
@@ -157,13 +158,21 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
             if dup:
                 reason[i] = DUPLICATE
 
-    # the rule check, on every surviving sample that has a reference
+    # the rule check, on every surviving sample: its tests where its row has them, else its reference answer
+    # (the same check held-out evaluation uses); None where the row has neither, or a reference it cannot read
     alive = [i for i in range(n) if not reason[i]]
     rule: dict[int, bool | None] = {}
-    with_reference = [i for i in alive if answers[i] is not None]
-    if with_reference:
-        scores = accuracy_reward([responses[i] for i in with_reference], [answers[i] for i in with_reference])
-        rule = {i: None if s is None else s == 1.0 for i, s in zip(with_reference, scores)}  # None: bad reference
+    references = [""] * n  # what the judge is shown as the reference
+    if alive:
+        columns = {c: [df.at[i, c] for i in alive] for c in CHECK_COLUMNS if c in df.columns and c != "answer"}
+        check = check_rows([responses[i] for i in alive], [answers[i] for i in alive], **columns,
+                           code=cfg.code.model_dump())
+        for j, i in enumerate(alive):
+            if check.correct[j] is not None:
+                rule[i] = check.correct[j]
+            # a code row has no reference answer: the judge, where asked, is given its tests' results instead
+            references[i] = (f"(no reference answer: the program in the response passed {check.passed[j]} of "
+                             f"its {check.total[j]} tests)" if check.by_tests[j] else answers[i])
 
     # the judge: where the rule has no verdict, or everywhere with judge_when="always"
     ask = [] if cfg.judge_when == "never" else [
@@ -172,7 +181,7 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
     if ask:
         if judge is None:
             raise ValueError(f"{len(ask)} samples need a judge (judge_when={cfg.judge_when!r}) but none was given")
-        answered = judge.judge_many([(prompt_text(df.at[i, "prompt"]), responses[i], answers[i]) for i in ask])
+        answered = judge.judge_many([(prompt_text(df.at[i, "prompt"]), responses[i], references[i]) for i in ask])
         if len(answered) != len(ask):
             raise ValueError(f"the judge returned {len(answered)} verdicts for {len(ask)} items")
         verdicts = dict(zip(ask, answered))

@@ -37,6 +37,7 @@ from grpo.rejection.curate import (
     reference_answer,
 )
 from grpo.rejection.filters import CONTAMINATED, DUPLICATE_ACROSS_SHARDS, OVER_TARGET, Counts
+from grpo.rewards.correct import has_tests
 from grpo.sampling.backend import GenerationBackend
 from grpo.sampling.judge import Judge
 
@@ -45,6 +46,7 @@ from grpo.sampling.judge import Judge
 
 # Fields that only `merge_shards` reads: changing them between runs keeps the shards already written.
 MERGE_ONLY_FIELDS = ("target_samples", "non_reasoning_rows", "decontamination_ngram", "decontamination_threshold")
+CODE_COLUMNS = ("tests", "io_tests", "setup", "language")  # a code row's tests, which travel with its samples
 
 
 class Shard(NamedTuple):
@@ -118,6 +120,9 @@ def process_shard(backend: GenerationBackend, shard_rows: pd.DataFrame, cfg: Rej
         "truncated": rollout.truncated.tolist(),
         "completion_tokens": rollout.completion_tokens.tolist(),
     })
+    for column in CODE_COLUMNS:  # a code row's tests go with its samples: curate checks them by running the tests
+        if column in rows.columns:
+            samples[column] = pd.Series(repeat(rows[column].tolist()), dtype=object)
     return curate(samples, cfg, judge)
 
 
@@ -125,8 +130,8 @@ def validate_prompts(prompts_df: pd.DataFrame, cfg: RejectionConfig, judge: Judg
                      source: str = "prompts") -> pd.DataFrame:
     """Check the prompt table before any sampling; return it with answers as text or None.
 
-    A row without an `answer` can only be checked by the judge: with no judge and judge_when != "never" that is
-    an error here, not an hour of sampling thrown away later.
+    A row without an `answer` or tests can only be checked by the judge: with no judge and judge_when != "never"
+    that is an error here, not an hour of sampling thrown away later.
     """
     validate_rows(prompts_df, {"prompt": "text or chat messages"}, source)
     if cfg.judge_when == "always" and judge is None:
@@ -136,12 +141,14 @@ def validate_prompts(prompts_df: pd.DataFrame, cfg: RejectionConfig, judge: Judg
     answers = [reference_answer(a) for a in rows["answer"]] if "answer" in rows.columns else [None] * len(rows)
     if "answer" in rows.columns:
         rows["answer"] = pd.Series(answers, index=rows.index, dtype=object)  # None, not a string dtype's NaN
-    no_answer = [i for i, a in enumerate(answers) if a is None]
+    tested = [has_tests(t, io) for t, io in zip(*(rows[c].tolist() if c in rows.columns else [None] * len(rows)
+                                                   for c in ("tests", "io_tests")))]
+    no_answer = [i for i, a in enumerate(answers) if a is None and not tested[i]]
     if no_answer and judge is None and cfg.judge_when != "never":
         where = "has no 'answer' column" if "answer" not in rows.columns else (
             f"row {no_answer[0]}, column 'answer': empty ({len(no_answer)} rows have no answer)")
-        raise DataError(f"{source}: {where}; a row without a reference answer needs a judge: pass judge=..., "
-                        f"or set judge_when='never' to drop such rows")
+        raise DataError(f"{source}: {where}; a row without a reference answer or tests needs a judge: pass "
+                        f"judge=..., or set judge_when='never' to drop such rows")
     return rows
 
 
@@ -327,8 +334,14 @@ def _manifest(prompts: pd.DataFrame, cfg: RejectionConfig) -> dict[str, Any]:
     """What the shards depend on: the prompt table and every config field but the merge-only ones."""
     table = json.dumps([[prompt_text(p), a] for p, a in zip(
         prompts["prompt"], prompts["answer"] if "answer" in prompts.columns else [None] * len(prompts))])
+    tested = {"tests", "io_tests"} & set(prompts.columns)
+    code = [c for c in CODE_COLUMNS if c in prompts.columns] if tested else []
+    if code:  # tests and code settings only where rows have tests, so folders of math shards still resume
+        table += json.dumps([[prompts[c].iloc[i] for c in code] for i in range(len(prompts))],
+                            default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))  # Parquet's arrays
+    exclude = set(MERGE_ONLY_FIELDS) | (set() if code else {"code"})
     return {"prompts_sha256": hashlib.sha256(table.encode()).hexdigest(), "num_prompts": len(prompts),
-            "config": cfg.model_dump(mode="json", exclude=set(MERGE_ONLY_FIELDS))}
+            "config": cfg.model_dump(mode="json", exclude=exclude)}
 
 
 def check_manifest(out_dir: str | Path, prompts: pd.DataFrame, cfg: RejectionConfig) -> None:
