@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pandas as pd
 from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.recipe import AlignmentGRPOConfig
 from grpo.data.tables import load_rl_data, read_table, validate_rows
-from grpo.data.preferences import general_prompts, load_preference_data
+from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
 from grpo.training.reward_model import RewardModelResult, train_reward_model
 from tasks import launch, tracking
 from tasks.data import DataURIs, report_dropped
@@ -28,8 +27,7 @@ def prepare_alignment_prompts(run_id: str, cfg: AlignmentGRPOConfig) -> DataURIs
         general = validate_rows(read_table(cfg.general_source), {"prompt": "text or chat messages"},
                                 cfg.general_source).iloc[: cfg.general_prompts]
         general = general.assign(kind="general")[["prompt", "kind"]]
-    rows = pd.concat([reasoning.assign(kind="reasoning"), general.assign(answer=None)[["prompt", "answer", "kind"]]],
-                     ignore_index=True)
+    rows = alignment_prompts(reasoning, general)
     source = cfg.data.source if cfg.data.source != "synthetic" else f"synthetic:{cfg.data.task.model_dump_json()}"
     tracking.log_dataset(run_id, rows, name="alignment_prompts", source=f"{source}+general:{cfg.general_source}",
                          context="training")

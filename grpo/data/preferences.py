@@ -207,6 +207,14 @@ def general_prompts(n: int, seed: int = 0, split: Literal["train", "heldout"] = 
                          "category": [p.kind for p in prompts]})
 
 
+def alignment_prompts(reasoning: pd.DataFrame, general: pd.DataFrame) -> pd.DataFrame:
+    """The alignment stage's prompt set: reasoning rows (kind "reasoning": their answer or tests, for the rule
+    rewards) then general ones (kind "general": no answer and no tests, so the rule rewards, code's included,
+    return None for them and the reward model scores them)."""
+    return pd.concat([reasoning.assign(kind="reasoning"), general.assign(answer=None)[["prompt", "answer", "kind"]]],
+                     ignore_index=True)
+
+
 def general_sft_rows(n: int, seed: int = 0, heldout_percent: int = 20) -> pd.DataFrame:
     """`n` distinct training prompts with their chosen responses: the non-reasoning rows of an SFT dataset
     (the same `prompt`/`response` schema as grpo.data.arithmetic.sft_rows)."""
