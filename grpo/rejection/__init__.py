@@ -9,6 +9,8 @@ Here one sample goes through `curate` in this order, and is counted under the fi
 generated = kept + sum(dropped):
   readability filters (`READABILITY_CHECKS`, in `cfg.filters` order) -> duplicate of an earlier sample of the
   same prompt -> correctness (rule, judge, or both) -> at most `max_kept_per_prompt` per prompt.
+The rule check is the row's own (grpo.rewards.correct): a row with tests (code) is right when its program passes all
+of them in the sandbox, any other row when its answer matches the reference.
 Truncation is counted but is no reason of its own: a response cut off by the token budget never closes its answer
 block (the tag filter drops it), and one cut just after `</answer>` is whole.
 The prompts are cut into shards of `shard_size`. Each shard samples under a seed of its own (cfg.seed, index), so a

@@ -16,6 +16,7 @@ One module per kind of reward:
 | `answers` | answer extraction (`<answer>`, `\\boxed{}`) |
 | `accuracy` | the accuracy reward: fast exact paths first (`math_fast`, `math_latex`), math-verify for the rest (`math_verify_pool`) |
 | `code` | the code reward: the completion's program against its row's tests (`code_harness` runs inside the sandbox) |
+| `correct` | whether a completion is right by its row's own check (all tests pass, else the answer matches): evaluation and rejection sampling |
 | `sandbox` | running an untrusted program: bubblewrap namespaces, limits, and a pool of them |
 | `language` | R1's language-consistency reward |
 | `overlong` | DAPO's overlong penalty |
