@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import CodeConfig, DataConfig, EvalConfig, GRPOConfig, ModelConfig, RejectionConfig, \
-    SamplingConfig, TinyModelConfig
+from grpo.config import (CodeConfig, DataConfig, EvalConfig, GRPOConfig, ModelConfig, RejectionConfig,
+                         SamplingConfig, TinyModelConfig)
 from grpo.data.preferences import alignment_prompts, general_prompts
 from grpo.data.tables import load_rl_data
 from grpo.evaluate import evaluate
