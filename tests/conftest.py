@@ -117,3 +117,17 @@ def gsm8k_copy(tmp_path_factory) -> Path:
     pd.DataFrame(gsm8k_rows(8, start=100)).to_parquet(root / "main" / "test-00000-of-00001.parquet")
     (root / "README.md").write_text(GSM8K_README)
     return root
+
+
+@pytest.fixture(scope="session")
+def bwrap():
+    """Skip (fail in CI) where bubblewrap cannot run a sandbox: the code reward's tests need it."""
+    from grpo.rewards.sandbox import BWRAP_INSTALL, SandboxUnavailable, check_sandbox
+
+    try:
+        check_sandbox()
+    except SandboxUnavailable as e:
+        reason = f"needs a working bubblewrap: {BWRAP_INSTALL} ({e})"
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason} (CI is set: `make test` installs it as root; see its output)", pytrace=False)
+        pytest.skip(reason)

@@ -8,7 +8,6 @@ Needs bubblewrap (`apt-get install -y bubblewrap`): skipped without it, failed i
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -26,7 +25,7 @@ from grpo.rejection.curate import curate
 from grpo.rejection.shards import validate_prompts
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rewards.correct import check_rows
-from grpo.rewards.sandbox import BWRAP_INSTALL, SandboxUnavailable, check_sandbox
+from grpo.rewards.sandbox import SandboxUnavailable
 from grpo.sampling.backend import Rollout, TransformersBackend
 from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.reward_model import RewardModelScorer, build_reward_model, reward_model_reward
@@ -41,16 +40,6 @@ RIGHT = "def add(a, b):\n    return a + b"
 WRONG = "def add(a, b):\n    return a * b"  # passes add(2, 2) == 4 only: 1 of 3, so not a pass
 ECHO = "print(input())"
 
-
-@pytest.fixture(scope="module")
-def bwrap():
-    try:
-        check_sandbox()
-    except SandboxUnavailable as e:
-        reason = f"needs a working bubblewrap: {BWRAP_INSTALL} ({e})"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI is set: `make test` installs it as root; see its output)", pytrace=False)
-        pytest.skip(reason)
 
 
 def solved(code: str) -> str:

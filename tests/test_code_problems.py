@@ -6,7 +6,6 @@ Needs bubblewrap (`apt-get install -y bubblewrap`): skipped without it, failed i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +16,6 @@ from grpo.config import CodeConfig, DataConfig, GRPOConfig, ModelConfig, Samplin
 from grpo.data.tables import load_rl_data
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import check_code
-from grpo.rewards.sandbox import BWRAP_INSTALL, SandboxUnavailable, check_sandbox
 from grpo.training.grpo_trainer import GRPOTrainer
 
 PROBLEMS = Path(__file__).resolve().parents[1] / "recipes" / "data" / "code_problems.jsonl"
@@ -25,16 +23,6 @@ MBPP = {"prompt": "text", "tests": "test_list", "setup": "test_setup_code"}
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
 
-
-@pytest.fixture(scope="module")
-def bwrap():
-    try:
-        check_sandbox()
-    except SandboxUnavailable as e:
-        reason = f"needs a working bubblewrap: {BWRAP_INSTALL} ({e})"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI is set: `make test` installs it as root; see its output)", pytrace=False)
-        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")

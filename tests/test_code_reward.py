@@ -8,7 +8,6 @@ Tests that run programs need bubblewrap (`apt-get install -y bubblewrap`): skipp
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from pydantic import ValidationError
@@ -17,18 +16,8 @@ from grpo.config import CodeConfig, DataConfig, GRPOConfig
 from grpo.data.tables import DataError, load_rl_data
 from grpo.rewards import REWARD_FUNCTIONS, check_code, check_reward_columns, extract_program, score_completions
 from grpo.rewards.code import code_limits, make_code_reward, parse_test
-from grpo.rewards.sandbox import BWRAP_INSTALL, Limits, SandboxUnavailable, check_sandbox
+from grpo.rewards.sandbox import Limits, SandboxUnavailable
 
-
-@pytest.fixture(scope="module")
-def bwrap():
-    try:
-        check_sandbox()
-    except SandboxUnavailable as e:
-        reason = f"needs a working bubblewrap: {BWRAP_INSTALL} ({e})"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI is set: `make test` installs it as root; see its output)", pytrace=False)
-        pytest.skip(reason)
 
 
 def fenced(code: str, label: str = "python") -> str:

@@ -26,17 +26,6 @@ from grpo.rewards.sandbox import Limits, SandboxUnavailable, check_sandbox, run_
 FAST = Limits(cpu_time_s=1, wall_time_s=3)
 
 
-@pytest.fixture(scope="module")
-def bwrap():
-    """Skip (fail in CI) where bubblewrap cannot run a sandbox."""
-    try:
-        check_sandbox()
-    except SandboxUnavailable as e:
-        reason = f"needs a working bubblewrap: {sandbox.BWRAP_INSTALL} ({e})"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI is set: `make test` installs it as root; see its output)", pytrace=False)
-        pytest.skip(reason)
-
 
 def leftovers(marker: str) -> list[psutil.Process]:
     """Processes whose command line holds `marker`, other than this one."""
