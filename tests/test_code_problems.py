@@ -19,6 +19,7 @@ from grpo.rewards import check_code
 from grpo.training.grpo_trainer import GRPOTrainer
 
 PROBLEMS = Path(__file__).resolve().parents[1] / "recipes" / "data" / "code_problems.jsonl"
+HELDOUT = PROBLEMS.with_name("code_problems_heldout.jsonl")
 MBPP = {"prompt": "text", "tests": "test_list", "setup": "test_setup_code"}
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -31,12 +32,20 @@ def problems() -> pd.DataFrame:
     return rows
 
 
+@pytest.fixture(scope="module")
+def heldout() -> pd.DataFrame:
+    _, rows = load_rl_data(DataConfig(source=str(PROBLEMS), heldout_source=str(HELDOUT), columns=MBPP))
+    return rows
+
+
 def solved(code: str) -> str:
     return f"<think>I write it.</think><answer>```python\n{code}\n```</answer>"
 
 
-def test_every_reference_solution_passes_its_tests_and_an_empty_one_none(bwrap, problems):
-    assert len(problems) >= 12 and "answer" not in problems.columns
+@pytest.mark.parametrize("which", ["train", "heldout"])
+def test_every_reference_solution_passes_its_tests_and_an_empty_one_none(bwrap, problems, heldout, which):
+    problems = problems if which == "train" else heldout
+    assert len(problems) >= 8 and "answer" not in problems.columns
     references = [solved(code) for code in problems["code"]]
     stubs = [solved(code.split(":")[0] + ":\n    return None") for code in problems["code"]]  # the signature only
     report = check_code(references + stubs, tests=problems["tests"].tolist() * 2,
@@ -82,4 +91,8 @@ def test_the_code_recipe_reads_them_by_naming_mbpp_columns(bwrap, monkeypatch):
     monkeypatch.chdir(PROBLEMS.parents[2])  # the recipe names its data from the project folder
     recipe = load_recipe("code")
     assert recipe.reasoning_grpo.data.columns == MBPP and set(recipe.reasoning_grpo.grpo.rewards) == {"code", "format"}
+    # held out on code problems of their own, so the stage's eval/accuracy is pass@1 and no training problem is in it
+    train, held = load_rl_data(recipe.reasoning_grpo.data)
+    assert "tests" in held.columns and len(held) == recipe.reasoning_grpo.eval.num_prompts == 8
+    assert not set(held["prompt"]) & set(train["prompt"])
     check_recipe(recipe, ["reasoning_grpo"])  # rows, reward columns and the sandbox, as `r1 run` checks them
