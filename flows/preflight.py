@@ -5,6 +5,8 @@ agree). Here come the checks that look beyond the recipe, reading files but load
 
 - the data the selected stages read: read and validated as the stage will, and enough prompts for a GRPO step;
 - model folders: there, with a config.json whose context fits the recipe's token budgets;
+- the sandbox, wherever a stage will run programs: the code reward, and rows or held-out rows with tests (any
+  stage that evaluates them, SFT included, and rejection sampling's rule check);
 - the precision each training loop asks for, on this machine (fp16 needs a GPU);
 - the state folder, the MLflow and Prefect servers the environment names, an HTTP judge the recipe names;
 - run ids and `runs:/` URIs given on the command line, and ports.
@@ -64,29 +66,44 @@ def _reading(field: str) -> Iterator[None]:
         raise UsageError(f"{field}: {e}") from None
 
 
+def _has_tests(rows) -> bool:
+    """Whether some of `rows` are code rows, judged by running their tests (in the sandbox, wherever they are)."""
+    return rows is not None and bool({"tests", "io_tests"} & set(rows.columns))
+
+
+def _check_sandbox(field: str, code=None) -> None:
+    """Programs can run sandboxed here under `code` (a CodeConfig; the defaults evaluation uses when None): checked
+    before any training, since the first program would otherwise fail the stage after it has trained."""
+    from grpo.config import CodeConfig
+    from grpo.rewards import SandboxUnavailable
+    from grpo.rewards.code import code_limits
+    from grpo.rewards.sandbox import check_sandbox
+
+    try:
+        check_sandbox(code_limits((code or CodeConfig()).model_dump()))
+    except SandboxUnavailable as e:
+        raise UsageError(f"{field}: {e}") from None
+
+
 def _check_cold_start(cfg) -> None:
     from grpo.data.tables import load_sft_data
 
     with _reading("cold_start_sft.data"):
-        load_sft_data(cfg.data)
+        _, heldout = load_sft_data(cfg.data)
+    if _has_tests(heldout):  # evaluated after training, under the default limits (an SFT stage has no code section)
+        _check_sandbox("cold_start_sft.data.heldout_source")
 
 
 def _check_rewards(stage: str, grpo, train, heldout=None) -> None:
     """The rewards' columns in the rows, and for the code reward (or held-out rows that evaluation checks by their
     tests) a sandbox that works on this machine."""
-    from grpo.rewards import SandboxUnavailable, check_reward_columns
-    from grpo.rewards.code import code_limits
-    from grpo.rewards.sandbox import check_sandbox
+    from grpo.rewards import check_reward_columns
 
     with _reading(f"{stage}.data"):
         check_reward_columns(grpo.rewards, train.columns, "its rows")
-    heldout_tests = heldout is not None and bool({"tests", "io_tests"} & set(heldout.columns))
-    if "code" in grpo.rewards or heldout_tests:
-        try:
-            check_sandbox(code_limits(grpo.code.model_dump()))
-        except SandboxUnavailable as e:
-            field = "grpo.rewards" if "code" in grpo.rewards else "data.heldout_source"
-            raise UsageError(f"{stage}.{field}: {e}") from None
+    if "code" in grpo.rewards or _has_tests(heldout):
+        field = "grpo.rewards" if "code" in grpo.rewards else "data.heldout_source"
+        _check_sandbox(f"{stage}.{field}", grpo.code)
 
 
 def _check_reasoning(cfg) -> None:
@@ -108,8 +125,13 @@ def _check_rejection(cfg) -> None:
     from grpo.data.tables import load_rl_data, read_table, validate_rows
 
     with _reading("rejection_sampling.data"):
-        load_rl_data(cfg.data)
+        train, heldout = load_rl_data(cfg.data)
     rs = cfg.rejection
+    # its rule check runs the training rows' tests; its held-out rows are the ones the SFT stage evaluates later
+    if _has_tests(train):
+        _check_sandbox("rejection_sampling.data", rs.code)
+    elif _has_tests(heldout):
+        _check_sandbox("rejection_sampling.data.heldout_source")
     if rs.non_reasoning_rows and cfg.non_reasoning_source != "synthetic":
         with _reading("rejection_sampling.non_reasoning_source"):
             rows = validate_rows(read_table(cfg.non_reasoning_source),

@@ -303,6 +303,22 @@ def test_too_few_non_reasoning_rows(ws, capsys):
                   "rejection_sampling.non_reasoning_source", "has 1 rows", "asks for 4")
 
 
+def test_held_out_code_rows_in_an_sft_stage_without_a_sandbox(ws, capsys, monkeypatch):
+    from grpo.rewards import sandbox
+
+    # the SFT stage would evaluate them by running their tests after training: refused before, not after
+    path = ws.jsonl("code.jsonl", [{"text": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3"]}])
+    recipe = ws.recipe(cold_start_sft__data={"num_train": 64, "heldout_source": path, "num_heldout": 1,
+                                             "columns": {"prompt": "text", "tests": "test_list"}})
+    monkeypatch.setenv("PATH", str(ws.root))  # no bwrap on it
+    sandbox._probe.cache_clear()
+    try:
+        fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "cold_start_sft"],
+                      "cold_start_sft.data.heldout_source:", "bubblewrap (bwrap) is not installed")
+    finally:
+        sandbox._probe.cache_clear()
+
+
 def test_a_missing_model_folder(ws, capsys):
     recipe = ws.recipe(cold_start_sft__model={"name_or_path": str(ws.root / "no-model")})
     fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "cold_start_sft.model.name_or_path", "no model folder")
