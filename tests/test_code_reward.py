@@ -109,7 +109,11 @@ def test_settings_bind_limits_and_scoring(bwrap):
     assert code_limits(CodeConfig().model_dump()) == Limits()  # the recipe's defaults are the sandbox's
     reward = make_code_reward(cfg.code.model_dump())
     assert reward([answer(WRONG), answer(RIGHT)], tests=[ADD_TESTS] * 2) == [0.0, 1.0]
-    assert reward.keywords["limits"].wall_time_s == 1.0
+    slow = "import time\ntime.sleep(2)\n" + RIGHT  # past the recipe's 1 s of wall time
+    assert reward([answer(slow)], tests=[ADD_TESTS]) == [0.0]
+    # a dataset's columns named like settings change nothing: only the recipe sets how programs are run and scored
+    columns = {"all_or_nothing": [False] * 3, "workers": [64] * 3, "limits": [None] * 3, "answer_tags": [None] * 3}
+    assert reward([answer(WRONG), answer(RIGHT), answer(slow)], tests=[ADD_TESTS] * 3, **columns) == [0.0, 1.0, 0.0]
     with pytest.raises(ValidationError, match="python"):
         CodeConfig(language="cpp")
     with pytest.raises(ValidationError, match="supervision .process. cannot be used with the code reward"):

@@ -374,9 +374,21 @@ def code_limits(settings: Mapping[str, Any] | None = None) -> Limits:
     return Limits(**{k: v for k, v in (settings or {}).items() if k not in _REWARD_SETTINGS})
 
 
+# settings only a recipe gives: a dataset column of the same name (columns arrive as keyword arguments) is ignored,
+# so data can never loosen the sandbox's limits or change how a program is scored
+_RECIPE_ONLY = ("all_or_nothing", "workers", "limits", "answer_tags")
+
+
 def make_code_reward(settings: Mapping[str, Any] | None = None) -> Any:
-    """`code_reward` with a recipe's `code` settings (grpo.config.CodeConfig as a dict) bound."""
+    """`code_reward` with a recipe's `code` settings (grpo.config.CodeConfig as a dict) bound. A row's `language`
+    column, where the data has one, takes the place of the recipe's default language."""
     bound = {k: v for k, v in (settings or {}).items() if k in _REWARD_SETTINGS}
-    reward = functools.partial(code_reward, limits=code_limits(settings), **bound)
-    functools.update_wrapper(reward, code_reward)
+    limits = code_limits(settings)
+
+    @functools.wraps(code_reward)
+    def reward(completions: Sequence[Any], **columns: Any) -> list[float | None]:
+        fixed = {k: v for k, v in bound.items() if not (k == "language" and columns.get("language") is not None)}
+        given = {k: v for k, v in columns.items() if k not in _RECIPE_ONLY}
+        return code_reward(completions, **given, limits=limits, **fixed)
+
     return reward
