@@ -105,6 +105,10 @@ def test_the_gpu_job_template_renders_to_a_job_requesting_gpus(servers):
     assert container["envFrom"] == [{"secretRef": {"name": "r1-secrets", "optional": True}}]  # e.g. the judge key
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert eight.namespace == "r1" and eight.job_manifest["spec"]["ttlSecondsAfterFinished"] == 3600
+    # one pod per flow run: Kubernetes reads these from the Job's spec (in the pod's spec they are not fields)
+    job = eight.job_manifest["spec"]
+    assert (job["parallelism"], job["completions"], job["backoffLimit"]) == (1, 1, 0)
+    assert not {"parallelism", "completions", "backoffLimit"} & set(pod)
 
     one = call(servers["api"], render, {"gpu_count": 1, "env": {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}})
     [container] = one.job_manifest["spec"]["template"]["spec"]["containers"]
