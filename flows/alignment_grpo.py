@@ -23,7 +23,8 @@ from tasks.stage import StageResult, stage_run
 STAGE = "alignment_grpo"
 
 
-@flow(name=STAGE, log_prints=True)
+# flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
+@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
 def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentGRPOConfig(),
                    parent_run_id: str | None = None) -> StageResult:
     """GRPO from `checkpoint_uri` (the stage-4 SFT model); return the final checkpoint and its registry URI."""

@@ -1,7 +1,8 @@
 """The `r1` command: run the recipe, or one stage of it, on the embedded default or on configured servers.
 
     r1 run [--recipe tiny] [--stages cold_start_sft,...] [--from-run <pipeline run id>] [--fresh]
-    r1 stage cold_start_sft [--recipe tiny]
+           [--set reasoning_grpo.grpo.learning_rate=2e-5 ...]   # any recipe field, checked like the recipe
+    r1 stage cold_start_sft [--recipe tiny] [--set cold_start_sft.train.max_steps=50 ...]
     r1 stage reasoning_grpo --checkpoint runs:/<run id>/checkpoint
     r1 stage sft --dataset runs:/<run id>/dataset/curated [--heldout runs:/<run id>/dataset/heldout]
     r1 serve CHECKPOINT [--host 127.0.0.1] [--port 8000]   # an OpenAI-compatible API, e.g. for the judge
@@ -119,17 +120,23 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, also print its traceback")
+    overrides = argparse.ArgumentParser(add_help=False)
+    overrides.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                           help="override a recipe field by its dotted path, the value read as YAML "
+                                "(e.g. reasoning_grpo.grpo.learning_rate=2e-5); repeatable")
     parser = argparse.ArgumentParser(prog="r1", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", parents=[common], help="run the pipeline (all available stages, or --stages)")
+    run = sub.add_parser("run", parents=[common, overrides],
+                         help="run the pipeline (all available stages, or --stages)")
     run.add_argument("--recipe", default="tiny", help="recipe name under recipes/ or a YAML path (default: tiny)")
     run.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all five)")
     run.add_argument("--from-run", default=None, help="an earlier pipeline run (MLflow run id) whose URIs feed the "
                                                       "stages left out")
     run.add_argument("--fresh", action="store_true", help="start over: reuse no finished stage and resume from no "
                                                           "checkpoint (default: the same run again reuses and resumes)")
-    stage = sub.add_parser("stage", parents=[common], help="run one stage alone with its section of the recipe")
+    stage = sub.add_parser("stage", parents=[common, overrides],
+                           help="run one stage alone with its section of the recipe")
     stage.add_argument("name", help="stage name, e.g. cold_start_sft")
     stage.add_argument("--recipe", default="tiny")
     stage.add_argument("--checkpoint", default=None, help="the upstream checkpoint URI (runs:/<id>/checkpoint)")
@@ -229,10 +236,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise preflight.UsageError(f"cannot compare {args.run_a} and {args.run_b}: {e}") from None
         return 0
 
-    from grpo.recipe import load_recipe
+    from grpo.recipe import apply_overrides, load_recipe
 
     # everything that can be checked is checked here, before a server or a run starts
-    recipe = load_recipe(args.recipe)
+    recipe = apply_overrides(load_recipe(args.recipe), parse_overrides(getattr(args, "overrides", [])))
     if args.command == "plan":
         from flows.plan import plan_text
 
@@ -254,6 +261,29 @@ def _dispatch(args: argparse.Namespace) -> int:
     return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
 
 
+def parse_overrides(given: list[str]) -> dict:
+    """`--set PATH=VALUE` flags as {path: value}, each value read as YAML (50 a number, true a bool, [a, b] a list).
+
+    YAML reads 2e-5 (no dot) as a string; the recipe's number fields take numeric strings, so it still works.
+    """
+    import yaml
+
+    from flows.preflight import UsageError
+
+    overrides = {}
+    for item in given:
+        path, sep, text = item.partition("=")
+        if not sep or not path.strip():
+            raise UsageError(f"--set {item!r}: expected PATH=VALUE, such as reasoning_grpo.grpo.learning_rate=2e-5")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or e
+            raise UsageError(f"--set {item!r}: the value is not valid YAML: {problem}") from None
+        overrides[path.strip()] = value
+    return overrides
+
+
 def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
     from flows import preflight
 
@@ -267,7 +297,8 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
     from flows.r1_pipeline import r1_pipeline
 
     result = _until_stopped(lambda: r1_pipeline(recipe=args.recipe, stages=stages if args.stages else None,
-                                                from_run=args.from_run, fresh=args.fresh),
+                                                from_run=args.from_run, fresh=args.fresh,
+                                                overrides=parse_overrides(args.overrides) or None),
                             "the same `r1 run` resumes where it stopped (--fresh starts over)")
     if result is None:
         return 130
@@ -307,7 +338,8 @@ def _stage(args: argparse.Namespace, recipe) -> int:
         raise preflight.UsageError(f"stage {args.name} needs {flags}")
     for param, uri in kwargs.items():
         preflight.check_uri(f"--{param.removesuffix('_uri')}", uri)
-    result = _until_stopped(lambda: stage_flows.FLOWS[args.name](config=getattr(recipe, args.name), **kwargs),
+    stage_flow = stage_flows.FLOWS[args.name].with_options(flow_run_name=lambda: f"{args.name}:{recipe.name}")
+    result = _until_stopped(lambda: stage_flow(config=getattr(recipe, args.name), **kwargs),
                             "the same `r1 stage` resumes from its last checkpoint")
     if result is None:
         return 130

@@ -22,7 +22,8 @@ from tasks.stage import StageResult, stage_run
 STAGE = "cold_start_sft"
 
 
-@flow(name=STAGE, log_prints=True)
+# flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
+@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
 def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run_id: str | None = None) -> StageResult:
     """Fine-tune the base model on chain-of-thought rows; return the checkpoint URI and held-out metrics."""
     with stage_run(STAGE, config, parent_run_id) as run_id:

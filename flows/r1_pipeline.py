@@ -12,10 +12,19 @@ finished with the same config and inputs (tasks/reuse.py), and the interrupted s
 in its work folder, which is keyed by its config and inputs; `fresh=True` starts everything over. Runs that a dead
 process left RUNNING are marked FAILED when a pipeline starts; Ctrl-C ends the current runs as KILLED.
 
-Run:  r1 run --recipe tiny      (or: r1 run --stages sft,alignment_grpo --from-run <pipeline run id>)
+`overrides` change any of the recipe's fields for this run without a new recipe file (dotted paths to values, such as
+{"reasoning_grpo.grpo.learning_rate": 2e-5}); they are checked like the recipe before anything starts and recorded on
+the parent run as `override.<path>` params and tags. Flow runs are named after the recipe (`r1-<recipe name>`) and
+each stage's after the stage and the recipe (`reasoning_grpo:<recipe name>`).
+
+Run:  r1 run --recipe tiny [--set reasoning_grpo.grpo.learning_rate=2e-5]
+      (or: r1 run --stages sft,alignment_grpo --from-run <pipeline run id>)
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -27,7 +36,7 @@ from flows.rejection_sampling import rejection_sampling
 from flows.sft import sft
 from flows.stages import FLOWS, OUTPUTS, finished_stages, missing_inputs
 from grpo.config import ClusterConfig
-from grpo.recipe import Recipe, load_recipe
+from grpo.recipe import Recipe, RecipeError, apply_overrides, load_recipe
 from tasks import reuse, tracking
 from tasks.interrupts import is_interrupt
 from tasks.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
@@ -43,16 +52,30 @@ def with_cluster(cfg: Recipe, ray_address: str | None, shard_store: str | None) 
     return cfg.model_copy(update={"rejection_sampling": stage.model_copy(update={"cluster": cluster})})
 
 
-@flow(name="r1_pipeline", log_prints=True)
+def recipe_name(recipe: str) -> str:
+    """The `name` a recipe (by name or YAML path) gives itself; its file's stem if it cannot be read."""
+    try:
+        return load_recipe(recipe).name
+    except RecipeError:  # the flow body reports the recipe's error; naming the flow run must not fail first
+        return Path(recipe).stem
+
+
+def pipeline_run_name() -> str:
+    """`r1-<recipe name>`, the pipeline's flow run name (read from the run's own parameters)."""
+    return f"r1-{recipe_name(str(flow_run.parameters.get('recipe', 'tiny')))}"
+
+
+@flow(name="r1_pipeline", flow_run_name=pipeline_run_name, log_prints=True)
 def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris: dict[str, str] | None = None,
                 from_run: str | None = None, fresh: bool = False, ray_address: str | None = None,
-                shard_store: str | None = None) -> PipelineResult:
+                shard_store: str | None = None, overrides: dict[str, Any] | None = None) -> PipelineResult:
     """Run the recipe's stages in order under one MLflow parent run; return each stage's result.
 
     A stage that finished before with the same config and inputs is reused, not run again, unless `fresh`.
     `ray_address` and `shard_store` (a deployment's cluster) override the recipe's `rejection_sampling.cluster`.
+    `overrides` set any of the recipe's fields by dotted path, e.g. {"cold_start_sft.train.max_steps": 50}.
     """
-    cfg = load_recipe(recipe)  # a bad recipe fails here, before any run is created
+    cfg = apply_overrides(load_recipe(recipe), overrides)  # a bad recipe or override fails here, before any run
     if ray_address or shard_store:
         cfg = with_cluster(cfg, ray_address, shard_store)
     unknown = sorted(set(stages or []) - set(AVAILABLE_STAGES))  # a misspelt stage must not be skipped silently
@@ -75,13 +98,14 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         if fresh:  # this run's own checkpoints are no earlier run's: a retry of a fresh run resumes from them
             tracking.set_tags(parent, {FRESH: "retried"})
     else:
+        recorded = {f"override.{path}": str(value) for path, value in (overrides or {}).items()}
         parent = tracking.start_run(f"r1_pipeline:{cfg.name}", tags={"recipe": cfg.name, "stages": ",".join(stages),
                                                                       **({"from_run": from_run} if from_run else {}),
                                                                       **({FRESH: "true"} if fresh else {}),
-                                                                      **prefect_tags()})
+                                                                      **recorded, **prefect_tags()})
         tracking.log_params(parent, {"recipe": cfg.name, "stages": ",".join(stages),
                                      **({"from_run": from_run} if from_run else {}),
-                                     **{f"from.{k}": v for k, v in uris.items()}})
+                                     **{f"from.{k}": v for k, v in uris.items()}, **recorded})
     results: dict[str, StageResult] = {}
 
     def done(result: StageResult, record: bool = True) -> None:  # record the stage on the parent once it finishes
@@ -107,7 +131,9 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         finished = None if fresh else reuse.find_finished(key)
         if finished is not None:
             return reuse.reuse_stage(stage_flow.name, config, inputs, key, finished.info.run_id, parent)
-        result = stage_flow(config=config, parent_run_id=parent, **inputs)
+        # `<stage>:<recipe name>`; a callable, not a template string, which would read braces in the name as fields
+        named = stage_flow.with_options(flow_run_name=lambda: f"{stage_flow.name}:{cfg.name}")
+        result = named(config=config, parent_run_id=parent, **inputs)
         reuse.record_finished(result, key)
         return result
 

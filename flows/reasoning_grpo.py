@@ -27,7 +27,8 @@ from tasks.stage import StageResult, stage_run
 STAGE = "reasoning_grpo"
 
 
-@flow(name=STAGE, log_prints=True)
+# flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
+@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
 def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningGRPOConfig(),
                    parent_run_id: str | None = None) -> StageResult:
     """GRPO from `checkpoint_uri` (the cold-start model); return the new checkpoint URI and held-out metrics."""

@@ -42,7 +42,8 @@ def sample_shards(plan: RejectionPlan, config: RejectionSamplingConfig) -> list[
     return futures.result()  # raises if any shard failed
 
 
-@flow(name=STAGE, log_prints=True)
+# flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
+@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
 def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = RejectionSamplingConfig(),
                        parent_run_id: str | None = None) -> StageResult:
     """Sample from `checkpoint_uri` (the reasoning-RL model); return the curated dataset's URI and the counts."""

@@ -20,7 +20,8 @@ from tasks.stage import StageResult, stage_run
 STAGE = "sft"
 
 
-@flow(name=STAGE, log_prints=True)
+# flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
+@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
 def sft(dataset_uri: str, config: SFTStageConfig = SFTStageConfig(), heldout_uri: str | None = None,
         cold_start_dataset_uri: str | None = None, parent_run_id: str | None = None) -> StageResult:
     """Fine-tune the base model on `dataset_uri`; return the checkpoint URI and held-out metrics."""

@@ -2,18 +2,21 @@
 
 Each stage config is at once the stage flow's Prefect parameter (the UI renders it as a form), a section of a
 recipe YAML file, and the params logged on the stage's MLflow run; its parts are the settings in `grpo.config`.
-Defaults are the `tiny` recipe's values. Plain pydantic: must not import torch, transformers or the modules that do
-the work, so a recipe is read and checked in well under a second.
+Defaults are the `tiny` recipe's values. A recipe read from a file can take overrides of any of its fields (dotted
+paths to values, as the pipeline deployment's form and `r1 run --set` give them), checked like the file was.
+Plain pydantic: must not import torch, transformers or the modules that do the work, so a recipe is read and
+checked in well under a second.
 """
 
-
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpo.checks import check_fits_context, check_process_split, check_prompts_per_step, describe_errors
+from grpo.checks import check_fits_context, check_process_split, check_prompts_per_step, describe_errors, fields_at
 from grpo.config import (
     REWARD_MODEL,
     TINY,
@@ -252,3 +255,48 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     except ValidationError as e:
         raise RecipeError(f"{path}: {describe_errors(e, Recipe)}") from None
 
+
+
+def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Recipe:
+    """The recipe with each dotted path set to its value, checked like a recipe file.
+
+    >>> apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 2e-5}).reasoning_grpo.grpo.learning_rate
+    2e-05
+
+    A value replaces the field whole (a dict given for a section replaces that section). An unknown path or a value
+    the field does not take is a RecipeError naming the path and what was expected.
+    """
+    if not overrides:
+        return recipe
+    data = recipe.model_dump()
+    for path, value in overrides.items():
+        _set_path(data, path, value)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(f"recipe {recipe.name!r} with overrides: {describe_errors(e, Recipe)}") from None
+
+
+def _set_path(data: dict, path: str, value: Any) -> None:
+    """Set `data[a][b][c] = value` for path "a.b.c", where each of a and b is a section of the recipe."""
+    keys = str(path).split(".")
+    if "" in keys:
+        raise RecipeError(f"override {path!r}: expected a dotted path to a recipe field, such as "
+                          f"reasoning_grpo.grpo.learning_rate")
+    node = data
+    for depth, key in enumerate(keys):
+        here = ".".join(keys[:depth])
+        known = fields_at(Recipe, tuple(keys[:depth]))  # empty below a settings model: a dict such as grpo.rewards
+        if known and key not in known:  # checked here, not left to pydantic, so the message names the whole path
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known there: {known}"
+            raise RecipeError(f"override {path!r}: {here or 'the recipe'} has no field {key!r}; {hint}")
+        if depth == len(keys) - 1:
+            node[key] = value
+            return
+        if node.get(key) is None and fields_at(Recipe, tuple(keys[:depth + 1])):
+            node[key] = {}  # an optional section left out (such as rejection_sampling.judge): start it empty
+        if not isinstance(node.get(key), dict):
+            raise RecipeError(f"override {path!r}: {'.'.join(keys[:depth + 1])} is a setting "
+                              f"({type(node.get(key)).__name__}), not a section with fields")
+        node = node[key]

@@ -23,3 +23,13 @@ def test_a_stage_that_needs_a_checkpoint_says_so(capsys):
 def test_unknown_stage_lists_the_stages(capsys):
     assert main(["stage", "no_such_stage"]) == 2
     assert "cold_start_sft" in capsys.readouterr().err
+
+
+def test_set_flags_become_overrides_read_as_yaml():
+    from flows.cli import parse_overrides
+
+    given = ["cold_start_sft.train.max_steps=50", "reasoning_grpo.eval_before=false",
+             "reasoning_grpo.grpo.rewards={accuracy: 1.0, format: 0.25}", "cold_start_sft.data.source=a=b.jsonl"]
+    assert parse_overrides(given) == {"cold_start_sft.train.max_steps": 50, "reasoning_grpo.eval_before": False,
+                                      "reasoning_grpo.grpo.rewards": {"accuracy": 1.0, "format": 0.25},
+                                      "cold_start_sft.data.source": "a=b.jsonl"}  # split at the first "=" only

@@ -57,7 +57,15 @@ def test_every_deployment_is_registered_with_typed_parameters(servers):
     assert set(deployments) == EXPECTED
 
     pipeline = deployments["r1_pipeline", "local"]
-    assert pipeline.work_pool_name == stack.PROCESS_POOL and pipeline.parameters == {"recipe": "tiny"}
+    assert pipeline.work_pool_name == stack.PROCESS_POOL
+    assert pipeline.parameters == {"recipe": "tiny", "overrides": {}}
+    # the pipeline's form: a recipe name and overrides of its fields (dotted path -> value), empty unless given
+    for name in ("local", "gpu", "ray"):
+        d = deployments["r1_pipeline", name]
+        assert d.parameters["overrides"] == {} and d.enforce_parameter_schema, name
+        overrides = d.parameter_openapi_schema["properties"]["overrides"]
+        assert any(t.get("type") == "object" for t in overrides.get("anyOf", [overrides])), name
+        assert "overrides" not in d.parameter_openapi_schema.get("required", []), name
     [schedule] = pipeline.schedules
     assert schedule.schedule.cron == "0 2 * * 1" and schedule.active is False  # an example, off by default
     assert pipeline.global_concurrency_limit.limit == 1

@@ -222,6 +222,27 @@ def test_a_bad_recipe_is_one_line_before_anything_starts(case, ws, capsys):
     fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(**sections)], *expected)
 
 
+OVERRIDE_CASES = {
+    "an unknown path": (["--set", "cold_start_sft.train.max_stpes=3"],
+                        ["override 'cold_start_sft.train.max_stpes'", "no field 'max_stpes'",
+                         "did you mean 'max_steps'"]),
+    "a path through a setting": (["--set", "reasoning_grpo.eval_before.steps=3"],
+                                 ["reasoning_grpo.eval_before is a setting (bool), not a section"]),
+    "a bad value": (["--set", "reasoning_grpo.grpo.learning_rate=fast"],
+                    ["with overrides", "reasoning_grpo.grpo.learning_rate", "valid number", "'fast'"]),
+    "a value the recipe's other fields reject": (["--set", "reasoning_grpo.grpo.prompts_per_step=40"],
+                                                 ["prompts_per_step", "40"]),
+    "no value": (["--set", "cold_start_sft.train.max_steps"], ["expected PATH=VALUE"]),
+    "a value that is not YAML": (["--set", "cold_start_sft.train.max_steps=[3"], ["the value is not valid YAML"]),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERRIDE_CASES))
+def test_a_bad_override_is_one_line_before_anything_starts(case, ws, capsys):
+    flags, expected = OVERRIDE_CASES[case]
+    fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), *flags], *expected)
+
+
 def test_an_unknown_recipe_lists_the_known_ones(ws, capsys):
     fails_cleanly(capsys, ws, ["run", "--recipe", "no-such-recipe"], "no recipe 'no-such-recipe'", "tiny")
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from grpo.recipe import ColdStartSFTConfig, RecipeError, load_recipe
+from grpo.recipe import ColdStartSFTConfig, RecipeError, apply_overrides, load_recipe
 from grpo.training.precision import resolve
 
 TINY_STAGE = {
@@ -214,6 +214,69 @@ def test_pipeline_can_start_from_an_earlier_checkpoint(cold_start, mlflow_client
     assert list(result.stages) == ["reasoning_grpo"]
     parent = mlflow_client.get_run(result.run_id)
     assert parent.data.params["from.cold_start_checkpoint"] == cold_start.uris["checkpoint"]
+
+
+def test_pipeline_overrides_change_the_stage_config_and_runs_are_named_after_the_recipe(prefect_harness, mlflow_client,
+                                                                                       recipe_file):
+    from prefect import get_client
+
+    from flows.r1_pipeline import r1_pipeline
+
+    # 2 steps where the recipe says 4, and a held-out set of 16: what the stage trains and logs follows the overrides
+    overrides = {"cold_start_sft.train.max_steps": 2, "cold_start_sft.data.num_heldout": 16}
+    result = r1_pipeline(recipe=str(recipe_file), stages=["cold_start_sft"], overrides=overrides)
+    parent = mlflow_client.get_run(result.run_id)
+    child = mlflow_client.get_run(result.stages["cold_start_sft"].run_id)
+    assert child.data.params["train.max_steps"] == "2" and child.data.params["data.num_heldout"] == "16"
+    assert [m.step for m in mlflow_client.get_metric_history(child.info.run_id, "train/loss")] == [2]
+    for recorded in (parent.data.params, parent.data.tags):
+        assert recorded["override.cold_start_sft.train.max_steps"] == "2"
+        assert recorded["override.cold_start_sft.data.num_heldout"] == "16"
+
+    # the flow runs, read back from the Prefect API: the pipeline's after the recipe's name (not the file's), its
+    # stage's after the stage and the recipe
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(parent.data.tags["prefect.flow_run_id"]).name == "r1-test"
+        assert client.read_flow_run(child.data.tags["prefect.flow_run_id"]).name == "cold_start_sft:test"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"cold_start_sft.train.max_stpes": 2}, r"override 'cold_start_sft\.train\.max_stpes': cold_start_sft\.train "
+                                            r"has no field 'max_stpes'; did you mean 'max_steps'\?"),
+    ({"cold_start_sft.train.max_steps": 0}, r"recipe 'test' with overrides: cold_start_sft\.train\.max_steps: "
+                                            r"Input should be greater than or equal to 1 \(got 0\)"),
+])
+def test_a_bad_override_fails_the_pipeline_before_any_run(prefect_harness, mlflow_client, recipe_file, overrides,
+                                                          expected):
+    from flows.r1_pipeline import r1_pipeline
+
+    def runs() -> int:
+        return len(mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()]))
+
+    before = runs()
+    with pytest.raises(RecipeError, match=expected):
+        r1_pipeline(recipe=str(recipe_file), stages=["cold_start_sft"], overrides=overrides)
+    assert runs() == before
+
+
+def test_overrides_apply_to_any_field_and_are_checked_like_a_recipe():
+    recipe = load_recipe("tiny")
+    changed = apply_overrides(recipe, {"reasoning_grpo.grpo.learning_rate": 2e-5, "reasoning_grpo.eval_before": False,
+                                       "reasoning_grpo.grpo.rewards.format": 0.25,  # a key of a dict setting
+                                       "rejection_sampling.judge.model": "checkpoint"})  # a section left out
+    assert changed.reasoning_grpo.grpo.learning_rate == 2e-5 and changed.reasoning_grpo.eval_before is False
+    assert changed.reasoning_grpo.grpo.rewards["format"] == 0.25
+    assert changed.rejection_sampling.judge.model == "checkpoint" and recipe.rejection_sampling.judge is None
+    assert changed.cold_start_sft == recipe.cold_start_sft and apply_overrides(recipe, {}) is recipe
+    with pytest.raises(RecipeError, match=r"override 'reasoning\.grpo\.beta': the recipe has no field 'reasoning'; "
+                                          r"did you mean 'reasoning_grpo'\?"):
+        apply_overrides(recipe, {"reasoning.grpo.beta": 0.1})
+    with pytest.raises(RecipeError, match=r"reasoning_grpo\.eval_before is a setting \(bool\), not a section"):
+        apply_overrides(recipe, {"reasoning_grpo.eval_before.steps": 1})
+    with pytest.raises(RecipeError, match=r"reasoning_grpo: grpo\.prompts_per_step \(3\) must be a multiple of "
+                                          r"distributed\.num_processes \(2\)"):  # fields that must agree, as in a file
+        apply_overrides(recipe, {"reasoning_grpo.grpo.prompts_per_step": 3,
+                                 "reasoning_grpo.distributed.num_processes": 2})
 
 
 def test_a_bad_user_dataset_fails_the_stage_before_training(prefect_harness, mlflow_client, tmp_path):
