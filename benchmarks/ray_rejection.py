@@ -133,7 +133,7 @@ def main() -> None:
     from mlflow import MlflowClient
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows import stack
+    from flows.cli import stack
     from flows.rejection_sampling import rejection_sampling
     from answering import train_answering_checkpoint
     from ray_local import LocalRayCluster

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.checks import check_model_folder, check_rewards, check_uri, looks_like_a_path, reading
+from flows.stages import Stage, run_name
+from grpo.checks import check_prompts_per_step
 from grpo.recipe import AlignmentGRPOConfig
 from tasks.alignment import prepare_alignment_prompts, register_model, train_reward_model_task
 from tasks.evaluate import evaluate_model
@@ -20,15 +23,15 @@ from tasks.grpo import train_grpo_model
 from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
-STAGE = "alignment_grpo"
+NAME = "alignment_grpo"
 
 
 # flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
-@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
+@flow(name=NAME, flow_run_name=run_name(NAME), log_prints=True)
 def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentGRPOConfig(),
                    parent_run_id: str | None = None) -> StageResult:
     """GRPO from `checkpoint_uri` (the stage-4 SFT model); return the final checkpoint and its registry URI."""
-    with stage_run(STAGE, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
+    with stage_run(NAME, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_alignment_prompts(run_id, config)
         reward_model = train_reward_model_task(run_id, config)
         metrics = {}
@@ -36,13 +39,47 @@ def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentG
             before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
                                     code=config.grpo.code)
             metrics.update({f"{k}_before": v for k, v in before.items()})
-        checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo,
+        checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
                                       reward_model_uri=reward_model, distributed=config.distributed)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps, code=config.grpo.code))
         registered = register_model(run_id, checkpoint, config.registered_model, config.alias)
-    result = StageResult(stage=STAGE, run_id=run_id, metrics=metrics,
+    result = StageResult(stage=NAME, run_id=run_id, metrics=metrics,
                          uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})
     publish_stage_report(result)
     return result
+
+
+def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
+    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
+    from grpo.data.preferences import load_preference_data
+    from grpo.data.tables import load_rl_data, read_table, validate_rows
+
+    with reading("alignment_grpo.data"):
+        train, heldout = load_rl_data(cfg.data)
+    check_rewards("alignment_grpo", cfg.grpo, train, heldout)
+    general = cfg.general_prompts
+    if cfg.general_source != "synthetic":
+        with reading("alignment_grpo.general_source"):
+            rows = validate_rows(read_table(cfg.general_source), {"prompt": "text or chat messages"},
+                                 cfg.general_source)
+        general = min(general, len(rows))
+    with reading("alignment_grpo"):
+        check_prompts_per_step(cfg.grpo.prompts_per_step, len(train) + general,
+                               f"{cfg.data.source} with {general} general prompts")
+    if cfg.reward_model_uri is None:
+        with reading("alignment_grpo.preferences"):
+            load_preference_data(cfg.preferences)
+    elif cfg.reward_model_uri.startswith("runs:/"):
+        check_uri("alignment_grpo.reward_model_uri", cfg.reward_model_uri)
+    elif looks_like_a_path(cfg.reward_model_uri):
+        check_model_folder("alignment_grpo.reward_model_uri", cfg.reward_model_uri)
+
+
+STAGE = Stage(flow=alignment_grpo,
+              inputs={"checkpoint_uri": "sft_checkpoint"},
+              outputs={"final_checkpoint": "checkpoint", "registered_model": "registered_model"},
+              check=check_alignment_grpo,
+              loads=lambda config: [] if config.reward_model_uri else [  # a given reward model trains nothing
+                  ("alignment_grpo.reward_model.model.name_or_path", config.reward_model.model)])

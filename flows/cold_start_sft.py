@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.checks import check_sandbox, has_tests, reading
+from flows.stages import Stage, run_name
 from grpo.recipe import ColdStartSFTConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
@@ -19,22 +21,39 @@ from tasks.report import publish_stage_report
 from tasks.sft import train_sft_model
 from tasks.stage import StageResult, stage_run
 
-STAGE = "cold_start_sft"
+NAME = "cold_start_sft"
 
 
 # flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
-@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
+@flow(name=NAME, flow_run_name=run_name(NAME), log_prints=True)
 def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run_id: str | None = None) -> StageResult:
     """Fine-tune the base model on chain-of-thought rows; return the checkpoint URI and held-out metrics."""
-    with stage_run(STAGE, config, parent_run_id) as run_id:
+    with stage_run(NAME, config, parent_run_id) as run_id:
         data = prepare_data(run_id, config.data, "sft")
-        checkpoint = train_sft_model(run_id, STAGE, config.model, data.train, config.train,
+        checkpoint = train_sft_model(run_id, NAME, config.model, data.train, config.train,
                                      config.distributed)
         metrics = {}
         if data.heldout:
             metrics = evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                      step=config.train.max_steps)
-    result = StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
+    result = StageResult(stage=NAME, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
                          metrics=metrics)
     publish_stage_report(result)
     return result
+
+
+def check_cold_start_sft(cfg: ColdStartSFTConfig) -> None:
+    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
+    from grpo.data.tables import load_sft_data
+
+    with reading("cold_start_sft.data"):
+        _, heldout = load_sft_data(cfg.data)
+    if has_tests(heldout):  # evaluated after training, under the default limits (an SFT stage has no code section)
+        check_sandbox("cold_start_sft.data.heldout_source")
+
+
+STAGE = Stage(flow=cold_start_sft,
+              inputs={},
+              outputs={"cold_start_checkpoint": "checkpoint", "cold_start_dataset": "dataset"},
+              check=check_cold_start_sft,
+              loads=lambda config: [("cold_start_sft.model.name_or_path", config.model)])

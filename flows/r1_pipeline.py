@@ -12,6 +12,10 @@ finished with the same config and inputs (tasks/reuse.py), and the interrupted s
 in its work folder, which is keyed by its config and inputs; `fresh=True` starts everything over. Runs that a dead
 process left RUNNING are marked FAILED when a pipeline starts; Ctrl-C ends the current runs as KILLED.
 
+A stage runs in this flow's process, or, where its recipe section names a work pool (`resources.pool`), as its own
+deployment's flow run on that pool with the job variables the section asks for (flows/placement.py): this flow, on a
+CPU pool, waits for it and reads its result from MLflow. Pools, workers and deployments are checked before any stage.
+
 `overrides` change any of the recipe's fields for this run without a new recipe file (dotted paths to values, such as
 {"reasoning_grpo.grpo.learning_rate": 2e-5}); they are checked like the recipe before anything starts and recorded on
 the parent run as `override.<path>` params and tags. Flow runs are named after the recipe (`r1-<recipe name>`) and
@@ -29,19 +33,13 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from flows.alignment_grpo import alignment_grpo
-from flows.cold_start_sft import cold_start_sft
-from flows.reasoning_grpo import reasoning_grpo
-from flows.rejection_sampling import rejection_sampling
-from flows.sft import sft
-from flows.stages import FLOWS, OUTPUTS, finished_stages, missing_inputs
+from flows.placement import check_placement, run_placed
+from flows.stages import Stage, declared, finished_stages, missing_inputs
 from grpo.config import ClusterConfig
-from grpo.recipe import Recipe, RecipeError, apply_overrides, load_recipe
+from grpo.interrupts import is_interrupt
+from grpo.recipe import STAGES, Recipe, RecipeError, apply_overrides, load_recipe
 from tasks import reuse, tracking
-from tasks.interrupts import is_interrupt
 from tasks.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
-
-AVAILABLE_STAGES = tuple(FLOWS)
 
 
 def with_cluster(cfg: Recipe, ray_address: str | None, shard_store: str | None) -> Recipe:
@@ -78,15 +76,16 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
     cfg = apply_overrides(load_recipe(recipe), overrides)  # a bad recipe or override fails here, before any run
     if ray_address or shard_store:
         cfg = with_cluster(cfg, ray_address, shard_store)
-    unknown = sorted(set(stages or []) - set(AVAILABLE_STAGES))  # a misspelt stage must not be skipped silently
+    unknown = sorted(set(stages or []) - set(STAGES))  # a misspelt stage must not be skipped silently
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; available: {list(AVAILABLE_STAGES)}")
-    stages = [s for s in AVAILABLE_STAGES if s in (stages or AVAILABLE_STAGES)]  # always in the recipe's order
+        raise ValueError(f"unknown stage(s) {unknown}; available: {list(STAGES)}")
+    stages = [s for s in STAGES if s in (stages or STAGES)]  # always in the recipe's order
     uris = {**(tracking.pipeline_uris(from_run) if from_run else {}), **(from_uris or {})}
     missing = missing_inputs(stages, uris)
     if missing:
         raise ValueError("missing inputs: " + ", ".join(f"{s} needs {u}" for s, u in missing) +
                          "; run the stage that makes them, or pass from_run=<pipeline run id> or from_uris")
+    check_placement(cfg, stages)  # placed stages: their pools, workers and deployments, before anything starts
 
     ended = tracking.end_dead_runs()  # what a killed earlier run left RUNNING
     if ended:
@@ -110,7 +109,7 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
 
     def done(result: StageResult, record: bool = True) -> None:  # record the stage on the parent once it finishes
         results[result.stage] = result
-        new = {name: result.uris[key] for name, key in OUTPUTS[result.stage].items() if key in result.uris}
+        new = {name: result.uris[key] for name, key in declared()[result.stage].outputs.items() if key in result.uris}
         uris.update(new)
         if record:  # its URIs, and its headline numbers for comparing runs
             tracking.set_tags(parent, {f"uri.{k}": v for k, v in new.items()})
@@ -125,30 +124,24 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
                               "%s", attempt, parent, ", ".join(results) or "none")
     todo = [s for s in stages if s not in results]
 
-    def run(stage_flow, config, **inputs: str | None) -> StageResult:  # or reuse a finished run of the same stage
+    def run(stage: Stage, config, **inputs: str | None) -> StageResult:  # or reuse a finished run of the same stage
         inputs = {k: v for k, v in inputs.items() if v is not None}
-        key = reuse.stage_key(stage_flow.name, config, inputs)
+        key = reuse.stage_key(stage.name, config, inputs)
         finished = None if fresh else reuse.find_finished(key)
         if finished is not None:
-            return reuse.reuse_stage(stage_flow.name, config, inputs, key, finished.info.run_id, parent)
-        # `<stage>:<recipe name>`; a callable, not a template string, which would read braces in the name as fields
-        named = stage_flow.with_options(flow_run_name=lambda: f"{stage_flow.name}:{cfg.name}")
-        result = named(config=config, parent_run_id=parent, **inputs)
+            return reuse.reuse_stage(stage.name, config, inputs, key, finished.info.run_id, parent)
+        if config.resources.pool:  # its own flow run on its pool; this one waits
+            result = run_placed(stage, config, parent, inputs, cfg.name, get_run_logger())
+        else:  # `<stage>:<recipe name>`; a callable, not a template string, which would read braces as fields
+            named = stage.flow.with_options(flow_run_name=lambda: f"{stage.name}:{cfg.name}")
+            result = named(config=config, parent_run_id=parent, **inputs)
         reuse.record_finished(result, key)
         return result
 
     try:
-        if "cold_start_sft" in todo:
-            done(run(cold_start_sft, cfg.cold_start_sft))
-        if "reasoning_grpo" in todo:
-            done(run(reasoning_grpo, cfg.reasoning_grpo, checkpoint_uri=uris["cold_start_checkpoint"]))
-        if "rejection_sampling" in todo:
-            done(run(rejection_sampling, cfg.rejection_sampling, checkpoint_uri=uris["reasoning_checkpoint"]))
-        if "sft" in todo:
-            done(run(sft, cfg.sft, dataset_uri=uris["curated_dataset"], heldout_uri=uris.get("heldout"),
-                     cold_start_dataset_uri=uris.get("cold_start_dataset")))
-        if "alignment_grpo" in todo:
-            done(run(alignment_grpo, cfg.alignment_grpo, checkpoint_uri=uris["sft_checkpoint"]))
+        for name in todo:  # in the recipe's order, each from the URIs the stages before it made
+            stage = declared()[name]
+            done(run(stage, getattr(cfg, name), **{param: uris.get(uri) for param, uri in stage.inputs.items()}))
     except BaseException as e:
         tracking.end_run(parent, "KILLED" if is_interrupt(e) else "FAILED")
         raise

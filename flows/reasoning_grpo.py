@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.checks import check_model_folder, check_rewards, check_uri, reading
+from flows.stages import Stage, run_name
 from grpo.recipe import ReasoningGRPOConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
@@ -24,28 +26,50 @@ from tasks.grpo import train_grpo_model
 from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
-STAGE = "reasoning_grpo"
+NAME = "reasoning_grpo"
 
 
 # flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
-@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
+@flow(name=NAME, flow_run_name=run_name(NAME), log_prints=True)
 def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningGRPOConfig(),
                    parent_run_id: str | None = None) -> StageResult:
     """GRPO from `checkpoint_uri` (the cold-start model); return the new checkpoint URI and held-out metrics."""
-    with stage_run(STAGE, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
+    with stage_run(NAME, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_data(run_id, config.data, "rl")
         metrics = {}
         if data.heldout and config.eval_before:
             before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
                                     code=config.grpo.code)
             metrics.update({f"{k}_before": v for k, v in before.items()})
-        checkpoint = train_grpo_model(run_id, STAGE, config.model, checkpoint_uri, data.train, config.grpo,
+        checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
                                       ppo=config.ppo if config.algorithm == "ppo" else None,
                                       distributed=config.distributed)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps, code=config.grpo.code))
-    result = StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
+    result = StageResult(stage=NAME, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
                          metrics=metrics)
     publish_stage_report(result)
     return result
+
+
+def check_reasoning_grpo(cfg: ReasoningGRPOConfig) -> None:
+    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
+    from grpo.data.tables import load_rl_data
+
+    with reading("reasoning_grpo.data"):
+        train, heldout = load_rl_data(cfg.data)
+    check_rewards("reasoning_grpo", cfg.grpo, train, heldout)
+    with reading("reasoning_grpo"):
+        cfg.check_prompts(len(train), cfg.data.source)
+    if cfg.grpo.prm_path is not None:  # the process reward model that checks the steps
+        if cfg.grpo.prm_path.startswith("runs:/"):
+            check_uri("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
+        else:
+            check_model_folder("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
+
+
+STAGE = Stage(flow=reasoning_grpo,
+              inputs={"checkpoint_uri": "cold_start_checkpoint"},
+              outputs={"reasoning_checkpoint": "checkpoint"},
+              check=check_reasoning_grpo)

@@ -17,6 +17,9 @@ from __future__ import annotations
 from prefect import flow, unmapped
 from prefect.logging import get_run_logger
 
+from flows.checks import UsageError, check_judge_endpoint, check_model_folder, check_sandbox, has_tests, reading
+from flows.stages import Stage, run_name
+from grpo.config import SELF_JUDGE, TINY
 from grpo.recipe import RejectionSamplingConfig
 from tasks.cluster import ray_task_runner, shard_gpus
 from tasks.data import prepare_data
@@ -24,7 +27,7 @@ from tasks.rejection import RejectionPlan, merge_rejection_shards, plan_rejectio
 from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
-STAGE = "rejection_sampling"
+NAME = "rejection_sampling"
 
 
 @flow(name="rejection_sampling_shards")
@@ -43,11 +46,11 @@ def sample_shards(plan: RejectionPlan, config: RejectionSamplingConfig) -> list[
 
 
 # flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
-@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
+@flow(name=NAME, flow_run_name=run_name(NAME), log_prints=True)
 def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = RejectionSamplingConfig(),
                        parent_run_id: str | None = None) -> StageResult:
     """Sample from `checkpoint_uri` (the reasoning-RL model); return the curated dataset's URI and the counts."""
-    with stage_run(STAGE, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
+    with stage_run(NAME, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_data(run_id, config.data, "rl")
         plan = plan_rejection_sampling(run_id, checkpoint_uri, config, data.train)
         if plan.ray_address:
@@ -57,6 +60,39 @@ def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = Re
             sample_shard.map(unmapped(plan), plan.shards, unmapped(config)).result()  # raises if any shard failed
         dataset, metrics = merge_rejection_shards(run_id, plan, config, data.heldout)
     uris = {"dataset": dataset, **({"heldout": data.heldout} if data.heldout else {})}
-    result = StageResult(stage=STAGE, run_id=run_id, uris=uris, metrics=metrics)
+    result = StageResult(stage=NAME, run_id=run_id, uris=uris, metrics=metrics)
     publish_stage_report(result)
     return result
+
+
+def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:
+    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
+    from grpo.data.tables import load_rl_data, read_table, validate_rows
+
+    with reading("rejection_sampling.data"):
+        train, heldout = load_rl_data(cfg.data)
+    rs = cfg.rejection
+    # its rule check runs the training rows' tests; its held-out rows are the ones the SFT stage evaluates later
+    if has_tests(train):
+        check_sandbox("rejection_sampling.data", rs.code)
+    elif has_tests(heldout):
+        check_sandbox("rejection_sampling.data.heldout_source")
+    if rs.non_reasoning_rows and cfg.non_reasoning_source != "synthetic":
+        with reading("rejection_sampling.non_reasoning_source"):
+            rows = validate_rows(read_table(cfg.non_reasoning_source),
+                                 {"prompt": "text or chat messages", "response": "text"}, cfg.non_reasoning_source)
+        if len(rows) < rs.non_reasoning_rows:
+            raise UsageError(f"rejection_sampling.non_reasoning_source: {cfg.non_reasoning_source} has {len(rows)} "
+                             f"rows; rejection.non_reasoning_rows asks for {rs.non_reasoning_rows}")
+    judge = cfg.judge
+    if judge is not None and rs.judge_when != "never":
+        if judge.backend == "http":
+            check_judge_endpoint(judge)
+        elif judge.model not in (SELF_JUDGE, TINY):
+            check_model_folder("rejection_sampling.judge.model", judge.model)
+
+
+STAGE = Stage(flow=rejection_sampling,
+              inputs={"checkpoint_uri": "reasoning_checkpoint"},
+              outputs={"curated_dataset": "dataset", "heldout": "heldout"},
+              check=check_rejection_sampling)

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.stages import Stage, run_name
 from grpo.recipe import SFTStageConfig
 from tasks.evaluate import evaluate_model
 from tasks.sft import prepare_sft_mix, train_sft_model
 from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
-STAGE = "sft"
+NAME = "sft"
 
 
 # flow runs are named after the stage (`<stage>:<recipe name>` when the pipeline or `r1 stage` runs it)
-@flow(name=STAGE, flow_run_name=STAGE, log_prints=True)
+@flow(name=NAME, flow_run_name=run_name(NAME), log_prints=True)
 def sft(dataset_uri: str, config: SFTStageConfig = SFTStageConfig(), heldout_uri: str | None = None,
         cold_start_dataset_uri: str | None = None, parent_run_id: str | None = None) -> StageResult:
     """Fine-tune the base model on `dataset_uri`; return the checkpoint URI and held-out metrics."""
@@ -29,15 +30,23 @@ def sft(dataset_uri: str, config: SFTStageConfig = SFTStageConfig(), heldout_uri
         raise ValueError("sft: include_cold_start is set but no cold_start_dataset_uri was given")
     inputs = {"dataset_uri": dataset_uri, **({"heldout_uri": heldout_uri} if heldout_uri else {}),
               **({"cold_start_dataset_uri": cold_start_dataset_uri} if config.include_cold_start else {})}
-    with stage_run(STAGE, config, parent_run_id, inputs=inputs) as run_id:
+    with stage_run(NAME, config, parent_run_id, inputs=inputs) as run_id:
         train = prepare_sft_mix(run_id, dataset_uri, cold_start_dataset_uri if config.include_cold_start else None)
-        checkpoint = train_sft_model(run_id, STAGE, config.model, train, config.train, config.distributed)
+        checkpoint = train_sft_model(run_id, NAME, config.model, train, config.train, config.distributed)
         metrics = {}
         if heldout_uri:
             metrics = evaluate_model(run_id, checkpoint, config.model, heldout_uri, config.eval,
                                      step=config.train.max_steps)
-    result = StageResult(stage=STAGE, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": train,
+    result = StageResult(stage=NAME, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": train,
                                                            **({"heldout": heldout_uri} if heldout_uri else {})},
                          metrics=metrics)
     publish_stage_report(result)
     return result
+
+
+STAGE = Stage(flow=sft,
+              inputs={"dataset_uri": "curated_dataset", "heldout_uri": "heldout",
+                      "cold_start_dataset_uri": "cold_start_dataset"},
+              outputs={"sft_checkpoint": "checkpoint"},
+              optional=frozenset({"heldout", "cold_start_dataset"}),
+              loads=lambda config: [("sft.model.name_or_path", config.model)])

@@ -1,42 +1,81 @@
-"""Every stage flow by name, and the pipeline URIs each one takes (flow parameter -> pipeline URI name)."""
+"""Every stage, declared once beside its flow, and what the pipeline, pre-flight, the CLI and `r1 deploy` read there.
 
-from flows.alignment_grpo import alignment_grpo
-from flows.cold_start_sft import cold_start_sft
-from flows.reasoning_grpo import reasoning_grpo
-from flows.rejection_sampling import rejection_sampling
-from flows.sft import sft
+A stage is three things: its settings (a `StageConfig` section of the recipe, grpo/recipe.py), its flow
+(`flows/<stage>.py`, which ends with its `STAGE = Stage(...)` declaration: inputs, outputs, pre-flight check, the
+models it loads) and its tasks. The recipe's sections give the order; this module finds each stage's declaration in
+the flow module of the same name. Nothing else lists the stages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from prefect import Flow
+
+from grpo.config import ModelConfig
+from grpo.recipe import STAGES
 from tasks import tracking
 from tasks.stage import StageResult
 
-FLOWS = {"cold_start_sft": cold_start_sft, "reasoning_grpo": reasoning_grpo,
-         "rejection_sampling": rejection_sampling, "sft": sft, "alignment_grpo": alignment_grpo}
 
-# what a stage reads: flow parameter -> the pipeline URI it is filled from (required ones first)
-INPUTS = {
-    "cold_start_sft": {},
-    "reasoning_grpo": {"checkpoint_uri": "cold_start_checkpoint"},
-    "rejection_sampling": {"checkpoint_uri": "reasoning_checkpoint"},
-    "sft": {"dataset_uri": "curated_dataset", "heldout_uri": "heldout", "cold_start_dataset_uri": "cold_start_dataset"},
-    "alignment_grpo": {"checkpoint_uri": "sft_checkpoint"},
-}
-OPTIONAL = {"heldout", "cold_start_dataset"}  # a stage runs without these (no eval / no mixing)
+def run_name(stage: str) -> Callable[[], str]:
+    """A stage flow's run name: `<stage>:<recipe name>` where the pipeline or `r1 stage` gave it that name (a placed
+    stage's flow run is created with it), else the stage's name."""
+    def name() -> str:
+        from prefect.runtime import flow_run
 
-# what a stage produces: pipeline URI name -> key in its StageResult.uris
-OUTPUTS = {
-    "cold_start_sft": {"cold_start_checkpoint": "checkpoint", "cold_start_dataset": "dataset"},
-    "reasoning_grpo": {"reasoning_checkpoint": "checkpoint"},
-    "rejection_sampling": {"curated_dataset": "dataset", "heldout": "heldout"},
-    "sft": {"sft_checkpoint": "checkpoint"},
-    "alignment_grpo": {"final_checkpoint": "checkpoint", "registered_model": "registered_model"},
-}
+        given = flow_run.name or ""
+        return given if given.startswith(f"{stage}:") else stage
+
+    return name
+
+
+def _no_check(config: Any) -> None:
+    """A stage whose inputs all come from other stages' URIs (checked where they are given) has nothing to read."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the recipe: its flow and what it takes from and gives to the pipeline."""
+
+    flow: Flow  # its flow: `config` (its recipe section), `parent_run_id` and one parameter per input
+    inputs: dict[str, str]  # flow parameter -> the pipeline URI it is filled from (required ones first)
+    outputs: dict[str, str]  # pipeline URI name -> the key of its StageResult.uris that holds it
+    optional: frozenset[str] = frozenset()  # pipeline URIs among `inputs` it runs without (no eval, no mixing)
+    check: Callable[[Any], None] = _no_check  # pre-flight of its data, models and sandbox; raises UsageError
+    # the models it loads by name, (recipe field, model settings): their context is checked against token budgets
+    loads: Callable[[Any], list[tuple[str, ModelConfig]]] = field(default=lambda config: [])
+
+    @property
+    def name(self) -> str:
+        return self.flow.name
+
+    def needs(self) -> list[str]:
+        """The pipeline URIs it cannot run without."""
+        return [uri for uri in self.inputs.values() if uri not in self.optional]
+
+
+@lru_cache(maxsize=1)
+def declared() -> dict[str, Stage]:
+    """Stage name -> its declaration, in the recipe's order (read on first use: the flow modules import this one)."""
+    found = {}
+    for name in STAGES:
+        stage = getattr(importlib.import_module(f"flows.{name}"), "STAGE", None)
+        if not isinstance(stage, Stage) or stage.name != name:
+            raise ImportError(f"flows/{name}.py must declare STAGE = Stage(flow=<its flow named {name!r}>, ...)")
+        found[name] = stage
+    return found
 
 
 def missing_inputs(stages: list[str], uris: dict[str, str]) -> list[tuple[str, str]]:
     """(stage, URI name) pairs that neither an earlier selected stage nor `uris` will provide."""
     have, missing = set(uris), []
     for stage in stages:
-        missing += [(stage, need) for need in INPUTS[stage].values() if need not in have and need not in OPTIONAL]
-        have |= set(OUTPUTS[stage])
+        missing += [(stage, need) for need in declared()[stage].needs() if need not in have]
+        have |= set(declared()[stage].outputs)
     return missing
 
 
@@ -48,9 +87,19 @@ def finished_stages(parent_run_id: str) -> dict[str, StageResult]:
     children = {r.data.tags.get("stage"): r.info.run_id for r in reversed(tracking.find_runs(
         f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'FINISHED'"))}  # newest wins
     finished = {}
-    for stage, outputs in OUTPUTS.items():
-        if stage in children and all(name in uris for name in outputs if name not in OPTIONAL):
-            metrics = {k[len(stage) + 1:]: v for k, v in parent.data.metrics.items() if k.startswith(stage + "/")}
-            finished[stage] = StageResult(stage=stage, run_id=children[stage], metrics=metrics,
-                                          uris={key: uris[name] for name, key in outputs.items() if name in uris})
+    for name, stage in declared().items():
+        outputs = stage.outputs
+        if name in children and all(u in uris for u in outputs if u not in _optional_outputs()):
+            metrics = {k[len(name) + 1:]: v for k, v in parent.data.metrics.items() if k.startswith(name + "/")}
+            finished[name] = StageResult(stage=name, run_id=children[name], metrics=metrics,
+                                         uris={key: uris[u] for u, key in outputs.items() if u in uris})
     return finished
+
+
+def _optional_outputs() -> set[str]:
+    """Outputs some stage may not make (a held-out split, say): those that every taker lists as optional."""
+    takers: dict[str, list[bool]] = {}
+    for stage in declared().values():
+        for uri in stage.inputs.values():
+            takers.setdefault(uri, []).append(uri in stage.optional)
+    return {uri for uri, optional in takers.items() if all(optional)}

@@ -37,7 +37,60 @@ from grpo.rewards.registry import REWARD_FUNCTIONS
 
 # Stage settings and the recipe
 
-STAGES = ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo")
+
+class ResourcesConfig(BaseModel):
+    """Where a stage runs and what its flow run asks for: in the pipeline's own process by default, or, with a
+    `pool`, as that pool's deployment of the stage (`r1 deploy` makes them), one flow run of its own.
+
+    `gpus`, `cpus` and `memory` become the flow run's job variables `gpu_count`, `cpu` and `memory` (the names the
+    Kubernetes template in deployments/ reads); `job_variables` adds any other variable of the pool's template.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pool: str | None = None  # the work pool whose deployment `<stage>/<pool>` runs the stage; None: in process
+    gpus: int = Field(0, ge=0)  # GPUs for the stage's flow run (job variable gpu_count); 0: the pool's default
+    cpus: str | None = None  # CPU request, Kubernetes style ("8", "500m"); None: the pool's default
+    memory: str | None = None  # memory request ("64Gi"); None: the pool's default
+    job_variables: dict[str, Any] = Field(default_factory=dict)  # any other job variable of the pool's template
+
+    def as_job_variables(self) -> dict[str, Any]:
+        """The flow run's job variables: what this section sets, nothing the pool's defaults already give."""
+        given = {"gpu_count": self.gpus or None, "cpu": self.cpus, "memory": self.memory}
+        return {**self.job_variables, **{k: v for k, v in given.items() if v is not None}}
+
+
+class PoolConfig(BaseModel):
+    """What one flow run on a work pool can be given, as the team that runs the pool declares it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpus: int = Field(0, ge=0)  # the most GPUs one flow run on this pool can have (a node's count)
+
+
+class StageConfig(BaseModel):
+    """What every stage's settings have: where it runs, and the global batches its processes share."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)  # its work pool and what it asks for
+
+    def process_batches(self) -> dict[str, int]:
+        """Each global batch the stage's training processes split evenly (field -> size); none by default."""
+        return {}
+
+    def check_splits(self, processes: int | str | None = None) -> None:
+        """Every global batch splits evenly across `processes` (default: the stage's own `distributed` count; a
+        count known only where the stage runs, "auto", is checked there with the machine's)."""
+        distributed = getattr(self, "distributed", None)
+        n = processes if processes is not None else distributed.num_processes if distributed else 1
+        for field, size in self.process_batches().items():
+            check_process_split(field, size, n)
+
+    @model_validator(mode="after")
+    def _splits(self) -> "StageConfig":
+        self.check_splits()
+        return self
 
 
 class DistributedConfig(BaseModel):
@@ -63,7 +116,7 @@ class DistributedConfig(BaseModel):
         return n
 
 
-class ColdStartSFTConfig(BaseModel):
+class ColdStartSFTConfig(StageConfig):
     """Stage 1: supervised fine-tuning of the base model on a few thousand chain-of-thought rows."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -74,13 +127,11 @@ class ColdStartSFTConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out evaluation after training
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # processes the training runs on
 
-    @model_validator(mode="after")
-    def _check(self) -> "ColdStartSFTConfig":
-        check_process_split("train.batch_size", self.train.batch_size, self.distributed.num_processes)
-        return self
+    def process_batches(self) -> dict[str, int]:
+        return {"train.batch_size": self.train.batch_size}
 
 
-class ReasoningGRPOConfig(BaseModel):
+class ReasoningGRPOConfig(StageConfig):
     """Stage 2: GRPO from the cold-start checkpoint with rule rewards (accuracy, format, language)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -96,9 +147,11 @@ class ReasoningGRPOConfig(BaseModel):
     ppo: PPOConfig = Field(default_factory=PPOConfig)  # read only with algorithm ppo
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # processes the training runs on
 
+    def process_batches(self) -> dict[str, int]:
+        return {"grpo.prompts_per_step": self.grpo.prompts_per_step}
+
     @model_validator(mode="after")
     def _check(self) -> "ReasoningGRPOConfig":
-        check_process_split("grpo.prompts_per_step", self.grpo.prompts_per_step, self.distributed.num_processes)
         self.grpo.check_rewards(set(REWARD_FUNCTIONS))  # no reward model in this stage: rule rewards only
         if self.grpo.step_verifier == "arithmetic" and self.data.source != "synthetic":
             raise ValueError(f"grpo.step_verifier 'arithmetic' reads the synthetic task's equations; data.source is "
@@ -120,7 +173,7 @@ class ReasoningGRPOConfig(BaseModel):
             check_prompts_per_step(self.grpo.prompts_per_step, prompts, source)
 
 
-class RejectionSamplingConfig(BaseModel):
+class RejectionSamplingConfig(StageConfig):
     """Stage 3: many samples per prompt from the reasoning-RL checkpoint; keep the correct, readable ones."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -137,7 +190,7 @@ class RejectionSamplingConfig(BaseModel):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # threads here, or shard tasks on a Ray cluster
 
 
-class SFTStageConfig(BaseModel):
+class SFTStageConfig(StageConfig):
     """Stage 4: SFT of the base model (not the RL model) on the curated rows."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -150,13 +203,11 @@ class SFTStageConfig(BaseModel):
     include_cold_start: bool = False
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # processes the training runs on
 
-    @model_validator(mode="after")
-    def _check(self) -> "SFTStageConfig":
-        check_process_split("train.batch_size", self.train.batch_size, self.distributed.num_processes)
-        return self
+    def process_batches(self) -> dict[str, int]:
+        return {"train.batch_size": self.train.batch_size}
 
 
-class AlignmentGRPOConfig(BaseModel):
+class AlignmentGRPOConfig(StageConfig):
     """Stage 5: GRPO for helpfulness and harmlessness (a reward model) on a mix that keeps reasoning prompts."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -175,10 +226,11 @@ class AlignmentGRPOConfig(BaseModel):
     alias: str = "champion"  # registry alias pointed at the new version (models:/<name>@<alias>)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's
 
+    def process_batches(self) -> dict[str, int]:
+        return {"grpo.prompts_per_step": self.grpo.prompts_per_step, "reward_model.batch_size": self.reward_model.batch_size}
+
     @model_validator(mode="after")
     def _check(self) -> "AlignmentGRPOConfig":
-        check_process_split("grpo.prompts_per_step", self.grpo.prompts_per_step, self.distributed.num_processes)
-        check_process_split("reward_model.batch_size", self.reward_model.batch_size, self.distributed.num_processes)
         self.grpo.check_rewards(set(REWARD_FUNCTIONS) | {REWARD_MODEL})
         if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
             raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
@@ -200,6 +252,26 @@ class Recipe(BaseModel):
     rejection_sampling: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
     alignment_grpo: AlignmentGRPOConfig = Field(default_factory=AlignmentGRPOConfig)
+    # the work pools stages may be placed on (a stage's resources.pool), each with what one flow run can be given
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+
+    def stage_configs(self) -> dict[str, StageConfig]:
+        """Each stage's settings by name, in the recipe's order."""
+        return {name: getattr(self, name) for name in STAGES}
+
+    @model_validator(mode="after")
+    def _placed_on_declared_pools(self) -> "Recipe":
+        for name, stage in self.stage_configs().items():
+            res = stage.resources
+            if res.pool is None:
+                continue
+            if res.pool not in self.pools:
+                raise ValueError(f"{name}.resources.pool {res.pool!r} is not among the recipe's pools "
+                                 f"{sorted(self.pools)}; declare it under `pools` with what a flow run there can have")
+            if res.gpus > self.pools[res.pool].gpus:
+                raise ValueError(f"{name}.resources.gpus ({res.gpus}) is more than pool {res.pool!r} can give one "
+                                 f"flow run (pools.{res.pool}.gpus: {self.pools[res.pool].gpus})")
+        return self
 
     def token_budgets(self) -> list[tuple[str, int, ModelConfig, bool]]:
         """(field, tokens, the model they run on, whether a prompt comes on top) for every length the recipe sets.
@@ -228,6 +300,10 @@ class Recipe(BaseModel):
                 check_fits_context(field, tokens, model.tiny.max_position_embeddings, plus_prompt)
         return self
 
+
+# the stages in the recipe's order: its sections that are a stage's settings
+STAGES = tuple(name for name, f in Recipe.model_fields.items()
+               if isinstance(f.annotation, type) and issubclass(f.annotation, StageConfig))
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -12,7 +12,8 @@ from grpo.recipe import AlignmentGRPOConfig
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
 from grpo.training.reward_model import RewardModelResult, train_reward_model
-from tasks import launch, tracking
+from grpo.training import launch
+from tasks import tracking
 from tasks.data import DataURIs, report_dropped
 from tasks.stage import resolve_precision, work_dir
 

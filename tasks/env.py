@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-LOCAL_API = "R1_LOCAL_PREFECT_API"  # the URL of the Prefect API an `r1` process started for itself (flows.local_api)
+LOCAL_API = "R1_LOCAL_PREFECT_API"  # the URL of the Prefect API an `r1` process started for itself (flows.cli.local_api)
 
 
 def use_local_defaults() -> None:

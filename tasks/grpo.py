@@ -10,11 +10,13 @@ from prefect.logging import get_run_logger
 from grpo.config import GRPOConfig, ModelConfig
 from grpo.ppo_config import PPOConfig
 from grpo.recipe import DistributedConfig
-from tasks import launch, tracking
+from grpo.training import launch
+from grpo.training.worker import build_rl_trainer
+from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import note_resume, resolve_model, resolve_precision, work_dir
-from tasks.worker import build_rl_trainer
+from tasks.durable import durable_resume
+from tasks.stage import resolve_model, resolve_precision, work_dir
 
 
 @task(name="train_grpo_model")
@@ -39,21 +41,22 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
 
-    if step := note_resume(run_id, out):
-        get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
-    progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
-    model_cfg = resolve_model(model_cfg, checkpoint_uri)
-    reward_model_dir = str(tracking.download(reward_model_uri)) if reward_model_uri else None
-    prm_dir = str(tracking.download(cfg.prm_path)) if cfg.step_verifier == "prm" else None  # process reward model
-    if launched:
-        get_run_logger().info("training on %d processes (accelerate launch)", processes)
-        report = launch.run_launched("grpo", out, distributed, {
-            "model": model_cfg.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
-            "reward_model": reward_model_dir, "prm": prm_dir}, progress, log_samples, frames={"rows": rows})
-        model_dir, steps = Path(report["model_dir"]), report["steps"]
-    else:
-        trainer = build_rl_trainer(model_cfg, rows, cfg, out, reward_model=reward_model_dir, prm=prm_dir, ppo=ppo,
-                                   on_metrics=progress, on_samples=log_samples)
-        model_dir, steps = trainer.train()
+    with durable_resume(run_id, out) as step:  # its newest checkpoint, wherever it ran before; copies of new ones
+        if step:
+            get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
+        progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
+        model_cfg = resolve_model(model_cfg, checkpoint_uri)
+        reward_model_dir = str(tracking.download(reward_model_uri)) if reward_model_uri else None
+        prm_dir = str(tracking.download(cfg.prm_path)) if cfg.step_verifier == "prm" else None  # process reward model
+        if launched:
+            get_run_logger().info("training on %d processes (accelerate launch)", processes)
+            report = launch.run_launched("grpo", out, distributed, {
+                "model": model_cfg.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
+                "reward_model": reward_model_dir, "prm": prm_dir}, progress, log_samples, frames={"rows": rows})
+            model_dir, steps = Path(report["model_dir"]), report["steps"]
+        else:
+            trainer = build_rl_trainer(model_cfg, rows, cfg, out, reward_model=reward_model_dir, prm=prm_dir, ppo=ppo,
+                                       on_metrics=progress, on_samples=log_samples)
+            model_dir, steps = trainer.train()
     get_run_logger().info("%s finished: %d steps", "GRPO" if ppo is None else "PPO", steps)
     return tracking.log_dir(run_id, model_dir, "checkpoint")

@@ -20,10 +20,10 @@ from grpo.rejection.filters import summary_line
 from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.http_backend import HTTPGenerationBackend, build_http_backend
 from grpo.sampling.judge import HTTPJudge, build_judge
+from grpo.interrupts import interruptible
 from tasks import tracking
 from tasks.cluster import check_cluster, shard_store_dir
 from tasks.data import read_frame
-from tasks.interrupts import interruptible
 from tasks.stage import resolve_model, work_dir, work_key
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tasks import tracking
-from tasks.stage import StageResult
+from tasks.stage import StageResult, record_result
 
 
 def mlflow_run_url(run_id: str, experiment_id: str, tracking_uri: str) -> str | None:
@@ -27,9 +27,11 @@ def stage_report_markdown(result: StageResult, experiment_id: str, tracking_uri:
 
 
 def publish_stage_report(result: StageResult) -> None:
-    """Attach the stage's report to the current flow run (key `<stage>-report`, one version per run)."""
+    """Record the result on the stage's MLflow run (where a pipeline that placed the stage elsewhere reads it) and
+    attach the stage's report to the current flow run (key `<stage>-report`, one version per run)."""
     from prefect.artifacts import create_markdown_artifact
 
+    record_result(result)
     experiment_id = tracking.client().get_run(result.run_id).info.experiment_id
     create_markdown_artifact(stage_report_markdown(result, experiment_id, tracking.tracking_uri()),
                              key=f"{result.stage.replace('_', '-')}-report",

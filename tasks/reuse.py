@@ -28,16 +28,17 @@ from prefect.logging import get_run_logger
 from pydantic import BaseModel
 
 from tasks import tracking
-from tasks.stage import StageResult, stage_run
+from tasks.stage import RESULT, StageResult, read_result, record_result, stage_run
 
 KEY = "r1.stage_key"  # tag: what decides the stage's result (see stage_key)
-RESULT = "r1.result"  # tag: the stage's StageResult as JSON, what a reuse hands on
 REUSED_FROM = "r1.reused_from"  # tag on a reusing run: the run that did the work
+CLI = Path(__file__).parents[1] / "flows" / "cli"
 
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """A digest of the project's code that computes results (grpo/, tasks/, flows/) and of torch and transformers."""
+    """A digest of the project's code that computes results (grpo/, tasks/, flows/ but its CLI) and of torch and
+    transformers."""
     from importlib.metadata import version
 
     import grpo
@@ -45,6 +46,8 @@ def code_version() -> str:
     digest = hashlib.sha256(f"{version('torch')} {version('transformers')}".encode())
     for package in (Path(grpo.__file__).parent, Path(__file__).parent, Path(__file__).parents[1] / "flows"):
         for path in sorted(package.rglob("*.py")):
+            if path.is_relative_to(CLI):  # the command line computes no result
+                continue
             digest.update(str(path.relative_to(package.parent)).encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -66,11 +69,17 @@ def _local_files(values) -> dict[str, list]:
 
 def stage_key(stage: str, config: BaseModel, inputs: dict[str, str]) -> str:
     """What decides a stage's result: its name, config, input URIs, the local files they name, the code, and the
-    precision its loops resolve to here (`auto` is bf16 on one machine and fp32 on another: not the same work)."""
+    precision its loops resolve to (`auto` is bf16 on one machine and fp32 on another: not the same work).
+
+    Where the stage runs is not part of it (`resources`), but decides the precision: in process it is resolved
+    here; a stage placed on a pool resolves on that pool's machines, which this process cannot ask, so the pool
+    stands for it (work placed on a GPU pool is not reused by a run on this CPU, nor the other way round).
+    """
     from grpo.training.precision import resolve_config
 
-    flat = tracking.flatten(config)
-    precision = {path: r.precision for path, r in resolve_config(config).items()}
+    flat = {k: v for k, v in tracking.flatten(config).items() if not k.startswith("resources.")}
+    pool = getattr(getattr(config, "resources", None), "pool", None)
+    precision = {"pool": pool} if pool else {path: r.precision for path, r in resolve_config(config).items()}
     blob = json.dumps({"stage": stage, "config": flat, "inputs": inputs, "code": code_version(),
                        "files": _local_files([*flat.values(), *inputs.values()]), "precision": precision},
                       sort_keys=True)
@@ -85,13 +94,7 @@ def find_finished(key: str):
 
 def record_finished(result: StageResult, key: str) -> None:
     """Tag a finished stage run with its key and result, which makes it reusable (both at once, or neither)."""
-    from mlflow.entities import RunTag
-    from mlflow.exceptions import MlflowException
-
-    try:
-        tracking.client().log_batch(result.run_id, tags=[RunTag(KEY, key), RunTag(RESULT, result.model_dump_json())])
-    except MlflowException as e:  # a result too long for a tag, say: the stage stands, it just cannot be reused
-        get_run_logger().warning("%s: run %s cannot be recorded for reuse: %s", result.stage, result.run_id, e)
+    record_result(result, **{KEY: key})
 
 
 @task(name="reuse_stage", task_run_name="reuse {stage}")
@@ -101,7 +104,7 @@ def reuse_stage(stage: str, config: BaseModel, inputs: dict[str, str], key: str,
     headline metrics, tagged `r1.reused_from` with the run that did the work."""
     earlier = tracking.client().get_run(earlier_run_id)
     source = earlier.data.tags.get(REUSED_FROM, earlier_run_id)  # a reuse of a reuse points at the work itself
-    done = StageResult.model_validate_json(earlier.data.tags[RESULT])
+    done = read_result(earlier)
     with stage_run(stage, config, parent_run_id, inputs) as run_id:
         tracking.set_tags(run_id, {REUSED_FROM: source})
         tracking.MetricsLogger(run_id)(0, done.metrics)

@@ -13,10 +13,12 @@ from grpo.data.tables import validate_rows
 from grpo.models import load_model_and_tokenizer
 from grpo.recipe import DistributedConfig
 from grpo.training.sft_trainer import train_sft
-from tasks import launch, tracking
+from grpo.training import launch
+from tasks import tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
-from tasks.stage import note_resume, resolve_precision, work_dir
+from tasks.durable import durable_resume
+from tasks.stage import resolve_precision, work_dir
 
 
 @task(name="train_sft_model")
@@ -29,19 +31,20 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
     # keyed by what determines the result, so rerunning an interrupted stage resumes from its last checkpoint
     keys = (model_cfg, cfg, rows["prompt"].astype(str).tolist(), rows["response"].tolist())
     out = work_dir(run_id, stage, *keys, *([distributed] if launch.is_launched(distributed) else []))
-    if step := note_resume(run_id, out):
-        get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
-    progress = TrainingProgress(run_id, stage, cfg.max_steps)
-    if launch.is_launched(distributed):
-        get_run_logger().info("training on %d processes (accelerate launch)", processes)
-        report = launch.run_launched("sft", out, distributed, {"model": model_cfg.model_dump(mode="json"),
-                                                               "cfg": cfg.model_dump(mode="json"),
-                                                               "source": train_uri},
-                                     progress, frames={"rows": rows})
-        model_dir, steps, final_loss = Path(report["model_dir"]), report["steps"], report["final_loss"]
-    else:
-        model, tokenizer = load_model_and_tokenizer(model_cfg)
-        model_dir, steps, final_loss = train_sft(model, tokenizer, rows, cfg, out, progress, source=train_uri)
+    with durable_resume(run_id, out) as step:  # its newest checkpoint, wherever it ran before; copies of new ones
+        if step:
+            get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
+        progress = TrainingProgress(run_id, stage, cfg.max_steps)
+        if launch.is_launched(distributed):
+            get_run_logger().info("training on %d processes (accelerate launch)", processes)
+            report = launch.run_launched("sft", out, distributed, {"model": model_cfg.model_dump(mode="json"),
+                                                                   "cfg": cfg.model_dump(mode="json"),
+                                                                   "source": train_uri},
+                                         progress, frames={"rows": rows})
+            model_dir, steps, final_loss = Path(report["model_dir"]), report["steps"], report["final_loss"]
+        else:
+            model, tokenizer = load_model_and_tokenizer(model_cfg)
+            model_dir, steps, final_loss = train_sft(model, tokenizer, rows, cfg, out, progress, source=train_uri)
     get_run_logger().info("SFT finished: %d steps, final loss %.4f", steps, final_loss)
     return tracking.log_dir(run_id, model_dir, "checkpoint")
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from grpo.config import ModelConfig
+from grpo.interrupts import interrupt_threads, is_interrupt
 from tasks import tracking
-from tasks.interrupts import interrupt_threads, is_interrupt
 
 
 class StageResult(BaseModel):
@@ -29,6 +29,31 @@ class StageResult(BaseModel):
     run_id: str  # the stage's MLflow child run
     uris: dict[str, str]  # e.g. {"checkpoint": "runs:/<id>/checkpoint", "dataset": "runs:/<id>/dataset"}
     metrics: dict[str, float] = {}  # the stage's headline numbers (eval/accuracy, ...)
+
+
+RESULT = "r1.result"  # tag on a stage's MLflow run: its StageResult as JSON (what the pipeline and a reuse read)
+
+
+def record_result(result: StageResult, **tags: str) -> None:
+    """Tag the stage's MLflow run with its result (and `tags`), all at once: a pipeline that placed the stage on
+    another machine reads it from there. A result too long for a tag is logged as an error, not raised: the stage
+    itself stands."""
+    from mlflow.entities import RunTag
+    from mlflow.exceptions import MlflowException
+
+    try:
+        tracking.client().log_batch(result.run_id, tags=[RunTag(RESULT, result.model_dump_json()),
+                                                         *(RunTag(k, v) for k, v in tags.items())])
+    except MlflowException as e:
+        import logging
+
+        logging.getLogger(__name__).error("%s: run %s cannot record its result: %s", result.stage, result.run_id, e)
+
+
+def read_result(run) -> StageResult | None:
+    """The StageResult an MLflow run records (None if it records none)."""
+    text = run.data.tags.get(RESULT)
+    return StageResult.model_validate_json(text) if text else None
 
 
 class PipelineResult(BaseModel):
@@ -72,7 +97,7 @@ def earlier_attempt_run() -> str | None:
 def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
               inputs: dict[str, str] | None = None) -> Iterator[str]:
     """An MLflow child run tagged `stage=<stage>` with the config as params; ended FAILED if the body raises, KILLED
-    on Ctrl-C or SIGTERM (`tasks.interrupts`). Its work folders are unlocked when it ends.
+    on Ctrl-C or SIGTERM (`grpo.interrupts`). Its work folders are unlocked when it ends.
 
     `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from. A stage of
     a pipeline started fresh (`r1.fresh` on the parent) is tagged the same, and its work folders start empty.
@@ -165,16 +190,6 @@ def release_work_dirs(run_id: str) -> None:
             if path.name.endswith(run_id):
                 shutil.rmtree(path, ignore_errors=True)
             os.close(fd)
-
-
-def note_resume(run_id: str, out: Path) -> int:
-    """Tag the run `r1.resumed_from_step` when the loop writing to `out` will resume from a checkpoint there."""
-    from grpo.training.checkpoints import resumable_step
-
-    step = resumable_step(out)
-    if step:
-        tracking.set_tags(run_id, {"r1.resumed_from_step": str(step)})
-    return step
 
 
 def resolve_model(cfg: ModelConfig, uri: str | None) -> ModelConfig:

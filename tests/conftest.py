@@ -49,7 +49,7 @@ def deployed_server(tmp_path_factory):
     It takes ~30 s to start and deploy; the modules that need one (deployments, UI) share it and start their own
     workers and MLflow servers, stopping them when the module ends.
     """
-    from flows import stack
+    from flows.cli import stack
 
     root = tmp_path_factory.mktemp("prefect-server")
     prefect, api = stack.start_prefect_server(root / "prefect", stack.free_port(), root / "logs")

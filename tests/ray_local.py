@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.stack import free_port
+from flows.cli.stack import free_port
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).resolve().parent

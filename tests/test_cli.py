@@ -1,6 +1,6 @@
 """The `r1` command: where things live, and bad arguments that fail before any work."""
 
-from flows.cli import main
+from flows.cli.r1 import main
 
 
 def test_where_names_the_state_folder_and_tracking_store(capsys, r1_home):
@@ -26,7 +26,7 @@ def test_unknown_stage_lists_the_stages(capsys):
 
 
 def test_set_flags_become_overrides_read_as_yaml():
-    from flows.cli import parse_overrides
+    from flows.cli.r1 import parse_overrides
 
     given = ["cold_start_sft.train.max_steps=50", "reasoning_grpo.eval_before=false",
              "reasoning_grpo.grpo.rewards={accuracy: 1.0, format: 0.25}", "cold_start_sft.data.source=a=b.jsonl"]

@@ -85,7 +85,7 @@ def test_a_reasoning_grpo_step_with_the_code_reward_runs_end_to_end(bwrap, probl
 
 
 def test_the_code_recipe_reads_them_by_naming_mbpp_columns(bwrap, monkeypatch):
-    from flows.preflight import check_recipe
+    from flows.cli.preflight import check_recipe
     from grpo.recipe import load_recipe
 
     monkeypatch.chdir(PROBLEMS.parents[2])  # the recipe names its data from the project folder

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flows.cli import main
-from flows.compare import compare, stage_runs
+from flows.cli.r1 import main
+from flows.cli.compare import compare, stage_runs
 from tasks import tracking
 
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from flows import stack
+from flows.cli import stack
 from test_flows import TINY_STAGE
 
-EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "local"), ("reasoning_grpo", "local"),
-            ("rejection_sampling", "local"), ("sft", "local"), ("alignment_grpo", "local"),
-            ("r1_pipeline", "gpu"), ("reasoning_grpo", "gpu"), ("r1_pipeline", "ray")}
+EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "r1-process"), ("reasoning_grpo", "r1-process"),
+            ("rejection_sampling", "r1-process"), ("sft", "r1-process"), ("alignment_grpo", "r1-process"),
+            ("r1_pipeline", "gpu"), ("r1_pipeline", "placed"), ("r1_pipeline", "ray")}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_every_deployment_is_registered_with_typed_parameters(servers):
     assert pipeline.work_pool_name == stack.PROCESS_POOL
     assert pipeline.parameters == {"recipe": "tiny", "overrides": {}}
     # the pipeline's form: a recipe name and overrides of its fields (dotted path -> value), empty unless given
-    for name in ("local", "gpu", "ray"):
+    for name in ("local", "gpu", "placed", "ray"):
         d = deployments["r1_pipeline", name]
         assert d.parameters["overrides"] == {} and d.enforce_parameter_schema, name
         overrides = d.parameter_openapi_schema["properties"]["overrides"]
@@ -71,14 +71,20 @@ def test_every_deployment_is_registered_with_typed_parameters(servers):
     assert pipeline.global_concurrency_limit.limit == 1
 
     # a stage's config is its pydantic model, so the UI gets a typed form (and the server validates runs)
-    schema = deployments["cold_start_sft", "local"].parameter_openapi_schema
+    schema = deployments["cold_start_sft", "r1-process"].parameter_openapi_schema
     config = schema["properties"]["config"]
     assert config["$ref"].endswith("/ColdStartSFTConfig") or "ColdStartSFTConfig" in json.dumps(config)
-    assert "ColdStartSFTConfig" in schema["definitions"] and deployments["cold_start_sft", "local"].enforce_parameter_schema
-    assert "checkpoint_uri" in deployments["reasoning_grpo", "local"].parameter_openapi_schema["required"]
+    assert "ColdStartSFTConfig" in schema["definitions"] and deployments["cold_start_sft", "r1-process"].enforce_parameter_schema
+    assert "checkpoint_uri" in deployments["reasoning_grpo", "r1-process"].parameter_openapi_schema["required"]
 
-    gpu = deployments["reasoning_grpo", "gpu"]
-    assert gpu.work_pool_name == stack.GPU_POOL and gpu.job_variables["gpu_count"] == 8
+    # each stage's deployment is made from its declaration (`r1 deploy`): the recipe's section is its default config
+    from grpo.recipe import load_recipe
+
+    tiny = load_recipe("tiny")
+    for stage in ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo"):
+        d = deployments[stage, stack.PROCESS_POOL]
+        assert d.work_pool_name == stack.PROCESS_POOL and d.enforce_parameter_schema, stage
+        assert d.parameters["config"] == getattr(tiny, stage).model_dump(mode="json"), stage
 
 
 def _job_configuration_class():
@@ -105,7 +111,12 @@ def test_the_gpu_job_template_renders_to_a_job_requesting_gpus(servers):
         return await config_class.from_template_and_values(pool.base_job_template, job_variables, client=client)
 
     deployments = {(flow, d.name): d for d, flow in call(servers["api"], _deployments)}
-    eight = call(servers["api"], render, deployments["reasoning_grpo", "gpu"].job_variables)
+    from grpo.recipe import load_recipe
+
+    # what recipes/gsm8k.yaml asks for reasoning GRPO: the job variables its pipeline gives the stage's flow run
+    asked = load_recipe("gsm8k").reasoning_grpo.resources
+    assert asked.pool == stack.GPU_POOL
+    eight = call(servers["api"], render, asked.as_job_variables())
     pod = eight.job_manifest["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert container["resources"]["limits"] == {"memory": "512Gi", "nvidia.com/gpu": 8}
@@ -133,7 +144,7 @@ def test_a_stage_deployment_runs_on_a_worker_and_logs_to_mlflow(servers):
     servers["started"].append(worker)
 
     async def run(client):
-        return await arun_deployment("cold_start_sft/local", client=client, parameters={"config": TINY_STAGE},
+        return await arun_deployment("cold_start_sft/r1-process", client=client, parameters={"config": TINY_STAGE},
                                      timeout=300, poll_interval=2, as_subflow=False)
 
     flow_run = call(servers["api"], run)

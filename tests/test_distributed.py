@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from ddp_loops import GRPO, SFT, run_all
 from grpo.recipe import DistributedConfig
-from tasks import launch
+from grpo.training import launch
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-4
@@ -125,7 +125,7 @@ def test_a_batch_that_cannot_split_is_refused_before_training():
 
 def test_the_task_follows_what_the_main_process_reports(tmp_path):
     """The worker's event lines reach the task's callbacks as metrics and tables, a torn last line waits."""
-    from tasks.worker import EventWriter
+    from grpo.training.worker import EventWriter
 
     events = tmp_path / "events.jsonl"
     writer = EventWriter(events)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.cli import main
+from flows.cli.r1 import main
 
 SMALL_MODEL = {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
                         "num_key_value_heads": 1}}

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from flows.cli import main
+from flows.cli.r1 import main
 from grpo.config import JudgeConfig, ModelConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.judge import (

@@ -7,6 +7,7 @@ real: an `r1 run` in its own process killed with SIGKILL once reasoning GRPO has
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,13 +191,13 @@ def _kill_group(pgid: int) -> None:
 
 
 @pytest.mark.precision  # GRPO under `auto`: resumed and uninterrupted must agree in either precision
-def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrupted_one(
+def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_ends_as_an_uninterrupted_one(
         prefect_harness, mlflow_client, tmp_path, request):
     from flows.r1_pipeline import r1_pipeline
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ReasoningGRPOConfig
-    from grpo.training.checkpoints import resumable_step
     from tasks import tracking
+    from tasks.durable import newest_copy
 
     # GRPO needs something to learn, whatever the precision: a cold start that writes the format about half the
     # time (100 steps at a high rate: 2 s in fp32, which it is pinned to, as it is not what this test is about) and
@@ -216,18 +217,29 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
                      if r.data.tags.get("mlflow.parentRunId") in parents and "r1.work_dir.reasoning_grpo" in
                      r.data.tags), None)
 
+    def durable_step():  # the step of the newest resume checkpoint copied to the MLflow store and marked complete
+        found = newest_copy(work.name)
+        return found[1] if found else None
+
     try:
         work = _wait_for("a reasoning_grpo run", grpo_work_dir, proc)
-        _wait_for("a GRPO checkpoint", lambda: resumable_step(work), proc, every=0.02)
+        _wait_for("a durable GRPO checkpoint", durable_step, proc, every=0.02)
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # kill -9 <pid>: the process only, whatever it started lives on
         proc.wait()
     request.addfinalizer(lambda: _kill_group(proc.pid))  # (its reward workers, say, once the test is done)
-    step = resumable_step(work)
+    step = durable_step()
     assert 2 <= step < 6
     [killed] = tracking.find_runs("tags.recipe = 'resume-killed'")
     killed_runs = children(mlflow_client, killed.info.run_id)
     assert killed.info.status == "RUNNING" and killed_runs["reasoning_grpo"].info.status == "RUNNING"
+    # the pod's disk is gone, the tracking server is not: everything under R1_HOME but the MLflow store (and this
+    # session's Prefect state) is deleted, work folders and downloaded checkpoints included
+    home = tracking.r1_home()
+    for item in home.iterdir():
+        if not item.name.startswith(("mlflow.db", "mlartifacts", "prefect")):
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+    assert not work.exists()
 
     result = r1_pipeline(recipe=str(recipe), stages=["cold_start_sft", "reasoning_grpo"])
 
@@ -236,8 +248,10 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
     runs = children(mlflow_client, result.run_id)
     assert runs["cold_start_sft"].data.tags["r1.reused_from"] == killed_runs["cold_start_sft"].info.run_id
     resumed = runs["reasoning_grpo"]
-    assert resumed.data.tags["r1.resumed_from_step"] == str(step)
+    assert resumed.data.tags["r1.resumed_from_step"] == str(step)  # from the store: the folder was gone
+    assert resumed.data.tags["r1.resumed_from_run"] == killed_runs["reasoning_grpo"].info.run_id
     assert resumed.data.tags["r1.work_dir.reasoning_grpo"] == str(work)
+    assert newest_copy(work.name) is None  # a finished stage keeps no resume checkpoint: it is reused, not resumed
     history = mlflow_client.get_metric_history(resumed.info.run_id, "reward/total")
     assert sorted(m.step for m in history) == list(range(step + 1, 7))  # only the steps after the checkpoint
     spread = mlflow_client.get_metric_history(resumed.info.run_id, "reward/std")
@@ -257,7 +271,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
 def test_ctrl_c_ends_the_runs_as_killed_and_exits_130(prefect_harness, mlflow_client, tmp_path, capsys):
     import threading
 
-    from flows.cli import main
+    from flows.cli.r1 import main
     from tasks import tracking
 
     cold = {**COLD, "train": {**COLD["train"], "seed": 13, "max_steps": 500}}
@@ -344,7 +358,7 @@ def test_two_runs_at_once_on_one_embedded_home(tmp_path):
 def test_two_runs_at_once_against_a_prefect_server_and_an_mlflow_server(deployed_server, tmp_path):
     from mlflow import MlflowClient
 
-    from flows import stack
+    from flows.cli import stack
 
     mlflow, tracking_uri = stack.start_mlflow_server(tmp_path / "mlflow.db", tmp_path / "mlartifacts",
                                                      stack.free_port(), tmp_path / "logs")

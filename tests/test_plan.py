@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from flows.plan import plan_text
+from flows.cli.r1 import main
+from flows.cli.plan import plan_text
 from grpo.config import ModelConfig, RejectionConfig, SamplingConfig, TinyModelConfig
 from grpo.recipe import RejectionSamplingConfig, load_recipe
 from grpo.rejection.budget import expected_kept_per_prompt, plan_budget

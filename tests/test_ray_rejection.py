@@ -20,7 +20,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the driver keeps 127.0.
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.pop("RAY_ADDRESS", None)
 
-from flows import stack  # noqa: E402
+from flows.cli import stack  # noqa: E402
 from grpo.recipe import RejectionSamplingConfig
 from ray_local import LocalRayCluster  # noqa: E402
 from answering import SMALL  # noqa: E402

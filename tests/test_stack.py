@@ -8,8 +8,8 @@ import urllib.request
 
 import psutil
 
-from flows import stack
-from flows.cli import main
+from flows.cli import stack
+from flows.cli.r1 import main
 
 
 def get(url: str) -> int:

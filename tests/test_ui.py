@@ -21,7 +21,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from flows import stack
+from flows.cli import stack
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -195,7 +195,7 @@ def on_mlflow_ui(mlflow_ui, monkeypatch):
 
 
 def test_the_printed_mlflow_links_show_the_runs(on_mlflow_ui, browser, capsys):
-    from flows.cli import main
+    from flows.cli.r1 import main
     from test_compare import make_pipeline
 
     a = make_pipeline("0.001", 0.25)  # r1_pipeline:tiny, with cold_start_sft and reasoning_grpo child runs

@@ -1,8 +1,8 @@
 """What each process of a launched training stage runs: one training loop, read from a job file.
 
-    accelerate launch --num_processes N -m tasks.worker <work folder>/launch/job.json
+    accelerate launch --num_processes N -m grpo.training.worker <work folder>/launch/job.json
 
-The stage task (`tasks.launch`) writes the job file with every input already a local file (rows as Parquet, the
+The stage task (`grpo.training.launch`) writes the job file with every input already a local file (rows as Parquet, the
 model as a folder or the tiny config), starts this module under `accelerate launch`, and logs what the main process
 reports. Only the main process (rank 0) reports, through the loops' callbacks: it appends metrics and sample
 tables as JSON lines to the job's events file, and writes `result.json` when the loop has finished. Imports

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mlflow.entities import Run
 
-from flows.stages import FLOWS
+from grpo.recipe import STAGES
 from tasks import tracking
 
 HIDDEN_PARAMS = ("input.",)  # always differ (each run points at its own upstream runs)
@@ -27,7 +27,7 @@ def stage_runs(parent_run_id: str) -> dict[str, Run]:
         if stage and (stage not in by_stage or run.info.status == "FINISHED"
                       or by_stage[stage].info.status != "FINISHED"):
             by_stage[stage] = run
-    order = {name: i for i, name in enumerate(FLOWS)}
+    order = {name: i for i, name in enumerate(STAGES)}
     return dict(sorted(by_stage.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 

@@ -24,9 +24,11 @@ _lock = threading.Lock()
 
 def is_interrupt(exc: BaseException) -> bool:
     """Whether `exc` means someone stopped the run (Ctrl-C, SIGTERM, a cancelled flow run), not that it failed."""
-    from prefect.exceptions import TerminationSignal
-
-    return isinstance(exc, (KeyboardInterrupt, TerminationSignal))
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    # Prefect's TerminationSignal, named rather than imported: this module is plain Python, like the rest of grpo/
+    return any(c.__name__ == "TerminationSignal" and c.__module__.startswith("prefect.")
+               for c in type(exc).__mro__)
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from tasks.env import PROJECT_ROOT
 
 PROCESS_POOL = "r1-process"
 GPU_POOL = "r1-k8s-gpu"
+INFERENCE_POOL = "r1-k8s-inference"  # rejection sampling's GPUs in recipes/gsm8k.yaml (same template, 1 GPU a run)
 DEPLOYMENTS_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
 GPU_JOB_TEMPLATE = PROJECT_ROOT / "deployments" / "k8s-gpu-job-template.json"
 BIN = Path(sys.executable).parent  # the venv's `prefect` and `mlflow` commands sit beside its python
@@ -177,7 +178,8 @@ async def _create_work_pools(api_url: str) -> None:
     from prefect.workers.process import ProcessWorker
 
     pools = {PROCESS_POOL: ("process", ProcessWorker.get_default_base_job_template()),
-             GPU_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text()))}
+             GPU_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text())),
+             INFERENCE_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text()))}
     async with PrefectClient(api_url) as client:
         for name, (kind, template) in pools.items():
             await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template),
@@ -185,13 +187,25 @@ async def _create_work_pools(api_url: str) -> None:
 
 
 def deploy_all(api_url: str, timeout: float = 300) -> str:
-    """`prefect deploy --all` with deployments/prefect.yaml, from the project root; returns its output."""
+    """`prefect deploy --all` with deployments/prefect.yaml (the pipeline's deployments), from the project root, then
+    every stage's deployment on the process pool (`r1 deploy --pool r1-process`); returns what they printed."""
     proc = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
                            str(DEPLOYMENTS_FILE)], cwd=PROJECT_ROOT, env=base_env(PREFECT_API_URL=api_url),
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout
+    return proc.stdout + "\n".join(f"deployed {name}" for name in deploy_stages_on(api_url, "tiny", PROCESS_POOL))
+
+
+def deploy_stages_on(api_url: str, recipe: str, pool: str | None = None) -> list[str]:
+    """`r1 deploy --recipe <recipe> [--pool <pool>]` against the server at `api_url`."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.cli.deploy import deploy_stages
+    from grpo.recipe import load_recipe
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        return deploy_stages(load_recipe(recipe), pool)
 
 
 # ---------------------------------------------------------------------------------------------- r1 up / r1 down
@@ -257,7 +271,7 @@ def summary(state: dict) -> str:
         f"  export PREFECT_API_URL={state['prefect_api']}",
         f"  export MLFLOW_TRACKING_URI={state['mlflow_ui']}",
         "",
-        "run a deployment:  prefect deployment run cold_start_sft/local   (or from the UI: Deployments)",
+        "run a deployment:  prefect deployment run cold_start_sft/r1-process   (or from the UI: Deployments)",
         "stop everything :  r1 down",
     ])
 

@@ -10,6 +10,7 @@
     r1 where                      # where state, MLflow and Prefect live, and how to open their UIs
     r1 up [--prefect-port 4200] [--mlflow-port 5000]   # a local team stack: servers, a worker, every deployment
     r1 down                       # stop what `r1 up` started
+    r1 deploy [--recipe R] [--pool P]   # each stage's deployment <stage>/<pool>, on the pool its section names
     r1 compare RUN_A RUN_B        # two pipeline runs stage by stage: params that differ, metrics side by side
 
 A mistake in what was asked for (recipe, data, model, run id, stage, endpoint, port, folder) is found before
@@ -75,7 +76,8 @@ def _log_requests() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     """Load the checkpoint (fetching an MLflow URI first) and serve it until Ctrl-C."""
-    from flows.preflight import UsageError, check_port, check_uri, looks_like_a_path
+    from flows.checks import UsageError, check_uri, looks_like_a_path
+    from flows.cli.preflight import check_port
 
     api_key = None
     if args.api_key_env:
@@ -142,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     stage.add_argument("--checkpoint", default=None, help="the upstream checkpoint URI (runs:/<id>/checkpoint)")
     stage.add_argument("--dataset", default=None, help="sft: the curated dataset URI (runs:/<id>/dataset/curated)")
     stage.add_argument("--heldout", default=None, help="sft: held-out rows to evaluate on (runs:/<id>/dataset/heldout)")
+    stage.add_argument("--input", dest="inputs", action="append", default=[], metavar="PARAM=URI",
+                       help="any input the stage declares, by its flow parameter (e.g. cold_start_dataset_uri=runs:/...)")
     serve = sub.add_parser("serve", parents=[common], help="serve a checkpoint as an OpenAI-compatible chat API")
     serve.add_argument("checkpoint", help="a checkpoint folder, runs:/<id>/checkpoint, models:/<name>/<version>, "
                                           "or tiny")
@@ -169,6 +173,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--prefect-port", type=int, default=4200, help="Prefect server port; 0 picks a free one")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow server port; 0 picks a free one")
     sub.add_parser("down", parents=[common], help="stop the processes `r1 up` started")
+    deploy = sub.add_parser("deploy", parents=[common, overrides],
+                            help="make each stage's deployment <stage>/<pool> on the pool its recipe section names")
+    deploy.add_argument("--recipe", default="tiny")
+    deploy.add_argument("--pool", default=None, help="also deploy the stages that name no pool on this one")
     compare = sub.add_parser("compare", parents=[common],
                              help="compare two pipeline runs (MLflow parent run ids) stage by stage")
     compare.add_argument("run_a")
@@ -178,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _is_user_error(e: BaseException) -> bool:
     """Errors a user causes and can fix (recipe, data, model, run id, endpoint, port, folder): one line, exit 2."""
-    from flows.preflight import UsageError
+    from flows.checks import UsageError
     from grpo.recipe import RecipeError
 
     kinds: tuple[type, ...] = (UsageError, RecipeError)
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from flows import preflight
+    from flows.cli import preflight
 
     preflight.check_state_folder()
     import tasks  # noqa: F401  (embedded-default environment before Prefect loads)
@@ -215,7 +223,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command in ("up", "down"):
-        from flows import stack
+        from flows.cli import stack
 
         if args.command == "down":
             return stack.down()
@@ -225,11 +233,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "compare":
         from mlflow.exceptions import MlflowException
 
-        from flows.compare import compare
+        from flows.checks import check_run
+        from flows.cli.compare import compare
 
         preflight.check_servers()
-        preflight.check_run("RUN_A", args.run_a)
-        preflight.check_run("RUN_B", args.run_b)
+        check_run("RUN_A", args.run_a)
+        check_run("RUN_B", args.run_b)
         try:
             print(compare(args.run_a, args.run_b))
         except (MlflowException, ValueError) as e:
@@ -241,7 +250,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     # everything that can be checked is checked here, before a server or a run starts
     recipe = apply_overrides(load_recipe(args.recipe), parse_overrides(getattr(args, "overrides", [])))
     if args.command == "plan":
-        from flows.plan import plan_text
+        from flows.cli.plan import plan_text
 
         try:
             print(plan_text(recipe.rejection_sampling, tokens_per_s=args.tokens_per_s,
@@ -250,11 +259,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         except (OSError, ValueError, RuntimeError) as e:  # a bad figure, a model or an endpoint out of reach
             raise preflight.UsageError(f"plan: {e}") from None
         return 0
+    if args.command == "deploy":
+        return _deploy(args, recipe)
     if args.command == "run":
         stages = preflight.check_stages([s.strip() for s in args.stages.split(",")] if args.stages else STAGES)
     else:
         stages = preflight.check_stages([args.name])
     preflight.check_servers()  # first: the recipe's runs:/ URIs are looked up on the tracking server
+    if args.command == "run":
+        from flows.placement import check_placement
+
+        check_placement(recipe, stages)  # stages placed on pools: pools, workers and deployments are there
     preflight.check_recipe(recipe, stages)
     preflight.check_precision(recipe, stages)
     preflight.check_distributed(recipe, stages)
@@ -268,7 +283,7 @@ def parse_overrides(given: list[str]) -> dict:
     """
     import yaml
 
-    from flows.preflight import UsageError
+    from flows.checks import UsageError
 
     overrides = {}
     for item in given:
@@ -285,7 +300,7 @@ def parse_overrides(given: list[str]) -> dict:
 
 
 def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
-    from flows import preflight
+    from flows.cli import preflight
 
     uris = preflight.check_from_run(args.from_run) if args.from_run else {}
     from flows.stages import missing_inputs
@@ -313,8 +328,8 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
 def _until_stopped(run, resumes: str):
     """`run()` on the local Prefect API (unless a server is configured), stopped cleanly by Ctrl-C or SIGTERM (to this
     process or its whole group): its MLflow runs end KILLED, its flow run Crashed, and None is returned."""
-    from flows.local_api import local_prefect_api
-    from tasks.interrupts import is_interrupt, stop_on_signals
+    from flows.cli.local_api import local_prefect_api
+    from grpo.interrupts import is_interrupt, stop_on_signals
 
     try:
         with stop_on_signals(), local_prefect_api():
@@ -326,19 +341,41 @@ def _until_stopped(run, resumes: str):
     return None
 
 
-def _stage(args: argparse.Namespace, recipe) -> int:
-    from flows import preflight
-    from flows import stages as stage_flows
+def _deploy(args: argparse.Namespace, recipe) -> int:
+    from flows.checks import UsageError
+    from flows.cli import preflight
+    from flows.cli.deploy import deploy_stages, stage_pools
 
+    if not os.environ.get("PREFECT_API_URL"):
+        raise UsageError("deploy: deployments live on a Prefect server; set PREFECT_API_URL (`r1 up` starts one)")
+    preflight.check_servers()
+    if not stage_pools(recipe, args.pool):
+        raise UsageError(f"deploy: recipe {recipe.name!r} places no stage on a pool (resources.pool); name one "
+                         "with --pool to deploy every stage there")
+    for name in deploy_stages(recipe, args.pool):
+        print(f"deployed {name}")
+    return 0
+
+
+def _stage(args: argparse.Namespace, recipe) -> int:
+    from flows.checks import UsageError, check_uri
+    from flows.stages import declared
+
+    stage = declared()[args.name]
     given = {"checkpoint_uri": args.checkpoint, "dataset_uri": args.dataset, "heldout_uri": args.heldout}
-    kwargs = {p: given[p] for p in stage_flows.INPUTS[args.name] if given.get(p)}
-    needed = [p for p, uri in stage_flows.INPUTS[args.name].items() if uri not in stage_flows.OPTIONAL]
+    for item in args.inputs:
+        param, sep, uri = item.partition("=")
+        if not sep or param not in stage.inputs:
+            raise UsageError(f"--input {item!r}: expected PARAM=URI with PARAM one of {list(stage.inputs)}")
+        given[param] = uri
+    kwargs = {p: given[p] for p in stage.inputs if given.get(p)}
+    needed = [p for p, uri in stage.inputs.items() if uri not in stage.optional]
     if any(p not in kwargs for p in needed):
         flags = " ".join(f"--{p.removesuffix('_uri')} runs:/<run id>/..." for p in needed)
-        raise preflight.UsageError(f"stage {args.name} needs {flags}")
+        raise UsageError(f"stage {args.name} needs {flags}")
     for param, uri in kwargs.items():
-        preflight.check_uri(f"--{param.removesuffix('_uri')}", uri)
-    stage_flow = stage_flows.FLOWS[args.name].with_options(flow_run_name=lambda: f"{args.name}:{recipe.name}")
+        check_uri(f"--{param.removesuffix('_uri')}", uri)
+    stage_flow = stage.flow.with_options(flow_run_name=lambda: f"{args.name}:{recipe.name}")
     result = _until_stopped(lambda: stage_flow(config=getattr(recipe, args.name), **kwargs),
                             "the same `r1 stage` resumes from its last checkpoint")
     if result is None:

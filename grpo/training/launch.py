@@ -1,8 +1,8 @@
-"""A stage's training loop across processes: `accelerate launch` of `tasks.worker`, its reports logged here.
+"""A stage's training loop across processes: `accelerate launch` of `grpo.training.worker`, its reports logged here.
 
 A stage whose recipe section sets `distributed.num_processes` above 1 (or an accelerate config file) does not
 train in the Prefect task's own process: the task resolves every input to a local file, writes a job file in its
-work folder and runs `accelerate launch --num_processes N -m tasks.worker <job file>` as a subprocess (DDP:
+work folder and runs `accelerate launch --num_processes N -m grpo.training.worker <job file>` as a subprocess (DDP:
 accelerate picks gloo on CPU and NCCL on GPU). The main process of the launch appends its metrics and sample tables
 to an events file; this module follows that file while the children run and hands each line to the stage's
 callbacks (MLflow metrics, the Prefect progress artifact), so the task's process is the only one that talks to
@@ -23,7 +23,8 @@ from typing import Callable
 import pandas as pd
 
 from grpo.recipe import DistributedConfig
-from tasks.env import PROJECT_ROOT
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `-m grpo.training.worker` is importable from
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -76,12 +77,12 @@ def launch_command(cfg: DistributedConfig, n: int, job_file: Path, port: int) ->
         # accelerate's flag for its torchrun launcher: N processes on this machine. The children's Accelerator
         # then takes NCCL with a GPU each, or gloo on CPU (make_accelerator passes cpu=True where there is no GPU)
         cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    return cmd + ["-m", "tasks.worker", str(job_file)]
+    return cmd + ["-m", "grpo.training.worker", str(job_file)]
 
 
 def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_metrics: MetricsCallback | None,
                  on_samples: SamplesCallback | None = None, frames: dict[str, pd.DataFrame] | None = None) -> dict:
-    """Run `loop` (a `tasks.worker.LOOPS` name) across the processes; return what its main process reported.
+    """Run `loop` (a `grpo.training.worker.LOOPS` name) across the processes; return what its main process reported.
 
     `job` holds the loop's inputs (JSON-able); `frames` are written as Parquet beside the job file and passed by
     path under the same keys. Blocks until the launch ends; metrics and sample tables reach the callbacks as the
