@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from grpo.config import ModelConfig
-from tasks import tracking
+from tasks import system_metrics, tracking
 from tasks.interrupts import interrupt_threads, is_interrupt
 
 
@@ -71,8 +71,9 @@ def earlier_attempt_run() -> str | None:
 @contextmanager
 def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
               inputs: dict[str, str] | None = None) -> Iterator[str]:
-    """An MLflow child run tagged `stage=<stage>` with the config as params; ended FAILED if the body raises, KILLED
-    on Ctrl-C or SIGTERM (`tasks.interrupts`). Its work folders are unlocked when it ends.
+    """An MLflow child run tagged `stage=<stage>` with the config as params and system metrics
+    (`tasks.system_metrics`); ended FAILED if the body raises, KILLED on Ctrl-C or SIGTERM (`tasks.interrupts`). Its
+    work folders are unlocked when it ends.
 
     `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from. A stage of
     a pipeline started fresh (`r1.fresh` on the parent) is tagged the same, and its work folders start empty.
@@ -86,6 +87,7 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
                                 parent_run_id=parent_run_id, config=config)
     if inputs:
         tracking.log_params(run_id, {f"input.{k}": v for k, v in inputs.items()})
+    monitor = system_metrics.start(run_id)
     try:
         yield run_id
     except BaseException as e:
@@ -93,11 +95,13 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
         if stopped:  # shard tasks in other threads stop too, so the flow's end does not wait for them
             interrupt_threads()
         try:
+            system_metrics.stop(monitor)
             tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
         finally:
             release_work_dirs(run_id)
         raise
     try:  # ended before its folders are let go: a run that takes them over starts after this one's end
+        system_metrics.stop(monitor)
         tracking.end_run(run_id, "FINISHED")
     finally:
         release_work_dirs(run_id)
