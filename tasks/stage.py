@@ -95,8 +95,10 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
         if stopped:  # shard tasks in other threads stop too, so the flow's end does not wait for them
             interrupt_threads()
         try:
-            system_metrics.stop(monitor)
-            tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
+            try:
+                system_metrics.stop(monitor)
+            finally:  # a second Ctrl-C while the figures are written still ends the run
+                tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
         finally:
             release_work_dirs(run_id)
         raise
