@@ -3,8 +3,10 @@
 R1's last stage runs RL on a mix: reasoning prompts keep their rule rewards, general prompts are scored by reward
 models for helpfulness (on the final summary) and harmlessness (on the whole response). Here one reward model,
 trained in this stage on preference pairs with the Bradley-Terry loss (or an existing one, `reward_model_uri`),
-scores the general prompts; the held-out reasoning split is scored before and after, and the result is registered
-in the MLflow model registry under an alias.
+scores the general prompts; the held-out reasoning split is scored before and after, and the result is logged as an
+MLflow model and registered as a new version; the alias (`models:/<name>@champion`) moves to it when its held-out
+accuracy is at least the current holder's, on every run with `promotion: always` (`--promote`), or when a person
+says so in the Prefect UI with `promotion: approve` (`tasks/promotion.py`).
 
 Run alone:  r1 stage alignment_grpo --checkpoint runs:/<sft run id>/checkpoint
 """
@@ -17,9 +19,10 @@ from flows.checks import check_model_folder, check_rewards, check_uri, looks_lik
 from flows.stages import Stage, run_name
 from grpo.checks import check_prompts_per_step
 from grpo.recipe import AlignmentGRPOConfig
-from tasks.alignment import prepare_alignment_prompts, register_model, train_reward_model_task
+from tasks.alignment import prepare_alignment_prompts, train_reward_model_task
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model
+from tasks.promotion import heldout_key, promote_model, register_model, remember_for_approval, resumed_for_approval
 from tasks.report import publish_stage_report
 from tasks.stage import StageResult, stage_run
 
@@ -30,7 +33,20 @@ NAME = "alignment_grpo"
 @flow(name=NAME, flow_run_name=run_name(NAME), log_prints=True)
 def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentGRPOConfig(),
                    parent_run_id: str | None = None) -> StageResult:
-    """GRPO from `checkpoint_uri` (the stage-4 SFT model); return the final checkpoint and its registry URI."""
+    """GRPO from `checkpoint_uri` (the stage-4 SFT model); return the final checkpoint and its registered version."""
+    resumed = resumed_for_approval(NAME)  # resumed after a person's answer: the stage's work is done
+    result = resumed or _align(checkpoint_uri, config, parent_run_id)
+    version = result.uris["registered_model"].rsplit("/", 1)[1]
+    if config.promotion == "approve" and not resumed:
+        remember_for_approval(result)
+    decision = promote_model(result.run_id, config, version)  # after the stage run ends: the flow may wait here
+    result = result.model_copy(update={"metrics": {**result.metrics, "promotion/promoted": float(decision.promote)}})
+    publish_stage_report(result)
+    return result
+
+
+def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str | None) -> StageResult:
+    """The stage's work in its MLflow run: reward model, GRPO, evaluation, a new registered version."""
     with stage_run(NAME, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_alignment_prompts(run_id, config)
         reward_model = train_reward_model_task(run_id, config)
@@ -44,11 +60,11 @@ def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentG
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=config.grpo.max_steps, code=config.grpo.code))
-        registered = register_model(run_id, checkpoint, config.registered_model, config.alias)
-    result = StageResult(stage=NAME, run_id=run_id, metrics=metrics,
-                         uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})
-    publish_stage_report(result)
-    return result
+        version = register_model(run_id, checkpoint, config, metrics.get("eval/accuracy"),
+                                 heldout_key(data.heldout, config.eval))
+    registered = f"models:/{config.registered_model}/{version}"  # this run's version, whatever the alias does
+    return StageResult(stage=NAME, run_id=run_id, metrics=metrics,
+                       uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})
 
 
 def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:

@@ -223,7 +223,11 @@ class AlignmentGRPOConfig(StageConfig):
     eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out reasoning evaluation
     eval_before: bool = True  # also score the starting checkpoint, so the run shows what alignment cost or gained
     registered_model: str = "r1-tiny"  # MLflow registry name the final model is registered under
-    alias: str = "champion"  # registry alias pointed at the new version (models:/<name>@<alias>)
+    alias: str = "champion"  # registry alias the new version may take (models:/<name>@<alias>)
+    # when the alias moves to the new version: "auto" when its held-out accuracy is at least the holder's, "approve"
+    # when a person says so in the Prefect UI (the flow waits), "always" on every run (r1 ... --promote)
+    promotion: Literal["auto", "approve", "always"] = "auto"
+    approval_timeout_s: int = Field(86400, ge=1)  # "approve": how long the flow waits for an answer
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's
 
     def process_batches(self) -> dict[str, int]:

@@ -1,10 +1,10 @@
-"""Tasks of the alignment stage: the reward model, the mixed prompt set, and registering the final model."""
+"""Tasks of the alignment stage: the reward model and the mixed prompt set (registering the final model and
+promoting it: `tasks.promotion`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -65,23 +65,3 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
     get_run_logger().info("reward model: held-out pair accuracy %.3f (untrained %.3f)", result.heldout_accuracy,
                           result.heldout_accuracy_before)
     return tracking.log_dir(run_id, result.model_dir, "reward_model")
-
-
-@task(name="register_model")
-def register_model(run_id: str, checkpoint_uri: str, name: str, alias: str) -> str:
-    """Register the checkpoint in the MLflow model registry and point `alias` at the new version."""
-    c = tracking.client()
-    try:
-        c.get_registered_model(name)
-    except MlflowException as e:  # only "not registered yet": a server or permission error stops here
-        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-            raise
-        c.create_registered_model(name, description="Final model of the R1 pipeline (after alignment GRPO).")
-    prefix = f"runs:/{run_id}/"
-    if not checkpoint_uri.startswith(prefix):
-        raise ValueError(f"register_model: {checkpoint_uri} is not an artifact of run {run_id}")
-    source = c.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + checkpoint_uri[len(prefix):]
-    version = c.create_model_version(name, source, run_id=run_id, tags={"stage": "alignment_grpo"})
-    c.set_registered_model_alias(name, alias, version.version)
-    get_run_logger().info("registered %s version %s as @%s", name, version.version, alias)
-    return f"models:/{name}@{alias}"

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from grpo.config import ModelConfig
 from grpo.interrupts import interrupt_threads, is_interrupt
-from tasks import tracking
+from tasks import system_metrics, tracking
 
 
 class StageResult(BaseModel):
@@ -96,8 +96,9 @@ def earlier_attempt_run() -> str | None:
 @contextmanager
 def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
               inputs: dict[str, str] | None = None) -> Iterator[str]:
-    """An MLflow child run tagged `stage=<stage>` with the config as params; ended FAILED if the body raises, KILLED
-    on Ctrl-C or SIGTERM (`grpo.interrupts`). Its work folders are unlocked when it ends.
+    """An MLflow child run tagged `stage=<stage>` with the config as params and system metrics
+    (`tasks.system_metrics`); ended FAILED if the body raises, KILLED on Ctrl-C or SIGTERM (`grpo.interrupts`). Its
+    work folders are unlocked when it ends.
 
     `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from. A stage of
     a pipeline started fresh (`r1.fresh` on the parent) is tagged the same, and its work folders start empty.
@@ -111,6 +112,7 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
                                 parent_run_id=parent_run_id, config=config)
     if inputs:
         tracking.log_params(run_id, {f"input.{k}": v for k, v in inputs.items()})
+    monitor = system_metrics.start(run_id)
     try:
         yield run_id
     except BaseException as e:
@@ -118,11 +120,15 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
         if stopped:  # shard tasks in other threads stop too, so the flow's end does not wait for them
             interrupt_threads()
         try:
-            tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
+            try:
+                system_metrics.stop(monitor)
+            finally:  # a second Ctrl-C while the figures are written still ends the run
+                tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
         finally:
             release_work_dirs(run_id)
         raise
     try:  # ended before its folders are let go: a run that takes them over starts after this one's end
+        system_metrics.stop(monitor)
         tracking.end_run(run_id, "FINISHED")
     finally:
         release_work_dirs(run_id)

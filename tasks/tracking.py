@@ -263,7 +263,9 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
     """A `runs:/`, `models:/` or other artifact URI as a local path; a plain local path is returned as is.
 
     A run's artifacts never change once logged, so `runs:/` downloads are kept under R1_HOME/downloads and
-    reused: a stage that loads the same checkpoint three times (evaluate, train, evaluate) copies it once.
+    reused: a stage that loads the same checkpoint three times (evaluate, train, evaluate) copies it once. A
+    registered final model (`models:/<name>@<alias>`, an MLflow transformers model) comes back as a folder
+    `from_pretrained` reads, as a checkpoint does.
     """
     if Path(uri).exists():
         return Path(uri)
@@ -290,7 +292,26 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
         return cached / done.read_text()
     dst = Path(dst or tempfile.mkdtemp(prefix="r1-artifact-"))
     dst.mkdir(parents=True, exist_ok=True)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    return pretrained_folder(Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst))))
+
+
+def pretrained_folder(local: Path) -> Path:
+    """`local` as a folder `from_pretrained` reads: an MLflow transformers model (the registered final model) keeps
+    its weights in `model/` and its tokenizer in `components/tokenizer/`, which are copied in beside the weights."""
+    import yaml
+
+    mlmodel = local / "MLmodel"
+    if not mlmodel.is_file():
+        return local
+    flavor = (yaml.safe_load(mlmodel.read_text()) or {}).get("flavors", {}).get("transformers")
+    if not flavor:
+        return local
+    weights = local / flavor.get("model_binary", "model")
+    for component in flavor.get("components", []):
+        for item in (local / "components" / component).iterdir():
+            if item.is_file() and not (weights / item.name).exists():
+                shutil.copy2(item, weights / item.name)
+    return weights
 
 
 def set_tags(run_id: str, tags: dict[str, str]) -> None:

@@ -1,6 +1,6 @@
 """The catalogue of mistakes a user can make, each told by the real `r1` command in one line before anything starts.
 
-Every case runs `flows.cli.main` in process against a fresh state folder and MLflow store, and checks: exit code 2,
+Every case runs `flows.cli.r1.main` in process against a fresh state folder and MLflow store, and checks: exit code 2,
 one line on stderr naming what is wrong, no traceback, and no MLflow run made (a pipeline or stage creates one as
 its first act, right after the Prefect server it runs under has started). The base recipe is small, so a case that
 wrongly got through would fail fast instead of training for minutes. One case runs `r1` as a subprocess to show

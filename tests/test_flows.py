@@ -191,6 +191,9 @@ def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, 
 
     model = AutoModelForCausalLM.from_pretrained(download("models:/r1-test@champion"))
     assert model.config.num_hidden_layers == 2
+    assert run("alignment_grpo").data.tags["promotion.decision"] == "promoted"  # the first version takes the alias
+    # every stage run records the machine's figures while it ran
+    assert all("system/cpu_utilization_percentage" in run(name).data.metrics for name in stages)
 
     # rerun only the last two stages from this run's artifacts: a new parent that says where it came from
     rerun = r1_pipeline(recipe=str(recipe_file), stages=["sft", "alignment_grpo"], from_run=result.run_id)

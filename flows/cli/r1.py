@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     overrides.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                            help="override a recipe field by its dotted path, the value read as YAML "
                                 "(e.g. reasoning_grpo.grpo.learning_rate=2e-5); repeatable")
+    overrides.add_argument("--promote", dest="overrides", action="append_const",
+                           const="alignment_grpo.promotion=always",
+                           help="move the registry alias to the new final model whatever its held-out accuracy")
     parser = argparse.ArgumentParser(prog="r1", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
