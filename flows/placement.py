@@ -47,13 +47,18 @@ def check_placement(recipe: Recipe, stages: list[str]) -> None:
     from prefect.settings import PREFECT_API_URL
 
     api = PREFECT_API_URL.value()
+    if not api:
+        name, pool = next(iter(placed.items()))
+        raise UsageError(f"{name}.resources.pool {pool!r}: a stage placed on a work pool needs a Prefect server with "
+                         "workers; set PREFECT_API_URL (`r1 up` starts one), or run it in process with "
+                         f"--set {name}.resources.pool=null")
     with _client() as client:
         for name, pool in placed.items():
             where = f"{name}.resources.pool {pool!r}"
             try:
                 client.read_work_pool(pool)
             except ObjectNotFound:
-                raise UsageError(f"{where}: the Prefect server {api or '(temporary local API)'} has no such work "
+                raise UsageError(f"{where}: the Prefect server {api} has no such work "
                                  f"pool; create it (prefect work-pool create {pool} --type ...) and start a worker "
                                  "on it") from None
             workers = client.read_workers_for_work_pool(pool)
@@ -79,7 +84,8 @@ def _earlier_flow_run(client, parent_run_id: str, stage: str):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.client.schemas.sorting import FlowRunSort
 
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=_tags(parent_run_id, stage))),
+    tagged = FlowRunFilter(tags=FlowRunFilterTags(all_=_tags(parent_run_id, stage)))
+    runs = client.read_flow_runs(flow_run_filter=tagged,
                                  sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
     return runs[0] if runs else None
 
@@ -106,16 +112,19 @@ def run_placed(stage: Stage, config: StageConfig, parent_run_id: str, inputs: di
                                   tags=_tags(parent_run_id, stage.name))
         log.info("%s: flow run %s on pool %s with job variables %s", stage.name, flow_run.name, pool, variables)
         flow_run_id = flow_run.id
-    state = _wait(flow_run_id, stage.name, log)
+    state = _wait(flow_run_id, stage.name, log, config.resources.timeout_s)
     if not state.is_completed():
         raise RuntimeError(f"{stage.name}: its flow run on pool {pool!r} ended {state.name}"
                            f"{': ' + state.message if state.message else ''}")
     return _result_of(flow_run_id, stage.name)
 
 
-def _wait(flow_run_id, stage: str, log):
-    """The flow run's final state, logging each state it passes through."""
-    seen = None
+def _wait(flow_run_id, stage: str, log, timeout_s: float | None = None):
+    """The flow run's final state, logging each state it passes through. A flow run whose stage run stopped beating
+    (its pod or node gone, its process killed) is marked Crashed; one that runs past `timeout_s` is cancelled."""
+    from prefect.states import Cancelling, Crashed
+
+    seen, started = None, time.monotonic()
     with _client() as client:
         while True:
             state = client.read_flow_run(flow_run_id).state
@@ -124,7 +133,29 @@ def _wait(flow_run_id, stage: str, log):
                 log.info("%s: flow run %s", stage, state.name)
             if state is not None and state.is_final():
                 return state
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                client.set_flow_run_state(flow_run_id, Cancelling(message=f"past its timeout of {timeout_s:g} s"),
+                                          force=True)
+                raise TimeoutError(f"{stage}: its flow run ran past resources.timeout_s ({timeout_s:g} s)")
+            gone = _stopped_beating(flow_run_id, stage)
+            if gone is not None:
+                why = f"the heartbeat of its MLflow run {gone} stopped: its process, pod or node is gone"
+                tracking.set_tags(gone, {"r1.ended_because": why})
+                tracking.end_run(gone, "FAILED")
+                crashed = Crashed(message=why)
+                client.set_flow_run_state(flow_run_id, crashed, force=True)
+                log.warning("%s: %s", stage, why)
+                return crashed
             time.sleep(POLL_S)
+
+
+def _stopped_beating(flow_run_id, stage: str) -> str | None:
+    """The stage's RUNNING MLflow run in that flow run, if its heartbeat stopped."""
+    from tasks import heartbeat
+
+    runs = tracking.find_runs(f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.stage = '{stage}' and "
+                              "attributes.status = 'RUNNING'")
+    return next((r.info.run_id for r in runs if heartbeat.is_stale(r.data.tags)), None)
 
 
 def _result_of(flow_run_id, stage: str) -> StageResult:

@@ -15,6 +15,7 @@ process left RUNNING are marked FAILED when a pipeline starts; Ctrl-C ends the c
 A stage runs in this flow's process, or, where its recipe section names a work pool (`resources.pool`), as its own
 deployment's flow run on that pool with the job variables the section asks for (flows/placement.py): this flow, on a
 CPU pool, waits for it and reads its result from MLflow. Pools, workers and deployments are checked before any stage.
+A stage that fails, or whose machine is lost, is run again as its `resources.retries` allow (flows/attempts.py).
 
 `overrides` change any of the recipe's fields for this run without a new recipe file (dotted paths to values, such as
 {"reasoning_grpo.grpo.learning_rate": 2e-5}); they are checked like the recipe before anything starts and recorded on
@@ -33,7 +34,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from flows.placement import check_placement, run_placed
+from flows.attempts import run_stage
+from flows.placement import check_placement
 from flows.stages import Stage, declared, finished_stages, missing_inputs
 from grpo.config import ClusterConfig
 from grpo.interrupts import is_interrupt
@@ -130,11 +132,7 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         finished = None if fresh else reuse.find_finished(key)
         if finished is not None:
             return reuse.reuse_stage(stage.name, config, inputs, key, finished.info.run_id, parent)
-        if config.resources.pool:  # its own flow run on its pool; this one waits
-            result = run_placed(stage, config, parent, inputs, cfg.name, get_run_logger())
-        else:  # `<stage>:<recipe name>`; a callable, not a template string, which would read braces as fields
-            named = stage.flow.with_options(flow_run_name=lambda: f"{stage.name}:{cfg.name}")
-            result = named(config=config, parent_run_id=parent, **inputs)
+        result = run_stage(stage, config, parent, inputs, cfg.name, get_run_logger())  # in process or on its pool
         reuse.record_finished(result, key)
         return result
 

@@ -53,6 +53,22 @@ class ResourcesConfig(BaseModel):
     cpus: str | None = None  # CPU request, Kubernetes style ("8", "500m"); None: the pool's default
     memory: str | None = None  # memory request ("64Gi"); None: the pool's default
     job_variables: dict[str, Any] = Field(default_factory=dict)  # any other job variable of the pool's template
+    # a stage that fails or whose machine is lost runs again this many times, each resuming from its last durable
+    # checkpoint (placed: the pipeline starts a new flow run when the old one crashed or stopped beating)
+    retries: int = Field(0, ge=0, le=20)
+    retry_delays_s: list[float] = Field(default_factory=lambda: [30.0, 120.0, 600.0])  # before each retry; last repeats
+    timeout_s: float | None = Field(None, gt=0)  # one attempt fails after this long (None: no limit)
+
+    @field_validator("retry_delays_s")
+    @classmethod
+    def _delays(cls, delays: list[float]) -> list[float]:
+        if not delays or any(not 0 <= d <= 86400 for d in delays):
+            raise ValueError(f"expected one or more delays of 0 to 86400 seconds (got {delays})")
+        return delays
+
+    def retry_delay(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (0 for the first)."""
+        return self.retry_delays_s[min(retry, len(self.retry_delays_s) - 1)]
 
     def as_job_variables(self) -> dict[str, Any]:
         """The flow run's job variables: what this section sets, nothing the pool's defaults already give."""
@@ -107,6 +123,8 @@ class DistributedConfig(BaseModel):
     num_processes: int | Literal["auto"] = 1
     # an accelerate config file for the launch (e.g. deployments/accelerate/fsdp-7b.yaml); None: plain DDP
     config_file: str | None = None
+    # a collective (all-reduce, barrier) that waits longer fails the stage, to be retried, instead of hanging it
+    collective_timeout_s: float = Field(1800.0, ge=10, le=86400)
 
     @field_validator("num_processes")
     @classmethod
@@ -231,7 +249,8 @@ class AlignmentGRPOConfig(StageConfig):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's
 
     def process_batches(self) -> dict[str, int]:
-        return {"grpo.prompts_per_step": self.grpo.prompts_per_step, "reward_model.batch_size": self.reward_model.batch_size}
+        return {"grpo.prompts_per_step": self.grpo.prompts_per_step,
+                "reward_model.batch_size": self.reward_model.batch_size}
 
     @model_validator(mode="after")
     def _check(self) -> "AlignmentGRPOConfig":

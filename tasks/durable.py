@@ -26,7 +26,7 @@ from grpo.training.checkpoints import checkpoint_step, latest_checkpoint
 from tasks import tracking
 
 PREFIX = "r1.resume."  # tag `r1.resume.<work key>` = the step of the run's newest complete copy
-EVERY_S = 2.0  # how often the folder is looked at for a new checkpoint
+EVERY_S = float(os.environ.get("R1_DURABLE_EVERY_S", "2"))  # how often the folder is looked at for a new checkpoint
 log = logging.getLogger(__name__)
 
 
@@ -47,21 +47,6 @@ def marked_copies(key: str) -> list[tuple[str, int]]:
 def newest_copy(key: str, exclude: str | None = None) -> tuple[str, int] | None:
     """(run id, step) of the newest marked copy of work key `key` in any run (but `exclude`), or None."""
     return max(((r, s) for r, s in marked_copies(key) if r != exclude), key=lambda f: f[1], default=None)
-
-
-def _retrying(call, *args, tries: int = 6):
-    """A tracking call, again after a pause when SQLite says the database is locked (the loop logs meanwhile)."""
-    import time
-
-    from mlflow.exceptions import MlflowException
-
-    for attempt in range(tries):
-        try:
-            return call(*args)
-        except MlflowException as e:
-            if "locked" not in str(e) or attempt == tries - 1:
-                raise
-            time.sleep(0.2 * 2 ** attempt)
 
 
 def _delete_copy(run_id: str, key: str, step: int | None = None) -> None:
@@ -105,6 +90,17 @@ def restore(run_id: str, out: Path) -> int:
     return step
 
 
+def check_writable(run_id: str) -> None:
+    """The run's artifact store takes a write from here, before any training: a loop whose checkpoints cannot be
+    kept would lose everything with its machine."""
+    try:
+        tracking.client().log_text(run_id, "resume checkpoints of this run are written here\n", "resume/README.txt")
+    except Exception as e:  # noqa: BLE001 (whatever the store raises: permissions, a bucket, a server away)
+        uri = tracking.client().get_run(run_id).info.artifact_uri
+        raise RuntimeError(f"the MLflow artifact store {uri} does not take a write from this machine ({e}); resume "
+                           "checkpoints could not outlive it: fix its permissions or MLFLOW_TRACKING_URI") from e
+
+
 class _Uploader(threading.Thread):
     """Copies each new complete checkpoint of the folder to the run's artifacts, then marks it."""
 
@@ -132,8 +128,10 @@ class _Uploader(threading.Thread):
             return
         before = marked_copies(self.key)
         try:
-            _retrying(tracking.client().log_artifacts, self.run_id, str(staging), _artifact_path(self.key, step))
-            _retrying(tracking.set_tags, self.run_id, {_tag(self.key): str(step)})  # the mark: the copy is whole
+            tracking.retry_locked(tracking.client().log_artifacts, self.run_id, str(staging),
+                                  _artifact_path(self.key, step))
+            # the mark, once the copy is whole
+            tracking.retry_locked(tracking.set_tags, self.run_id, {_tag(self.key): str(step)})
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info("resume checkpoint at step %d copied to run %s", step, self.run_id)
@@ -147,6 +145,7 @@ class _Uploader(threading.Thread):
 def durable_resume(run_id: str, out: Path) -> Iterator[int]:
     """Around a training loop writing to `out`: restore its newest durable checkpoint first (yields the step it
     resumes from, 0 for none) and copy each new one to the store while it trains. Tags `r1.resumed_from_step`."""
+    check_writable(run_id)
     step = restore(run_id, out)
     if step:
         tracking.set_tags(run_id, {"r1.resumed_from_step": str(step)})

@@ -172,30 +172,62 @@ def _owner_alive(tags: dict[str, str]) -> bool:
 
 
 def end_dead_runs() -> list[str]:
-    """Mark FAILED the runs left RUNNING by an r1 process on this host that has ended (killed, crashed, power cut).
+    """Mark FAILED the runs left RUNNING by an r1 process that has ended (killed, crashed, its pod or node lost).
 
-    Only runs whose owner tags name this host are judged: a run owned by a process on another machine may well be
-    running, and nothing here can tell. Returns the ids of the runs marked.
+    A run owned by a process on this host is judged by asking for the process (host, pid, start time); a run from
+    anywhere else by its heartbeat (tasks/heartbeat.py): one that stopped beating is dead. Returns the runs marked.
     """
-    host = socket.gethostname().replace("'", "")
+    from tasks import heartbeat
+
+    host = socket.gethostname()
     ended = []
-    for run in find_runs(f"attributes.status = 'RUNNING' and tags.`r1.host` = '{host}'"):
-        if not _owner_alive(run.data.tags):
-            set_tags(run.info.run_id, {"r1.ended_because": f"process {run.data.tags.get('r1.pid')} on {host} ended "
-                                                           "without closing the run"})
-            end_run(run.info.run_id, "FAILED")
-            ended.append(run.info.run_id)
+    for run in find_runs("attributes.status = 'RUNNING'"):
+        tags = run.data.tags
+        if tags.get("r1.host") == host and not _owner_alive(tags):
+            why = f"process {tags.get('r1.pid')} on {host} ended without closing the run"
+        elif tags.get("r1.host") != host and heartbeat.is_stale(tags):
+            why = f"its heartbeat stopped (process {tags.get('r1.pid')} on {tags.get('r1.host')})"
+        else:
+            continue
+        set_tags(run.info.run_id, {"r1.ended_because": why})
+        end_run(run.info.run_id, "FAILED")
+        ended.append(run.info.run_id)
     return ended
+
+
+def _write_heartbeat(run_id: str, epoch_ms: str) -> None:
+    from tasks import heartbeat
+
+    retry_locked(client().set_tag, run_id, heartbeat.TAG, epoch_ms)
+
+
+def retry_locked(call, *args, tries: int = 6):
+    """A tracking call, again after a pause while SQLite says the database is locked: a write from a background
+    thread (a heartbeat, a checkpoint copy) can meet one from the loop's own."""
+    import time
+
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(tries):
+        try:
+            return call(*args)
+        except MlflowException as e:
+            if "locked" not in str(e) or attempt == tries - 1:
+                raise
+            time.sleep(0.2 * 2 ** attempt)
 
 
 def start_run(name: str, *, tags: dict[str, str], parent_run_id: str | None = None,
               config: BaseModel | None = None) -> str:
     """Create a run (nested under `parent_run_id` if given), log the config as params, return its id."""
+    from tasks import heartbeat
+
     c = client()
-    all_tags = {**tags, **owner_tags()}
+    all_tags = {**tags, **owner_tags(), **heartbeat.first_beat()}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     run = c.create_run(experiment_id(), run_name=name, tags=all_tags)
+    heartbeat.beat_for(run.info.run_id, _write_heartbeat)  # until it ends
     if config is not None:
         log_params(run.info.run_id, flatten(config))
     return run.info.run_id
@@ -208,6 +240,9 @@ def log_params(run_id: str, params: dict[str, Any]) -> None:
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:
+    from tasks import heartbeat
+
+    heartbeat.stop_beating(run_id)
     client().set_terminated(run_id, status=status)
 
 
@@ -327,8 +362,11 @@ def find_runs(filter_string: str) -> list:
 
 def reopen_run(run_id: str) -> None:
     """Mark a failed run RUNNING again, for a retry that carries on in it (owned by this process now)."""
-    set_tags(run_id, owner_tags())
+    from tasks import heartbeat
+
+    set_tags(run_id, {**owner_tags(), **heartbeat.first_beat()})
     client().update_run(run_id, status="RUNNING")
+    heartbeat.beat_for(run_id, _write_heartbeat)
 
 
 def pipeline_uris(run_id: str) -> dict[str, str]:

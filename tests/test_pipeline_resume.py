@@ -138,7 +138,7 @@ def _dead_pid() -> int:
 
 def test_runs_a_dead_process_left_running_are_marked_failed_at_the_next_start(first, mlflow_client):
     from flows.r1_pipeline import r1_pipeline
-    from tasks import tracking
+    from tasks import heartbeat, tracking
 
     _, recipe = first
     mine = tracking.owner_tags()
@@ -146,15 +146,22 @@ def test_runs_a_dead_process_left_running_are_marked_failed_at_the_next_start(fi
     tracking.set_tags(dead, {"r1.pid": str(_dead_pid())})
     reused_pid = tracking.start_run("reused-pid", tags={})  # our pid, but another process's start time
     tracking.set_tags(reused_pid, {"r1.process_started": f"{float(mine['r1.process_started']) - 3600:.2f}"})
-    elsewhere = tracking.start_run("elsewhere", tags={})  # a dead pid on another host: not ours to judge
+    elsewhere = tracking.start_run("elsewhere", tags={})  # on another host, its heartbeat going: running
     tracking.set_tags(elsewhere, {"r1.host": "another-host", "r1.pid": str(_dead_pid())})
+    gone = tracking.start_run("gone", tags={})  # on another host (a pod since preempted): its heartbeat stopped
+    heartbeat.stop_beating(gone)
+    tracking.set_tags(gone, {"r1.host": "another-host", heartbeat.INTERVAL_TAG: "30",
+                             heartbeat.TAG: str(int((time.time() - 5 * 30 - 1) * 1000))})
     alive = tracking.start_run("alive", tags={})  # this very process
     try:
         r1_pipeline(recipe=str(recipe), stages=THREE[:1])  # reused: a start and no training
         status = {name: mlflow_client.get_run(run).info.status for name, run in
-                  [("dead", dead), ("reused_pid", reused_pid), ("elsewhere", elsewhere), ("alive", alive)]}
-        assert status == {"dead": "FAILED", "reused_pid": "FAILED", "elsewhere": "RUNNING", "alive": "RUNNING"}
+                  [("dead", dead), ("reused_pid", reused_pid), ("elsewhere", elsewhere), ("gone", gone),
+                   ("alive", alive)]}
+        assert status == {"dead": "FAILED", "reused_pid": "FAILED", "elsewhere": "RUNNING", "gone": "FAILED",
+                          "alive": "RUNNING"}
         assert "ended without closing" in mlflow_client.get_run(dead).data.tags["r1.ended_because"]
+        assert "heartbeat stopped" in mlflow_client.get_run(gone).data.tags["r1.ended_because"]
     finally:
         for run in (elsewhere, alive):
             tracking.end_run(run, "FINISHED")

@@ -4,7 +4,10 @@ The pipeline itself runs as a deployment on a worker of its own (pool `r1-test-p
 between two more pools (`r1-test-a`, `r1-test-b`), each with one worker. Every worker has its own HOME, TMPDIR and
 R1_HOME, and where the kernel allows a private mount namespace the other workers' folders and this test's own state
 folder are covered by an empty tmpfs in its view: a stage can only get its inputs through the MLflow server, which is
-all the workers share. The placed pipeline must end with the same figures as the same recipe run in process.
+all the workers share. Reasoning GRPO's pool has two workers: the one running it is killed with -9 (its flow run's
+processes too) after the stage's first durable checkpoint, and the pipeline must resubmit the stage, which resumes
+on the other worker from that checkpoint. The placed pipeline must end with the same figures as the same recipe run
+in process, and leave no run RUNNING.
 """
 
 from __future__ import annotations
@@ -37,18 +40,23 @@ def placed_recipe() -> dict:
     for stage, pool in POOLS.items():
         recipe[stage] = {**recipe[stage], "resources": {"pool": pool, "cpus": "1", "memory": "2Gi",
                                                          "job_variables": {"env": {"R1_TEST_POOL": pool}}}}
+    grpo = recipe["reasoning_grpo"]  # long enough to be killed between two checkpoints; one retry, at once
+    recipe["reasoning_grpo"] = {**grpo, "grpo": {**grpo["grpo"], "max_steps": 16, "checkpoint_every": 2},
+                                "resources": {**grpo["resources"], "retries": 1, "retry_delays_s": [0]}}
     return recipe
 
 
 def start_worker(name: str, pool: str, root: Path, hide: list[Path], api: str, tracking: str,
                  namespace: list[str] | None) -> stack.Started:
-    """A process worker whose flow runs see their own HOME, TMPDIR and R1_HOME, and (in a mount namespace) not `hide`."""
+    """A process worker whose flow runs see their own HOME, TMPDIR and R1_HOME, and (in a mount namespace) not
+    `hide`."""
     home = root / name
     for d in ("home", "tmp", "r1"):
         (home / d).mkdir(parents=True, exist_ok=True)
     env = stack.base_env(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=tracking, HOME=str(home / "home"),
                          TMPDIR=str(home / "tmp"), R1_HOME=str(home / "r1"), PREFECT_HOME=str(home / "home" / "prefect"),
                          PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
+                         R1_HEARTBEAT_S="1", R1_DURABLE_EVERY_S="0.2",  # a lost worker found in seconds
                          OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     argv = [str(stack.BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process", "--name", name]
     if namespace:
@@ -107,17 +115,58 @@ def placed(deployed_server, tmp_path_factory, r1_home):
             r1_pipeline.to_deployment(name="test-parent", work_pool_name=PARENT_POOL,
                                       entrypoint_type=EntrypointType.MODULE_PATH).apply()
         namespace = mount_namespace_prefix()
-        workers = {"parent": PARENT_POOL, "a": "r1-test-a", "b": "r1-test-b"}
+        workers = {"parent": PARENT_POOL, "a": "r1-test-a", "b1": "r1-test-b", "b2": "r1-test-b"}
         for name, pool in workers.items():
             hide = [root / other for other in workers if other != name] + [r1_home, root / "mlflow"]
             for h in hide:
                 h.mkdir(parents=True, exist_ok=True)
             started.append(start_worker(name, pool, root, hide, api, tracking, namespace))
         wait_for_workers(api, list(workers.values()))
-        yield {"api": api, "tracking": tracking, "recipe": recipe_path, "root": root, "isolated": bool(namespace)}
+        yield {"api": api, "tracking": tracking, "recipe": recipe_path, "root": root, "isolated": bool(namespace),
+               "workers": {s.name.removeprefix("worker-"): s for s in started if s.name.startswith("worker-")}}
     finally:
         for p in reversed(started):
             stack.stop_process(p)
+
+
+def _kill_the_worker_running_grpo(placed) -> tuple[int, str]:
+    """Once reasoning GRPO's first durable checkpoint is marked, kill -9 the worker running it and its flow run's
+    processes; returns that checkpoint's step and the killed stage run."""
+    import psutil
+
+    from tasks import tracking
+    from tasks.durable import marked_copies
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        runs = tracking.find_runs("tags.stage = 'reasoning_grpo' and attributes.status = 'RUNNING'")
+        for run in runs:
+            work = run.data.tags.get("r1.work_dir.reasoning_grpo")
+            marked = [step for r, step in marked_copies(Path(work).name) if r == run.info.run_id] if work else []
+            if marked:
+                pid = int(run.data.tags["r1.pid"])
+                for name, worker in placed["workers"].items():
+                    tree = psutil.Process(worker.pid).children(recursive=True)
+                    if any(p.pid == pid for p in tree):
+                        for proc in [psutil.Process(worker.pid), *tree]:
+                            proc.kill()
+                        return marked[0], run.info.run_id
+                raise AssertionError(f"no worker runs process {pid}")
+        time.sleep(0.2)
+    raise AssertionError("reasoning GRPO marked no durable checkpoint in time")
+
+
+def _wait_final(flow_run_id, timeout: float):
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            time.sleep(2)
+    raise AssertionError(f"the pipeline's flow run did not end within {timeout} s")
 
 
 @contextmanager
@@ -143,7 +192,7 @@ def _flow_runs(api: str, tag: str):
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
 
 
-def test_placed_stages_run_as_their_own_flow_runs_and_match_the_in_process_run(placed, prefect_harness,
+def test_placed_stages_survive_a_killed_worker_and_match_the_in_process_run(placed, prefect_harness,
                                                                                    mlflow_client):
     from mlflow import MlflowClient
     from prefect.deployments import run_deployment
@@ -152,8 +201,10 @@ def test_placed_stages_run_as_their_own_flow_runs_and_match_the_in_process_run(p
     from flows.r1_pipeline import r1_pipeline
 
     with temporary_settings({PREFECT_API_URL: placed["api"]}):
-        run = run_deployment("r1_pipeline/test-parent", parameters={"recipe": str(placed["recipe"])},
-                             timeout=900, poll_interval=2)
+        run = run_deployment("r1_pipeline/test-parent", parameters={"recipe": str(placed["recipe"])}, timeout=0)
+        with _tracking_on(placed["tracking"]):
+            step, killed = _kill_the_worker_running_grpo(placed)
+        run = _wait_final(run.id, timeout=900)
     log = "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted((placed["root"] / "logs").glob("*.log")))
     assert run.state.is_completed(), f"{run.state}\n{log}"
 
@@ -162,20 +213,29 @@ def test_placed_stages_run_as_their_own_flow_runs_and_match_the_in_process_run(p
                                   "tags.recipe = 'placed'")
     assert parent.info.status == "FINISHED"
     children = server.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(c.data.tags["stage"] for c in children) == sorted(POOLS)
+    assert sorted(c.data.tags["stage"] for c in children) == sorted([*POOLS, "reasoning_grpo"])
 
-    # each stage was a flow run of its own, of its deployment on its pool, with the job variables its section asks
+    # each stage was a flow run of its own, of its deployment on its pool, with the job variables its section asks;
+    # reasoning GRPO twice: the one whose worker was killed (Crashed, its run FAILED) and the one that resumed
     runs = _flow_runs(placed["api"], f"r1.pipeline:{parent.info.run_id}")
-    assert len(runs) == len(POOLS)
+    assert sorted(fr.name for fr in runs) == sorted([f"{s}:placed" for s in POOLS] + ["reasoning_grpo:placed"])
     for fr in runs:
         stage = fr.name.split(":")[0]
-        assert fr.name == f"{stage}:placed" and fr.state.is_completed()
         assert fr.work_pool_name == POOLS[stage]
         assert fr.job_variables == {"cpu": "1", "memory": "2Gi", "env": {"R1_TEST_POOL": POOLS[stage]}}
-        [child] = [c for c in children if c.data.tags["stage"] == stage]
-        assert child.data.tags["prefect.flow_run_id"] == str(fr.id)  # the MLflow run the flow run made
+        [child] = [c for c in children if c.data.tags["prefect.flow_run_id"] == str(fr.id)]  # the run it made
+        assert child.data.tags["stage"] == stage
+        assert fr.state.is_completed() == (child.info.run_id != killed), fr.state
+    crashed = server.get_run(killed)
+    assert crashed.info.status == "FAILED" and "heartbeat" in crashed.data.tags["r1.ended_because"]
+    [resumed] = [c for c in children if c.data.tags["stage"] == "reasoning_grpo" and c.info.status == "FINISHED"]
+    assert resumed.data.tags["r1.resumed_from_step"] == str(step)  # its durable checkpoint: a fresh disk
+    assert resumed.data.tags["r1.resumed_from_run"] == killed
+    assert "/b1/" in crashed.data.tags["r1.work_dir.reasoning_grpo"] + resumed.data.tags["r1.work_dir.reasoning_grpo"]
+    assert "/b2/" in crashed.data.tags["r1.work_dir.reasoning_grpo"] + resumed.data.tags["r1.work_dir.reasoning_grpo"]
+    assert not server.search_runs([parent.info.experiment_id], "attributes.status = 'RUNNING'")  # none left behind
     # the URIs went from stage to stage through MLflow: each stage read the one before it made on the other pool
-    by_stage = {c.data.tags["stage"]: c for c in children}
+    by_stage = {c.data.tags["stage"]: c for c in children if c.info.status == "FINISHED"}
     assert by_stage["reasoning_grpo"].data.params["input.checkpoint_uri"] == \
         f"runs:/{by_stage['cold_start_sft'].info.run_id}/checkpoint"
 
@@ -190,7 +250,7 @@ def test_placed_stages_run_as_their_own_flow_runs_and_match_the_in_process_run(p
         again = run_placed(declared()["cold_start_sft"], recipe.cold_start_sft, parent.info.run_id, {}, "placed",
                            logging.getLogger("test"))
     assert again.run_id == by_stage["cold_start_sft"].info.run_id
-    assert len(_flow_runs(placed["api"], f"r1.pipeline:{parent.info.run_id}")) == len(POOLS)
+    assert len(_flow_runs(placed["api"], f"r1.pipeline:{parent.info.run_id}")) == len(POOLS) + 1
 
     # the same recipe in this process (same seeds, fp32): the same held-out figures, stage by stage
     overrides = {f"{stage}.resources.pool": None for stage in POOLS}

@@ -148,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     stage.add_argument("--dataset", default=None, help="sft: the curated dataset URI (runs:/<id>/dataset/curated)")
     stage.add_argument("--heldout", default=None, help="sft: held-out rows to evaluate on (runs:/<id>/dataset/heldout)")
     stage.add_argument("--input", dest="inputs", action="append", default=[], metavar="PARAM=URI",
-                       help="any input the stage declares, by its flow parameter (e.g. cold_start_dataset_uri=runs:/...)")
+                       help="any input the stage declares, by its flow parameter "
+                            "(e.g. cold_start_dataset_uri=runs:/...)")
     serve = sub.add_parser("serve", parents=[common], help="serve a checkpoint as an OpenAI-compatible chat API")
     serve.add_argument("checkpoint", help="a checkpoint folder, runs:/<id>/checkpoint, models:/<name>/<version>, "
                                           "or tiny")

@@ -5,12 +5,15 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import os
 import warnings
+from datetime import timedelta
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.state import AcceleratorState
 
+from grpo.training.launch import COLLECTIVE_TIMEOUT
 from grpo.training.precision import choose_precision, emulated_bf16_warning, this_machine
 
 
@@ -36,8 +39,11 @@ def make_accelerator(mixed_precision: str, gradient_accumulation_steps: int = 1)
     # the loops' batch sizes are global (each process takes its share), so the prepared scheduler steps once per
     # optimizer step, not once per process as it would for per-process batches
     global_batches = DataLoaderConfiguration(split_batches=True)
+    # a collective that waits longer than this (a process died, a link hung) fails the loop instead of hanging it,
+    # so the stage can be retried (the launcher sets it from the stage's distributed.collective_timeout_s)
+    group = InitProcessGroupKwargs(timeout=timedelta(seconds=float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))))
     return Accelerator(mixed_precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
-                       cpu=hw.device != "cuda", kwargs_handlers=[ddp], dataloader_config=global_batches)
+                       cpu=hw.device != "cuda", kwargs_handlers=[ddp, group], dataloader_config=global_batches)
 
 
 def make_adamw(model: torch.nn.Module | list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -24,6 +24,7 @@ import pandas as pd
 
 from grpo.recipe import DistributedConfig
 
+COLLECTIVE_TIMEOUT = "R1_COLLECTIVE_TIMEOUT_S"  # seconds a collective (all-reduce, barrier) may wait; read by the loops
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `-m grpo.training.worker` is importable from
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -102,7 +103,8 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
     job_file.write_text(json.dumps(job, indent=1))
     cmd = launch_command(cfg, n, job_file, _free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
-           "MASTER_ADDR": "127.0.0.1"}
+           "MASTER_ADDR": "127.0.0.1", COLLECTIVE_TIMEOUT: str(cfg.collective_timeout_s),
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # a timed-out NCCL collective raises instead of hanging
     with log.open("w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_ROOT)
         try:
