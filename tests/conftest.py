@@ -55,6 +55,7 @@ def deployed_server(tmp_path_factory):
     prefect, api = stack.start_prefect_server(root / "prefect", stack.free_port(), root / "logs")
     try:
         stack.create_work_pools(api)
+        stack.create_zombie_automation(api)
         stack.deploy_all(api)
         yield {"api": api, "root": root}
     finally:

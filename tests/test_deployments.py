@@ -160,3 +160,19 @@ def test_a_stage_deployment_runs_on_a_worker_and_logs_to_mlflow(servers):
     assert "checkpoint" in {a.path for a in mlflow.list_artifacts(run.info.run_id)}
     # artifacts went through the server into its local artifact folder
     assert any((servers["root"] / "mlartifacts").rglob("config.json"))
+
+
+def test_the_server_marks_a_flow_run_crashed_once_its_heartbeats_stop(servers):
+    """`r1 up` (and this session's server) gets Prefect's zombie automation: a flow run that stops sending heartbeats
+    (its pod preempted, its worker killed) is marked Crashed rather than left Running; the workers' flow runs send
+    them (PREFECT_FLOWS_HEARTBEAT_FREQUENCY)."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: servers["api"]}):
+        automation = stack.read_automation(stack.ZOMBIE_AUTOMATION)
+    assert automation is not None and automation.enabled
+    assert automation.trigger.after == {"prefect.flow-run.heartbeat"}
+    assert automation.trigger.within.total_seconds() == 3 * stack.FLOW_HEARTBEAT_S
+    assert [a.state for a in automation.actions] == [StateType.CRASHED]
+    assert stack.base_env()["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(stack.FLOW_HEARTBEAT_S)

@@ -30,6 +30,7 @@ from tasks.env import PROJECT_ROOT
 
 PROCESS_POOL = "r1-process"
 GPU_POOL = "r1-k8s-gpu"
+FLOW_HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the workers' flow runs (Prefect's minimum)
 INFERENCE_POOL = "r1-k8s-inference"  # rejection sampling's GPUs in recipes/gsm8k.yaml (same template, 1 GPU a run)
 DEPLOYMENTS_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
 GPU_JOB_TEMPLATE = PROJECT_ROOT / "deployments" / "k8s-gpu-job-template.json"
@@ -122,7 +123,9 @@ def wait_http(url: str, proc: Started, timeout: float = 180) -> None:
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
+    # flow runs send heartbeats, for the automation that marks a silent one Crashed (create_zombie_automation)
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1",
+           "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(FLOW_HEARTBEAT_S), **extra}
     # this checkout's packages first, for the worker's flow runs too (they import flows/, tasks/, grpo/)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
     return env
@@ -184,6 +187,48 @@ async def _create_work_pools(api_url: str) -> None:
         for name, (kind, template) in pools.items():
             await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template),
                                           overwrite=True)
+
+
+ZOMBIE_AUTOMATION = "r1: crash flow runs whose heartbeat stopped"
+
+
+def create_zombie_automation(api_url: str, within_s: int = 3 * FLOW_HEARTBEAT_S) -> None:
+    """An automation on the server that marks Crashed a flow run whose heartbeats stopped (its pod preempted, its
+    node lost, its worker killed), so it does not stay Running forever; the workers' flow runs send heartbeats."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        while (old := read_automation(ZOMBIE_AUTOMATION)) is not None:  # made again, not twice
+            old.delete()
+        Automation(
+            name=ZOMBIE_AUTOMATION,
+            trigger=EventTrigger(
+                after={"prefect.flow-run.heartbeat"},
+                expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                        "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+                match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+                within=timedelta(seconds=within_s)),
+            actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                        message=f"no heartbeat for {within_s} s: its machine or process is gone")],
+        ).create()
+
+
+def read_automation(name: str):
+    """The server's automation of that name (the current API's), or None."""
+    from prefect.automations import Automation
+
+    try:
+        return Automation.read(name=name)
+    except ValueError:  # not found
+        return None
 
 
 def deploy_all(api_url: str, timeout: float = 300) -> str:
@@ -303,6 +348,7 @@ def up(prefect_port: int = 4200, mlflow_port: int = 5000, out=print) -> int:
 
         out("creating work pools and deploying deployments/prefect.yaml ...")
         create_work_pools(api)
+        create_zombie_automation(api)
         (logs / "deploy.log").write_text(deploy_all(api))
 
         out(f"starting a worker on {PROCESS_POOL} ...")
