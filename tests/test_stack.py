@@ -44,7 +44,7 @@ def test_up_then_down(tmp_path, monkeypatch, capsys):
                 state["prefect_api"] + "/deployments/filter", data=b"{}", method="POST",
                 headers={"Content-Type": "application/json"}), timeout=10) as r:
             names = {d["name"] for d in json.load(r)}
-        assert names == {"local", "gpu", "ray"}
+        assert names == {"local", "gpu", "placed", "ray", "r1-process"}  # the pipeline's, and each stage's on r1-process
 
         assert main(["up", "--prefect-port", "0", "--mlflow-port", "0"]) == 1  # already up: starts nothing more
         assert "already up" in capsys.readouterr().out

@@ -127,7 +127,8 @@ def test_a_custom_run_from_the_ui_completes(team_stack, browser):
     request = urllib.request.Request(team_stack["api"] + "/deployments/filter", data=b"{}", method="POST",
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as reply:
-        [deployment] = [d for d in json.load(reply) if d["entrypoint"].startswith("flows/cold_start_sft.py")]
+        [deployment] = [d for d in json.load(reply)  # the stage's deployment `r1 deploy` made from its declaration
+                        if d["name"] == "r1-process" and d["entrypoint"].startswith("flows.cold_start_sft")]
 
     browser.get(f"{team_stack['ui']}/deployments/deployment/{deployment['id']}")
     wait_for("the deployment page's Run button", lambda: click(browser, "//button[normalize-space()='Run']"), 60,
