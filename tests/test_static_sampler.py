@@ -86,7 +86,7 @@ def test_step_logits_equal_the_models_forward(kind, full_cache, monkeypatch):
     choose = static_sampler.choose_tokens
     monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.clone()) or
                         choose(logits, *a))
-    sampler = StaticSampler(model, full_cache_attention=full_cache)
+    sampler = StaticSampler(model, full_cache_attention=full_cache, buckets=full_cache)  # as captured, and eager
     out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=12), [], PAD)  # no end token: 12 steps
     assert out.completion_ids.shape == (8, 12) and len(seen) == 12
     want = forward_logits(model, torch.cat([ids, out.completion_ids], 1),
@@ -143,7 +143,7 @@ def test_prompt_buckets():
 
 def test_prompts_in_several_buckets_share_captures_per_bucket():
     model = make_model()
-    sampler = StaticSampler(model)
+    sampler = StaticSampler(model, buckets=True, full_cache_attention=True)  # as on CUDA, without the graphs
     s = SamplingConfig(max_new_tokens=6, temperature=0.9)
     for lengths in ([5, 30], [40, 33], [70, 2, 65]):  # buckets 32, 64 and 96
         ids, mask = left_padded(lengths, repeat=2)
@@ -205,17 +205,17 @@ def test_a_memory_budget_splits_the_batch_into_the_same_tokens():
     ids, mask = left_padded([5, 11, 3, 9], repeat=2)
     s = SamplingConfig(max_new_tokens=16, temperature=1.0)
     u = torch.rand(8, 16, generator=torch.Generator().manual_seed(6))
-    whole = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    whole = StaticSampler(model, buckets=True).sample(ids, mask, s, EOS, PAD, uniforms=u)
     # one row's cache: 2 layers x (K and V) x 2 KV heads x (32 + 16) slots x 16 dims x 4 bytes = 24,576 bytes
     row = 2 * 2 * 2 * 48 * 16 * 4
-    split = StaticSampler(model, memory_budget=3 * row)
+    split = StaticSampler(model, memory_budget=3 * row, buckets=True)
     assert split._rows_per_part(8, 48) == 3
     parts = split.sample(ids, mask, s, EOS, PAD, uniforms=u)
     assert torch.equal(whole.completion_ids, parts.completion_ids)
     assert torch.equal(whole.completion_mask, parts.completion_mask) and torch.equal(whole.truncated, parts.truncated)
     assert torch.allclose(whole.logprobs, parts.logprobs, atol=1e-5)  # a smaller batch may round a matmul apart
     with pytest.raises(ValueError, match="holds no row"):
-        StaticSampler(model, memory_budget=row - 1).sample(ids, mask, s, EOS, PAD)
+        StaticSampler(model, memory_budget=row - 1, buckets=True).sample(ids, mask, s, EOS, PAD)
 
 
 def test_logprobs_only_when_asked():

@@ -154,7 +154,7 @@ class _State:
         self.v = [torch.zeros_like(k) for k in self.k]
         self.bias = torch.zeros(B, 1, 1, T, dtype=dtype, device=device)  # 0 where a key may be read, min elsewhere
         self.next_pos = torch.zeros(B, dtype=torch.long, device=device)  # [B] position of the first new token
-        self.uniforms = torch.zeros(B, C, dtype=torch.float32, device=device)  # [B, C] one per row and token
+        self.uniforms = torch.zeros(B, C, dtype=torch.float64, device=device)  # [B, C] one per row and token
         self.n = torch.zeros((), dtype=torch.long, device=device)  # tokens chosen so far
         self.tok = torch.zeros(B, dtype=torch.long, device=device)  # [B] the last chosen token
         self.done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
@@ -216,10 +216,13 @@ class StaticSampler:
     checks that every row has ended (on CUDA; on CPU it checks every step, which costs nothing there).
     graphs: capture the step as a CUDA graph (None: on CUDA). full_cache_attention: attend over the whole cache
     every step (None: where the step is captured; eager steps attend over the slots written so far).
+    buckets: pad prompts to `prompt_bucket` lengths (None: where the step is captured, since a bucket is what lets
+    a capture serve the next call; eager steps gain nothing from it and would prefill the padding).
     """
 
     def __init__(self, model: PreTrainedModel, *, dtype: torch.dtype | None = None, memory_budget: int | None = None,
-                 check_every: int = 16, graphs: bool | None = None, full_cache_attention: bool | None = None):
+                 check_every: int = 16, graphs: bool | None = None, full_cache_attention: bool | None = None,
+                 buckets: bool | None = None):
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1, got {check_every}")
         if memory_budget is not None and memory_budget <= 0:
@@ -230,6 +233,7 @@ class StaticSampler:
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.full_cache_attention = self.graphs if full_cache_attention is None else full_cache_attention
+        self.buckets = self.graphs if buckets is None else buckets
         self._copy: PreTrainedModel | None = None  # the model in self.dtype, when that is not its own
         self._weights: _Weights | None = None  # kept while captures read them (refreshed in place)
         self._captures: dict[tuple, _Capture] = {}
@@ -277,12 +281,12 @@ class StaticSampler:
             self.sync_weights()
         B, C = prompt_ids.size(0), s.max_new_tokens
         longest = int(prompt_mask.sum(1).max())
-        P = prompt_bucket(longest)
+        P = prompt_bucket(longest) if self.buckets else longest
         ids, mask = prompt_ids[:, prompt_ids.size(1) - longest:], prompt_mask[:, prompt_mask.size(1) - longest:]
         ids = F.pad(ids.to(self.device), (P - longest, 0), value=pad_id)  # [B, P]
         mask = F.pad(mask.to(self.device), (P - longest, 0), value=0)  # [B, P]
-        if uniforms is None:
-            uniforms = torch.rand(B, C, device=self.device)  # [B, C]
+        if uniforms is None:  # drawn step by step as the decode loop draws them: a seed gives the same samples
+            uniforms = torch.rand(C, B, dtype=torch.float64, device=self.device).T  # [B, C]
         rows = self._rows_per_part(B, P + C)
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)  # [E]
         parts = [self._sample_part(ids[i : i + rows], mask[i : i + rows], uniforms[i : i + rows].to(self.device),

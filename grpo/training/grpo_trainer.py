@@ -282,6 +282,8 @@ class GRPOTrainer:
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v * share
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
+        if hasattr(self.backend, "sync_weights"):  # a sampler with its own copy of the weights (bf16, a server)
+            self.backend.sync_weights()
         sums["grad_norm"] = float(grad_norm)
         return sums
 
