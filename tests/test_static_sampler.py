@@ -159,6 +159,8 @@ def test_an_optimizer_step_is_seen_after_sync_weights():
     s = SamplingConfig(max_new_tokens=8, temperature=0)
     sampler = StaticSampler(model, dtype=torch.bfloat16)  # a bf16 copy, as under bf16 autocast
     before = sampler.sample(ids, mask, s, [], PAD)
+    copy = sampler._sampling_model()
+    assert copy.lm_head.weight.dtype == torch.bfloat16 and copy.model.rotary_emb.inv_freq.dtype == torch.float32
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with torch.no_grad():
         logits = forward_logits(model, ids, mask)[:, -1]  # [B, V]

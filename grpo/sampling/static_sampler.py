@@ -266,7 +266,11 @@ class StaticSampler:
             return self.model
         if self._copy is None:
             with torch.inference_mode(False), torch.no_grad():
-                self._copy = copy.deepcopy(self.model).to(self.dtype).eval().requires_grad_(False)
+                self._copy = copy.deepcopy(self.model).eval().requires_grad_(False)
+                for p in self._copy.parameters():
+                    # parameters only: `.to(dtype)` would also round the rotary frequencies, whose error grows
+                    # with the position
+                    p.grad, p.data = None, p.data.to(self.dtype)
         return self._copy
 
     @torch.inference_mode()
