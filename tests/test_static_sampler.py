@@ -246,3 +246,17 @@ def test_chi_square_bound_is_the_tail_it_claims():
     # the 0.1% tail of chi-square with 15 degrees of freedom, by the Wilson-Hilferty approximation
     k, z = 15, 3.0902
     assert math.isclose(k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3, 37.7, abs_tol=0.3)
+
+
+def test_a_seed_samples_what_the_decode_loop_samples():
+    from grpo.sampling.backend import sample_batch
+
+    model = make_model()
+    ids, mask = left_padded([5, 11, 3], repeat=3)
+    s = SamplingConfig(max_new_tokens=16, temperature=0.9)
+    torch.manual_seed(8)
+    loop = sample_batch(model, ids, mask, s, EOS, PAD)  # the lean decode loop, one uniform draw a step
+    torch.manual_seed(8)
+    static = StaticSampler(model).sample(ids, mask, s, EOS, PAD)
+    assert torch.equal(loop[0], static.completion_ids) and torch.equal(loop[1], static.completion_mask)
+    assert torch.allclose(loop[2], static.logprobs, atol=1e-5)

@@ -227,7 +227,7 @@ class StaticSampler:
             raise ValueError(f"check_every must be at least 1, got {check_every}")
         if memory_budget is not None and memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes or None, got {memory_budget}")
-        self.model = model
+        self.model, self._dtype = model, dtype
         self.dtype = dtype or next(model.parameters()).dtype
         self.memory_budget, self.check_every = memory_budget, check_every
         self.device = next(model.parameters()).device
@@ -250,6 +250,7 @@ class StaticSampler:
             # another model, or parameters moved (cast, to another device): rebuild everything from it
             self.model, self._weights, self._captures = model, None, {}
             self.device, self._copy = next(model.parameters()).device, None
+            self.dtype = self._dtype or next(model.parameters()).dtype  # None follows the model's own
         with torch.no_grad():
             if self._copy is not None:
                 for dst, src in zip(self._copy.parameters(), model.parameters()):
@@ -284,12 +285,16 @@ class StaticSampler:
         if self._seen != _fingerprint(self.model):  # an optimizer step since the last sync: sync now
             self.sync_weights()
         B, C = prompt_ids.size(0), s.max_new_tokens
-        longest = int(prompt_mask.sum(1).max())
+        longest = max(1, int(prompt_mask.sum(1).max()))
         P = prompt_bucket(longest) if self.buckets else longest
         ids, mask = prompt_ids[:, prompt_ids.size(1) - longest:], prompt_mask[:, prompt_mask.size(1) - longest:]
         ids = F.pad(ids.to(self.device), (P - longest, 0), value=pad_id)  # [B, P]
         mask = F.pad(mask.to(self.device), (P - longest, 0), value=0)  # [B, P]
-        if uniforms is None:  # drawn step by step as the decode loop draws them: a seed gives the same samples
+        if uniforms is None and s.temperature == 0:  # greedy reads none: leave the generator as it is
+            uniforms = torch.zeros(B, C, dtype=torch.float64, device=self.device)  # [B, C]
+        elif uniforms is None:
+            # column k is what the decode loop in `backend` draws at step k, so a seed samples the same tokens
+            # (the generator ends up advanced by the whole budget, where that loop stops at the last row's end)
             uniforms = torch.rand(C, B, dtype=torch.float64, device=self.device).T  # [B, C]
         rows = self._rows_per_part(B, P + C)
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)  # [E]
