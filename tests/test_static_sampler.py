@@ -260,3 +260,27 @@ def test_a_seed_samples_what_the_decode_loop_samples():
     static = StaticSampler(model).sample(ids, mask, s, EOS, PAD)
     assert torch.equal(loop[0], static.completion_ids) and torch.equal(loop[1], static.completion_mask)
     assert torch.allclose(loop[2], static.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("explicit_sync", [True, False])
+def test_kept_captures_see_an_optimizer_step(explicit_sync):
+    # what CUDA runs, but for the graph: state and weights kept from call to call, refreshed in place on sync
+    model = make_model()
+    ids, mask = left_padded([5, 11, 3], repeat=2)
+    s = SamplingConfig(max_new_tokens=8, temperature=0.8)
+    u = torch.rand(6, 8, generator=torch.Generator().manual_seed(9))
+    kept = StaticSampler(model, keep_captures=True, full_cache_attention=True, buckets=True)
+    first = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    kept.sample(*left_padded([40, 2]), s, EOS, PAD)  # another bucket between the two calls
+    again = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    assert len(kept._captures) == 2 and torch.equal(first.completion_ids, again.completion_ids)
+    with torch.no_grad():
+        for p in model.parameters():  # an optimizer step, in place as optimizers step
+            p.add_(torch.randn_like(p) * 0.05)
+    if explicit_sync:
+        kept.sync_weights(model)  # else the sampler sees the parameters' versions moved and syncs itself
+    after = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    fresh = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    assert not torch.equal(first.logprobs, after.logprobs)
+    assert torch.equal(after.completion_ids, fresh.completion_ids)
+    assert torch.allclose(after.logprobs, fresh.logprobs, atol=1e-5)

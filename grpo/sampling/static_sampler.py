@@ -122,13 +122,18 @@ class _Weights(NamedTuple):
     qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None]  # Qwen3's per-head q/k RMSNorm weights, [D] each
 
 
-def _read_weights(model: PreTrainedModel, rows: int) -> _Weights:
+def _read_weights(model: PreTrainedModel, rows: int, pack: bool = True) -> _Weights:
+    """The step's weights; pack=False leaves out MKL's packed copies, which cannot be refreshed in place."""
     core = model.model
     copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= _COPY_MAX_BYTES
     norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
              if hasattr(layer.self_attn, "q_norm") else None for layer in core.layers]
-    return _Weights(core.embed_tokens.weight, core.norm.weight, _Linear([model.lm_head], rows, copies),
-                    [_lean_layer(layer, rows, copies) for layer in core.layers], norms)
+    w = _Weights(core.embed_tokens.weight, core.norm.weight, _Linear([model.lm_head], rows, copies),
+                 [_lean_layer(layer, rows, copies) for layer in core.layers], norms)
+    if not pack:
+        for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+            lin.packed = None
+    return w
 
 
 def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
@@ -214,7 +219,9 @@ class StaticSampler:
     and refreshed by `sync_weights`). memory_budget: bytes the KV cache may take (None: no limit); a batch whose
     cache would not fit is sampled in parts of as many rows as fit. check_every: decode steps between the host's
     checks that every row has ended (on CUDA; on CPU it checks every step, which costs nothing there).
-    graphs: capture the step as a CUDA graph (None: on CUDA). full_cache_attention: attend over the whole cache
+    graphs: capture the step as a CUDA graph (None: on CUDA). keep_captures: keep each shape's state and step for
+    the next calls, their weights refreshed in place by `sync_weights` (None: with graphs, which need it; eager,
+    it lets a CPU test run what CUDA runs, but for the capture). full_cache_attention: attend over the whole cache
     every step (None: where the step is captured; eager steps attend over the slots written so far).
     buckets: pad prompts to `prompt_bucket` lengths (None: where the step is captured, since a bucket is what lets
     a capture serve the next call; eager steps gain nothing from it and would prefill the padding).
@@ -222,7 +229,7 @@ class StaticSampler:
 
     def __init__(self, model: PreTrainedModel, *, dtype: torch.dtype | None = None, memory_budget: int | None = None,
                  check_every: int = 16, graphs: bool | None = None, full_cache_attention: bool | None = None,
-                 buckets: bool | None = None):
+                 buckets: bool | None = None, keep_captures: bool | None = None):
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1, got {check_every}")
         if memory_budget is not None and memory_budget <= 0:
@@ -234,6 +241,7 @@ class StaticSampler:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.full_cache_attention = self.graphs if full_cache_attention is None else full_cache_attention
         self.buckets = self.graphs if buckets is None else buckets
+        self.keep_captures = self.graphs if keep_captures is None else keep_captures
         self._copy: PreTrainedModel | None = None  # the model in self.dtype, when that is not its own
         self._weights: _Weights | None = None  # kept while captures read them (refreshed in place)
         self._captures: dict[tuple, _Capture] = {}
@@ -251,12 +259,13 @@ class StaticSampler:
             self.model, self._weights, self._captures = model, None, {}
             self.device, self._copy = next(model.parameters()).device, None
             self.dtype = self._dtype or next(model.parameters()).dtype  # None follows the model's own
-        with torch.no_grad():
+        # inference mode: the kept weights were made in it (inside `sample`), and only it may update them in place
+        with torch.inference_mode():
             if self._copy is not None:
                 for dst, src in zip(self._copy.parameters(), model.parameters()):
                     dst.copy_(src)
             if self._weights is not None:  # the captured steps read these: new values at the same addresses
-                fresh = _read_weights(self._sampling_model(), self._weights.head.rows)
+                fresh = _read_weights(self._sampling_model(), self._weights.head.rows, pack=False)
                 for old, new in zip(_weight_tensors(self._weights), _weight_tensors(fresh)):
                     if old is not new:
                         old.copy_(new)
@@ -351,9 +360,9 @@ class StaticSampler:
 
     def _capture(self, model: PreTrainedModel, B: int, P: int, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
                  want_logprobs: bool) -> _Capture:
-        """The shape's state and step: made afresh on CPU; on CUDA captured once and kept for the next calls."""
+        """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
-        if not self.graphs:
+        if not self.keep_captures:
             st = _State(model, B, P, C, self.dtype, self.device)
             w = _read_weights(model, B)
             return _Capture(st, lambda kv_len: _step(st, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
@@ -361,12 +370,12 @@ class StaticSampler:
         key = (B, P, C, s.temperature, s.top_k, s.top_p, tuple(eos.tolist()), pad_id, want_logprobs)
         if key not in self._captures:
             if self._weights is None:
-                self._weights = _read_weights(model, B)
+                self._weights = _read_weights(model, B, pack=False)
             while len(self._captures) >= _MAX_CAPTURES:
                 self._captures.pop(next(iter(self._captures)))  # the oldest shape first
             st, w, eos = _State(model, B, P, C, self.dtype, self.device), self._weights, eos.clone()
             self._captures[key] = _Capture(
-                st, lambda kv_len: _step(st, w, model.config, s, eos, pad_id, want_logprobs, st.T), graph=True)
+                st, lambda kv_len: _step(st, w, model.config, s, eos, pad_id, want_logprobs, kv_len), self.graphs)
         return self._captures[key]
 
 
