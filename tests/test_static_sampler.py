@@ -284,3 +284,21 @@ def test_kept_captures_see_an_optimizer_step(explicit_sync):
     assert not torch.equal(first.logprobs, after.logprobs)
     assert torch.equal(after.completion_ids, fresh.completion_ids)
     assert torch.allclose(after.logprobs, fresh.logprobs, atol=1e-5)
+
+
+def test_a_bf16_copy_decodes_the_bf16_models_numbers(monkeypatch):
+    # the copy the trainer samples from under bf16 autocast: its steps agree with the bf16 model's own forward to
+    # bf16's precision (a wrong weight, rotary or mask would be off by whole units)
+    model = make_model(head_scale=4.0)
+    ids, mask = left_padded([5, 11, 3])
+    seen = []
+    choose = static_sampler.choose_tokens
+    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.float()) or
+                        choose(logits, *a))
+    sampler = StaticSampler(model, dtype=torch.bfloat16)
+    out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=10), [], PAD)
+    half = sampler._sampling_model()
+    want = forward_logits(half, torch.cat([ids, out.completion_ids], 1),
+                          torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1].float()  # [B, 10, V]
+    got = torch.stack(seen, 1)  # [B, 10, V]
+    assert (got - want).abs().max() < 0.1 < want.abs().max()
