@@ -302,3 +302,25 @@ def test_a_bf16_copy_decodes_the_bf16_models_numbers(monkeypatch):
                           torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1].float()  # [B, 10, V]
     got = torch.stack(seen, 1)  # [B, 10, V]
     assert (got - want).abs().max() < 0.1 < want.abs().max()
+
+
+def test_the_backend_samples_the_weights_a_fused_optimizer_stepped():
+    # a fused AdamW step leaves the parameters' version counters alone, so nothing on the tensors says they
+    # changed: the backend syncs its bf16 copy before every generate call all the same
+    from grpo.config import ModelConfig, TinyModelConfig
+    from grpo.models import load_model_and_tokenizer
+    from grpo.sampling.backend import TransformersBackend
+
+    model, tok = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)))
+    prompts, s = ["Hi", "What is 2 + 3?"], SamplingConfig(max_new_tokens=6, temperature=0)
+    backend = TransformersBackend(model, tok, autocast=True)  # samples from a bf16 copy
+    before = backend.generate(prompts, 2, s)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    after = backend.generate(prompts, 2, s)
+    fresh = TransformersBackend(model, tok, autocast=True).generate(prompts, 2, s)
+    assert not torch.equal(before.logprobs, after.logprobs)
+    assert torch.equal(after.completion_ids, fresh.completion_ids) and torch.equal(after.logprobs, fresh.logprobs)

@@ -207,7 +207,7 @@ class TransformersBackend:
         self.sampler = StaticSampler(model, dtype=torch.bfloat16 if autocast else None, memory_budget=kv_cache_bytes)
 
     def sync_weights(self) -> None:
-        """Make the next sampling use the model's current weights (the trainer calls it after each optimizer step)."""
+        """Make the next sampling use the model's current weights; `generate` calls it before it samples."""
         self.sampler.sync_weights(self.model)
 
     def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
@@ -230,6 +230,10 @@ class TransformersBackend:
         prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, P]
         was_training = self.model.training
         self.model.eval()
+        # every call, not only when told: a fused AdamW step leaves no trace on the tensors (their version counters
+        # stay put), so a trainer that forgot to sync would sample stale weights; one weight copy (for a bf16 copy or
+        # captured steps; nothing otherwise) costs less than one decode step
+        self.sync_weights()
         parts = []
         try:
             for i in range(0, prompt_ids.size(0), sampling.batch_size):

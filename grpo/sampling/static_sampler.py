@@ -19,7 +19,7 @@ One call samples a batch of left-padded prompts:
   next calls, and their weights are refreshed in place by `sync_weights`.
 
 It samples in the model's own dtype or from a copy in another (bf16 where the recipe trains under bf16 autocast),
-refreshed by `sync_weights(model)` (and, as a guard, whenever the policy's parameters have changed since).
+refreshed by `sync_weights(model)`, which `TransformersBackend.generate` calls before it samples.
 A KV cache over `memory_budget` bytes is split: rows are sampled in parts that fit. A model it does not compute
 exactly gets `unsupported_reason` (a sentence) and the caller decodes another way. Must not depend on Prefect or
 MLflow.
@@ -291,7 +291,9 @@ class StaticSampler:
         uniforms: [B, max_new_tokens] in [0, 1), the draw of each row's each token (None: drawn here from torch's
         generator on the model's device); the same uniforms give the same tokens however the rows are split.
         """
-        if self._seen != _fingerprint(self.model):  # an optimizer step since the last sync: sync now
+        # a step since the last sync that bumped the parameters' versions: sync now (a fused optimizer's step does
+        # not bump them, so whoever steps the model also calls sync_weights, as TransformersBackend.generate does)
+        if self._seen != _fingerprint(self.model):
             self.sync_weights()
         B, C = prompt_ids.size(0), s.max_new_tokens
         longest = max(1, int(prompt_mask.sum(1).max()))

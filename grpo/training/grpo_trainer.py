@@ -288,8 +288,6 @@ class GRPOTrainer:
                 for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
                     sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
-        if hasattr(self.backend, "sync_weights"):  # a sampler with its own copy of the weights (bf16, a server)
-            self.backend.sync_weights()
         sums["grad_norm"] = float(grad_norm)
         return sums
 
