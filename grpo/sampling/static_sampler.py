@@ -4,7 +4,8 @@ For Llama-family decoders (Qwen2, Qwen3, Llama, Mistral: RMSNorm, rotary, groupe
 One call samples a batch of left-padded prompts:
 
 - the prompts are left-padded further to a length bucket (`prompt_bucket`: a multiple of 32 up to 256, of 128
-  beyond), so a handful of shapes cover every batch and a captured step is reused from call to call;
+  beyond), so a handful of shapes cover every batch and a captured step is reused from call to call (where steps
+  are captured; eager steps gain nothing from a bucket and skip it);
 - the distinct prompts are prefilled once by the model's own forward (the G samples of a prompt share its prefill)
   and their keys and values copied into a KV cache allocated once for prompt + `max_new_tokens`, one
   [B, kv_heads, T, head_dim] tensor per layer and for keys and values;
