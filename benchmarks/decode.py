@@ -1,13 +1,13 @@
-"""Generation alone with the project's sampler, for the GPU workload's batch: the twin of the shared bench's
+"""Generation alone with the sampler the GRPO trainer uses (`TransformersBackend`), for the GPU workload's batch: the twin of the shared bench's
 gpu/decode_peer.py (transformers' `generate`, dynamic and static cache).
 
-usage: python benchmarks/decode.py MODEL_DIR [--batch 128 512] [--new-tokens 256] [--weights bf16|fp32-autocast]
+usage: python benchmarks/decode.py MODEL_DIR [--batch 128 512] [--new-tokens 256] [--weights bf16|fp32|fp32-autocast]
                                    [--device auto|cpu|cuda]
 MODEL_DIR comes from gpu/make_model.py. The prompts are the peer's (`What is {a} + {b}?`, left-padded), sampled at
 temperature 1 with no top-k/top-p; no row is allowed to end early (the end token is not a stop here), so every row
 decodes `--new-tokens` tokens, as the peer's `min_new_tokens` makes it. Weights in bf16 as the peer's (the GRPO
 trainer samples this way with `weights_dtype: bfloat16`), or fp32 under bf16 autocast (how it samples with
-`mixed_precision: bf16`). Prints one JSON line per batch size, after one warm-up call: completion tokens per second,
+`mixed_precision: bf16`), or fp32 throughout (how it samples on a CPU without native bf16). Prints one JSON line per batch size, after one warm-up call: completion tokens per second,
 milliseconds per decode step, and on CUDA the peak memory of the call.
 """
 
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--batch", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--weights", choices=["bf16", "fp32-autocast"], default="bf16")
+    ap.add_argument("--weights", choices=["bf16", "fp32", "fp32-autocast"], default="bf16")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = ap.parse_args()
     if args.device == "cpu":
@@ -35,7 +35,7 @@ def main() -> None:
 
     from grpo.config import ModelConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.sampling.backend import sample_batch
+    from grpo.sampling.backend import TransformersBackend
 
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
@@ -48,13 +48,14 @@ def main() -> None:
     prompts = [f"What is {10 + i % 90} + {20 + i % 70}?" for i in range(max(args.batch))]  # the peer's
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # the trainer's sampler: the backend it builds (static-cache sampler for this model, bf16 copy under autocast)
+    backend = TransformersBackend(model, tok, autocast=args.weights == "fp32-autocast")
 
     def run(batch: int) -> tuple[float, int]:
         enc = tok(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False)
         sync()
         t = time.perf_counter()
-        ids, _, _, _ = sample_batch(model, enc["input_ids"], enc["attention_mask"], sampling, eos_ids=[],
-                                    pad_id=tok.pad_token_id, autocast=args.weights == "fp32-autocast")
+        ids, _, _, _ = backend.sample_ids(enc["input_ids"], enc["attention_mask"], sampling, eos_ids=[])
         sync()
         return time.perf_counter() - t, ids.size(1)
 

@@ -250,6 +250,9 @@ class GRPOConfig(BaseModel):
     # ratio per "token", or one per "sequence": exp(mean log-ratio), clipped per sequence (GSPO, arXiv:2507.18071;
     # the paper pairs it with loss_type grpo)
     importance_sampling_level: Literal["token", "sequence"] = "token"
+    # truncated importance sampling (Yao et al. 2025): each token's policy term times min(pi_train/pi_sampler, cap),
+    # correcting for a sampler whose numbers differ from the trainer's (bf16 copy, vLLM); None = off
+    tis_cap: float | None = Field(None, gt=0)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (none: Dr. GRPO)
     # outcome: one reward per completion; process: a reward at the end of every reasoning step, normalised over the
     # group's steps, a token's advantage the sum over the steps that end at or after it (DeepSeekMath 4.1.3)

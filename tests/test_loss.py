@@ -11,16 +11,18 @@ LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
 LEVELS = ["token", "sequence"]
 
 
-def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, level="token"):
+def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, level="token", sampler=None,
+                    tis_cap=None):
     """Plain per-token loop over 0-d tensors; returns (loss, stats) like grpo_loss.
 
     level "sequence" (GSPO): every token of a sequence uses the sequence's ratio exp(mean of its log-ratios), and the
     clip and ratio statistics count sequences (those with a token) instead of tokens.
+    sampler, tis_cap: the sampler's log-probs; with a cap, each token's policy term times min(π_old/π_sampler, cap).
     """
     B, T = logps.shape
     seq_sums, seq_counts = [], []
     pg_sums = []
-    kl_sum = ratio_sum = 0.0
+    kl_sum = ratio_sum = gap_sum = gap_max = weight_sum = 0.0
     n_low = n_high = 0
     n_units = 0  # tokens, or non-empty sequences
     for b in range(B):
@@ -55,6 +57,13 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
             else:
                 term = unclipped_term
             token_loss = -term
+            if sampler is not None:
+                gap = abs(old[b, t].item() - sampler[b, t].item())
+                gap_sum, gap_max = gap_sum + gap, max(gap_max, gap)
+            if tis_cap is not None:
+                weight = min(math.exp(old[b, t].item() - sampler[b, t].item()), tis_cap)  # a constant
+                token_loss = token_loss * weight
+                weight_sum += weight
             pg_sum = pg_sum + token_loss.item()
             if beta != 0:
                 d = ref[b, t].item() - logps[b, t]
@@ -87,6 +96,10 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
         "ratio_mean": ratio_sum / n_units,
         "pg_loss": pg,
     }
+    if sampler is not None:
+        stats["tis/logp_diff_mean"], stats["tis/logp_diff_max"] = gap_sum / n, gap_max
+    if tis_cap is not None:
+        stats["tis/weight_mean"] = weight_sum / n
     return loss, stats
 
 
@@ -347,3 +360,55 @@ def test_unknown_importance_sampling_level():
     with pytest.raises(ValueError, match="sequence"):
         grpo_loss(torch.randn(2, 3), None, None, torch.ones(2), torch.ones(2, 3), beta=0.0,
                   importance_sampling_level="segment")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("tis_cap", [None, 1.2])
+def test_truncated_importance_sampling_matches_naive_loop(loss_type, level, tis_cap):
+    logps, old, ref, adv, mask = random_case(level=level)
+    # the sampler's log-probs off the trainer's by ~exp(±0.4): some weights above the cap, most below
+    sampler = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7), dtype=old.dtype)
+    assert ((old - sampler).exp()[mask.bool()] > 1.2).any()
+    kw = dict(epsilon=0.2, epsilon_high=0.28, beta=0.1, loss_type=loss_type, importance_sampling_level=level)
+    loss, stats = grpo_loss(logps, old, ref, adv, mask, sampler_logps=sampler, tis_cap=tis_cap, **kw)
+    (grad,) = torch.autograd.grad(loss, logps)
+    want_loss, want_stats = naive_grpo_loss(logps, old, ref, adv, mask, 0.2, 0.28, 0.1, loss_type, level,
+                                            sampler=sampler, tis_cap=tis_cap)
+    (want_grad,) = torch.autograd.grad(want_loss, logps)
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grad, want_grad)
+    assert set(want_stats) <= set(stats)
+    for key, value in want_stats.items():
+        assert stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_hand_worked_truncated_importance_sampling():
+    # mu = 1 (old = logps, ratio 1), A = +1, beta = 0, loss_type "grpo", cap C = 1.5
+    #   token 0: π_train 0.5, π_sampler 0.25 -> weight min(2, 1.5) = 1.5 -> loss -1.5, d/dlogp = -1.5 / 2 tokens
+    #   token 1: π_train 0.2, π_sampler 0.8 -> weight min(0.25, 1.5) = 0.25 -> loss -0.25, d/dlogp = -0.25 / 2
+    #   loss (-1.5 - 0.25) / 2 = -0.875; grads [-0.75, -0.125]
+    #   |log π_train - log π_sampler| = [ln 2, ln 4]: mean 1.5 ln 2 = 1.0397, max ln 4 = 1.3863
+    logps = torch.tensor([[0.5, 0.2]]).log().requires_grad_()
+    sampler = torch.tensor([[0.25, 0.8]]).log()
+    loss, stats = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0,
+                            sampler_logps=sampler, tis_cap=1.5)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == pytest.approx(-0.875, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-0.75, -0.125]]))
+    assert stats["tis/logp_diff_mean"] == pytest.approx(1.5 * math.log(2), rel=1e-6)
+    assert stats["tis/logp_diff_max"] == pytest.approx(math.log(4), rel=1e-6)
+    assert stats["tis/weight_mean"] == pytest.approx(0.875, rel=1e-6)
+    # without a cap the sampler's log-probs only feed the mismatch figures: the loss is plain GRPO's -A
+    loss, stats = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0,
+                            sampler_logps=sampler)
+    assert loss.item() == pytest.approx(-1.0) and "tis/weight_mean" not in stats
+    assert stats["tis/logp_diff_max"] == pytest.approx(math.log(4), rel=1e-6)
+
+
+def test_tis_cap_needs_sampler_logps_and_a_positive_cap():
+    with pytest.raises(ValueError, match="sampler_logps"):
+        grpo_loss(torch.randn(2, 3), None, None, torch.ones(2), torch.ones(2, 3), beta=0.0, tis_cap=2.0)
+    with pytest.raises(ValueError, match="above 0"):
+        grpo_loss(torch.randn(2, 3), None, None, torch.ones(2), torch.ones(2, 3), beta=0.0,
+                  sampler_logps=torch.zeros(2, 3), tis_cap=0.0)

@@ -347,3 +347,13 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(tmp_path):
             parts = _step_gradients(trainer, batch, micro_batch_size=3, **kw)
             same = all(torch.allclose(parts[n], g, rtol=1e-4, atol=1e-7) for n, g in whole.items())
             assert same == (loss_type != "bnpo"), (loss_type, level)
+
+
+def test_truncated_importance_sampling_sees_an_fp32_sampler_agree_with_the_trainer(tmp_path):
+    # in fp32 the static sampler's log-probs are the trainer's forward up to rounding: weights ~1, gap ~0
+    torch.manual_seed(0)
+    trainer, seen = make_trainer(tmp_path, {"digits": 1.0}, tis_cap=2.0, mixed_precision="no", beta=0.0)
+    trainer.train()
+    m = seen[1]
+    assert 0 <= m["tis/logp_diff_mean"] <= m["tis/logp_diff_max"] < 1e-4
+    assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)

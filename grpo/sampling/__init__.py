@@ -3,7 +3,8 @@
 | module | what it holds |
 |---|---|
 | `backend` | `GenerationBackend` (`generate(prompts, n, sampling) -> Rollout`) and its transformers implementation |
-| `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (the CPU fast path) |
+| `static_sampler` | the sampler for Llama-family decoders: static KV cache, in-step sampling, CUDA graphs on a GPU |
+| `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (its fused, packed linears serve the static sampler) |
 | `http_backend` | `HTTPGenerationBackend`: samples from `/v1/completions` servers, spread over them, failed over |
 | `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |
 | `openai_client` | the HTTP client both share: one JSON request, retries and backoff, errors that say what failed |

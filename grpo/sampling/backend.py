@@ -3,14 +3,17 @@
 The transformers backend here is a plain sampling loop over the model's KV cache. It returns what GRPO needs and
 `model.generate` does not hand back cheaply: the completion token ids, their mask, and the sampling policy's
 log-probability of every sampled token (so with one inner iteration nothing is recomputed for pi_old). It stops as
-soon as every sequence has ended. Each decode step goes through the fastest decoder the model allows
-(`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise). Must not depend
-on Prefect or MLflow.
+soon as every sequence has ended. Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through
+`grpo.sampling.static_sampler` (a static KV cache, CUDA graphs on a GPU, from a bf16 copy under bf16 autocast);
+any other model, or one the static step cannot compute exactly (hooks, LoRA), through the decode loop below
+(`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise). Must not depend on
+Prefect or MLflow.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import NamedTuple, Protocol
 
 import torch
@@ -19,6 +22,10 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.sampling.cpu_decoder import _LeanDecoder
+from grpo.sampling.static_sampler import StaticSampler, distinct_rows
+
+log = logging.getLogger(__name__)
+_REPORTED: set[str] = set()  # fallback reasons already logged: once each, not once a batch
 
 
 class Rollout(NamedTuple):
@@ -105,8 +112,20 @@ def _draw(probs: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig,
-                 eos_ids: list[int], pad_id: int, autocast: bool = False) -> tuple[torch.Tensor, ...]:
-    """Decode one batch of left-padded prompts; returns (completion_ids, completion_mask, logprobs, truncated)."""
+                 eos_ids: list[int], pad_id: int, autocast: bool = False,
+                 sampler: StaticSampler | None = None) -> tuple[torch.Tensor, ...]:
+    """Decode one batch of left-padded prompts; returns (completion_ids, completion_mask, logprobs, truncated).
+
+    With a `sampler` (a StaticSampler of `model`) that computes the model exactly, it samples; otherwise (no
+    sampler, or a reason it cannot, logged once) the decode loop below does.
+    """
+    if sampler is not None:
+        reason = sampler.unsupported_reason(prompt_ids.size(1) + s.max_new_tokens)
+        if reason is None:
+            return tuple(sampler.sample(prompt_ids, prompt_mask, s, eos_ids, pad_id))
+        if reason not in _REPORTED:
+            _REPORTED.add(reason)
+            log.info("static sampler off (%s): decoding through the model's forward, step by step", reason)
     device = next(model.parameters()).device
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     B = ids.size(0)
@@ -153,15 +172,6 @@ def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
     return logits[inverse], cache  # [B, V]
 
 
-def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a [B, W] tensor: (inverse [B], first [U]) with rows[first][inverse] == rows and rows[first] distinct."""
-    _, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [B]
-    n_unique = int(inverse.max()) + 1
-    order = torch.arange(rows.size(0), device=rows.device)  # [B]
-    first = torch.full((n_unique,), rows.size(0), device=rows.device).scatter_reduce(0, inverse, order, "amin")
-    return inverse, first  # [B], [U]
-
-
 class _HFDecoder:
     """One decode step through the model's own forward: works for any causal LM that takes a DynamicCache."""
 
@@ -184,14 +194,31 @@ def _pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
 
 
 class TransformersBackend:
-    """Sampling with a transformers causal LM on whatever device it sits on."""
+    """Sampling with a transformers causal LM on whatever device it sits on.
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, autocast: bool = False):
+    autocast: the recipe computes in bf16 over fp32 weights; the static sampler then samples from a bf16 copy.
+    kv_cache_bytes: the static sampler's KV cache budget (None: no limit); a batch over it is sampled in parts.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, autocast: bool = False,
+                 kv_cache_bytes: int | None = None):
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
         self.eos_ids = sorted({tokenizer.eos_token_id, *_extra_eos(model)})
+        self.sampler = StaticSampler(model, dtype=torch.bfloat16 if autocast else None, memory_budget=kv_cache_bytes)
+
+    def sync_weights(self) -> None:
+        """Make the next sampling use the model's current weights; `generate` calls it before it samples."""
+        self.sampler.sync_weights(self.model)
 
     def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
         return self.generate_from_text(render_prompts(self.tokenizer, prompts), n, sampling)
+
+    def sample_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
+                   eos_ids: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+        """One batch of left-padded prompt ids through this backend's sampler (`sample_batch`'s four tensors)."""
+        return sample_batch(self.model, prompt_ids, prompt_mask, sampling,
+                            self.eos_ids if eos_ids is None else eos_ids, self.tokenizer.pad_token_id, self.autocast,
+                            self.sampler)
 
     def generate_from_text(self, texts: list[str], n: int, sampling: SamplingConfig,
                            add_special_tokens: bool = False) -> Rollout:
@@ -203,12 +230,15 @@ class TransformersBackend:
         prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, P]
         was_training = self.model.training
         self.model.eval()
+        # every call, not only when told: a fused AdamW step leaves no trace on the tensors (their version counters
+        # stay put), so a trainer that forgot to sync would sample stale weights; one weight copy (for a bf16 copy or
+        # captured steps; nothing otherwise) costs less than one decode step
+        self.sync_weights()
         parts = []
         try:
             for i in range(0, prompt_ids.size(0), sampling.batch_size):
                 sl = slice(i, i + sampling.batch_size)
-                parts.append(sample_batch(self.model, prompt_ids[sl], prompt_mask[sl], sampling, self.eos_ids,
-                                          tok.pad_token_id, self.autocast))
+                parts.append(self.sample_ids(prompt_ids[sl], prompt_mask[sl], sampling))
         finally:
             self.model.train(was_training)
         completion_ids = _pad_right([p[0] for p in parts], tok.pad_token_id)  # [N, C]

@@ -66,6 +66,7 @@ class Batch(NamedTuple):
     old_logps: torch.Tensor | None  # [N, C] pi_old log-probs before the first update; None when mu = 1
     ref_logps: torch.Tensor | None  # [N, C] reference log-probs, None when beta = 0
     advantages: torch.Tensor  # [N], or [N, C] one a token (process supervision)
+    sampler_logps: torch.Tensor | None = None  # [N, C] the sampler's log-probs of the chosen tokens, when it gives them
 
 
 class GRPOResult(NamedTuple):
@@ -251,8 +252,11 @@ class GRPOTrainer:
         completion_mask = rollout.completion_mask.float()  # [N, C]
         if cfg.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
             completion_mask = completion_mask * (~rollout.truncated).float()[:, None]
+        sampler_logps = getattr(rollout, "logprobs", None)  # for truncated importance sampling and its metrics
+        if sampler_logps is not None:
+            sampler_logps = sampler_logps.to(self.acc.device)  # [N, C]
         return Batch(input_ids, attention_mask, completion_mask.to(self.acc.device), old_logps, ref_logps,
-                     advantages.to(self.acc.device))
+                     advantages.to(self.acc.device), sampler_logps)
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""
@@ -272,15 +276,17 @@ class GRPOTrainer:
                                         None if batch.ref_logps is None else batch.ref_logps[s],
                                         batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
                                         epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                        importance_sampling_level=cfg.importance_sampling_level)
+                                        importance_sampling_level=cfg.importance_sampling_level,
+                                        sampler_logps=None if batch.sampler_logps is None else batch.sampler_logps[s],
+                                        tis_cap=cfg.tis_cap)
                 share = (batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask) * weight
                          * float(counts))
                 self.acc.backward(loss * share)
                 mask = batch.completion_mask[s]
                 stats["train/loss"] = loss.item()
                 stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v * share
+                for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
+                    sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
         sums["grad_norm"] = float(grad_norm)
         return sums

@@ -7,7 +7,14 @@ supervision):
     KL_t   = exp(ref - logp) - (ref - logp) - 1          (k3, always >= 0)
 
 ρ is one of ``IMPORTANCE_RATIOS``: per token, exp(logp_t - old_t) (GRPO), or one per sequence, exp of the mean
-of the sequence's log-ratios (GSPO), clipped per sequence. The per-token losses are reduced to a scalar by one of
+of the sequence's log-ratios (GSPO), clipped per sequence.
+
+Truncated importance sampling (TIS, Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+RL training"): the tokens were drawn by a sampler whose numbers differ from the trainer's (bf16, another kernel,
+vLLM), so with ``tis_cap`` C each token's policy-gradient term is weighted by the constant
+w_t = min(π_train(t) / π_sampler(t), C), π_train the training policy before the update (old_t) and π_sampler the
+sampler's log-prob of the chosen token. As in the paper (and verl), the weight corrects the policy-gradient
+estimate; the KL penalty is left as it is. The per-token losses are reduced to a scalar by one of
 ``AGGREGATORS``, and ``BATCH_SHARES`` says how the losses of micro-batches add up to the batch's.
 ``old_logps`` and ``ref_logps`` are treated as constants (detached).
 Masked-out positions must still hold finite numbers: they are zeroed by
@@ -125,6 +132,8 @@ def grpo_loss(
     beta: float = 0.04,
     loss_type: str = "grpo",
     importance_sampling_level: str = "token",
+    sampler_logps: Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss and detached stats.
 
@@ -133,6 +142,9 @@ def grpo_loss(
     old_logps None means one update per rollout (μ=1): ratio 1, gradient -A.
     ref_logps may be None only when beta == 0; with beta == 0 no KL is computed.
     importance_sampling_level: "token" or "sequence" (GSPO), see ``IMPORTANCE_RATIOS``.
+    sampler_logps: [B, T] the sampler's log-prob of each chosen token; with them the stats add tis/logp_diff_mean
+    and tis/logp_diff_max (|old - sampler| over the mask), and with tis_cap (> 0) each token's policy-gradient
+    term is weighted by min(exp(old - sampler), tis_cap), a constant.
 
     Stats (python floats): kl (token mean over the mask), clip_ratio,
     clip_ratio/low, clip_ratio/high, ratio_mean (means over the ratios: the
@@ -158,6 +170,8 @@ def grpo_loss(
                          f"{tuple(logps.shape)}; got {tuple(advantages.shape)}")
     if advantages.dim() == 2 and importance_sampling_level != "token":
         raise ValueError("advantages one a token [B, T] need importance_sampling_level 'token'")
+    if tis_cap is not None and (tis_cap <= 0 or sampler_logps is None):
+        raise ValueError(f"tis_cap={tis_cap} needs sampler_logps and a cap above 0")
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
     aggregate = AGGREGATORS[loss_type]
@@ -172,6 +186,9 @@ def grpo_loss(
     unclipped = ratio * adv  # [B, T] or [B, 1]
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # [B, T] or [B, 1]
     pg_per_token = -torch.min(unclipped, clipped)  # [B, T] or [B, 1], broadcast over the tokens below
+    if tis_cap is not None:
+        tis_weight = torch.exp(old - sampler_logps.detach()).clamp(max=tis_cap)  # [B, T], a constant
+        pg_per_token = pg_per_token * tis_weight  # [B, T]
 
     per_token = pg_per_token  # [B, T] or [B, 1]
     kl = 0.0
@@ -194,4 +211,10 @@ def grpo_loss(
             "ratio_mean": _masked_mean(ratio, counted),
             "pg_loss": aggregate(pg_per_token, mask).item(),
         }
+        if sampler_logps is not None:  # how far the sampler's numbers are from the trainer's
+            gap = (old - sampler_logps.detach()).abs()  # [B, T]
+            stats["tis/logp_diff_mean"] = _masked_mean(gap, mask)
+            stats["tis/logp_diff_max"] = gap.masked_fill(mask == 0, 0.0).max().item() if gap.numel() else 0.0
+            if tis_cap is not None:
+                stats["tis/weight_mean"] = _masked_mean(tis_weight, mask)
     return loss, stats

@@ -1,0 +1,326 @@
+"""The static-cache sampler against the model's own forward and a naive sampling loop, on tiny random decoders."""
+
+import math
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from grpo.config import SamplingConfig
+from grpo.sampling import static_sampler
+from grpo.sampling.static_sampler import StaticSampler, choose_tokens, prompt_bucket, unsupported_reason
+
+V, PAD, EOS = 96, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 12 end ids in 96: rows end after ~8 tokens
+KINDS = ["qwen2", "llama", "qwen3", "mistral"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # fixed reduction order: the comparisons below are at 1e-5 or token for token
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(kind: str = "qwen2", vocab: int = V, seed: int = 0, head_scale: float = 20.0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=PAD, tie_word_embeddings=False)
+    model = {"qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common)),
+             "llama": lambda: LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True)),
+             "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)),
+             "mistral": lambda: MistralForCausalLM(MistralConfig(**common, sliding_window=None))}[kind]()
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norm weights start at 0 and 1: make them matter
+            p.add_(torch.randn_like(p) * 0.05)
+        model.lm_head.weight.mul_(head_scale)  # peakier next-token distributions than a random init's near-uniform
+    return model.float().eval()
+
+
+def left_padded(lengths: list[int], seed: int = 1, repeat: int = 1, vocab: int = V) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded; each repeated `repeat` times (a group shares a prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(len(EOS) + 1, vocab, (n,), generator=g)
+        mask[i, width - n :] = 1
+    return ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0)  # [B, P] each
+
+
+def forward_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The model's own logits at every position of left-padded sequences: [B, T, V]."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+
+def reference_loop(model, ids, mask, s: SamplingConfig, uniforms: torch.Tensor):
+    """Naive sampling: a full forward over the whole sequence for every token, the same choice rule and uniforms."""
+    B = ids.size(0)
+    done = torch.zeros(B, dtype=torch.bool)
+    toks, lps, alive = [], [], []
+    for k in range(s.max_new_tokens):
+        full_ids = torch.cat([ids, *[t[:, None] for t in toks]], 1)
+        full_mask = torch.cat([mask, *[a[:, None].long() for a in alive]], 1)
+        logits = forward_logits(model, full_ids, full_mask)[:, -1]  # [B, V]
+        tok, lp = choose_tokens(logits, uniforms[:, k], s)
+        alive.append(~done)
+        toks.append(tok.masked_fill(done, PAD))
+        lps.append(lp.masked_fill(done, 0.0))
+        done = done | torch.isin(tok, torch.tensor(EOS))
+        if done.all():
+            break
+    return torch.stack(toks, 1), torch.stack(alive, 1).long(), torch.stack(lps, 1), ~done
+
+
+@pytest.mark.parametrize("full_cache", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_logits_equal_the_models_forward(kind, full_cache, monkeypatch):
+    model = make_model(kind, head_scale=4.0)  # logits of a few units: fp32 rounding stays well under 1e-5
+    ids, mask = left_padded([5, 11, 3, 8], repeat=2)
+    seen = []
+    choose = static_sampler.choose_tokens
+    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.clone()) or
+                        choose(logits, *a))
+    sampler = StaticSampler(model, full_cache_attention=full_cache, buckets=full_cache)  # as captured, and eager
+    out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=12), [], PAD)  # no end token: 12 steps
+    assert out.completion_ids.shape == (8, 12) and len(seen) == 12
+    want = forward_logits(model, torch.cat([ids, out.completion_ids], 1),
+                          torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1]  # [B, 12, V]
+    got = torch.stack(seen, 1)  # [B, 12, V]: the prefill's, then each step's
+    assert got.abs().max() > 1 and (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(max_new_tokens=20, temperature=0.8),
+                                      SamplingConfig(max_new_tokens=20, temperature=1.2, top_k=10, top_p=0.9),
+                                      SamplingConfig(max_new_tokens=20, temperature=0)])
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_the_same_tokens_as_a_reference_loop_with_the_same_uniforms(kind, sampling):
+    model = make_model(kind)
+    ids, mask = left_padded([5, 11, 3], repeat=3)
+    u = torch.rand(ids.size(0), sampling.max_new_tokens, generator=torch.Generator().manual_seed(2))  # [B, C]
+    got = StaticSampler(model).sample(ids, mask, sampling, EOS, PAD, uniforms=u)
+    want_ids, want_mask, want_lp, want_truncated = reference_loop(model, ids, mask, sampling, u)
+    assert torch.equal(got.completion_ids, want_ids) and torch.equal(got.completion_mask, want_mask)
+    assert torch.equal(got.truncated, want_truncated)
+    assert torch.allclose(got.logprobs, want_lp, atol=1e-5)
+
+
+def test_rows_that_end_stop_changing_and_are_padded():
+    model = make_model(head_scale=1.0)  # near-uniform: an end token every ~8 tokens
+    ids, mask = left_padded([5, 11, 3, 7], repeat=4)
+    u = torch.rand(16, 40, generator=torch.Generator().manual_seed(3))
+    out = StaticSampler(model).sample(ids, mask, SamplingConfig(max_new_tokens=40), EOS, PAD, uniforms=u)
+    lengths = out.completion_mask.sum(1)  # [B]
+    assert lengths.min() < lengths.max() < 40  # rows end at different steps, all before the budget
+    assert out.completion_ids.size(1) == lengths.max()  # no column past the last row's end
+    for row, n in enumerate(lengths.tolist()):
+        assert out.completion_mask[row, :n].all() and not out.completion_mask[row, n:].any()
+        assert out.completion_ids[row, n - 1] in EOS and (out.completion_ids[row, n:] == PAD).all()
+        assert (out.logprobs[row, n:] == 0).all() and (out.logprobs[row, :n] < 0).all()
+    assert not out.truncated.any()
+
+
+def test_one_new_token():
+    model = make_model()
+    ids, mask = left_padded([5, 11])
+    s = SamplingConfig(max_new_tokens=1)
+    u = torch.tensor([[0.3], [0.7]])
+    out = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    want = reference_loop(model, ids, mask, s, u)
+    assert out.completion_ids.shape == (2, 1) and torch.equal(out.completion_ids, want[0])
+    assert torch.equal(out.truncated, want[3])
+
+
+def test_prompt_buckets():
+    assert [prompt_bucket(n) for n in (1, 32, 33, 64, 200, 256, 257, 300, 513)] == [32, 32, 64, 64, 224, 256, 384,
+                                                                                     384, 640]
+
+
+def test_prompts_in_several_buckets_share_captures_per_bucket():
+    model = make_model()
+    sampler = StaticSampler(model, buckets=True, full_cache_attention=True)  # as on CUDA, without the graphs
+    s = SamplingConfig(max_new_tokens=6, temperature=0.9)
+    for lengths in ([5, 30], [40, 33], [70, 2, 65]):  # buckets 32, 64 and 96
+        ids, mask = left_padded(lengths, repeat=2)
+        u = torch.rand(ids.size(0), 6, generator=torch.Generator().manual_seed(len(lengths)))
+        got = sampler.sample(ids, mask, s, EOS, PAD, uniforms=u)
+        want = reference_loop(model, ids, mask, s, u)
+        assert torch.equal(got.completion_ids, want[0]) and torch.equal(got.completion_mask, want[1])
+
+
+def test_an_optimizer_step_is_seen_after_sync_weights():
+    model = make_model()
+    ids, mask = left_padded([5, 11, 3], repeat=2)
+    s = SamplingConfig(max_new_tokens=8, temperature=0)
+    sampler = StaticSampler(model, dtype=torch.bfloat16)  # a bf16 copy, as under bf16 autocast
+    before = sampler.sample(ids, mask, s, [], PAD)
+    copy = sampler._sampling_model()
+    assert copy.lm_head.weight.dtype == torch.bfloat16 and copy.model.rotary_emb.inv_freq.dtype == torch.float32
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with torch.no_grad():
+        logits = forward_logits(model, ids, mask)[:, -1]  # [B, V]
+    loss = model(input_ids=ids, attention_mask=mask).logits[:, -1].logsumexp(-1).sum() - model(
+        input_ids=ids, attention_mask=mask).logits[:, -1, logits.argmin(-1)].diagonal().sum()
+    loss.backward()  # push each row toward its least likely token
+    opt.step()
+    sampler.sync_weights(model)
+    after = sampler.sample(ids, mask, s, [], PAD)
+    fresh = StaticSampler(model, dtype=torch.bfloat16).sample(ids, mask, s, [], PAD)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    assert torch.equal(after.completion_ids, fresh.completion_ids)
+    assert torch.equal(after.logprobs, fresh.logprobs)
+
+
+def test_sampled_frequencies_follow_the_softmax():
+    # Pearson's chi-square over 16 tokens (15 degrees of freedom): 37.7 is the 0.1% tail, so a sampler that
+    # follows the distribution passes with this seed (and almost any other), and one that does not fails
+    model = make_model(vocab=16)
+    ids, mask = left_padded([6], seed=4, vocab=16)
+    n = 4000
+    ids, mask = ids.expand(n, -1), mask.expand(n, -1)
+    torch.manual_seed(5)
+    s = SamplingConfig(max_new_tokens=2, temperature=1.5)
+    out = StaticSampler(model).sample(ids, mask, s, [], PAD)
+    first = forward_logits(model, ids[:1], mask[:1])[0, -1].div(1.5).softmax(-1)  # [16]
+    counts = torch.bincount(out.completion_ids[:, 0], minlength=16).double()
+    chi2 = ((counts - n * first) ** 2 / (n * first)).sum()
+    assert chi2 < 37.7
+    # the second token, after the most frequent first one: the decode step's own distribution
+    tok = int(counts.argmax())
+    rows = out.completion_ids[:, 0] == tok
+    second = forward_logits(model, torch.cat([ids[:1], torch.tensor([[tok]])], 1),
+                            torch.cat([mask[:1], torch.ones(1, 1, dtype=torch.long)], 1))[0, -1].div(1.5).softmax(-1)
+    m = int(rows.sum())
+    counts = torch.bincount(out.completion_ids[rows, 1], minlength=16).double()
+    assert ((counts - m * second) ** 2 / (m * second)).sum() < 37.7
+    # and the check has teeth: the same counts against a flat distribution fail it
+    assert ((counts - m / 16) ** 2 / (m / 16)).sum() > 37.7
+
+
+def test_a_memory_budget_splits_the_batch_into_the_same_tokens():
+    model = make_model()
+    ids, mask = left_padded([5, 11, 3, 9], repeat=2)
+    s = SamplingConfig(max_new_tokens=16, temperature=1.0)
+    u = torch.rand(8, 16, generator=torch.Generator().manual_seed(6))
+    whole = StaticSampler(model, buckets=True).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    # one row's cache: 2 layers x (K and V) x 2 KV heads x (32 + 16) slots x 16 dims x 4 bytes = 24,576 bytes
+    row = 2 * 2 * 2 * 48 * 16 * 4
+    split = StaticSampler(model, memory_budget=3 * row, buckets=True)
+    assert split._rows_per_part(8, 48) == 3
+    parts = split.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    assert torch.equal(whole.completion_ids, parts.completion_ids)
+    assert torch.equal(whole.completion_mask, parts.completion_mask) and torch.equal(whole.truncated, parts.truncated)
+    assert torch.allclose(whole.logprobs, parts.logprobs, atol=1e-5)  # a smaller batch may round a matmul apart
+    with pytest.raises(ValueError, match="holds no row"):
+        StaticSampler(model, memory_budget=row - 1, buckets=True).sample(ids, mask, s, EOS, PAD)
+
+
+def test_logprobs_only_when_asked():
+    model = make_model()
+    ids, mask = left_padded([5, 11])
+    out = StaticSampler(model).sample(ids, mask, SamplingConfig(max_new_tokens=4), EOS, PAD, return_logprobs=False)
+    assert out.logprobs is None and out.completion_ids.size(0) == 2
+
+
+def test_unknown_or_altered_decoders_are_refused_with_a_reason():
+    assert unsupported_reason(make_model()) is None
+    gelu = make_model()
+    gelu.config.hidden_act = "gelu"
+    assert "silu" in unsupported_reason(gelu)
+    hooked = make_model()
+    hooked.lm_head.register_forward_hook(lambda m, a, out: out)
+    assert "hooks" in unsupported_reason(hooked)
+    windowed = make_model("mistral")
+    windowed.config.sliding_window = 16
+    assert unsupported_reason(windowed, 8) is None and "window" in unsupported_reason(windowed, 40)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    assert "GPT2LMHeadModel" in unsupported_reason(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+def test_chi_square_bound_is_the_tail_it_claims():
+    # the 0.1% tail of chi-square with 15 degrees of freedom, by the Wilson-Hilferty approximation
+    k, z = 15, 3.0902
+    assert math.isclose(k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3, 37.7, abs_tol=0.3)
+
+
+def test_a_seed_samples_what_the_decode_loop_samples():
+    from grpo.sampling.backend import sample_batch
+
+    model = make_model()
+    ids, mask = left_padded([5, 11, 3], repeat=3)
+    s = SamplingConfig(max_new_tokens=16, temperature=0.9)
+    torch.manual_seed(8)
+    loop = sample_batch(model, ids, mask, s, EOS, PAD)  # the lean decode loop, one uniform draw a step
+    torch.manual_seed(8)
+    static = StaticSampler(model).sample(ids, mask, s, EOS, PAD)
+    assert torch.equal(loop[0], static.completion_ids) and torch.equal(loop[1], static.completion_mask)
+    assert torch.allclose(loop[2], static.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("explicit_sync", [True, False])
+def test_kept_captures_see_an_optimizer_step(explicit_sync):
+    # what CUDA runs, but for the graph: state and weights kept from call to call, refreshed in place on sync
+    model = make_model()
+    ids, mask = left_padded([5, 11, 3], repeat=2)
+    s = SamplingConfig(max_new_tokens=8, temperature=0.8)
+    u = torch.rand(6, 8, generator=torch.Generator().manual_seed(9))
+    kept = StaticSampler(model, keep_captures=True, full_cache_attention=True, buckets=True)
+    first = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    kept.sample(*left_padded([40, 2]), s, EOS, PAD)  # another bucket between the two calls
+    again = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    assert len(kept._captures) == 2 and torch.equal(first.completion_ids, again.completion_ids)
+    with torch.no_grad():
+        for p in model.parameters():  # an optimizer step, in place as optimizers step
+            p.add_(torch.randn_like(p) * 0.05)
+    if explicit_sync:
+        kept.sync_weights(model)  # else the sampler sees the parameters' versions moved and syncs itself
+    after = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    fresh = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    assert not torch.equal(first.logprobs, after.logprobs)
+    assert torch.equal(after.completion_ids, fresh.completion_ids)
+    assert torch.allclose(after.logprobs, fresh.logprobs, atol=1e-5)
+
+
+def test_a_bf16_copy_decodes_the_bf16_models_numbers(monkeypatch):
+    # the copy the trainer samples from under bf16 autocast: its steps agree with the bf16 model's own forward to
+    # bf16's precision (a wrong weight, rotary or mask would be off by whole units)
+    model = make_model(head_scale=4.0)
+    ids, mask = left_padded([5, 11, 3])
+    seen = []
+    choose = static_sampler.choose_tokens
+    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.float()) or
+                        choose(logits, *a))
+    sampler = StaticSampler(model, dtype=torch.bfloat16)
+    out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=10), [], PAD)
+    half = sampler._sampling_model()
+    want = forward_logits(half, torch.cat([ids, out.completion_ids], 1),
+                          torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1].float()  # [B, 10, V]
+    got = torch.stack(seen, 1)  # [B, 10, V]
+    assert (got - want).abs().max() < 0.1 < want.abs().max()
+
+
+def test_the_backend_samples_the_weights_a_fused_optimizer_stepped():
+    # a fused AdamW step leaves the parameters' version counters alone, so nothing on the tensors says they
+    # changed: the backend syncs its bf16 copy before every generate call all the same
+    from grpo.config import ModelConfig, TinyModelConfig
+    from grpo.models import load_model_and_tokenizer
+    from grpo.sampling.backend import TransformersBackend
+
+    model, tok = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)))
+    prompts, s = ["Hi", "What is 2 + 3?"], SamplingConfig(max_new_tokens=6, temperature=0)
+    backend = TransformersBackend(model, tok, autocast=True)  # samples from a bf16 copy
+    before = backend.generate(prompts, 2, s)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    after = backend.generate(prompts, 2, s)
+    fresh = TransformersBackend(model, tok, autocast=True).generate(prompts, 2, s)
+    assert not torch.equal(before.logprobs, after.logprobs)
+    assert torch.equal(after.completion_ids, fresh.completion_ids) and torch.equal(after.logprobs, fresh.logprobs)
