@@ -267,8 +267,12 @@ class GRPOConfig(BaseModel):
     mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
     max_refill_rounds: int = Field(3, ge=0)  # extra sampling rounds per step when dynamic sampling
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
-    gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, one more forward
+    # recompute each layer in the backward: less memory, one more forward; "auto": on a GPU, off on a CPU
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
+    # the frozen reference's weights: "auto" is bf16 on a GPU whose loop runs in bf16 (half its memory), else the
+    # policy's dtype
+    reference_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # the policy's weights while training: "float32", or "bfloat16" (weights, gradients, reference and sampling in
     # bf16; the optimizer steps fp32 master copies with fp32 state, and the saved model is the fp32 masters)
     weights_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -357,3 +357,23 @@ def test_truncated_importance_sampling_sees_an_fp32_sampler_agree_with_the_train
     m = seen[1]
     assert 0 <= m["tis/logp_diff_mean"] <= m["tis/logp_diff_max"] < 1e-4
     assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_on_a_gpu_auto_checkpoints_activations_and_keeps_a_bf16_reference():
+    """`gradient_checkpointing: auto` and `reference_dtype: auto` decide from where the loop trains: on a GPU in bf16
+    the memory-saving choices, on a CPU the fast ones; an explicit setting wins either way."""
+    from types import SimpleNamespace
+
+    from grpo.config import GRPOConfig
+    from grpo.training.grpo_trainer import checkpointing_on, reference_dtype
+
+    gpu = SimpleNamespace(device=torch.device("cuda"), mixed_precision="bf16")  # what an Accelerator reports
+    cpu = SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16")
+    auto = GRPOConfig()
+    assert (checkpointing_on(auto, gpu), checkpointing_on(auto, cpu)) == (True, False)
+    assert (reference_dtype(auto, gpu), reference_dtype(auto, cpu)) == (torch.bfloat16, None)
+    assert reference_dtype(auto, SimpleNamespace(device=torch.device("cuda"), mixed_precision="no")) is None
+    off = GRPOConfig(gradient_checkpointing=False, reference_dtype="float32")
+    assert (checkpointing_on(off, gpu), reference_dtype(off, gpu)) == (False, None)
+    on = GRPOConfig(gradient_checkpointing=True, reference_dtype="bfloat16")
+    assert (checkpointing_on(on, cpu), reference_dtype(on, cpu)) == (True, torch.bfloat16)

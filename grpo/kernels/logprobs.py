@@ -177,7 +177,7 @@ def logps_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: 
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) at `targets` [N, C] (and the entropy, no gradient) from [N, C, V] logits."""
     logits = logits.float()  # [N, C, V]
-    if temperature > 0:
+    if temperature > 0 and temperature != 1.0:  # at 1.0 no second [N, C, V] copy
         logits = logits / temperature  # the distribution the tokens were sampled from
     logp_all = torch.log_softmax(logits, -1)  # [N, C, V]
     logps = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, C]

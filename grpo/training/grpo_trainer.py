@@ -148,6 +148,9 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.beta != 0 and cfg.lora is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if reference_dtype(cfg, self.acc) == torch.bfloat16:
+                cast_parameters(self.ref_model, torch.bfloat16)
+        self.checkpointing = checkpointing_on(cfg, self.acc)
         scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                    num_training_steps=cfg.max_steps * cfg.num_iterations)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
@@ -302,7 +305,7 @@ class GRPOTrainer:
         policy = self.acc.unwrap_model(self.model)
         core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
         with (cpu_attention(core, self.ref_model), compact_mlp(core),
-              activation_checkpointing(core, cfg.gradient_checkpointing)):
+              activation_checkpointing(core, self.checkpointing)):
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = self.output_dir / "model"
@@ -389,6 +392,21 @@ class GRPOTrainer:
             return 0
         self.acc.load_state(str(latest))
         return checkpoint_step(latest)
+
+
+def checkpointing_on(cfg: GRPOConfig, acc) -> bool:
+    """Activation checkpointing as configured; `auto` is on a GPU (memory is what it lacks) and off on a CPU (which
+    has RAM to spare and no time for the extra forward)."""
+    return acc.device.type == "cuda" if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing
+
+
+def reference_dtype(cfg: GRPOConfig, acc) -> torch.dtype | None:
+    """The frozen reference's dtype, when it differs from the policy's: bf16 on a GPU whose loop runs in bf16 under
+    `auto` (it only ever runs forward, under the same autocast), or what the config names."""
+    if cfg.reference_dtype == "bfloat16" or (cfg.reference_dtype == "auto" and acc.device.type == "cuda"
+                                              and acc.mixed_precision == "bf16"):
+        return torch.bfloat16
+    return None
 
 
 def _chunks(n: int, size: int) -> list[slice]:

@@ -33,7 +33,7 @@ from grpo.models import activation_checkpointing
 from grpo.ppo_config import PPOConfig, check_ppo_settings
 from grpo.sampling.backend import Rollout
 from grpo.training.accelerator import optimizer_step
-from grpo.training.grpo_trainer import GRPOTrainer, prompt_order
+from grpo.training.grpo_trainer import GRPOTrainer, checkpointing_on, prompt_order
 from grpo.training.logprobs import token_logps
 from grpo.training.loss import batch_share, k3_kl
 from grpo.training.optimizers import cast_parameters, make_optimizer
@@ -169,7 +169,8 @@ class PPOTrainer(GRPOTrainer):
 
     def _loop(self, start: int, bar, ckpt_root: Path) -> None:
         trunk = self.acc.unwrap_model(self.critic).trunk
-        with cpu_attention(trunk), compact_mlp(trunk), activation_checkpointing(trunk, self.cfg.gradient_checkpointing):
+        with (cpu_attention(trunk), compact_mlp(trunk),
+              activation_checkpointing(trunk, checkpointing_on(self.cfg, self.acc))):
             super()._loop(start, bar, ckpt_root)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
