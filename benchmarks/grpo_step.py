@@ -1,7 +1,7 @@
 """GRPO step speed and memory with the project's trainer on a shared-bench workload (the TRL peers' twin).
 
 usage: python benchmarks/grpo_step.py MODEL_DIR [--workload PATH] [--gradient-checkpointing] [--device auto|cpu|cuda]
-                                      [--smoke]
+                                      [--smoke] [--lora R] [--weights-dtype float32|bfloat16]
 MODEL_DIR comes from the shared bench's make_tiny_model.py (CPU workloads: workload.json, workload_wide.json) or
 gpu/make_model.py (the GPU workload, gpu/workload.json): a random-weight Qwen2 model, its tokenizer, prompts.jsonl.
 Prints, as its last line, the JSON figures the peers print: median step seconds, completion tokens per second
@@ -45,7 +45,7 @@ def load_workload(args):
     import pandas as pd
     import torch
 
-    from grpo.config import GRPOConfig, ModelConfig, SamplingConfig
+    from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
 
     cuda = torch.cuda.is_available()
@@ -71,6 +71,8 @@ def load_workload(args):
         rewards={"sum": 1.0}, checkpoint_every=0, samples_every=0, seed=spec["seed"],
         micro_batch_size=g.get("micro_batch_size", n), gradient_checkpointing=args.gradient_checkpointing,
         mixed_precision="bf16" if bf16 else "no",
+        lora=LoRAConfig(r=args.lora) if getattr(args, "lora", None) else None,
+        weights_dtype=getattr(args, "weights_dtype", "float32"),
     )
     return cuda, g, n, rows, model, tok, cfg
 
@@ -83,6 +85,10 @@ def main() -> None:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: CUDA where there is a GPU; cpu hides the GPUs from this process")
     ap.add_argument("--smoke", action="store_true", help="a cut-down workload that checks the path runs")
+    ap.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="train rank-R LoRA adapters on every linear layer instead of the whole model (needs peft)")
+    ap.add_argument("--weights-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: bf16 weights with fp32 master copies in the optimizer")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: the trainer then finds no GPU
@@ -110,6 +116,8 @@ def main() -> None:
         "micro_batch_size": cfg.micro_batch_size,
         "mixed_precision": cfg.mixed_precision,
         "gradient_checkpointing": cfg.gradient_checkpointing,
+        "lora_r": cfg.lora.r if cfg.lora else None,
+        "weights_dtype": cfg.weights_dtype,
         # where the step goes (medians; not in the peers' figures)
         **{f"median_{k}_s": round(statistics.median(m[f"time/{k}_s"] for m in timed), 4)
            for k in ("generation", "reference", "optimise")},

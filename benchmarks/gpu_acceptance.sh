@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU targets of the sampler and the GRPO step, one part per call, each within a 10-minute command limit
+# (all five within ~25 minutes on one H100). Each part prints one JSON line (its figures and ratios) as its last line.
+#
+#   benchmarks/gpu_acceptance.sh smoke          # benchmarks/gpu_smoke.py on the qwen2.5-0.5b preset
+#   benchmarks/gpu_acceptance.sh decode         # our sampler vs transformers' generate (dynamic, static+compiled)
+#   benchmarks/gpu_acceptance.sh compare-0.5b   # GRPO step vs TRL 1.16 (bench compare.py --pairs 2)
+#   benchmarks/gpu_acceptance.sh compare-1.5b
+#   benchmarks/gpu_acceptance.sh lora-7b        # the qwen2.5-7b preset trains with LoRA on one 80 GB GPU
+#
+# On a machine with no network: copy the shared bench's gpu/ folder to .gpu/bench and the wheels that machine lacks
+# (trl, datasets, pydantic, ...; see that folder's README) to .gpu/wheels (.gitignore keeps .gpu/ out of git).
+# Models are built once under $R1_GPU_MODELS (default /tmp/r1-gpu-models). Record the lines in BENCHMARKS.md with
+# the GPU's name (`nvidia-smi -L`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:?"usage: $0 smoke|decode|compare-0.5b|compare-1.5b|lora-7b"}
+PY=${PYTHON:-python}
+BENCH=${R1_GPU_BENCH:-.gpu/bench}
+WHEELS=${R1_GPU_WHEELS:-.gpu/wheels}
+MODELS=${R1_GPU_MODELS:-/tmp/r1-gpu-models}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1
+
+[ -f "$BENCH/make_model.py" ] || { echo "no bench in $BENCH: copy the shared bench's gpu/ folder there" >&2; exit 2; }
+if compgen -G "$WHEELS/*.whl" >/dev/null; then  # what this machine lacks, without an index
+  $PY -m pip install -q --no-deps --no-index --find-links "$WHEELS" "$WHEELS"/*.whl
+fi
+
+model() {  # the preset's model folder, built once
+  [ -f "$MODELS/$1/config.json" ] || $PY "$BENCH/make_model.py" "$1" "$MODELS/$1" >&2
+  echo "$MODELS/$1"
+}
+
+case "$PART" in
+  smoke)
+    m=$(model qwen2.5-0.5b)
+    out=$($PY benchmarks/gpu_smoke.py "$m" --tokens 256 | tee /dev/stderr)
+    $PY - "$out" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")]
+checks = {r["check"]: {k: v for k, v in r.items() if k != "check"} for r in rows if "check" in r}
+print(json.dumps({"part": "smoke", "passed": rows[-1].get("gpu_smoke") == "passed", "device": rows[-1].get("device"),
+                  "checks": checks}))
+EOF
+    ;;
+  decode)
+    m=$(model qwen2.5-0.5b)
+    ours=$($PY benchmarks/decode.py "$m" --batch 128 512 --weights fp32-autocast | tee /dev/stderr)
+    peer=$($PY "$BENCH/decode_peer.py" "$m" --batch 128 512 | tee /dev/stderr)
+    $PY - "$ours" "$peer" <<'EOF'
+import json, sys
+ours = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")]
+peer = [json.loads(l) for l in sys.argv[2].splitlines() if l.startswith("{")]
+out = {"part": "decode", "device": ours[0]["device"]}
+for o in ours:
+    b = o["batch"]
+    static = [p for p in peer if p["batch"] == b and p["way"] == "hf-static-compiled"]
+    dynamic = [p for p in peer if p["batch"] == b and p["way"] == "hf-dynamic"]
+    row = {"ours_ms_per_step": o["ms_per_step"], "ours_tokens_per_s": o["tokens_per_s"]}
+    if static:
+        row["static_compiled_ms_per_step"] = static[0]["ms_per_step"]
+        row["x_static_compiled_tokens_per_s"] = round(o["tokens_per_s"] / static[0]["tokens_per_s"], 2)
+    if dynamic:
+        row["x_dynamic_tokens_per_s"] = round(o["tokens_per_s"] / dynamic[0]["tokens_per_s"], 2)
+    out[f"batch_{b}"] = row
+print(json.dumps(out))
+EOF
+    ;;
+  compare-0.5b | compare-1.5b)
+    preset=qwen2.5-${PART#compare-}
+    $PY "$BENCH/compare.py" --pairs 2 --preset "$preset" \
+      --ours "$PY benchmarks/grpo_step.py --gradient-checkpointing" | tee /dev/stderr | tail -1 \
+      | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'part': '$PART', **r}))"
+    ;;
+  lora-7b)
+    m=$(model qwen2.5-7b)
+    $PY benchmarks/grpo_step.py "$m" --workload "$BENCH/workload.json" --gradient-checkpointing --lora 16 \
+      --weights-dtype bfloat16 | tail -1 | $PY -c "import json,sys; print(json.dumps({'part': 'lora-7b', **json.loads(sys.stdin.read())}))"
+    ;;
+  *)
+    echo "unknown part $PART: smoke|decode|compare-0.5b|compare-1.5b|lora-7b" >&2
+    exit 2
+    ;;
+esac
