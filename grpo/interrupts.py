@@ -20,11 +20,14 @@ from contextlib import contextmanager
 
 _threads: set[int] = set()  # idents of threads inside `interruptible` work
 _lock = threading.Lock()
+# set by `stop_on_signals` once a stop signal arrived: whatever fails from then on is the stop's doing (a signal that
+# lands inside `compile()` surfaces as a SystemError, not a KeyboardInterrupt, in CPython)
+_stopping = threading.Event()
 
 
 def is_interrupt(exc: BaseException) -> bool:
     """Whether `exc` means someone stopped the run (Ctrl-C, SIGTERM, a cancelled flow run), not that it failed."""
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt) or _stopping.is_set():
         return True
     # Prefect's TerminationSignal, named rather than imported: this module is plain Python, like the rest of grpo/
     return any(c.__name__ == "TerminationSignal" and c.__module__.startswith("prefect.")
@@ -65,11 +68,14 @@ def stop_on_signals() -> Iterator[None]:
         if received:
             return
         received.append(signum)
+        _stopping.set()
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _stopping.clear()
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        _stopping.clear()

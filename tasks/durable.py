@@ -128,10 +128,9 @@ class _Uploader(threading.Thread):
             return
         before = marked_copies(self.key)
         try:
-            tracking.retry_locked(tracking.client().log_artifacts, self.run_id, str(staging),
-                                  _artifact_path(self.key, step))
+            tracking.client().log_artifacts(self.run_id, str(staging), _artifact_path(self.key, step))
             # the mark, once the copy is whole
-            tracking.retry_locked(tracking.set_tags, self.run_id, {_tag(self.key): str(step)})
+            tracking.set_tags(self.run_id, {_tag(self.key): str(step)})
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info("resume checkpoint at step %d copied to run %s", step, self.run_id)

@@ -5,7 +5,8 @@ a pod that was preempted or a node that was lost: those runs would stay RUNNING 
 tagged `r1.heartbeat` (epoch milliseconds) every `R1_HEARTBEAT_S` seconds (30 by default; the run records the
 interval as `r1.heartbeat_s`) from one daemon thread, and a RUNNING run whose heartbeat is older than `STALE_BEATS`
 intervals is dead wherever it ran. A pipeline waiting on a placed stage reads the same tag to tell a stage that is
-slow from one that is gone.
+slow from one that is gone. Runs beat where the tracking store is shared (a server or a database); on a local SQLite
+file, which serves one machine, `end_dead_runs` asks for the owning process instead.
 """
 
 from __future__ import annotations

@@ -49,11 +49,32 @@ def tracking_uri() -> str:
 _ready: set[str] = set()  # SQLite stores this process has opened (and so created, if they were new)
 
 
+class _RetryingClient:
+    """An MlflowClient whose calls are made again while SQLite says the database is locked.
+
+    SQLite answers "locked" at once, whatever its busy timeout, when a transaction that has read must write while
+    another thread of the process holds the write lock; a background thread's write (a heartbeat, a resume
+    checkpoint's mark, system metrics) can meet the loop's own that way. The failed transaction was rolled back, so
+    making the call again is safe.
+    """
+
+    def __init__(self, inner: MlflowClient):
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: retry_locked(attr, *args, **kwargs)
+
+
 def client() -> MlflowClient:
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)  # so mlflow.artifacts / mlflow.data helpers resolve runs:/ URIs the same way
-    if not uri.startswith("sqlite:///") or uri in _ready:
+    if not uri.startswith("sqlite:///"):
         return MlflowClient(tracking_uri=uri)
+    if uri in _ready:
+        return _RetryingClient(MlflowClient(tracking_uri=uri))  # type: ignore[return-value]
     # two processes opening a new database at once (two `r1 run` on a fresh home) race in MLflow's schema
     # migration and one fails with "table ... already exists": open it one process at a time
     import fcntl
@@ -66,7 +87,7 @@ def client() -> MlflowClient:
         c.search_experiments(max_results=1)  # creates the tracking tables
         c.search_registered_models(max_results=1)  # and the registry's
     _ready.add(uri)
-    return c
+    return _RetryingClient(c)  # type: ignore[return-value]
 
 
 def experiment_id(name: str | None = None) -> str:
@@ -195,26 +216,32 @@ def end_dead_runs() -> list[str]:
     return ended
 
 
+def _needs_heartbeat() -> bool:
+    """Runs beat where the tracking store is shared (a server, a database): a local SQLite file serves one machine,
+    whose processes `end_dead_runs` asks for directly, and a second writer thread there only adds lock waits."""
+    return not tracking_uri().startswith("sqlite:")
+
+
 def _write_heartbeat(run_id: str, epoch_ms: str) -> None:
     from tasks import heartbeat
 
-    retry_locked(client().set_tag, run_id, heartbeat.TAG, epoch_ms)
+    client().set_tag(run_id, heartbeat.TAG, epoch_ms)
 
 
-def retry_locked(call, *args, tries: int = 6):
-    """A tracking call, again after a pause while SQLite says the database is locked: a write from a background
-    thread (a heartbeat, a checkpoint copy) can meet one from the loop's own."""
+def retry_locked(call, *args, tries: int = 8, **kwargs):
+    """A tracking call, again after a short pause while SQLite says the database is locked (see _RetryingClient)."""
+    import random
     import time
 
     from mlflow.exceptions import MlflowException
 
     for attempt in range(tries):
         try:
-            return call(*args)
+            return call(*args, **kwargs)
         except MlflowException as e:
-            if "locked" not in str(e) or attempt == tries - 1:
+            if "database is locked" not in str(e) or attempt == tries - 1:
                 raise
-            time.sleep(0.2 * 2 ** attempt)
+            time.sleep(0.05 * 2 ** attempt * (1 + random.random()))  # apart, so the two do not meet again
 
 
 def start_run(name: str, *, tags: dict[str, str], parent_run_id: str | None = None,
@@ -223,11 +250,13 @@ def start_run(name: str, *, tags: dict[str, str], parent_run_id: str | None = No
     from tasks import heartbeat
 
     c = client()
-    all_tags = {**tags, **owner_tags(), **heartbeat.first_beat()}
+    beats = _needs_heartbeat()
+    all_tags = {**tags, **owner_tags(), **(heartbeat.first_beat() if beats else {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     run = c.create_run(experiment_id(), run_name=name, tags=all_tags)
-    heartbeat.beat_for(run.info.run_id, _write_heartbeat)  # until it ends
+    if beats:
+        heartbeat.beat_for(run.info.run_id, _write_heartbeat)  # until it ends
     if config is not None:
         log_params(run.info.run_id, flatten(config))
     return run.info.run_id
@@ -364,9 +393,10 @@ def reopen_run(run_id: str) -> None:
     """Mark a failed run RUNNING again, for a retry that carries on in it (owned by this process now)."""
     from tasks import heartbeat
 
-    set_tags(run_id, {**owner_tags(), **heartbeat.first_beat()})
+    set_tags(run_id, {**owner_tags(), **(heartbeat.first_beat() if _needs_heartbeat() else {})})
     client().update_run(run_id, status="RUNNING")
-    heartbeat.beat_for(run_id, _write_heartbeat)
+    if _needs_heartbeat():
+        heartbeat.beat_for(run_id, _write_heartbeat)
 
 
 def pipeline_uris(run_id: str) -> dict[str, str]:
