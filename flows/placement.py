@@ -14,7 +14,6 @@ completed is waited on or read, not started a second time.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from flows.checks import UsageError
 from flows.stages import Stage

@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
