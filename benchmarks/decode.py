@@ -1,5 +1,6 @@
-"""Generation alone with the sampler the GRPO trainer uses (`TransformersBackend`), for the GPU workload's batch: the twin of the shared bench's
-gpu/decode_peer.py (transformers' `generate`, dynamic and static cache).
+"""Generation alone with the sampler the GRPO trainer uses (the engine `grpo.sampling.engines` builds), for the GPU
+workload's batch: the twin of the shared bench's gpu/decode_peer.py (transformers' `generate`, dynamic and static
+cache).
 
 usage: python benchmarks/decode.py MODEL_DIR [--batch 128 512] [--new-tokens 256] [--weights bf16|fp32|fp32-autocast]
                                    [--device auto|cpu|cuda]
@@ -35,7 +36,8 @@ def main() -> None:
 
     from grpo.config import ModelConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.config import GenerationConfig
+    from grpo.sampling.engines import build_engine, sampling_dtype
 
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
@@ -48,14 +50,17 @@ def main() -> None:
     prompts = [f"What is {10 + i % 90} + {20 + i % 70}?" for i in range(max(args.batch))]  # the peer's
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # the trainer's sampler: the backend it builds (static-cache sampler for this model, bf16 copy under autocast)
-    backend = TransformersBackend(model, tok, autocast=args.weights == "fp32-autocast")
+    # the trainer's sampler: the engine it builds (static-cache sampler for this model, a bf16 copy of fp32 weights
+    # where the loop computes in bf16), with logprobs off as GRPO asks without truncated importance sampling
+    precision = "bf16" if args.weights == "fp32-autocast" else "no"
+    backend = build_engine(GenerationConfig(), model, tok, dtype=sampling_dtype(precision))
 
     def run(batch: int) -> tuple[float, int]:
         enc = tok(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False)
         sync()
         t = time.perf_counter()
-        ids, _, _, _ = backend.sample_ids(enc["input_ids"], enc["attention_mask"], sampling, eos_ids=[])
+        ids, _, _, _ = backend.sample_ids(enc["input_ids"], enc["attention_mask"], sampling, eos_ids=[],
+                                          logprobs=False)
         sync()
         return time.perf_counter() - t, ids.size(1)
 

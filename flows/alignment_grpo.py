@@ -53,13 +53,15 @@ def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str 
         metrics = {}
         if data.heldout and config.eval_before:
             before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
-                                    code=config.grpo.code)
+                                    code=config.grpo.code, generation=config.generation)
             metrics.update({f"{k}_before": v for k, v in before.items()})
         checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
-                                      reward_model_uri=reward_model, distributed=config.distributed)
+                                      reward_model_uri=reward_model, distributed=config.distributed,
+                                      generation=config.generation)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
-                                          step=config.grpo.max_steps, code=config.grpo.code))
+                                          step=config.grpo.max_steps, code=config.grpo.code,
+                                          generation=config.generation))
         version = register_model(run_id, checkpoint, config, metrics.get("eval/accuracy"),
                                  heldout_key(data.heldout, config.eval))
     registered = f"models:/{config.registered_model}/{version}"  # this run's version, whatever the alias does

@@ -35,7 +35,7 @@ def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run
         metrics = {}
         if data.heldout:
             metrics = evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
-                                     step=config.train.max_steps)
+                                     step=config.train.max_steps, generation=config.generation)
     result = StageResult(stage=NAME, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
                          metrics=metrics)
     publish_stage_report(result)

@@ -36,7 +36,7 @@ def sft(dataset_uri: str, config: SFTStageConfig = SFTStageConfig(), heldout_uri
         metrics = {}
         if heldout_uri:
             metrics = evaluate_model(run_id, checkpoint, config.model, heldout_uri, config.eval,
-                                     step=config.train.max_steps)
+                                     step=config.train.max_steps, generation=config.generation)
     result = StageResult(stage=NAME, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": train,
                                                            **({"heldout": heldout_uri} if heldout_uri else {})},
                          metrics=metrics)

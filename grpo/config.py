@@ -366,11 +366,17 @@ class JudgeConfig(BaseModel):
 
 
 class GenerationConfig(BaseModel):
-    """Where rejection sampling's samples come from: the checkpoint in this process, or OpenAI-compatible servers."""
+    """Which engine samples a stage's completions (`grpo.sampling.engines`): the model in this process, or (rejection
+    sampling only) OpenAI-compatible servers."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    backend: Literal["local", "http"] = "local"  # local: transformers in the shard task; http: /v1/completions
+    backend: Literal["local", "http"] = "local"  # local: the model in this process; http: /v1/completions servers
+    # local only: "auto" samples Qwen2/Qwen3/Llama/Mistral-style models with the static-cache sampler (CUDA graphs on
+    # a GPU) and other models through their own forward; "loop" always the latter
+    sampler: Literal["auto", "loop"] = "auto"
+    kv_cache_mb: int | None = Field(None, ge=1)  # local only: the static sampler's KV cache budget; None: half the
+    #                                              GPU's free memory (no limit on a CPU); a batch over it runs in parts
     endpoints: tuple[str, ...] = ()  # http only: endpoint roots, the part before /completions (http://gpu-0:8000/v1)
     model: str = ""  # http only: the model name the endpoints serve (vLLM: --served-model-name)
     max_in_flight: int = Field(32, ge=1)  # http only: requests in flight at once per endpoint (per process)

@@ -24,7 +24,7 @@ import torch
 from grpo.config import CodeConfig, EvalConfig, SamplingConfig
 from grpo.rewards import format_reward
 from grpo.rewards.correct import CHECK_COLUMNS, RowCheck, check_rows
-from grpo.sampling.backend import GenerationBackend, Rollout
+from grpo.sampling.engines import Engine, Rollout
 
 
 class EvalResult(NamedTuple):
@@ -42,9 +42,9 @@ def _score(rollout: Rollout, columns: dict[str, list], code: dict) -> tuple[list
     return correct, formatted, check
 
 
-def evaluate(backend: GenerationBackend, rows: pd.DataFrame, cfg: EvalConfig,
+def evaluate(engine: Engine, rows: pd.DataFrame, cfg: EvalConfig,
              code: CodeConfig | None = None) -> EvalResult:
-    """Score a model (behind `backend`) on `rows`: a `prompt` column, and an `answer` or tests (`tests`, `io_tests`,
+    """Score a model (behind `engine`) on `rows`: a `prompt` column, and an `answer` or tests (`tests`, `io_tests`,
     with optional `setup` and `language`) per row. `code` sets the sandbox for rows with tests (the stage's
     `grpo.code`; default limits when None)."""
     if cfg.num_prompts:
@@ -52,7 +52,7 @@ def evaluate(backend: GenerationBackend, rows: pd.DataFrame, cfg: EvalConfig,
     prompts = rows["prompt"].tolist()
     columns = {c: rows[c].tolist() for c in CHECK_COLUMNS if c in rows.columns}
     code_settings = (code or CodeConfig()).model_dump()
-    greedy = backend.generate(prompts, 1, SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0,
+    greedy = engine.generate(prompts, 1, SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0,
                                                          batch_size=cfg.batch_size))
     correct, formatted, check = _score(greedy, columns, code_settings)
     lengths = greedy.completion_mask.sum(-1).float()  # [N]
@@ -64,7 +64,7 @@ def evaluate(backend: GenerationBackend, rows: pd.DataFrame, cfg: EvalConfig,
     }
     if cfg.num_samples:
         k = cfg.num_samples
-        sampled = backend.generate(prompts, k, SamplingConfig(max_new_tokens=cfg.max_new_tokens,
+        sampled = engine.generate(prompts, k, SamplingConfig(max_new_tokens=cfg.max_new_tokens,
                                                               temperature=cfg.temperature, batch_size=cfg.batch_size))
         repeated = {c: [v for v in values for _ in range(k)] for c, values in columns.items()}
         s_correct, _, _ = _score(sampled, repeated, code_settings)

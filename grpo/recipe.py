@@ -11,7 +11,7 @@ checked in well under a second.
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -90,6 +90,9 @@ class StageConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)  # its work pool and what it asks for
+    # the engine that samples its rollouts, held-out completions and local judge (grpo.sampling.engines)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    text_engines: ClassVar[bool] = False  # whether a text-only engine (http) can serve it: rejection sampling only
 
     def process_batches(self) -> dict[str, int]:
         """Each global batch the stage's training processes split evenly (field -> size); none by default."""
@@ -106,6 +109,9 @@ class StageConfig(BaseModel):
     @model_validator(mode="after")
     def _splits(self) -> "StageConfig":
         self.check_splits()
+        if self.generation.backend == "http" and not self.text_engines:
+            raise ValueError("generation.backend http serves text from a fixed checkpoint: only rejection sampling "
+                             "can use it; this stage samples from the model it holds (local)")
         return self
 
 
@@ -195,11 +201,11 @@ class RejectionSamplingConfig(StageConfig):
     """Stage 3: many samples per prompt from the reasoning-RL checkpoint; keep the correct, readable ones."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    text_engines: ClassVar[bool] = True  # generation: the checkpoint here, or servers that serve it
 
     model: ModelConfig = Field(default_factory=ModelConfig)  # loading options; the weights come from the checkpoint
     data: DataConfig = Field(default_factory=DataConfig)  # prompts (answer where verifiable); held-out for decontam.
     rejection: RejectionConfig = Field(default_factory=RejectionConfig)  # samples, filters, shards, target
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)  # the checkpoint here, or servers
     # who checks rows the rule cannot (and, with judge_when="always", every row); None = rule check only.
     # model "checkpoint" = the checkpoint being sampled, asked in the judge prompt
     judge: JudgeConfig | None = None

@@ -6,10 +6,10 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import CodeConfig, EvalConfig, ModelConfig
+from grpo.config import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.backend import TransformersBackend
+from grpo.sampling.engines import build_engine
 from tasks import tracking
 from tasks.data import read_frame
 from tasks.stage import resolve_model
@@ -17,13 +17,16 @@ from tasks.stage import resolve_model
 
 @task(name="evaluate_model")
 def evaluate_model(run_id: str, checkpoint_uri: str, model_cfg: ModelConfig, heldout_uri: str, cfg: EvalConfig,
-                   step: int = 0, code: CodeConfig | None = None) -> dict[str, float]:
+                   step: int = 0, code: CodeConfig | None = None,
+                   generation: GenerationConfig = GenerationConfig()) -> dict[str, float]:
     """Load the checkpoint back with from_pretrained, score it on the held-out rows, log metrics and samples.
-    Rows with tests run in the sandbox under `code` (the stage's grpo.code; default limits when None)."""
+    Rows with tests run in the sandbox under `code` (the stage's grpo.code; default limits when None); completions
+    come from the stage's engine (`generation`)."""
     model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
     if torch.cuda.is_available():
         model = model.cuda()
-    result = evaluate(TransformersBackend(model, tokenizer), read_frame(heldout_uri), cfg, code)
+    engine = build_engine(generation, model, tokenizer, who="held-out evaluation")
+    result = evaluate(engine, read_frame(heldout_uri), cfg, code)
     tracking.MetricsLogger(run_id)(step, result.metrics)
     tracking.log_table(run_id, result.samples, f"eval/samples_step_{step}.json")
     get_run_logger().info("held-out at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in result.metrics.items()))

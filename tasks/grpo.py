@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import GRPOConfig, ModelConfig
+from grpo.config import GenerationConfig, GRPOConfig, ModelConfig
 from grpo.ppo_config import PPOConfig
 from grpo.recipe import DistributedConfig
 from grpo.training import launch
@@ -22,8 +22,10 @@ from tasks.stage import resolve_model, resolve_precision, work_dir
 @task(name="train_grpo_model")
 def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_uri: str, train_uri: str,
                      cfg: GRPOConfig, reward_model_uri: str | None = None, ppo: PPOConfig | None = None,
-                     distributed: DistributedConfig = DistributedConfig()) -> str:
+                     distributed: DistributedConfig = DistributedConfig(),
+                     generation: GenerationConfig = GenerationConfig()) -> str:
     """Run GRPO from the checkpoint on the training prompts; log metrics and sample tables; return the new checkpoint.
+    Rollouts come from the engine `generation` names (the stage's section).
 
     With `reward_model_uri`, the reward named "reward_model" is that model's score (on rows of kind "general").
     With `ppo`, PPO with a critic runs instead, on the same rewards, sampling and optimiser settings.
@@ -52,11 +54,12 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
             get_run_logger().info("training on %d processes (accelerate launch)", processes)
             report = launch.run_launched("grpo", out, distributed, {
                 "model": model_cfg.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
-                "reward_model": reward_model_dir, "prm": prm_dir}, progress, log_samples, frames={"rows": rows})
+                "reward_model": reward_model_dir, "prm": prm_dir, "generation": generation.model_dump(mode="json")},
+                progress, log_samples, frames={"rows": rows})
             model_dir, steps = Path(report["model_dir"]), report["steps"]
         else:
             trainer = build_rl_trainer(model_cfg, rows, cfg, out, reward_model=reward_model_dir, prm=prm_dir, ppo=ppo,
-                                       on_metrics=progress, on_samples=log_samples)
+                                       generation=generation, on_metrics=progress, on_samples=log_samples)
             model_dir, steps = trainer.train()
     get_run_logger().info("%s finished: %d steps", "GRPO" if ppo is None else "PPO", steps)
     return tracking.log_dir(run_id, model_dir, "checkpoint")

@@ -17,8 +17,7 @@ from grpo.data.tables import DataError, read_table, validate_rows
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
 from grpo.rejection.filters import summary_line
-from grpo.sampling.backend import TransformersBackend
-from grpo.sampling.http_backend import HTTPGenerationBackend, build_http_backend
+from grpo.sampling.engines import Engine, build_engine, local
 from grpo.sampling.judge import HTTPJudge, build_judge
 from grpo.interrupts import interruptible
 from tasks import tracking
@@ -59,7 +58,7 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     if judge_cfg is not None and judge_cfg.backend == "http" and rs.judge_when != "never":
         HTTPJudge(judge_cfg).check_available()  # a down endpoint fails the stage now, before any shard is sampled
     if cfg.generation.backend == "http":  # the same for the generation servers: each up and serving the model
-        servers = build_http_backend(cfg.generation, tokenizer=None)
+        servers = build_engine(cfg.generation, text_only_ok=True)
         try:
             servers.check_available(rs.sampling)
         finally:
@@ -117,23 +116,23 @@ def _policy(model_cfg: ModelConfig):
         return _loaded[key]
 
 
-_servers: dict[str, HTTPGenerationBackend] = {}
+_servers: dict[str, Engine] = {}
 
 
-def _backend(cfg: RejectionSamplingConfig, model_cfg: ModelConfig):
-    """The generation backend: the checkpoint in this process, or the recipe's servers.
+def _engine(cfg: RejectionSamplingConfig, model_cfg: ModelConfig) -> Engine:
+    """The stage's engine: the checkpoint in this process, or the recipe's servers.
 
-    One HTTP backend per process, so the bound on requests in flight per endpoint holds across shard tasks.
+    One HTTP engine per process, so the bound on requests in flight per endpoint holds across shard tasks.
     """
     if cfg.generation.backend == "local":
-        return TransformersBackend(*_policy(model_cfg))
+        return build_engine(cfg.generation, *_policy(model_cfg), who="rejection sampling")
     key = f"{cfg.generation.model_dump_json()} {model_cfg.name_or_path}"
     with _load_lock:
         if key not in _servers:
             for old in _servers.values():
                 old.close()
             _servers.clear()
-            _servers[key] = build_http_backend(cfg.generation, load_tokenizer(model_cfg))
+            _servers[key] = build_engine(cfg.generation, tokenizer=load_tokenizer(model_cfg), text_only_ok=True)
         return _servers[key]
 
 
@@ -144,18 +143,19 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
     if shards.shard_done(out, index):
         return shards.read_shard(out, index).counts.to_dict()
     model_cfg = cfg.model.model_copy(update={"name_or_path": plan.model_dir})
-    backend = _backend(cfg, model_cfg)
+    engine = _engine(cfg, model_cfg)
     judge = None
-    if cfg.judge is not None and cfg.rejection.judge_when != "never":
-        judge = (build_judge(cfg.judge, *_policy(model_cfg)) if cfg.judge.backend == "transformers"
-                 and cfg.judge.model == SELF_JUDGE else build_judge(cfg.judge))
+    if cfg.judge is not None and cfg.rejection.judge_when != "never":  # a local judge samples as the stage does
+        judge = (build_judge(cfg.judge, *_policy(model_cfg), generation=local(cfg.generation))
+                 if cfg.judge.backend == "transformers" and cfg.judge.model == SELF_JUDGE
+                 else build_judge(cfg.judge, generation=local(cfg.generation)))
     prompts = read_frame(plan.prompts_uri).reset_index(drop=True)
     shard = shards.plan_shards(prompts, cfg.rejection)[index]
     with interruptible():  # a stopped stage stops its shards mid-sampling, not after them
-        result = shards.process_shard(backend, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index)
+        result = shards.process_shard(engine, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index)
     shards.write_shard(result, out, index)
     c = result.counts
-    given_up = [url for url, s in backend.stats().items() if s["dead"]] if cfg.generation.backend == "http" else []
+    given_up = [url for url, s in engine.stats().items() if s["dead"]] if cfg.generation.backend == "http" else []
     get_run_logger().info("shard %d/%d: %d generated, %d kept%s", index + 1, len(plan.shards), c.generated, c.kept,
                           f" (generation endpoints given up so far: {given_up})" if given_up else "")
     return c.to_dict()

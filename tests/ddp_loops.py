@@ -60,7 +60,10 @@ class PromptSeededBackend:
     def __init__(self, model, tokenizer):
         self.inner, self.steps, self.pad_id = TransformersBackend(model, tokenizer), 0, tokenizer.pad_token_id
 
-    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
+    def sync_weights(self) -> None:
+        self.inner.sync_weights()
+
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig, logprobs: bool = False) -> Rollout:
         parts = []
         self.steps += 1
         for prompt in prompts:
@@ -68,7 +71,7 @@ class PromptSeededBackend:
             torch.manual_seed(seed)
             # a budget per prompt (a random model rarely stops by itself): processes hold unequal token counts
             budget = sampling.model_copy(update={"max_new_tokens": 3 + seed % 9})
-            parts.append(self.inner.generate([prompt], n, budget))
+            parts.append(self.inner.generate([prompt], n, budget, logprobs=logprobs))
         P = max(r.prompt_ids.size(1) for r in parts)
         C = max(r.completion_ids.size(1) for r in parts)
 
@@ -80,7 +83,7 @@ class PromptSeededBackend:
                        prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, left=True) for r in parts]),
                        completion_ids=torch.cat([pad(r.completion_ids, C, self.pad_id) for r in parts]),
                        completion_mask=torch.cat([pad(r.completion_mask, C, 0) for r in parts]),
-                       logprobs=torch.cat([pad(r.logprobs, C, 0.0) for r in parts]),
+                       logprobs=torch.cat([pad(r.logprobs, C, 0.0) for r in parts]) if logprobs else None,
                        truncated=torch.cat([r.truncated for r in parts]),
                        texts=[t for r in parts for t in r.texts])
 
@@ -118,9 +121,9 @@ def run_grpo(out: Path) -> None:
     model, tok = load_model_and_tokenizer(SMALL)
     recorder = Recorder(out / "grpo")
     trainer = GRPOTrainer(model, tok, GRPO_PROMPTS, GRPO, out / "grpo", on_metrics=recorder,
-                          backend=None, reward_functions={"digits": digits}, progress=False,
+                          engine=None, reward_functions={"digits": digits}, progress=False,
                           on_samples=lambda step, table: table.to_json(out / "grpo" / f"samples-{step}.json"))
-    trainer.backend = PromptSeededBackend(trainer.acc.unwrap_model(trainer.model), tok)
+    trainer.engine = PromptSeededBackend(trainer.acc.unwrap_model(trainer.model), tok)
     trainer.train()
 
 

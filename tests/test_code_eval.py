@@ -58,7 +58,7 @@ class ScriptedBackend:
         else:
             texts = [t for p in prompts for t in self.sampled[p][:n]]
         ones = torch.ones(len(texts), 1, dtype=torch.long)
-        return Rollout(ones, ones, ones, ones, ones.float(), torch.zeros(len(texts), dtype=torch.bool), texts)
+        return Rollout(texts, torch.zeros(len(texts), dtype=torch.bool), ones, ones, ones, ones, ones.float())
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:

@@ -26,12 +26,13 @@ from grpo.config import GenerationConfig, ModelConfig, RejectionConfig, Sampling
 from grpo.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rejection.shards import run_rejection_sampling, shard_seed
-from grpo.sampling.backend import Completions, TransformersBackend, render_prompts
+from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.sampling.http_backend import (
     GenerationUnavailable,
     HTTPGenerationBackend,
     sample_seed,
 )
+from grpo.sampling.engines import require_tokens
 from grpo.sampling.serve import load_checkpoint, make_server
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -143,7 +144,7 @@ def test_a_sample_is_the_same_whichever_endpoint_draws_it_and_as_the_local_backe
     finally:
         both.close()
         one.close()
-    assert isinstance(spread, Completions) and len(spread.texts) == 6
+    assert not spread.has_tokens and len(spread.texts) == 6
     # each sample is what the checkpoint gives for the chat-rendered prompt under that sample's seed
     local = TransformersBackend(model, tok)
     rendered = render_prompts(tok, prompts)
@@ -153,8 +154,9 @@ def test_a_sample_is_the_same_whichever_endpoint_draws_it_and_as_the_local_backe
         assert spread.texts[k] == expected.texts[0]
         assert int(spread.completion_tokens[k]) == int(expected.completion_tokens[0])
         assert bool(spread.truncated[k]) == bool(expected.truncated[0])
-    with pytest.raises(AttributeError, match="GRPO needs token ids and log-probs"):
-        spread.logprobs  # noqa: B018
+    assert spread.completion_ids is None and spread.logprobs is None  # a text-only rollout
+    with pytest.raises(ValueError, match="GRPO needs the completions' token ids.*generation.backend: local"):
+        require_tokens(spread, "GRPO")
 
 
 class _Stub(BaseHTTPRequestHandler):

@@ -83,7 +83,7 @@ def test_greedy_matches_transformers_generate_and_logprobs_match_a_forward_pass(
     assert torch.equal(out.completion_ids[out.completion_mask.bool()], ref[:, :width][out.completion_mask.bool()])
 
     torch.manual_seed(0)
-    s = backend.generate(prompts, 3, SamplingConfig(max_new_tokens=16, temperature=1.0))
+    s = backend.generate(prompts, 3, SamplingConfig(max_new_tokens=16, temperature=1.0), logprobs=True)
     assert s.completion_ids.shape[0] == 9 and len(s.texts) == 9
     ids = torch.cat([s.prompt_ids, s.completion_ids], 1)
     mask = torch.cat([s.prompt_mask, s.completion_mask], 1)

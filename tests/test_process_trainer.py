@@ -58,8 +58,8 @@ def forced_rollout(tok, prompt: str, completions: list[str]) -> Rollout:
     N = len(rows)
     texts = tok.batch_decode(ids.masked_fill(mask == 0, tok.pad_token_id), skip_special_tokens=True)
     assert texts == completions
-    return Rollout(torch.tensor([p] * N), torch.ones(N, len(p), dtype=torch.long), ids, mask,
-                   torch.zeros(N, C), torch.zeros(N, dtype=torch.bool), texts)
+    return Rollout(texts, torch.zeros(N, dtype=torch.bool), torch.tensor([p] * N),
+                   torch.ones(N, len(p), dtype=torch.long), ids, mask, torch.zeros(N, C))
 
 
 def test_a_wrong_step_lowers_the_advantage_of_the_tokens_up_to_it(tmp_path):

@@ -247,7 +247,7 @@ class CannedBackend:
                        "<think>no answer"]
             texts += [options[i] for i in torch.randint(len(options), (n,)).tolist()]
         ones = torch.ones(len(texts), 1, dtype=torch.long)
-        return Rollout(ones, ones, ones, ones, ones.float(), torch.zeros(len(texts), dtype=torch.bool), texts)
+        return Rollout(texts, torch.zeros(len(texts), dtype=torch.bool), ones, ones, ones, ones, ones.float())
 
 
 class CrashingBackend:

@@ -304,9 +304,9 @@ def test_a_bf16_copy_decodes_the_bf16_models_numbers(monkeypatch):
     assert (got - want).abs().max() < 0.1 < want.abs().max()
 
 
-def test_the_backend_samples_the_weights_a_fused_optimizer_stepped():
+def test_the_engine_samples_the_weights_a_fused_optimizer_stepped_once_synced():
     # a fused AdamW step leaves the parameters' version counters alone, so nothing on the tensors says they
-    # changed: the backend syncs its bf16 copy before every generate call all the same
+    # changed: the engine's sync_weights (which the trainers call after each step) refreshes its bf16 copy
     from grpo.config import ModelConfig, TinyModelConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.sampling.backend import TransformersBackend
@@ -314,13 +314,16 @@ def test_the_backend_samples_the_weights_a_fused_optimizer_stepped():
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)))
     prompts, s = ["Hi", "What is 2 + 3?"], SamplingConfig(max_new_tokens=6, temperature=0)
-    backend = TransformersBackend(model, tok, autocast=True)  # samples from a bf16 copy
-    before = backend.generate(prompts, 2, s)
+    backend = TransformersBackend(model, tok, dtype=torch.bfloat16)  # samples from a bf16 copy
+    before = backend.generate(prompts, 2, s, logprobs=True)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    after = backend.generate(prompts, 2, s)
-    fresh = TransformersBackend(model, tok, autocast=True).generate(prompts, 2, s)
+    stale = backend.generate(prompts, 2, s, logprobs=True)
+    backend.sync_weights()
+    after = backend.generate(prompts, 2, s, logprobs=True)
+    fresh = TransformersBackend(model, tok, dtype=torch.bfloat16).generate(prompts, 2, s, logprobs=True)
+    assert torch.equal(before.logprobs, stale.logprobs)  # not synced: still the copy made before the step
     assert not torch.equal(before.logprobs, after.logprobs)
     assert torch.equal(after.completion_ids, fresh.completion_ids) and torch.equal(after.logprobs, fresh.logprobs)

@@ -54,8 +54,7 @@ def measure(cfg: RejectionSamplingConfig, prompts: list, checkpoint: str | None)
     import torch
 
     from grpo.models import load_model_and_tokenizer, load_tokenizer
-    from grpo.sampling.backend import TransformersBackend
-    from grpo.sampling.http_backend import build_http_backend
+    from grpo.sampling.engines import build_engine
 
     model_cfg: ModelConfig = cfg.model if checkpoint is None else cfg.model.model_copy(
         update={"name_or_path": checkpoint})
@@ -63,7 +62,7 @@ def measure(cfg: RejectionSamplingConfig, prompts: list, checkpoint: str | None)
     k = rs.samples_per_prompt
     if cfg.generation.backend == "http":
         gen = cfg.generation
-        backend = build_http_backend(gen, load_tokenizer(model_cfg))
+        backend = build_engine(gen, tokenizer=load_tokenizer(model_cfg), text_only_ok=True)
         try:
             backend.check_available(rs.sampling)
             batch = prompts[:max(1, gen.max_in_flight * len(gen.endpoints) // k)]
@@ -77,7 +76,8 @@ def measure(cfg: RejectionSamplingConfig, prompts: list, checkpoint: str | None)
     if torch.cuda.is_available():
         model = model.cuda()
     batch = prompts[:max(1, rs.sampling.batch_size // k)]
-    rate, tokens, seconds = measure_tokens_per_s(TransformersBackend(model, tok), batch, k, rs.sampling)
+    engine = build_engine(cfg.generation, model, tok, who="r1 plan")
+    rate, tokens, seconds = measure_tokens_per_s(engine, batch, k, rs.sampling)
     return rate, (f"measured: {tokens:,} tokens in {seconds:.1f} s, {len(batch) * k} sequences of "
                   f"{model_cfg.name_or_path!r} on {_device_name()}, local backend")
 

@@ -104,8 +104,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # a folder that holds no model
         raise UsageError(f"cannot load checkpoint {args.checkpoint!r}: {e}") from None
     try:
+        from grpo.config import GenerationConfig
+
+        generation = GenerationConfig(sampler=args.sampler, kv_cache_mb=args.kv_cache_mb)
         server = make_server(model, tokenizer, args.host, args.port, model_name=args.model_name or args.checkpoint,
-                             api_key=api_key)
+                             api_key=api_key, generation=generation)
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     name = server.model_name
@@ -116,6 +119,13 @@ def _serve(args: argparse.Namespace) -> int:
           flush=True)
     serve_until_interrupted(server)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,6 +167,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     serve.add_argument("--model-name", default=None, help="the model id clients send (default: CHECKPOINT as given)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    serve.add_argument("--sampler", default="auto", choices=["auto", "loop"],
+                       help="auto: the static-cache sampler for Qwen2/Llama-style models; loop: the model's forward")
+    serve.add_argument("--kv-cache-mb", type=_positive_int, default=None,
+                       help="the static sampler's KV cache budget in MiB (default: half the GPU's free memory)")
     serve.add_argument("--api-key-env", default=None,
                        help="NAME of an env var holding a key every request must send as a Bearer token")
     plan = sub.add_parser("plan", parents=[common], help="size a recipe's rejection sampling (prompts, samples, "

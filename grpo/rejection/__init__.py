@@ -24,7 +24,8 @@ language share, paragraph and reasoning length, code in the reasoning, empty ans
 functions with their thresholds in `RejectionConfig`. Sampling stops at the planned prompts, not at the target.
 
 Run it alone:
-    result = run_rejection_sampling(TransformersBackend(model, tok), prompts_df, RejectionConfig(), "out/rs")
+    engine = build_engine(GenerationConfig(), model, tok)  # grpo.sampling.engines
+    result = run_rejection_sampling(engine, prompts_df, RejectionConfig(), "out/rs")
     result.dataset  # prompt, response, ... ready for SFT
 
 Modules: `filters` (readability filters, drop reasons and counts), `curate` (one shard's samples kept or dropped;

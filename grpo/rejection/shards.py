@@ -38,7 +38,7 @@ from grpo.rejection.curate import (
 )
 from grpo.rejection.filters import CONTAMINATED, DUPLICATE_ACROSS_SHARDS, OVER_TARGET, Counts
 from grpo.rewards.correct import has_tests
-from grpo.sampling.backend import GenerationBackend
+from grpo.sampling.engines import Engine
 from grpo.sampling.judge import Judge
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,24 +88,24 @@ def seeded_torch(seed: int) -> Iterator[None]:
         yield
 
 
-def process_shard(backend: GenerationBackend, shard_rows: pd.DataFrame, cfg: RejectionConfig,
+def process_shard(engine: Engine, shard_rows: pd.DataFrame, cfg: RejectionConfig,
                   judge: Judge | None, shard_index: int) -> ShardResult:
     """Sample `samples_per_prompt` completions for each prompt of the shard and curate them.
 
-    Deterministic given (cfg, shard_rows, shard_index): a backend that samples with torch's RNG (the transformers
-    backend) runs under the shard's seed; one that sends requests to servers (`takes_seed`, the HTTP backend)
+    Deterministic given (cfg, shard_rows, shard_index): an engine that samples with torch's RNG (the local
+    engine) runs under the shard's seed; one that sends requests to servers (`takes_seed`, the HTTP engine)
     is handed the seed and derives each request's from it. `source_prompt_id` comes from that column (see
     `rows_of_shard`), else from the rows' index.
     """
     rows = validate_prompts(shard_rows, cfg, judge, source=f"shard {shard_index}")
     prompt_ids = rows["source_prompt_id"].tolist() if "source_prompt_id" in rows.columns else rows.index.tolist()
     seed = shard_seed(cfg.seed, shard_index)
-    if getattr(backend, "takes_seed", False):
+    if getattr(engine, "takes_seed", False):
         # no process-wide RNG to guard: shards sampled by servers run side by side
-        rollout = backend.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling, seed=seed)
+        rollout = engine.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling, seed=seed)
     else:
         with seeded_torch(seed):
-            rollout = backend.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling)
+            rollout = engine.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling)
     k = cfg.samples_per_prompt  # the rollout is laid out prompt by prompt, k rows each
 
     def repeat(values: list) -> list:
@@ -361,14 +361,14 @@ def check_manifest(out_dir: str | Path, prompts: pd.DataFrame, cfg: RejectionCon
                          f"use a new folder, or delete the old shards and {MANIFEST}")
 
 
-def run_rejection_sampling(backend: GenerationBackend, prompts_df: pd.DataFrame, cfg: RejectionConfig,
+def run_rejection_sampling(engine: Engine, prompts_df: pd.DataFrame, cfg: RejectionConfig,
                            out_dir: str | Path, judge: Judge | None = None,
                            heldout: pd.DataFrame | Sequence[Any] | None = None,
                            non_reasoning: pd.DataFrame | None = None, progress: bool = True,
                            on_shard: Callable[[int, Counts], None] | None = None) -> RejectionResult:
     """Sample every shard not yet written to `out_dir`, then merge all of them into the dataset.
 
-    Everything is checked before sampling starts, the backend's servers too where it has any (`check_available`).
+    Everything is checked before sampling starts, the engine's servers too where it has any (`check_available`).
     `on_shard(index, counts)` is called after each shard written.
     """
     prompts = validate_prompts(prompts_df.reset_index(drop=True), cfg, judge)
@@ -380,7 +380,7 @@ def run_rejection_sampling(backend: GenerationBackend, prompts_df: pd.DataFrame,
             raise DataError(f"non_reasoning: {len(non_reasoning)} rows, the config asks for {cfg.non_reasoning_rows}")
     if isinstance(heldout, pd.DataFrame):
         validate_rows(heldout, {"prompt": "text or chat messages"}, "heldout")
-    check_servers = getattr(backend, "check_available", None)
+    check_servers = getattr(engine, "check_available", None)
     if check_servers is not None:
         check_servers(cfg.sampling)
     check_manifest(out_dir, prompts, cfg)
@@ -389,7 +389,7 @@ def run_rejection_sampling(backend: GenerationBackend, prompts_df: pd.DataFrame,
     bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc="rejection sampling", disable=not progress)
     kept = 0
     for shard in todo:
-        result = process_shard(backend, rows_of_shard(prompts, shard), cfg, judge, shard.index)
+        result = process_shard(engine, rows_of_shard(prompts, shard), cfg, judge, shard.index)
         write_shard(result, out_dir, shard.index)
         kept += result.counts.kept
         bar.update(1)

@@ -2,14 +2,15 @@
 
 | module | what it holds |
 |---|---|
-| `backend` | `GenerationBackend` (`generate(prompts, n, sampling) -> Rollout`) and its transformers implementation |
+| `engines` | the one place that picks a stage's engine (`build_engine`), the `Engine` interface and `Rollout` |
+| `backend` | the local engine (`TransformersBackend`): the model in this process, static sampler or decode loop |
 | `static_sampler` | the sampler for Llama-family decoders: static KV cache, in-step sampling, CUDA graphs on a GPU |
 | `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (its fused, packed linears serve the static sampler) |
-| `http_backend` | `HTTPGenerationBackend`: samples from `/v1/completions` servers, spread over them, failed over |
+| `http_backend` | the http engine (`HTTPGenerationBackend`): `/v1/completions` servers, spread over, failed over |
 | `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |
 | `openai_client` | the HTTP client both share: one JSON request, retries and backoff, errors that say what failed |
 | `serve` | `r1 serve`: a checkpoint as an OpenAI-compatible endpoint (chat and text completions) |
 
-To add a generation backend: a class with `generate(prompts, n, sampling) -> Rollout` (see `backend`), chosen where
-the stage builds its backend. Must not depend on Prefect or MLflow.
+To add an engine: a class with `generate(prompts, n, sampling) -> Rollout` and `sync_weights()` (see `engines`), and
+its name in `GenerationConfig.backend` and `engines.build_engine`. Must not depend on Prefect or MLflow.
 """

@@ -1,20 +1,18 @@
-"""Generation behind one interface: `generate(prompts, n, sampling) -> Rollout`.
+"""The local engine: sampling with a transformers causal LM in this process (`grpo.sampling.engines` picks it).
 
-The transformers backend here is a plain sampling loop over the model's KV cache. It returns what GRPO needs and
-`model.generate` does not hand back cheaply: the completion token ids, their mask, and the sampling policy's
-log-probability of every sampled token (so with one inner iteration nothing is recomputed for pi_old). It stops as
-soon as every sequence has ended. Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through
-`grpo.sampling.static_sampler` (a static KV cache, CUDA graphs on a GPU, from a bf16 copy under bf16 autocast);
-any other model, or one the static step cannot compute exactly (hooks, LoRA), through the decode loop below
-(`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise). Must not depend on
-Prefect or MLflow.
+It returns what GRPO needs and `model.generate` does not hand back cheaply: the completion token ids, their mask,
+and the sampling policy's log-probability of every sampled token (what truncated importance sampling and `r1
+serve`'s logprobs read). Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through
+`grpo.sampling.static_sampler` (a static KV cache, CUDA graphs on a GPU, from a bf16 copy where the stage computes in
+bf16); any other model, or one the static step cannot compute exactly (hooks, LoRA), through the decode loop below
+(`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise), which stops as soon
+as every sequence has ended. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import NamedTuple, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -22,53 +20,11 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.sampling.cpu_decoder import _LeanDecoder
+from grpo.sampling.engines import Rollout
 from grpo.sampling.static_sampler import StaticSampler, distinct_rows
 
 log = logging.getLogger(__name__)
 _REPORTED: set[str] = set()  # fallback reasons already logged: once each, not once a batch
-
-
-class Rollout(NamedTuple):
-    """Sampled completions for N = len(prompts) * n sequences, laid out prompt by prompt (a group is n rows)."""
-
-    prompt_ids: torch.Tensor  # [N, P] left-padded prompt tokens
-    prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
-    completion_ids: torch.Tensor  # [N, C] right-padded with the pad id
-    completion_mask: torch.Tensor  # [N, C] 1 up to and including the end-of-turn token
-    logprobs: torch.Tensor  # [N, C] log-prob of each sampled token under the sampling distribution, 0 on padding
-    truncated: torch.Tensor  # [N] True when the budget ran out before an end-of-turn token
-    texts: list[str]  # N decoded completions, special tokens removed
-
-    @property
-    def completion_tokens(self) -> torch.Tensor:
-        """[N] tokens generated per sequence, the end-of-turn token included."""
-        return self.completion_mask.sum(-1)
-
-
-class Completions(NamedTuple):
-    """Sampled completions as text, N = len(prompts) * n laid out prompt by prompt: what a server gives back.
-
-    Enough for rejection sampling (the texts, whether the budget cut them, their lengths), not for GRPO, which
-    needs token ids and log-probs: asking a Completions for a Rollout field raises an AttributeError that says so.
-    """
-
-    texts: list[str]  # N completions, special tokens removed
-    truncated: torch.Tensor  # [N] True when the budget ran out (finish_reason "length")
-    completion_tokens: torch.Tensor  # [N] tokens generated per sequence, as the server counted them
-
-    def __getattr__(self, name: str):
-        if name in Rollout._fields:
-            raise AttributeError(f"Completions has no {name!r}: this backend returns text and token counts only "
-                                 f"(texts, truncated, completion_tokens); GRPO needs token ids and log-probs, which "
-                                 f"a Rollout from TransformersBackend has")
-        raise AttributeError(name)
-
-
-class GenerationBackend(Protocol):
-    """`generate` returns a Rollout (token ids and log-probs: what GRPO needs) or, from a backend that only sees
-    text, Completions (what rejection sampling needs)."""
-
-    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout | Completions: ...
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list) -> list[str]:
@@ -112,17 +68,19 @@ def _draw(probs: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig,
-                 eos_ids: list[int], pad_id: int, autocast: bool = False,
-                 sampler: StaticSampler | None = None) -> tuple[torch.Tensor, ...]:
+                 eos_ids: list[int], pad_id: int, dtype: torch.dtype | None = None,
+                 sampler: StaticSampler | None = None, logprobs: bool = True) -> tuple[torch.Tensor | None, ...]:
     """Decode one batch of left-padded prompts; returns (completion_ids, completion_mask, logprobs, truncated).
 
     With a `sampler` (a StaticSampler of `model`) that computes the model exactly, it samples; otherwise (no
-    sampler, or a reason it cannot, logged once) the decode loop below does.
+    sampler, or a reason it cannot, logged once) the decode loop below does, under autocast to `dtype` where that
+    is not the weights' own. logprobs: whether the static sampler computes the chosen tokens' log-probs (None
+    without; the decode loop has them anyway).
     """
     if sampler is not None:
         reason = sampler.unsupported_reason(prompt_ids.size(1) + s.max_new_tokens)
         if reason is None:
-            return tuple(sampler.sample(prompt_ids, prompt_mask, s, eos_ids, pad_id))
+            return tuple(sampler.sample(prompt_ids, prompt_mask, s, eos_ids, pad_id, return_logprobs=logprobs))
         if reason not in _REPORTED:
             _REPORTED.add(reason)
             log.info("static sampler off (%s): decoding through the model's forward, step by step", reason)
@@ -131,7 +89,8 @@ def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
     B = ids.size(0)
     eos = torch.tensor(eos_ids, device=device)
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] positions that ignore left padding
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    autocast = dtype is not None and dtype != next(model.parameters()).dtype
+    amp = torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext()
     with amp:
         logits, cache = _prefill(model, ids, mask, pos)  # [B, V]
     next_pos = pos[:, -1] + 1  # [B]
@@ -196,32 +155,39 @@ def _pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
 class TransformersBackend:
     """Sampling with a transformers causal LM on whatever device it sits on.
 
-    autocast: the recipe computes in bf16 over fp32 weights; the static sampler then samples from a bf16 copy.
-    kv_cache_bytes: the static sampler's KV cache budget (None: no limit); a batch over it is sampled in parts.
+    dtype: the weights to sample with (None: the model's own; bf16 over fp32 weights: the static sampler samples
+    from a bf16 copy, the decode loop under bf16 autocast). static: use the static sampler where it can (False: the
+    decode loop always). kv_cache_bytes: the static sampler's KV cache budget (None: half the free memory of a GPU,
+    no limit on a CPU); a batch over it is sampled in parts. `grpo.sampling.engines.build_engine` builds it from a
+    stage's `generation` section.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, autocast: bool = False,
-                 kv_cache_bytes: int | None = None):
-        self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, dtype: torch.dtype | None = None,
+                 static: bool = True, kv_cache_bytes: int | None = None):
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         self.eos_ids = sorted({tokenizer.eos_token_id, *_extra_eos(model)})
-        self.sampler = StaticSampler(model, dtype=torch.bfloat16 if autocast else None, memory_budget=kv_cache_bytes)
+        self.sampler = StaticSampler(model, dtype=dtype, memory_budget=kv_cache_bytes) if static else None
 
     def sync_weights(self) -> None:
-        """Make the next sampling use the model's current weights; `generate` calls it before it samples."""
-        self.sampler.sync_weights(self.model)
+        """Make the next sampling use the model's current weights: refresh the bf16 copy and the captured steps'
+        weights, where there are any (a trainer calls it after each optimizer step; a fused optimizer's step leaves
+        no trace the sampler could see for itself)."""
+        if self.sampler is not None:
+            self.sampler.sync_weights(self.model)
 
-    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
-        return self.generate_from_text(render_prompts(self.tokenizer, prompts), n, sampling)
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig, *, logprobs: bool = False) -> Rollout:
+        """`n` completions of each prompt; with `logprobs`, each sampled token's log-prob under the sampler."""
+        return self.generate_from_text(render_prompts(self.tokenizer, prompts), n, sampling, logprobs=logprobs)
 
     def sample_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
-                   eos_ids: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-        """One batch of left-padded prompt ids through this backend's sampler (`sample_batch`'s four tensors)."""
+                   eos_ids: list[int] | None = None, logprobs: bool = True) -> tuple[torch.Tensor | None, ...]:
+        """One batch of left-padded prompt ids through this engine's sampler (`sample_batch`'s four tensors)."""
         return sample_batch(self.model, prompt_ids, prompt_mask, sampling,
-                            self.eos_ids if eos_ids is None else eos_ids, self.tokenizer.pad_token_id, self.autocast,
-                            self.sampler)
+                            self.eos_ids if eos_ids is None else eos_ids, self.tokenizer.pad_token_id, self.dtype,
+                            self.sampler, logprobs)
 
-    def generate_from_text(self, texts: list[str], n: int, sampling: SamplingConfig,
-                           add_special_tokens: bool = False) -> Rollout:
+    def generate_from_text(self, texts: list[str], n: int, sampling: SamplingConfig, add_special_tokens: bool = False,
+                           *, logprobs: bool = False) -> Rollout:
         """Sample `n` continuations of each text as it is (no chat template: `/v1/completions` does this)."""
         tok = self.tokenizer
         tok.padding_side = "left"
@@ -230,24 +196,20 @@ class TransformersBackend:
         prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, P]
         was_training = self.model.training
         self.model.eval()
-        # every call, not only when told: a fused AdamW step leaves no trace on the tensors (their version counters
-        # stay put), so a trainer that forgot to sync would sample stale weights; one weight copy (for a bf16 copy or
-        # captured steps; nothing otherwise) costs less than one decode step
-        self.sync_weights()
         parts = []
         try:
             for i in range(0, prompt_ids.size(0), sampling.batch_size):
                 sl = slice(i, i + sampling.batch_size)
-                parts.append(self.sample_ids(prompt_ids[sl], prompt_mask[sl], sampling))
+                parts.append(self.sample_ids(prompt_ids[sl], prompt_mask[sl], sampling, logprobs=logprobs))
         finally:
             self.model.train(was_training)
         completion_ids = _pad_right([p[0] for p in parts], tok.pad_token_id)  # [N, C]
         completion_mask = _pad_right([p[1] for p in parts], 0)  # [N, C]
-        logprobs = _pad_right([p[2] for p in parts], 0.0)  # [N, C]
+        token_logps = _pad_right([p[2] for p in parts], 0.0) if logprobs else None  # [N, C]
         truncated = torch.cat([p[3] for p in parts])  # [N]
         texts = tok.batch_decode(completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id),
                                  skip_special_tokens=True)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs, truncated, texts)
+        return Rollout(texts, truncated, prompt_ids, prompt_mask, completion_ids, completion_mask, token_logps)
 
 
 def _extra_eos(model: PreTrainedModel) -> list[int]:

@@ -26,8 +26,8 @@ How the work is spread, and what a dead server costs:
 - `check_available` is the pre-flight: every endpoint answers GET /models, lists the model, and completes one
   token; any that does not is named in one error before a shard is sampled.
 
-What it returns is `Completions` (texts, truncation, token counts): enough for rejection sampling, not for GRPO,
-which needs token ids and log-probs. Must not depend on Prefect or MLflow.
+What it returns is a text-only `Rollout` (texts, truncation, token counts): enough for rejection sampling, not for
+GRPO, which needs token ids. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import GenerationConfig, SamplingConfig
-from grpo.sampling.backend import Completions, render_prompts
+from grpo.sampling.backend import render_prompts
+from grpo.sampling.engines import Rollout
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint, Retryable
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class HTTPGenerationBackend:
     # ------------------------------------------------------------------------------------------------------------
     # Sampling
 
-    def generate(self, prompts: list, n: int, sampling: SamplingConfig, seed: int | None = None) -> Completions:
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig, seed: int | None = None) -> Rollout:
         """`n` samples of each prompt (chat messages or text), laid out prompt by prompt; all of them or an error."""
         if self.tokenizer is None:
             raise ValueError("HTTPGenerationBackend needs the checkpoint's tokenizer to render prompts with its chat "
@@ -149,8 +150,12 @@ class HTTPGenerationBackend:
                 f.cancel()
             raise
         results = [f.result() for f in futures]
-        return Completions(texts=[r[0] for r in results], truncated=torch.tensor([r[1] for r in results]),
-                           completion_tokens=torch.tensor([r[2] for r in results]))
+        return Rollout(texts=[r[0] for r in results], truncated=torch.tensor([r[1] for r in results]),
+                       token_counts=torch.tensor([r[2] for r in results]))
+
+    def sync_weights(self) -> None:
+        """Nothing to do: the servers serve the checkpoint they were started with (which is why only rejection
+        sampling, whose model does not change, may use this engine)."""
 
     def _payload(self, text: str, max_tokens: int, s: SamplingConfig | None, seed: int | None) -> dict:
         payload = {"model": self.model, "prompt": text, "n": 1, "max_tokens": max_tokens,

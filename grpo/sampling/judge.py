@@ -8,7 +8,7 @@ judges. Here that judge is any chat model, asked to reply in a fixed two-line fo
     REASON: the final answer 277 matches the reference.
 
 Backends:
-- `TransformersJudge`: a local causal LM with its chat template, batched greedy decoding (`TransformersBackend`).
+- `TransformersJudge`: a local causal LM with its chat template, batched greedy decoding (the local engine).
 - `HTTPJudge`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, TGI, a hosted API, or `r1 serve`), with
   retries and exponential backoff (`openai_client`); the API key is read from an environment variable named in the
   config, never stored in the config itself (configs are logged as run params).
@@ -27,8 +27,8 @@ from typing import NamedTuple, Protocol
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import JudgeConfig, SamplingConfig
-from grpo.sampling.backend import TransformersBackend
+from grpo.config import GenerationConfig, JudgeConfig, SamplingConfig
+from grpo.sampling.engines import build_engine
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint
 from grpo.texts import NO_REFERENCE
 
@@ -94,9 +94,10 @@ def parse_verdict(text: str) -> Verdict:
 class TransformersJudge:
     """A causal LM in this process judges with its chat template and batched greedy decoding."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: JudgeConfig):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: JudgeConfig,
+                 generation: GenerationConfig | None = None):
         self.cfg = cfg
-        self.backend = TransformersBackend(model, tokenizer)
+        self.engine = build_engine(generation or GenerationConfig(), model, tokenizer, who="the judge")
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        batch_size=cfg.batch_size)
 
@@ -107,7 +108,7 @@ class TransformersJudge:
         if not items:
             return []
         prompts = [render_judge_prompt(self.cfg.prompt_template, *item) for item in items]
-        rollout = self.backend.generate(prompts, 1, self.sampling)
+        rollout = self.engine.generate(prompts, 1, self.sampling)
         return [parse_verdict(text) for text in rollout.texts]
 
 
@@ -172,8 +173,9 @@ class HTTPJudge:
 
 
 def build_judge(cfg: JudgeConfig, model: PreTrainedModel | None = None,
-                tokenizer: PreTrainedTokenizerBase | None = None) -> TransformersJudge | HTTPJudge:
-    """The judge `cfg` describes; a transformers judge uses `model`/`tokenizer` if given, else loads `cfg.model`."""
+                tokenizer: PreTrainedTokenizerBase | None = None, generation: GenerationConfig | None = None) -> TransformersJudge | HTTPJudge:
+    """The judge `cfg` describes; a transformers judge uses `model`/`tokenizer` if given, else loads `cfg.model`, and
+    samples with the engine `generation` (local) describes."""
     if cfg.backend == "http":
         return HTTPJudge(cfg)
     if (model is None) != (tokenizer is None):
@@ -186,4 +188,4 @@ def build_judge(cfg: JudgeConfig, model: PreTrainedModel | None = None,
 
         model, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path=cfg.model))
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-    return TransformersJudge(model, tokenizer, cfg)
+    return TransformersJudge(model, tokenizer, cfg, generation)

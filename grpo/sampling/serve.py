@@ -7,11 +7,11 @@
 
 It exists so the pipeline's judge and rejection sampling's generation can be a model this project trained, reached
 the same way as a vLLM or hosted endpoint (`HTTPJudge`, `HTTPGenerationBackend`). It is the standard library's
-threading HTTP server around `TransformersBackend`: one model, one generation at a time (a lock), no streaming,
-no batching across requests (a /v1/completions request's prompts x n are decoded together). For throughput serve
-the checkpoint folder with vLLM instead; the API is the same. Differences from vLLM: no stop strings, `logprobs`
-only 0 (the sampled token's log-prob, under the distribution sampled from: after temperature and top-p), an
-over-long `max_tokens` trimmed to the model's length rather than refused.
+threading HTTP server around the local engine (`grpo.sampling.engines`): one model, one generation at a time (a
+lock), no streaming, no batching across requests (a /v1/completions request's prompts x n are decoded together). For
+throughput serve the checkpoint folder with vLLM instead; the API is the same. Differences from vLLM: no stop
+strings, `logprobs` only 0 (the sampled token's log-prob, under the distribution sampled from: after temperature and
+top-p), an over-long `max_tokens` trimmed to the model's length rather than refused.
 
 Standard library HTTP server; must not depend on Prefect or MLflow.
 """
@@ -30,9 +30,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import ModelConfig, SamplingConfig
+from grpo.config import GenerationConfig, ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.backend import TransformersBackend, render_prompts
+from grpo.sampling.backend import render_prompts
+from grpo.sampling.engines import build_engine
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +58,10 @@ class ChatServer(ThreadingHTTPServer):
     daemon_threads = True  # a hung client never keeps the process alive
 
     def __init__(self, address: tuple[str, int], model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 model_name: str, api_key: str | None = None):
+                 model_name: str, api_key: str | None = None, generation: GenerationConfig | None = None):
         super().__init__(address, _Handler)
         self.model_name, self.api_key = model_name, api_key
-        self.backend = TransformersBackend(model, tokenizer)
+        self.engine = build_engine(generation or GenerationConfig(), model, tokenizer, who="r1 serve")
         self.tokenizer = tokenizer
         # the longest prompt + completion the model was built for; None when its config does not say
         self.max_len: int | None = getattr(model.config, "max_position_embeddings", None)
@@ -86,7 +87,7 @@ class ChatServer(ThreadingHTTPServer):
             sampling = self._fit_budget(sampling, prompt_tokens)
             if seed is not None:
                 torch.manual_seed(seed)
-            rollout = self.backend.generate([messages], 1, sampling)
+            rollout = self.engine.generate([messages], 1, sampling)
         completion_tokens = int(rollout.completion_mask[0].sum())
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -110,7 +111,8 @@ class ChatServer(ThreadingHTTPServer):
             sampling = self._fit_budget(sampling, max(lengths))
             if seed is not None:
                 torch.manual_seed(seed)
-            rollout = self.backend.generate_from_text(prompts, n, sampling, add_special_tokens=add_special_tokens)
+            rollout = self.engine.generate_from_text(prompts, n, sampling, add_special_tokens=add_special_tokens,
+                                                     logprobs=logprobs is not None)
             per_token = self._token_logprobs(rollout) if logprobs is not None else None
         counts = rollout.completion_tokens.tolist()
         choices = [{"index": i, "text": text, "logprobs": per_token[i] if per_token else None,
@@ -349,13 +351,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, host: str = "127.0.0.1",
-                port: int = 8000, *, model_name: str = "model", api_key: str | None = None) -> ChatServer:
+                port: int = 8000, *, model_name: str = "model", api_key: str | None = None,
+                generation: GenerationConfig | None = None) -> ChatServer:
     """A server bound to (host, port), not yet serving: call `serve_forever()` (port 0 picks a free port).
 
-    `api_key`, when given, must arrive as `Authorization: Bearer <key>` on every request but /health.
+    `api_key`, when given, must arrive as `Authorization: Bearer <key>` on every request but /health. `generation`:
+    the local engine's settings (sampler, KV cache budget).
     """
     model.eval()
-    return ChatServer((host, port), model, tokenizer, model_name, api_key)
+    return ChatServer((host, port), model, tokenizer, model_name, api_key, generation)
 
 
 def serve(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, host: str = "127.0.0.1", port: int = 8000,

@@ -20,7 +20,7 @@ One call samples a batch of left-padded prompts:
   next calls, and their weights are refreshed in place by `sync_weights`.
 
 It samples in the model's own dtype or from a copy in another (bf16 where the recipe trains under bf16 autocast),
-refreshed by `sync_weights(model)`, which `TransformersBackend.generate` calls before it samples.
+refreshed by `sync_weights(model)`, which the engine's `sync_weights` calls (a trainer: after each optimizer step).
 A KV cache over `memory_budget` bytes is split: rows are sampled in parts that fit. A model it does not compute
 exactly gets `unsupported_reason` (a sentence) and the caller decodes another way. Must not depend on Prefect or
 MLflow.
@@ -213,19 +213,23 @@ class Sampled(NamedTuple):
     truncated: torch.Tensor  # [B] True when the budget ran out before an end token
 
 
+GPU_FREE_SHARE = 0.5  # of a GPU's free memory, the KV cache's budget where the recipe sets none (kv_cache_mb)
+
+
 class StaticSampler:
     """Samples completions from one model with a static KV cache; see the module docstring.
 
-    dtype: the weights it samples with (None: the model's own; another: a copy in that dtype, made on first use
-    and refreshed by `sync_weights`). memory_budget: bytes the KV cache may take (None: no limit); a batch whose
-    cache would not fit is sampled in parts of as many rows as fit. check_every: decode steps between the host's
-    checks that every row has ended (on CUDA; on CPU it checks every step, which costs nothing there).
-    graphs: capture the step as a CUDA graph (None: on CUDA). keep_captures: keep each shape's state and step for
-    the next calls, their weights refreshed in place by `sync_weights` (None: with graphs, which need it; eager,
-    it lets a CPU test run what CUDA runs, but for the capture). full_cache_attention: attend over the whole cache
-    every step (None: where the step is captured; eager steps attend over the slots written so far).
-    buckets: pad prompts to `prompt_bucket` lengths (None: where the step is captured, since a bucket is what lets
-    a capture serve the next call; eager steps gain nothing from it and would prefill the padding).
+    dtype: the weights it samples with (None: the model's own; another: a copy in that dtype, made on first use and
+    refreshed by `sync_weights`). memory_budget: bytes the KV cache may take (None: `GPU_FREE_SHARE` of a GPU's free
+    memory, no limit on a CPU); a batch whose cache would not fit is sampled in parts of as many rows as fit.
+    check_every: decode steps between the host's checks that every row has ended (on CUDA; on CPU it checks every
+    step, which costs nothing there). graphs: capture the step as a CUDA graph (None: on CUDA). keep_captures: keep
+    each shape's state and step for the next calls, their weights refreshed in place by `sync_weights` (None: with
+    graphs, which need it; eager, it lets a CPU test run what CUDA runs, but for the capture). full_cache_attention:
+    attend over the whole cache every step (None: where the step is captured; eager steps attend over the slots
+    written so far). buckets: pad prompts to `prompt_bucket` lengths (None: where the step is captured, since a
+    bucket is what lets a capture serve the next call; eager steps gain nothing from it and would prefill the
+    padding).
     """
 
     def __init__(self, model: PreTrainedModel, *, dtype: torch.dtype | None = None, memory_budget: int | None = None,
@@ -293,7 +297,7 @@ class StaticSampler:
         generator on the model's device); the same uniforms give the same tokens however the rows are split.
         """
         # a step since the last sync that bumped the parameters' versions: sync now (a fused optimizer's step does
-        # not bump them, so whoever steps the model also calls sync_weights, as TransformersBackend.generate does)
+        # not bump them, so whoever steps the model also calls sync_weights, as the trainers do)
         if self._seen != _fingerprint(self.model):
             self.sync_weights()
         B, C = prompt_ids.size(0), s.max_new_tokens
@@ -321,14 +325,21 @@ class StaticSampler:
                        torch.cat([p[3] for p in parts]).cpu())
 
     def _rows_per_part(self, B: int, T: int) -> int:
-        if self.memory_budget is None:
+        budget = self.memory_budget
+        if budget is None and self.device.type == "cuda":
+            # a share of what is free now (the trainer's activations are gone between steps; its weights, gradients
+            # and optimizer state stay): the rest is left to the prefill, the logits and the allocator's slack
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(GPU_FREE_SHARE * (free + torch.cuda.memory_reserved(self.device)
+                                           - torch.cuda.memory_allocated(self.device)))
+        if budget is None:
             return B
         cfg, attn = self.model.config, self.model.model.layers[0].self_attn
         per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * T * attn.head_dim * self.dtype.itemsize
-        if per_row > self.memory_budget:
-            raise ValueError(f"memory_budget of {self.memory_budget} bytes holds no row's KV cache: one row of "
-                             f"{T} tokens takes {per_row} bytes; raise the budget or shorten max_new_tokens")
-        return min(B, self.memory_budget // per_row)
+        if per_row > budget:
+            raise ValueError(f"a KV cache budget of {budget} bytes holds no row's KV cache: one row of {T} tokens "
+                             f"takes {per_row} bytes; raise generation.kv_cache_mb or shorten max_new_tokens")
+        return min(B, budget // per_row)
 
     def _sample_part(self, ids: torch.Tensor, mask: torch.Tensor, uniforms: torch.Tensor, s: SamplingConfig,
                      eos: torch.Tensor, pad_id: int, want_logprobs: bool) -> tuple[torch.Tensor, ...]:

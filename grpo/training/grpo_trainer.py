@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import GRPOConfig
+from grpo.config import GenerationConfig, GRPOConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
@@ -40,7 +40,7 @@ from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, ma
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
-from grpo.sampling.backend import GenerationBackend, Rollout, TransformersBackend
+from grpo.sampling.engines import Engine, Rollout, build_engine, require_tokens, sampling_dtype
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
@@ -92,7 +92,8 @@ class GRPOTrainer:
     """Holds the policy, the reference model, the optimizer and the data; `train()` runs the loop."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
-                 cfg: GRPOConfig, output_dir: str | Path, *, backend: GenerationBackend | None = None,
+                 cfg: GRPOConfig, output_dir: str | Path, *, engine: Engine | None = None,
+                 generation: GenerationConfig | None = None,
                  on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
                  reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
                  step_verifiers: Mapping[str, StepVerifier] | None = None):
@@ -154,16 +155,19 @@ class GRPOTrainer:
         scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                    num_training_steps=cfg.max_steps * cfg.num_iterations)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
-        self.backend = backend or TransformersBackend(self.acc.unwrap_model(self.model), tokenizer,
-                                                      autocast=self.acc.mixed_precision == "bf16")
+        # the stage's engine (grpo.sampling.engines) on the policy itself, sampling in the loop's precision
+        self.engine = engine or build_engine(generation or GenerationConfig(), self.acc.unwrap_model(self.model),
+                                             tokenizer, dtype=sampling_dtype(self.acc.mixed_precision), who="GRPO")
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
         self.completions_per_prompt = cfg.num_generations  # G; PPO's trainer samples one per prompt
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
     def sample(self, idx: list[int]) -> Rollout:
-        return self.backend.generate([self.prompts["prompt"][i] for i in idx], self.completions_per_prompt,
-                                     self.cfg.sampling)
+        # the sampler's log-probs only where the loss reads them (truncated importance sampling)
+        rollout = self.engine.generate([self.prompts["prompt"][i] for i in idx], self.completions_per_prompt,
+                                       self.cfg.sampling, logprobs=self.cfg.tis_cap is not None)
+        return require_tokens(rollout, "GRPO")
 
     def row_columns(self, idx: list[int]) -> dict[str, list]:
         """The dataset columns of the prompts `idx`, one row a completion (G rows a prompt)."""
@@ -291,6 +295,7 @@ class GRPOTrainer:
                 for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
                     sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
+        self.engine.sync_weights()  # the next rollout samples the stepped weights
         sums["grad_norm"] = float(grad_norm)
         return sums
 
@@ -391,6 +396,7 @@ class GRPOTrainer:
         if latest is None:
             return 0
         self.acc.load_state(str(latest))
+        self.engine.sync_weights()  # loaded in place: the engine's copy (if any) must see the checkpoint's weights
         return checkpoint_step(latest)
 
 
@@ -447,7 +453,8 @@ def _concat_groups(parts, G: int, want: int, pad_id: int):
         prompt_mask=torch.cat([left(r.prompt_mask[rows(g)], 0) for r, _, g, _ in chosen]),
         completion_ids=_pad_right([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
         completion_mask=_pad_right([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
-        logprobs=_pad_right([r.logprobs[rows(g)] for r, _, g, _ in chosen], 0.0),
+        logprobs=None if chosen[0][0].logprobs is None else _pad_right(
+            [r.logprobs[rows(g)] for r, _, g, _ in chosen], 0.0),
         truncated=torch.cat([r.truncated[rows(g)] for r, _, g, _ in chosen]),
         texts=[t for r, _, g, _ in chosen for t in r.texts[rows(g)]],
     )

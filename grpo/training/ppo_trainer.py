@@ -31,7 +31,7 @@ from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.ppo_config import PPOConfig, check_ppo_settings
-from grpo.sampling.backend import Rollout
+from grpo.sampling.engines import Rollout
 from grpo.training.accelerator import optimizer_step
 from grpo.training.grpo_trainer import GRPOTrainer, checkpointing_on, prompt_order
 from grpo.training.logprobs import token_logps
@@ -161,6 +161,7 @@ class PPOTrainer(GRPOTrainer):
                 sums[k] = sums.get(k, 0.0) + v * share
         sums["grad_norm"] = float(optimizer_step(self.acc, self.model, self.optimizer, self.scheduler,
                                                  cfg.max_grad_norm))
+        self.engine.sync_weights()  # the next rollout samples the stepped weights
         sums["value/grad_norm"] = float(optimizer_step(self.acc, self.critic, self.critic_optimizer,
                                                        self.critic_scheduler, cfg.max_grad_norm))
         return {**sums, **batch.stats}  # with the KL in the rewards, the rollout's kl, not the loss's 0

@@ -13,7 +13,8 @@ token each step ends in and trained with binary cross-entropy on the step labels
 (the synthetic task's equations, or GSM8K's lines) and rewards each with its probability of being good.
 
 Run it alone:
-    labels = label_steps(TransformersBackend(policy, tok), rows, completions, k=4, sampling=SamplingConfig())
+    labels = label_steps(build_engine(GenerationConfig(), policy, tok), rows, completions, k=4,
+                         sampling=SamplingConfig())
     result = train_prm(labels, RewardModelConfig(model=ModelConfig(name_or_path=cold_start_dir)), "out/prm")
     then a recipe's reasoning_grpo.grpo: {supervision: process, step_verifier: prm, prm_path: out/prm/model}
 
@@ -57,9 +58,11 @@ class PRMResult(NamedTuple):
 # ----------------------------------------------------------------------------------------------------------------
 # Labels
 
-def label_steps(backend: TransformersBackend, rows: pd.DataFrame, completions: Sequence[str], k: int,
+def label_steps(engine: TransformersBackend, rows: pd.DataFrame, completions: Sequence[str], k: int,
                 sampling: SamplingConfig, segment: str = "arithmetic") -> pd.DataFrame:
     """Math-Shepherd hard labels: a step is good if one of `k` rollouts from its prefix reaches the answer.
+
+    `engine`: the policy's local engine (`grpo.sampling.engines.build_engine`), which continues text as it is.
 
     `rows` holds `prompt` and `answer`, one row a completion. Returns one row a completion that has steps:
     prompt, completion, step_ends (character offsets), labels (1 good, 0 bad).
@@ -67,7 +70,7 @@ def label_steps(backend: TransformersBackend, rows: pd.DataFrame, completions: S
     if len(rows) != len(completions):
         raise ValueError(f"{len(rows)} rows for {len(completions)} completions")
     steps = STEP_VERIFIER_FUNCTIONS[segment](list(completions))
-    rendered = render_prompts(backend.tokenizer, rows["prompt"].tolist())
+    rendered = render_prompts(engine.tokenizer, rows["prompt"].tolist())
     prefixes, owners = [], []  # every step's prefix, and the (completion, step) it belongs to
     for i, (s, text) in enumerate(zip(steps, completions)):
         for j, end in enumerate(s.ends):
@@ -75,7 +78,7 @@ def label_steps(backend: TransformersBackend, rows: pd.DataFrame, completions: S
             owners.append((i, j))
     if not prefixes:
         raise ValueError(f"the {segment} segmenter found no step in any of the {len(completions)} completions")
-    rollout = backend.generate_from_text(prefixes, k, sampling)  # k rows a prefix, prefix by prefix
+    rollout = engine.generate_from_text(prefixes, k, sampling)  # k rows a prefix, prefix by prefix
     answers = rows["answer"].astype(str).tolist()
     # a rollout's whole completion: the original up to the step's end, then what the policy wrote from there
     right = accuracy_reward([completions[i][: steps[i].ends[j]] + rollout.texts[n * k + r]

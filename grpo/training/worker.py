@@ -48,12 +48,12 @@ def _sft(job: dict, events: EventWriter) -> dict:
 
 
 def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_model: str | None = None,
-                     prm: str | None = None, ppo=None, on_metrics=None, on_samples=None):
+                     prm: str | None = None, ppo=None, generation=None, on_metrics=None, on_samples=None):
     """The GRPO (or, with `ppo`, PPO) trainer of a stage, from local inputs only: the stage task's own process and
     each launched process build it the same way.
 
     `reward_model` and `prm` are local folders: the alignment stage's reward model (the "reward_model" reward) and
-    the process reward model that scores steps (`step_verifier: prm`).
+    the process reward model that scores steps (`step_verifier: prm`). `generation`: the stage's engine section.
     """
     from grpo.models import load_model_and_tokenizer
     from grpo.rewards import REWARD_FUNCTIONS
@@ -65,7 +65,8 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
         scorer = RewardModelScorer.from_pretrained(reward_model)
         reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
     model, tokenizer = load_model_and_tokenizer(model_cfg)
-    kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions)
+    kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions,
+                  generation=generation)
     if ppo is not None:
         from grpo.training.ppo_trainer import PPOTrainer
 
@@ -79,11 +80,12 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
 
 
 def _grpo(job: dict, events: EventWriter) -> dict:
-    from grpo.config import GRPOConfig, ModelConfig
+    from grpo.config import GenerationConfig, GRPOConfig, ModelConfig
 
     trainer = build_rl_trainer(ModelConfig.model_validate(job["model"]), pd.read_parquet(job["rows"]),
                                GRPOConfig.model_validate(job["cfg"]), job["output_dir"],
                                reward_model=job.get("reward_model"), prm=job.get("prm"),
+                               generation=GenerationConfig.model_validate(job.get("generation") or {}),
                                on_metrics=events.metrics, on_samples=events.samples)
     result = trainer.train()
     return {"model_dir": str(result.model_dir), "steps": result.steps}

@@ -1,0 +1,126 @@
+"""Which engine generates, decided in one place for every stage; what every engine returns.
+
+Every stage that samples gets its engine from `build_engine`, out of its `generation` section (`GenerationConfig`,
+one per stage in the recipe):
+
+| who samples | engines it may use |
+|---|---|
+| GRPO and PPO rollouts (`grpo.training.grpo_trainer`) | local: it needs token ids, and a weight sync after each step |
+| held-out evaluation (`tasks.evaluate`) | local |
+| rejection sampling (`tasks.rejection`, `r1 plan`) | local or http |
+| the local LLM judge (`grpo.sampling.judge`) and PRM step labels (`grpo.training.prm`) | local |
+| `r1 serve` (`grpo.sampling.serve`) | local |
+
+The engines:
+- `local` (`grpo.sampling.backend.TransformersBackend`): the model in this process. With `sampler: auto`,
+  Qwen2/Qwen3/Llama/Mistral-style decoders sample through the static-cache sampler (`grpo.sampling.static_sampler`:
+  a KV cache allocated once, sampling inside the step, CUDA graphs on a GPU, a bf16 copy of fp32 weights where the
+  stage computes in bf16); any other model, or one the static step cannot compute exactly, decodes through its own
+  forward, step by step (logged once). `sampler: loop` always takes the latter.
+- `http` (`grpo.sampling.http_backend.HTTPGenerationBackend`): OpenAI-compatible `/v1/completions` servers (vLLM,
+  SGLang, `r1 serve`). Text only: a server hands back no token ids the trainer could score, and serves a fixed
+  checkpoint, so only rejection sampling may use it.
+
+An engine has two calls (`Engine`): `generate(prompts, n, sampling) -> Rollout`, and `sync_weights()`, which makes
+the next `generate` sample from the model's current weights. A trainer calls it after every optimizer step: an
+engine that holds its own copy of the weights (the static sampler's bf16 copy or captured steps; a vLLM server one
+day) refreshes it there, and one that reads the model directly does nothing. Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+
+from grpo.config import GenerationConfig, SamplingConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+class Rollout(NamedTuple):
+    """N = len(prompts) * n sampled completions, laid out prompt by prompt (a group is n rows).
+
+    Every engine gives the texts, the truncation flags and the token counts. An engine that runs the model itself
+    (`local`) also gives the token ids, their masks and (when asked) each sampled token's log-prob; a text-only one
+    (`http`) leaves them None, and a consumer that needs them says so (`require_tokens`).
+    """
+
+    texts: list[str]  # N completions, special tokens removed
+    truncated: torch.Tensor  # [N] bool: the budget ran out before an end-of-turn token
+    prompt_ids: torch.Tensor | None = None  # [N, P] left-padded prompt tokens
+    prompt_mask: torch.Tensor | None = None  # [N, P] 1 on real prompt tokens
+    completion_ids: torch.Tensor | None = None  # [N, C] right-padded with the pad id
+    completion_mask: torch.Tensor | None = None  # [N, C] 1 up to and including the end-of-turn token
+    logprobs: torch.Tensor | None = None  # [N, C] each sampled token's log-prob under the sampler, 0 on padding
+    token_counts: torch.Tensor | None = None  # [N] tokens per completion, as a text-only engine's server counted
+
+    @property
+    def completion_tokens(self) -> torch.Tensor:
+        """[N] tokens generated per completion, the end-of-turn token included."""
+        return self.completion_mask.sum(-1) if self.completion_mask is not None else self.token_counts
+
+    @property
+    def has_tokens(self) -> bool:
+        return self.completion_ids is not None
+
+
+def require_tokens(rollout: Rollout, who: str) -> Rollout:
+    """`rollout` itself, or an error naming `who` needs its token ids and which engine gives them."""
+    if not rollout.has_tokens:
+        raise ValueError(f"{who} needs the completions' token ids, and this engine returned text only (an http "
+                         f"engine does); set generation.backend: local")
+    return rollout
+
+
+class Engine(Protocol):
+    """What every generation engine offers."""
+
+    def generate(self, prompts: list, n: int, sampling: SamplingConfig) -> Rollout:
+        """`n` completions of each prompt (a string, or chat messages rendered with the chat template)."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Make the next `generate` sample from the model's current weights (after an optimizer step)."""
+        ...
+
+
+def sampling_dtype(precision: str) -> torch.dtype | None:
+    """The weights' dtype to sample with, for a stage whose resolved precision is `precision` (`bf16`, `fp16` or
+    `no`; `grpo.training.precision` resolves `auto`): bf16 weights where the stage computes in bf16 (a bf16 copy of
+    fp32 weights, refreshed by `sync_weights`); otherwise the model's own (None)."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def build_engine(generation: GenerationConfig, model: PreTrainedModel | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, *, dtype: torch.dtype | None = None,
+                 who: str = "this stage", text_only_ok: bool = False) -> Engine:
+    """The engine `generation` names, for `model` (local) or the recipe's servers (http).
+
+    dtype: the weights the local engine samples with (None: the model's own); `sampling_dtype` gives it from a
+    stage's precision. text_only_ok: whether the caller can do with text (rejection sampling); others are refused
+    an http engine here, before any work, with `who` named.
+    """
+    if generation.backend == "http":
+        if not text_only_ok:
+            raise ValueError(f"{who} samples from the model it holds (it needs token ids, and its weights change or "
+                             f"are not served): generation.backend must be local, not http")
+        from grpo.sampling.http_backend import build_http_backend
+
+        return build_http_backend(generation, tokenizer)
+    if model is None or tokenizer is None:
+        raise ValueError(f"{who}: the local engine needs the model and its tokenizer")
+    from grpo.sampling.backend import TransformersBackend
+
+    budget = None if generation.kv_cache_mb is None else generation.kv_cache_mb * 2**20
+    return TransformersBackend(model, tokenizer, dtype=dtype, static=generation.sampler == "auto",
+                               kv_cache_bytes=budget)
+
+
+def local(generation: GenerationConfig | None) -> GenerationConfig:
+    """`generation`'s settings for a model in this process (a local judge beside http generation, say)."""
+    if generation is None:
+        return GenerationConfig()
+    return generation if generation.backend == "local" else GenerationConfig(sampler=generation.sampler,
+                                                                             kv_cache_mb=generation.kv_cache_mb)
