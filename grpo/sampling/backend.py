@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.sampling.cpu_decoder import _LeanDecoder
-from grpo.sampling.engines import Rollout
+from grpo.sampling.engines import Rollout, pad_right
 from grpo.sampling.static_sampler import StaticSampler, distinct_rows
 
 log = logging.getLogger(__name__)
@@ -147,11 +147,6 @@ class _HFDecoder:
         return logits
 
 
-def _pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
-
-
 class TransformersBackend:
     """Sampling with a transformers causal LM on whatever device it sits on.
 
@@ -203,9 +198,9 @@ class TransformersBackend:
                 parts.append(self.sample_ids(prompt_ids[sl], prompt_mask[sl], sampling, logprobs=logprobs))
         finally:
             self.model.train(was_training)
-        completion_ids = _pad_right([p[0] for p in parts], tok.pad_token_id)  # [N, C]
-        completion_mask = _pad_right([p[1] for p in parts], 0)  # [N, C]
-        token_logps = _pad_right([p[2] for p in parts], 0.0) if logprobs else None  # [N, C]
+        completion_ids = pad_right([p[0] for p in parts], tok.pad_token_id)  # [N, C]
+        completion_mask = pad_right([p[1] for p in parts], 0)  # [N, C]
+        token_logps = pad_right([p[2] for p in parts], 0.0) if logprobs else None  # [N, C]
         truncated = torch.cat([p[3] for p in parts])  # [N]
         texts = tok.batch_decode(completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id),
                                  skip_special_tokens=True)

@@ -66,6 +66,12 @@ class Rollout(NamedTuple):
         return self.completion_ids is not None
 
 
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """[n_i, C_i] tensors stacked into one [sum n_i, max C_i], each padded on the right with `value`."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
+
+
 def require_tokens(rollout: Rollout, who: str) -> Rollout:
     """`rollout` itself, or an error naming `who` needs its token ids and which engine gives them."""
     if not rollout.has_tokens:

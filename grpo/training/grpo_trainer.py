@@ -40,7 +40,7 @@ from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, ma
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
-from grpo.sampling.engines import Engine, Rollout, build_engine, require_tokens, sampling_dtype
+from grpo.sampling.engines import Engine, Rollout, build_engine, pad_right, require_tokens, sampling_dtype
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
@@ -436,8 +436,6 @@ def _concat_groups(parts, G: int, want: int, pad_id: int):
     `parts` holds (rollout, scores, prompt indices, kept group numbers) per draw; returns the same three things
     `collect` returns for a plain step.
     """
-    from grpo.sampling.backend import _pad_right
-
     chosen = [(r, s, g, idx[g]) for r, s, idx, kept in parts for g in kept][:want]
     if not chosen:  # no group had spread: train on the first draw (zero advantages; only the KL term acts)
         r, s, idx, _ = parts[0]
@@ -451,9 +449,9 @@ def _concat_groups(parts, G: int, want: int, pad_id: int):
     rollout = Rollout(
         prompt_ids=torch.cat([left(r.prompt_ids[rows(g)], pad_id) for r, _, g, _ in chosen]),
         prompt_mask=torch.cat([left(r.prompt_mask[rows(g)], 0) for r, _, g, _ in chosen]),
-        completion_ids=_pad_right([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
-        completion_mask=_pad_right([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
-        logprobs=None if chosen[0][0].logprobs is None else _pad_right(
+        completion_ids=pad_right([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
+        completion_mask=pad_right([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
+        logprobs=None if chosen[0][0].logprobs is None else pad_right(
             [r.logprobs[rows(g)] for r, _, g, _ in chosen], 0.0),
         truncated=torch.cat([r.truncated[rows(g)] for r, _, g, _ in chosen]),
         texts=[t for r, _, g, _ in chosen for t in r.texts[rows(g)]],
