@@ -2,7 +2,8 @@
 
 | module | what it holds |
 |---|---|
-| `engines` | the one place that picks a stage's engine (`build_engine`), the `Engine` interface and `Rollout` |
+| `engines` | the one place that picks a stage's engine (`build_engine`) from its `generation` section |
+| `rollout` | what every engine returns (`Rollout`, token ids where it has them, text always) and offers (`Engine`) |
 | `backend` | the local engine (`TransformersBackend`): the model in this process, static sampler or decode loop |
 | `static_sampler` | the sampler for Llama-family decoders: static KV cache, in-step sampling, CUDA graphs on a GPU |
 | `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (its fused, packed linears serve the static sampler) |
@@ -11,6 +12,6 @@
 | `openai_client` | the HTTP client both share: one JSON request, retries and backoff, errors that say what failed |
 | `serve` | `r1 serve`: a checkpoint as an OpenAI-compatible endpoint (chat and text completions) |
 
-To add an engine: a class with `generate(prompts, n, sampling) -> Rollout` and `sync_weights()` (see `engines`), and
+To add an engine: a class with `generate(prompts, n, sampling) -> Rollout` and `sync_weights()` (see `rollout`), and
 its name in `GenerationConfig.backend` and `engines.build_engine`. Must not depend on Prefect or MLflow.
 """

@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.sampling.cpu_decoder import _LeanDecoder
-from grpo.sampling.engines import Rollout, pad_right
+from grpo.sampling.rollout import Rollout, pad_right
 from grpo.sampling.static_sampler import StaticSampler, distinct_rows
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import GenerationConfig, SamplingConfig
 from grpo.sampling.backend import render_prompts
-from grpo.sampling.engines import Rollout
+from grpo.sampling.rollout import Rollout
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint, Retryable
 
 logger = logging.getLogger(__name__)
