@@ -1,5 +1,6 @@
 """The static-cache sampler against the model's own forward and a naive sampling loop, on tiny random decoders."""
 
+import copy
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling import static_sampler
 from grpo.sampling.static_sampler import StaticSampler, choose_tokens, prompt_bucket, unsupported_reason
@@ -302,6 +304,34 @@ def test_a_bf16_copy_decodes_the_bf16_models_numbers(monkeypatch):
                           torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1].float()  # [B, 10, V]
     got = torch.stack(seen, 1)  # [B, 10, V]
     assert (got - want).abs().max() < 0.1 < want.abs().max()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_bf16_copy_is_made_without_a_copy_in_the_models_dtype(tied):
+    # the bytes made while making the copy are its bf16 parameters and the (fp32) buffers, not an fp32 duplicate
+    # of the model first (deepcopy then cast: 3x the bf16 size at the peak); it samples what that copy samples
+    model = make_model(head_scale=4.0)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    cast_copy = copy.deepcopy(model)
+    for p in cast_copy.parameters():
+        p.data = p.data.bfloat16()
+    sampler = StaticSampler(model, dtype=torch.bfloat16)
+    with BytesAlive() as alive:
+        half = sampler._sampling_model()
+    bf16 = sum(p.numel() * 2 for p in model.parameters())  # a tied weight once
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert bf16 <= alive.peak <= bf16 + buffers + 1024  # and a few scalars
+    assert (half.lm_head.weight is half.model.embed_tokens.weight) == tied
+    for a, b in zip(half.parameters(), cast_copy.parameters(), strict=True):
+        assert torch.equal(a, b) and a.dtype == torch.bfloat16 and not a.requires_grad
+    assert half.model.rotary_emb.inv_freq.dtype == torch.float32  # rounded, it would be off at long positions
+    ids, mask = left_padded([5, 11, 3], repeat=2)
+    s = SamplingConfig(max_new_tokens=8, temperature=0.8)
+    u = torch.rand(6, 8, generator=torch.Generator().manual_seed(10))
+    got = sampler.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    want = StaticSampler(cast_copy).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.logprobs, want.logprobs)
 
 
 def test_the_backend_samples_the_weights_a_fused_optimizer_stepped():
