@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -202,6 +203,39 @@ def test_sampled_frequencies_follow_the_softmax():
     assert ((counts - m * second) ** 2 / (m * second)).sum() < 37.7
     # and the check has teeth: the same counts against a flat distribution fail it
     assert ((counts - m / 16) ** 2 / (m / 16)).sum() > 37.7
+
+
+class _Widest64(TorchDispatchMode):
+    """The most elements of any float64 tensor an op makes within the block."""
+
+    most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("V", [151_936, 3000, 1024, 96])
+def test_two_level_inverse_cdf_picks_what_a_full_float64_cumsum_picks(V):
+    # Qwen's vocabulary (148 whole blocks and a short one), a short last block, one whole block, less than one;
+    # peaky rows with a long tail, zeroed entries (top-k style) and whole zero blocks at the end
+    g = torch.Generator().manual_seed(11)
+    B = 64
+    probs = (torch.randn(B, V, generator=g) * 4).softmax(-1)  # [B, V] float32
+    probs[torch.rand(B, V, generator=g) < 0.3] = 0.0
+    probs[B // 2 :, V - V // 3 :] = 0.0
+    u = torch.rand(B, dtype=torch.float64, generator=g)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1e-300], dtype=torch.float64)  # the ends of [0, 1)
+    with _Widest64() as widest:
+        got = static_sampler.inverse_cdf(probs, u)  # [B]
+    cdf = probs.double().cumsum(-1)  # [B, V] the one-level reference
+    want = torch.searchsorted(cdf, (1 - u)[:, None] * cdf[:, -1:]).squeeze(-1)  # [B]
+    assert torch.equal(got, want)
+    assert (probs.gather(1, got[:, None]) > 0).all()
+    assert widest.most <= B * max(min(V, static_sampler.CDF_BLOCK), -(-V // static_sampler.CDF_BLOCK))
 
 
 def test_a_memory_budget_splits_the_batch_into_the_same_tokens():
