@@ -1,13 +1,17 @@
 """Each stage's core loop on CUDA with a real model's shape: SFT steps, GRPO steps (plain, and with the memory
-knobs and loss variants), rejection-sampling generation, reward-model steps. A check that the GPU path runs and
-learns something, not a timing.
+knobs and loss variants: bf16 weights, LoRA over bf16 weights, 8-bit AdamW over bf16 weights' fp32 masters),
+rejection-sampling generation, reward-model steps; and the static sampler's decode steps replayed as CUDA graphs
+against the same steps run eagerly (batch 128, 256 tokens, the same uniforms: the same tokens, and the time of
+each). A check that the GPU path runs and learns something; the only timing is the graphs' against eager.
 
 usage: python ../shared/bench/gpu/make_model.py qwen2.5-0.5b /tmp/m && python benchmarks/gpu_smoke.py /tmp/m
        python benchmarks/gpu_smoke.py MODEL_DIR --device cpu      (the same code path on the CPU, for a tiny model)
 MODEL_DIR is any folder `from_pretrained` opens with a `prompts.jsonl` of {prompt, answer} rows (gpu/make_model.py
 makes one: random weights, a tokenizer that covers the whole vocabulary). On CUDA the loops run under bf16 autocast
-over float32 weights (the recipes' setting), except the GRPO run that holds bf16 weights. Prints one JSON line per
-check (seconds, peak CUDA GiB, what it checked) and exits non-zero at the first failure.
+over float32 weights (the recipes' setting), except the GRPO runs that hold bf16 weights. Prints one JSON line per
+check (seconds, peak CUDA GiB, what it checked; a check that cannot run here says `skipped` and why: the graphs
+need CUDA, 8-bit AdamW needs bitsandbytes, LoRA needs peft), then one line with the verdict, and exits non-zero at
+the first failure.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tokens", type=int, default=32, help="completion budget of the sampling checks")
+    ap.add_argument("--replay-batch", type=int, default=128, help="rows of the graphs-against-eager check")
+    ap.add_argument("--replay-tokens", type=int, default=256, help="decode steps of the graphs-against-eager check")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: every loop then finds no GPU
@@ -35,11 +41,12 @@ def main() -> None:
     import pandas as pd
     import torch
 
-    from grpo.config import (GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig, RewardModelConfig,
-                             SamplingConfig, SFTConfig)
+    from grpo.config import (GenerationConfig, GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig,
+                             RewardModelConfig, SamplingConfig, SFTConfig)
     from grpo.models import load_model_and_tokenizer
     from grpo.rejection.shards import process_shard
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.sampling.engines import build_engine, sampling_dtype
+    from grpo.sampling.static_sampler import StaticSampler
     from grpo.training.grpo_trainer import GRPOTrainer
     from grpo.training.reward_model import train_reward_model
     from grpo.training.sft_trainer import train_sft
@@ -66,6 +73,12 @@ def main() -> None:
         if cuda:
             row["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         print(json.dumps(row), flush=True)
+
+    skipped = {}
+
+    def skip(name: str, why: str) -> None:
+        skipped[name] = why
+        print(json.dumps({"check": name, "skipped": why}), flush=True)
 
     def changed(model, before: dict) -> int:
         """How many parameter tensors differ from `before` (compared on the CPU, in float32)."""
@@ -116,12 +129,45 @@ def main() -> None:
 
         def rejection():
             model, tok = load()
-            backend = TransformersBackend(model.to("cuda" if cuda else "cpu"), tok, autocast=cuda)
+            # the stage's engine, sampling in the stage's precision (a bf16 copy of the fp32 weights on CUDA)
+            backend = build_engine(GenerationConfig(), model.to("cuda" if cuda else "cpu"), tok,
+                                   dtype=sampling_dtype(precision), who="rejection sampling")
             cfg = RejectionConfig(samples_per_prompt=4, sampling=SamplingConfig(max_new_tokens=args.tokens),
                                   target_samples=8, shard_size=8, judge_when="never")
             result = process_shard(backend, rows.head(8), cfg, judge=None, shard_index=0)
             assert len(result.samples) == 32 and result.samples["response"].map(len).sum() > 0
             return {"samples": len(result.samples), "kept": len(result.kept)}
+
+        def graphs_vs_eager():
+            """The static sampler with its decode step captured and replayed against the same step run eagerly:
+            the same kernels on the same state, so the same uniforms give the same tokens; and the time of each."""
+            model, tok = load()
+            model.to("cuda").eval()
+            tok.padding_side = "left"
+            B, C = args.replay_batch, args.replay_tokens
+            prompts = [rows["prompt"][i % len(rows)] for i in range(B)]
+            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            s = SamplingConfig(max_new_tokens=C, temperature=1.0)
+            u = torch.rand(B, C, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # [B, C]
+            out = {}
+            for way, graphs in (("graphs", True), ("eager", False)):
+                # bf16 from the fp32 weights (as under autocast); every step over the whole cache in both ways
+                sampler = StaticSampler(model, dtype=torch.bfloat16, graphs=graphs, keep_captures=True,
+                                        full_cache_attention=True, buckets=True)
+                sampler.sample(enc["input_ids"], enc["attention_mask"], s, [], tok.pad_token_id, uniforms=u)  # capture
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                got = sampler.sample(enc["input_ids"], enc["attention_mask"], s, [], tok.pad_token_id, uniforms=u)
+                torch.cuda.synchronize()
+                out[way] = (time.perf_counter() - t, got)
+                del sampler
+            (t_graph, g), (t_eager, e) = out["graphs"], out["eager"]
+            assert g.completion_ids.shape == (B, C), g.completion_ids.shape  # no end token: every step runs
+            apart = int((g.completion_ids != e.completion_ids).any(1).sum())
+            assert apart == 0, f"graph replay and eager decoding chose different tokens in {apart} of {B} rows"
+            return {"batch": B, "new_tokens": C, "graphs_ms_per_step": round(1000 * t_graph / C, 2),
+                    "eager_ms_per_step": round(1000 * t_eager / C, 2), "x_graphs": round(t_eager / t_graph, 2),
+                    "same_tokens": True, "logprob_max_diff": float((g.logprobs - e.logprobs).abs().max())}
 
         def reward_model():
             pairs = pd.DataFrame({"prompt": rows["prompt"][:32],
@@ -142,11 +188,25 @@ def main() -> None:
                                         loss_type="dapo", importance_sampling_level="sequence", micro_batch_size=4))
         if importlib.util.find_spec("peft"):
             check("grpo_lora", grpo("grpo_lora", lora=LoRAConfig(r=8), learning_rate=1e-4))
-        if importlib.util.find_spec("bitsandbytes"):
+            check("grpo_lora_bf16", grpo("grpo_lora_bf16", lora=LoRAConfig(r=8), learning_rate=1e-4,
+                                         weights_dtype="bfloat16"))
+        else:
+            skip("grpo_lora", "peft is not importable")
+            skip("grpo_lora_bf16", "peft is not importable")
+        if _importable("bitsandbytes"):
             check("grpo_adamw_8bit", grpo("grpo_8bit", optimizer="adamw_8bit"))
+            check("grpo_bf16_adamw_8bit", grpo("grpo_bf16_8bit", optimizer="adamw_8bit", weights_dtype="bfloat16"))
+        else:
+            skip("grpo_adamw_8bit", "bitsandbytes is not importable")
+            skip("grpo_bf16_adamw_8bit", "bitsandbytes is not importable")
+        if cuda:
+            check("sampler_graphs_vs_eager", graphs_vs_eager)
+        else:
+            skip("sampler_graphs_vs_eager", "CUDA graphs need a CUDA device")
         check("rejection_sampling", rejection)
         check("reward_model", reward_model)
-    print(json.dumps({"gpu_smoke": "passed", "device": torch.cuda.get_device_name() if cuda else "cpu"}))
+    print(json.dumps({"gpu_smoke": "passed", "device": torch.cuda.get_device_name() if cuda else "cpu",
+                      "skipped": skipped}))
 
 
 def _with_chat_template(model_dir: Path, out: Path) -> Path:
@@ -164,6 +224,15 @@ def _with_chat_template(model_dir: Path, out: Path) -> Path:
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(out)
     return out
+
+
+def _importable(name: str) -> bool:
+    """Whether `name` imports here (bitsandbytes can be installed and still fail to load its library)."""
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - any failure to load means the check cannot run
+        return False
+    return True
 
 
 def _digits(completions, **_):

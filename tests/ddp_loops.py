@@ -20,11 +20,15 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo.config import GRPOConfig, ModelConfig, RewardModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.backend import Rollout, TransformersBackend
+from grpo.training.accelerator import make_accelerator
+from grpo.training.distributed import process_share
 from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.logprobs import token_logps
 from grpo.training.reward_model import train_reward_model
 from grpo.training.sft_trainer import train_sft
 
@@ -131,7 +135,56 @@ def run_reward_model(out: Path) -> None:
     train_reward_model(PAIRS, RM, out / "rm", Recorder(out / "rm"), progress=False)
 
 
+def logps_rows(groups: int = 4, G: int = 2, P: int = 5, C: int = 6, vocab: int = 1000):
+    """Rows in groups of G sharing a left-padded prompt, then right-padded completions: (ids, mask, C)."""
+    gen = torch.Generator().manual_seed(5)
+    pmask = (torch.arange(P) >= P - torch.tensor([2, 5, 3, 4][:groups])[:, None]).long()  # [groups, P]
+    prompt = (torch.randint(1, vocab, (groups, P), generator=gen) * pmask).repeat_interleave(G, 0)
+    comp = torch.randint(1, vocab, (groups * G, C), generator=gen)
+    cmask = (torch.arange(C) < torch.randint(2, C + 1, (groups * G, 1), generator=gen)).long()  # [N, C]
+    return torch.cat([prompt, comp * cmask], 1), torch.cat([pmask.repeat_interleave(G, 0), cmask], 1), C
+
+
+class WidestVocabularyTensor(TorchDispatchMode):
+    """Within the block: the most elements of any tensor an op makes whose last axis is the vocabulary (but for the
+    head's weight seen as [H, V])."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.vocab, self.weight_t, self.most = vocab, (hidden, vocab), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() and t.size(-1) == self.vocab and t.shape != self.weight_t:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def run_logps(out: Path) -> None:
+    """The chunked head's log-probs (plain_max_bytes=0, 4-token chunks) on the prepared model, backward once: each
+    process scores its share of the rows and DDP averages the gradients. Writes this process's gradients, the
+    largest vocabulary-wide tensor made in the forward and backward (the full logits: [rows, C, V]) and the
+    model's type."""
+    acc = make_accelerator("no")
+    model, tok = load_model_and_tokenizer(SMALL)
+    model = acc.prepare(model.train())
+    ids, mask, C = logps_rows()
+    mine = process_share(acc, list(range(ids.size(0))))  # whole groups: 4 of the 8 rows in each of 2 processes
+    with WidestVocabularyTensor(len(tok), SMALL.tiny.hidden_size) as widest:
+        logps, _ = token_logps(model, ids[mine], mask[mine], C, 0.7, with_entropy=True, plain_max_bytes=0,
+                               chunk_tokens=4)  # [n, C]
+        weights = mask[mine, -C:].float() * torch.linspace(-1, 1, C)  # [n, C]
+        acc.backward((logps * weights).sum() / len(mine))  # DDP's mean over processes: the mean over all rows
+    folder = out / "logps"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"grads": {n: p.grad for n, p in acc.unwrap_model(model).named_parameters()},
+                "widest": widest.most, "vocab": len(tok), "rows": len(mine), "wrapper": type(model).__name__},
+               folder / f"rank{acc.process_index}.pt")
+
+
 def run_all(out: Path) -> None:
+    run_logps(out)
     run_sft(out)
     run_sft_resumed(out)
     run_grpo(out)

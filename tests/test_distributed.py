@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddp_loops import GRPO, SFT, run_all
+from ddp_loops import GRPO, SFT, logps_rows, run_all
 from grpo.recipe import DistributedConfig
 from grpo.training import launch
 
@@ -68,6 +68,23 @@ def assert_same_weights(a: Path, b: Path, atol: float) -> None:
     ma, mb = (AutoModelForCausalLM.from_pretrained(p) for p in (a, b))
     for (name, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):
         assert torch.allclose(pa, pb, atol=atol, rtol=0), (name, (pa - pb).abs().max().item())
+
+
+def test_chunked_log_probs_under_ddp_sync_every_gradient(runs):
+    """token_logps through the chunked head on a DDP-wrapped model: no [rows, C, V] logits, and after the
+    backward both processes hold the one-process gradients of all the rows, the (tied) head's included: DDP's
+    all-reduce saw every use of every weight."""
+    one, two = runs
+    single = torch.load(one / "logps" / "rank0.pt")
+    ids, _, C = logps_rows()
+    assert single["wrapper"] != "DistributedDataParallel" and single["rows"] == ids.size(0)
+    for rank in (0, 1):
+        got = torch.load(two / "logps" / f"rank{rank}.pt")
+        assert got["wrapper"] == "DistributedDataParallel" and got["rows"] == ids.size(0) // 2
+        assert got["widest"] == 4 * got["vocab"]  # one 4-token chunk's logits; the plain path makes [rows, C+1, V]
+        for name, want in single["grads"].items():  # float32 sums of two halves: rounding only
+            torch.testing.assert_close(got["grads"][name], want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
+                                       msg=f"rank {rank}: {name}")
 
 
 def test_sft_on_two_processes_matches_one(runs):

@@ -10,8 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo.training.grpo_trainer as grpo_trainer
+from bytes_alive import BytesAlive
 from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
+from grpo.training.accelerator import make_adamw
 from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.optimizers import MasterWeights, cast_parameters
@@ -71,6 +73,36 @@ def test_master_weights_step_like_fp32_adamw_and_round_into_the_model():
         assert p16.grad is None and m.grad is None
     assert torch.equal(naive.weight.detach(), start)  # five updates of ~5e-4 each, all rounded away
     assert not torch.equal(fp32.weight.detach().bfloat16(), start)
+
+
+def _stepped(slice_bytes, steps=3):
+    """(masters after `steps` MasterWeights steps of one bf16 MLP, most bytes made at once by the last step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = MasterWeights(list(model.parameters()), lambda ps: make_adamw(ps, 1e-3, 0.1),  # fused, as in training
+                        slice_bytes=slice_bytes)
+    cast_parameters(model, torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()  # [*p.shape] what a bf16 backward gives
+        with BytesAlive() as alive:  # the last step: the optimizer's state is already there
+            opt.step()
+        opt.zero_grad()
+    return [m.detach().clone() for m in opt.masters], alive.peak, opt
+
+
+def test_master_weights_step_a_slice_at_a_time_as_all_at_once():
+    """Slices of 70 KiB of fp32 gradients (a layer each) give bit for bit the masters of one step over all the
+    parameters, and the step holds one slice's fp32 gradients at a time instead of all of them (129 KiB)."""
+    whole, peak_whole, _ = _stepped(2**40)
+    sliced, peak_sliced, opt = _stepped(70 * 2**10)
+    assert [list(s) for s in opt.slices] == [[0, 1], [2, 3]]  # 64x256 weights (64 KiB) and their biases
+    for a, b in zip(whole, sliced):
+        assert torch.equal(a, b)
+    grads = sum(m.numel() * 4 for m in opt.masters)
+    assert peak_whole >= grads  # an fp32 copy of every gradient alive together
+    assert peak_sliced <= (256 * 64 + 256) * 4 + 1024  # the largest slice (measured: exactly it), a few scalars
 
 
 def test_master_weights_state_dict_carries_the_masters():

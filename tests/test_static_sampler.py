@@ -1,12 +1,15 @@
 """The static-cache sampler against the model's own forward and a naive sampling loop, on tiny random decoders."""
 
+import copy
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling import static_sampler
 from grpo.sampling.static_sampler import StaticSampler, choose_tokens, prompt_bucket, unsupported_reason
@@ -202,6 +205,39 @@ def test_sampled_frequencies_follow_the_softmax():
     assert ((counts - m / 16) ** 2 / (m / 16)).sum() > 37.7
 
 
+class _Widest64(TorchDispatchMode):
+    """The most elements of any float64 tensor an op makes within the block."""
+
+    most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("V", [151_936, 3000, 1024, 96])
+def test_two_level_inverse_cdf_picks_what_a_full_float64_cumsum_picks(V):
+    # Qwen's vocabulary (148 whole blocks and a short one), a short last block, one whole block, less than one;
+    # peaky rows with a long tail, zeroed entries (top-k style) and whole zero blocks at the end
+    g = torch.Generator().manual_seed(11)
+    B = 64
+    probs = (torch.randn(B, V, generator=g) * 4).softmax(-1)  # [B, V] float32
+    probs[torch.rand(B, V, generator=g) < 0.3] = 0.0
+    probs[B // 2 :, V - V // 3 :] = 0.0
+    u = torch.rand(B, dtype=torch.float64, generator=g)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1e-300], dtype=torch.float64)  # the ends of [0, 1)
+    with _Widest64() as widest:
+        got = static_sampler.inverse_cdf(probs, u)  # [B]
+    cdf = probs.double().cumsum(-1)  # [B, V] the one-level reference
+    want = torch.searchsorted(cdf, (1 - u)[:, None] * cdf[:, -1:]).squeeze(-1)  # [B]
+    assert torch.equal(got, want)
+    assert (probs.gather(1, got[:, None]) > 0).all()
+    assert widest.most <= B * max(min(V, static_sampler.CDF_BLOCK), -(-V // static_sampler.CDF_BLOCK))
+
+
 def test_a_memory_budget_splits_the_batch_into_the_same_tokens():
     model = make_model()
     ids, mask = left_padded([5, 11, 3, 9], repeat=2)
@@ -302,6 +338,34 @@ def test_a_bf16_copy_decodes_the_bf16_models_numbers(monkeypatch):
                           torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1].float()  # [B, 10, V]
     got = torch.stack(seen, 1)  # [B, 10, V]
     assert (got - want).abs().max() < 0.1 < want.abs().max()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_bf16_copy_is_made_without_a_copy_in_the_models_dtype(tied):
+    # the bytes made while making the copy are its bf16 parameters and the (fp32) buffers, not an fp32 duplicate
+    # of the model first (deepcopy then cast: 3x the bf16 size at the peak); it samples what that copy samples
+    model = make_model(head_scale=4.0)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    cast_copy = copy.deepcopy(model)
+    for p in cast_copy.parameters():
+        p.data = p.data.bfloat16()
+    sampler = StaticSampler(model, dtype=torch.bfloat16)
+    with BytesAlive() as alive:
+        half = sampler._sampling_model()
+    bf16 = sum(p.numel() * 2 for p in model.parameters())  # a tied weight once
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert bf16 <= alive.peak <= bf16 + buffers + 1024  # and a few scalars
+    assert (half.lm_head.weight is half.model.embed_tokens.weight) == tied
+    for a, b in zip(half.parameters(), cast_copy.parameters(), strict=True):
+        assert torch.equal(a, b) and a.dtype == torch.bfloat16 and not a.requires_grad
+    assert half.model.rotary_emb.inv_freq.dtype == torch.float32  # rounded, it would be off at long positions
+    ids, mask = left_padded([5, 11, 3], repeat=2)
+    s = SamplingConfig(max_new_tokens=8, temperature=0.8)
+    u = torch.rand(6, 8, generator=torch.Generator().manual_seed(10))
+    got = sampler.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    want = StaticSampler(cast_copy).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.logprobs, want.logprobs)
 
 
 def test_the_engine_samples_the_weights_a_fused_optimizer_stepped_once_synced():

@@ -21,7 +21,7 @@ from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.sampling.cpu_decoder import _LeanDecoder
 from grpo.sampling.rollout import Rollout, pad_right
-from grpo.sampling.static_sampler import StaticSampler, distinct_rows
+from grpo.sampling.static_sampler import StaticSampler, distinct_rows, inverse_cdf
 
 log = logging.getLogger(__name__)
 _REPORTED: set[str] = set()  # fallback reasons already logged: once each, not once a batch
@@ -58,12 +58,11 @@ def _draw(probs: torch.Tensor) -> torch.Tensor:
     """One index per row, drawn with probability probs[b, i] / probs[b].sum() by inverting the CDF.
 
     One uniform per row instead of multinomial's one exponential per vocabulary entry (most of a small model's
-    sampling time). The CDF is float64 so a long tail of tiny probabilities keeps its mass; u lies in (0, total],
-    so the first index whose CDF reaches u always exists and never has zero probability (top-k/top-p cut-offs).
+    sampling time), float64 as the static sampler's table (so a seed picks the same tokens there and here), and
+    the same inversion (`inverse_cdf`).
     """
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    u = (1 - torch.rand_like(cdf[:, -1:])) * cdf[:, -1:]  # [B, 1]
-    return torch.searchsorted(cdf, u).squeeze(-1)  # [B]
+    u = torch.rand(probs.size(0), dtype=torch.float64, device=probs.device)  # [B]
+    return inverse_cdf(probs, u)  # [B]
 
 
 @torch.inference_mode()

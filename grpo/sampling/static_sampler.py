@@ -41,6 +41,8 @@ F = torch.nn.functional
 
 _ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}
 _MAX_CAPTURES = 8  # shapes kept captured at once; each holds its KV cache, so a few, not one per batch ever seen
+# entries per block of `inverse_cdf`: ~150 blocks and one block's cumsum for Qwen's 151,936, not a cumsum of them all
+CDF_BLOCK = 1024
 
 
 def prompt_bucket(length: int) -> int:
@@ -86,10 +88,8 @@ def choose_tokens(logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig,
     """The token of each row picked by the inverse CDF at its uniform `u`, and its log-prob when asked.
 
     logits [B, V], u [B] in [0, 1). Greedy at temperature 0; otherwise temperature, then top-k, then top-p (the
-    smallest prefix whose mass reaches top_p), as `backend._pick`. The CDF is float64 so a long tail of tiny
-    probabilities keeps its mass; the target (1 - u) * total lies in (0, total], so the first index whose CDF
-    reaches it always exists and never has zero probability. The log-prob is the logit less the log-sum-exp: no
-    second full-vocabulary tensor. No host sync: it runs inside a captured step.
+    smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`. The log-prob is the logit
+    less the log-sum-exp: no second full-vocabulary tensor. No host sync: it runs inside a captured step.
     """
     logits = logits.float()  # [B, V]
     if s.temperature == 0:
@@ -105,12 +105,39 @@ def choose_tokens(logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig,
             p = sorted_logits.softmax(-1)
             drop = p.cumsum(-1) - p > s.top_p
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        cdf = logits.softmax(-1).double().cumsum(-1)  # [B, V]
-        target = (1 - u.double())[:, None] * cdf[:, -1:]  # [B, 1]
-        tok = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=logits.size(-1) - 1)  # [B]
+        tok = inverse_cdf(logits.softmax(-1), u)  # [B]
     if not want_logprobs:
         return tok, None
     return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [B], [B]
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """The first index of each row whose cumulative probability reaches (1 - u) of the row's total: [B].
+
+    probs [B, V] (need not sum to 1), u [B] in [0, 1). The target lies in (0, total], so that index exists and
+    never has zero probability (top-k/top-p cut-offs). Two levels instead of a float64 cumsum over the whole
+    vocabulary each step: the sums of blocks of `block` entries (float32 sums of a block's own entries, so a tail
+    of tiny probabilities keeps its mass), their float64 cumsum, the block that holds the target, then the float64
+    cumsum inside that block only. Fixed shapes, no host sync.
+    """
+    B, V = probs.shape
+    block = min(block, V)
+    full = V // block * block
+    sums = probs[:, :full].view(B, -1, block).sum(-1)  # [B, V // block]
+    if full < V:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)  # [B, nb] the last block is short
+    ends = sums.double().cumsum(-1)  # [B, nb] the CDF at each block's end
+    target = (1 - u.double())[:, None] * ends[:, -1:]  # [B, 1]
+    b = torch.searchsorted(ends, target).clamp(max=ends.size(1) - 1)  # [B, 1] the block holding the target
+    start = ends.gather(1, (b - 1).clamp(min=0)).masked_fill(b == 0, 0.0)  # [B, 1] the CDF before it
+    offsets = torch.arange(block, device=probs.device)  # [block]
+    idx = b * block + offsets  # [B, block]
+    inside = probs.gather(1, idx.clamp(max=V - 1)).masked_fill(idx >= V, 0.0)  # [B, block]
+    cdf = inside.double().cumsum(-1)  # [B, block] from the block's start: no mass lost to the total before it
+    rest = target - start  # [B, 1] > 0
+    # the block's sum and its cumsum may round apart: a target past the cumsum's end takes its last increase
+    at = torch.searchsorted(cdf, torch.minimum(rest, cdf[:, -1:]))  # [B, 1]
+    return (b * block + at).squeeze(-1)  # [B]
 
 
 class _Weights(NamedTuple):
@@ -281,11 +308,13 @@ class StaticSampler:
             return self.model
         if self._copy is None:
             with torch.inference_mode(False), torch.no_grad():
-                self._copy = copy.deepcopy(self.model).eval().requires_grad_(False)
-                for p in self._copy.parameters():
-                    # parameters only: `.to(dtype)` would also round the rotary frequencies, whose error grows
-                    # with the position
-                    p.grad, p.data = None, p.data.to(self.dtype)
+                # each parameter is made in the new dtype before the module is copied around them, so no copy in
+                # the model's own dtype ever exists (a 7B fp32 model: +14 GB of bf16, not +28 GB then a cast);
+                # parameters only: `.to(dtype)` would also round the rotary frequencies, whose error grows with
+                # the position. A tied weight is one parameter, so it stays tied.
+                made = {id(p): torch.nn.Parameter(p.detach().to(self.dtype, copy=True), requires_grad=False)
+                        for p in self.model.parameters()}
+                self._copy = copy.deepcopy(self.model, made).eval()
         return self._copy
 
     @torch.inference_mode()

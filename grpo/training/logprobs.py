@@ -8,12 +8,14 @@ With a real model's vocabulary the [N, C, V] float32 logits are the largest tens
 x 256 tokens x 151,936 entries, several times over with the log-softmax, the entropy and their gradients). Where
 the model's logits are exactly `lm_head(last hidden state)` (`selective_head`) and the full logits would pass
 `PLAIN_LOGITS_MAX_BYTES`, the log-probs come from the last hidden states chunk by chunk (`grpo.kernels.logprobs`):
-the same numbers to float rounding, one chunk of logits alive at a time. Must not depend on Prefect or MLflow.
+the same numbers to float rounding, one chunk of logits alive at a time. Under DDP that whole computation runs as
+the wrapped model's forward, inside DDP's own (`_inside_forward`). Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import DynamicCache, PreTrainedModel
 
 from grpo.kernels.logprobs import logps_from_logits, selective_logps
@@ -42,6 +44,10 @@ def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask:
     """
     if plain_max_bytes is None:
         plain_max_bytes = PLAIN_LOGITS_MAX_BYTES
+    if isinstance(model, DistributedDataParallel) and not _hooked(model.module):
+        return _inside_forward(model, lambda ids, mask: token_logps(
+            model.module, ids, mask, n_completion, temperature, with_entropy, plain_max_bytes=plain_max_bytes,
+            chunk_tokens=chunk_tokens), input_ids, attention_mask)
     model = causal_lm(model)  # a LoRA model's inner transformers model: its forward computes the same
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L] left padding is skipped
     targets = input_ids[:, -n_completion:]  # [N, C]
@@ -53,6 +59,40 @@ def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask:
                                  hidden_states=True)  # [N, C, H]
     return selective_logps(hidden, head.weight, head.bias, targets, temperature, chunk_tokens=chunk_tokens,
                            with_entropy=with_entropy)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _inside_forward(ddp: DistributedDataParallel, compute, *inputs: torch.Tensor):
+    """`compute(*inputs)` run as the wrapped module's forward, called through DDP's forward.
+
+    DDP prepares its gradient all-reduce in its forward (which parameters to expect, `no_sync`, and with
+    `find_unused_parameters` a walk of the graph from the forward's outputs): the chunked head uses the head's
+    weight outside the model's own forward, so the whole computation has to be what DDP's forward returns. So the
+    wrapped model computes what it computes alone (chunked head, shared prompt pass), within one DDP forward. Its
+    forward is replaced for this one call only, and put back before `compute` calls the module (whose own hooks
+    would run twice: `token_logps` does not come here for a module that has any).
+    """
+    inner = ddp.module
+    saved = vars(inner).get("forward")  # an instance forward already there (accelerate's autocast wrapper)
+
+    def restore() -> None:
+        if saved is None:
+            vars(inner).pop("forward", None)
+        else:
+            inner.forward = saved
+
+    def once(*args):  # the inputs as DDP hands them on (moved to its device: with none, DDP fails on a GPU)
+        restore()
+        return compute(*args)
+
+    inner.forward = once
+    try:
+        return ddp(*inputs)
+    finally:
+        restore()
 
 
 def selective_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -120,7 +160,8 @@ def _completion_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
 def _can_share_prompts(model: torch.nn.Module) -> bool:
     """Whether two forward passes over a shared cache give what one plain pass would.
 
-    Not for wrapped models (DDP and friends expect one forward per backward), nor under gradient checkpointing
+    Not for wrapped models (DDP and friends expect one forward per backward; under DDP `token_logps` runs the
+    inner model's two passes within one DDP forward), nor under gradient checkpointing
     (which turns the cache off), nor with active dropout (rows of a group would share the prompt's noise).
     """
     if not isinstance(model, PreTrainedModel):

@@ -20,6 +20,11 @@ import torch
 
 from grpo.training.accelerator import make_adamw
 
+# fp32 gradient bytes made at once in a MasterWeights step (or one parameter's, if larger): the step's peak extra
+# memory, instead of an fp32 copy of every gradient (28 GB for a 7B model). Big enough that a step's few kernel
+# launches per slice cost nothing next to the optimizer's own work.
+STEP_SLICE_BYTES = 256 * 2**20
+
 
 def require_bitsandbytes() -> None:
     """Fail, saying what to install, when bitsandbytes (for `optimizer: adamw_8bit`) is not importable."""
@@ -54,14 +59,17 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, *, ei
 class MasterWeights(torch.optim.Optimizer):
     """Steps fp32 master copies of the parameters with an inner optimizer, then copies them back, rounded.
 
-    The parameters' gradients (in the model's dtype, accumulated over the micro-batches) are upcast onto the
-    masters at each step. `param_groups` and `state` are the inner optimizer's (an LR scheduler drives it through
+    The parameters' gradients (in the model's dtype, accumulated over the micro-batches, clipped by the trainer) are
+    upcast onto the masters a slice of about `slice_bytes` at a time: the inner optimizer steps the masters that
+    have a gradient, which it updates one by one (AdamW and 8-bit AdamW keep a step count per parameter), so
+    stepping slice by slice gives the numbers of one step over all of them. `param_groups` and `state` are the inner optimizer's (an LR scheduler drives it through
     them); `state_dict` carries the masters, so a resumed run continues from the fp32 weights, not the rounded ones.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], make_inner):
+    def __init__(self, params: list[torch.nn.Parameter], make_inner, slice_bytes: int = STEP_SLICE_BYTES):
         self.params = list(params)
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]  # fp32 copies
+        self.slices = _slices([m.numel() * 4 for m in self.masters], slice_bytes)
         self.inner = make_inner(self.masters)
         super().__init__(self.masters, dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups  # one set of groups: the scheduler's lr reaches the inner
@@ -71,12 +79,16 @@ class MasterWeights(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterWeights.step takes no closure")
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)  # rounded to the model's dtype
-            m.grad = None  # an fp32 gradient per weight only for the length of the step
+        for part in self.slices:
+            pairs = [(self.params[i], self.masters[i]) for i in part if self.params[i].grad is not None]
+            if not pairs:
+                continue
+            for p, m in pairs:
+                m.grad = p.grad.float()
+            self.inner.step()  # steps this slice only: the other masters have no gradient
+            for p, m in pairs:
+                p.copy_(m)  # rounded to the model's dtype
+                m.grad = None  # freed before the next slice is upcast
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -102,6 +114,23 @@ class MasterWeights(torch.optim.Optimizer):
         """Put the fp32 masters into the model's parameters, which become fp32 (to save the trained model)."""
         for p, m in zip(self.params, self.masters):
             p.data = m.detach().clone()
+
+
+def _slices(sizes: list[int], budget: int) -> list[range]:
+    """Consecutive index ranges whose sizes sum to at most `budget` (a larger item alone).
+
+    >>> _slices([3, 3, 3, 9, 1], 6)
+    [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    """
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > budget:
+            out.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
