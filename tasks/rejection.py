@@ -17,7 +17,7 @@ from grpo.data.tables import DataError, read_table, validate_rows
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
 from grpo.rejection.filters import summary_line
-from grpo.sampling.engines import Engine, build_engine, local
+from grpo.sampling.engines import Engine, build_engine, local_generation
 from grpo.sampling.judge import HTTPJudge, build_judge
 from grpo.interrupts import interruptible
 from tasks import tracking
@@ -145,10 +145,11 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
     model_cfg = cfg.model.model_copy(update={"name_or_path": plan.model_dir})
     engine = _engine(cfg, model_cfg)
     judge = None
-    if cfg.judge is not None and cfg.rejection.judge_when != "never":  # a local judge samples as the stage does
-        judge = (build_judge(cfg.judge, *_policy(model_cfg), generation=local(cfg.generation))
+    if cfg.judge is not None and cfg.rejection.judge_when != "never":
+        local = local_generation(cfg.generation)  # a local judge samples as the stage does
+        judge = (build_judge(cfg.judge, *_policy(model_cfg), generation=local)
                  if cfg.judge.backend == "transformers" and cfg.judge.model == SELF_JUDGE
-                 else build_judge(cfg.judge, generation=local(cfg.generation)))
+                 else build_judge(cfg.judge, generation=local))
     prompts = read_frame(plan.prompts_uri).reset_index(drop=True)
     shard = shards.plan_shards(prompts, cfg.rejection)[index]
     with interruptible():  # a stopped stage stops its shards mid-sampling, not after them

@@ -9,7 +9,7 @@ from grpo.config import GenerationConfig, GRPOConfig, ModelConfig, SamplingConfi
 from grpo.models import load_model_and_tokenizer
 from grpo.recipe import RecipeError, load_recipe
 from grpo.sampling.backend import TransformersBackend
-from grpo.sampling.engines import Rollout, build_engine, local, require_tokens, sampling_dtype
+from grpo.sampling.engines import Rollout, build_engine, local_generation, require_tokens, sampling_dtype
 from grpo.sampling.http_backend import HTTPGenerationBackend
 from grpo.training.grpo_trainer import GRPOTrainer
 
@@ -65,7 +65,8 @@ def test_a_text_only_engine_is_refused_where_token_ids_are_needed():
     with pytest.raises(ValueError, match="evaluation needs the completions' token ids"):
         require_tokens(text_only, "evaluation")
     # a local judge beside http generation keeps the section's local settings
-    assert local(HTTP) == GenerationConfig() and local(GenerationConfig(sampler="loop")).sampler == "loop"
+    assert local_generation(HTTP) == GenerationConfig()
+    assert local_generation(GenerationConfig(sampler="loop")).sampler == "loop"
 
 
 def test_the_recipe_allows_a_text_only_engine_in_rejection_sampling_only(tmp_path):

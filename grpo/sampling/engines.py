@@ -37,7 +37,7 @@ from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.http_backend import build_http_backend
 from grpo.sampling.rollout import Engine, Rollout, pad_right, require_tokens
 
-__all__ = ["Engine", "Rollout", "build_engine", "local", "pad_right", "require_tokens", "sampling_dtype"]
+__all__ = ["Engine", "Rollout", "build_engine", "local_generation", "pad_right", "require_tokens", "sampling_dtype"]
 
 
 def sampling_dtype(precision: str) -> torch.dtype | None:
@@ -68,7 +68,7 @@ def build_engine(generation: GenerationConfig, model: PreTrainedModel | None = N
                                kv_cache_bytes=budget)
 
 
-def local(generation: GenerationConfig | None) -> GenerationConfig:
+def local_generation(generation: GenerationConfig | None) -> GenerationConfig:
     """`generation`'s settings for a model in this process (a local judge beside http generation, say)."""
     if generation is None:
         return GenerationConfig()
