@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo.training.grpo_trainer as grpo_trainer
-from bytes_alive import BytesAlive
+from benchmarks.bytes_alive import BytesAlive
 from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.accelerator import make_adamw

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from bytes_alive import BytesAlive
+from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling import static_sampler
 from grpo.sampling.static_sampler import StaticSampler, choose_tokens, prompt_bucket, unsupported_reason

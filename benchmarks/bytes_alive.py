@@ -3,7 +3,12 @@
 A real measurement where the allocator has none to give (CPU): every op's outputs that do not share storage with
 its inputs are new tensors; their storages are followed by weak reference, and what has been freed is let go
 before each op's outputs are counted. Memory made outside torch ops (a `torch.empty` made before the block) is
-not counted, nor what an op allocates and frees inside itself.
+not counted, nor what an op allocates and frees inside itself. `largest` is the biggest single storage made.
+
+It lives with the benchmarks because it is a measuring instrument: `memory_pieces.py` prints figures with it and
+the tests hold those figures with it (`from benchmarks.bytes_alive import BytesAlive`, the repository root being
+on sys.path under `python -m pytest`). In `grpo/` it would ship with the package that never runs it; in `tests/`
+a benchmark would reach into the test suite.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ class BytesAlive(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.alive: dict[int, tuple[StorageWeakRef, int]] = {}  # data pointer -> (weak storage, bytes)
-        self.now = self.peak = 0
+        self.now = self.peak = self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -37,5 +42,6 @@ class BytesAlive(TorchDispatchMode):
                 continue  # in place, a view, or counted already
             self.alive[ptr] = (StorageWeakRef(storage), storage.nbytes())
             self.now += storage.nbytes()
+            self.largest = max(self.largest, storage.nbytes())
         self.peak = max(self.peak, self.now)
         return out
