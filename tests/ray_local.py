@@ -81,17 +81,18 @@ class LocalRayCluster:
     nodes: list[Node] = field(default_factory=list)
     namespace: list[str] | None = None  # the unshare prefix in use; None = same filesystem as the driver
     gcs_port: int = 0
+    n_nodes: int = 0  # the head and the nodes that join it
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.gcs_port}"
 
     def start(self, n_nodes: int = 2) -> "LocalRayCluster":
-        """Spawn every node now (a second node waits for the head's GCS itself); see wait_ready."""
+        """Spawn the head now; `wait_ready` spawns the other nodes once it is up and waits for them."""
         self.namespace = mount_namespace_prefix() if self.hide else None
         self.gcs_port = free_port()
-        for i in range(n_nodes):
-            self._start_node("head" if i == 0 else f"n{i}")
+        self.n_nodes = n_nodes
+        self._start_node("head")
         return self
 
     def _start_node(self, name: str) -> None:
@@ -130,14 +131,36 @@ class LocalRayCluster:
         self.nodes.append(Node(name, root, proc, log))
 
     def wait_ready(self, timeout: float = 240) -> "LocalRayCluster":
+        """Wait for the head, then start and wait for the other nodes one at a time.
+
+        One at a time, because a node that joins gives its raylet a fixed 30 s to register with the head's GCS
+        (Ray's own limit), which a head still starting, on 2 busy cores, can miss; a node that misses it anyway
+        (its process exits saying it timed out during startup) is started again, up to twice.
+        """
         deadline = time.monotonic() + timeout
-        for node in self.nodes:
-            while not node.ready():
-                if node.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"ray node {node.name} did not start:\n"
-                                       f"{node.log.read_text(errors='replace')[-3000:]}")
-                time.sleep(0.3)
+        self._wait(self.nodes[0], deadline)
+        for i in range(1, self.n_nodes):
+            for attempt in range(3):
+                self._start_node(f"n{i}")
+                if self._wait(self.nodes[-1], deadline, retry=attempt < 2):
+                    break
+                failed = self.nodes.pop()
+                try:
+                    os.killpg(failed.proc.pid, signal.SIGKILL)  # whatever it left running (its own session)
+                except ProcessLookupError:
+                    pass
         return self
+
+    def _wait(self, node: Node, deadline: float, retry: bool = False) -> bool:
+        """True once `node` is up; False if it gave up on Ray's startup limit and `retry` allows another go."""
+        while not node.ready():
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                log = node.log.read_text(errors="replace")
+                if retry and node.proc.poll() is not None and "timed out during startup" in log:
+                    return False
+                raise RuntimeError(f"ray node {node.name} did not start:\n{log[-3000:]}")
+            time.sleep(0.3)
+        return True
 
     def stop(self) -> list[int]:
         """Stop the nodes (second nodes first) by process group; return the stragglers that had to be killed."""
