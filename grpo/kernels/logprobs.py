@@ -21,9 +21,6 @@ A memory trick with the model's own numbers; must not depend on Prefect or MLflo
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 F = torch.nn.functional
@@ -40,28 +37,6 @@ def default_chunk_tokens(vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTE
     220
     """
     return max(1, budget_bytes // (vocab_size * 4))
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return None
-
-
-def release_freed_memory(device: torch.device) -> None:
-    """Hand the pages of freed host memory back to the OS now (CPU tensors only; a no-op elsewhere).
-
-    glibc keeps freed blocks under its mmap threshold (which rises to 32 MiB as big blocks are freed) in its heap,
-    where they count in the RSS until something reuses them. The backward frees megabytes of activations there and
-    then asks for vocabulary-sized [V, H] gradients, fresh mappings that cannot reuse them: with Qwen2.5's
-    vocabulary the heap's free blocks are a few hundred MB of the training peak. A trim costs milliseconds.
-    """
-    trim = _malloc_trim() if device.type == "cpu" else None
-    if trim is not None:
-        trim(0)
 
 
 def matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -125,7 +100,6 @@ class _SelectiveLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, mm_dtype):
         T, V = hidden.size(0), weight.size(0)
-        release_freed_memory(hidden.device)  # sampling's and the decoder's freed blocks, before the chunk buffers
         acc = torch.promote_types(mm_dtype, torch.float32)  # float32 as `.float()` (float64 stays, for gradcheck)
         logps = hidden.new_empty(T, dtype=acc)  # [T]
         lse = hidden.new_empty(T, dtype=acc)  # [T] logsumexp of each token's tempered logits
@@ -156,7 +130,6 @@ class _SelectiveLogps(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature, chunk, mm_dtype = ctx.temperature, ctx.chunk, ctx.mm_dtype
-        release_freed_memory(hidden.device)  # the forward's freed temporaries, before the [V, H] gradient is made
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         T, V = hidden.size(0), weight.size(0)
         acc = lse.dtype  # float32 (float64 for float64 inputs)

@@ -173,7 +173,8 @@ class HTTPJudge:
 
 
 def build_judge(cfg: JudgeConfig, model: PreTrainedModel | None = None,
-                tokenizer: PreTrainedTokenizerBase | None = None, generation: GenerationConfig | None = None) -> TransformersJudge | HTTPJudge:
+                tokenizer: PreTrainedTokenizerBase | None = None,
+                generation: GenerationConfig | None = None) -> TransformersJudge | HTTPJudge:
     """The judge `cfg` describes; a transformers judge uses `model`/`tokenizer` if given, else loads `cfg.model`, and
     samples with the engine `generation` (local) describes."""
     if cfg.backend == "http":

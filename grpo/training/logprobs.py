@@ -14,13 +14,11 @@ the wrapped model's forward, inside DDP's own (`_inside_forward`). Must not depe
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import DynamicCache, PreTrainedModel
 
-from grpo.kernels.logprobs import logps_from_logits, release_freed_memory, selective_logps
+from grpo.kernels.logprobs import logps_from_logits, selective_logps
 from grpo.models import is_checkpointing
 from grpo.sampling.backend import distinct_rows
 from grpo.training.lora import causal_lm
@@ -135,8 +133,7 @@ def _completion_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
         """The last `keep` positions' outputs (all of them for keep=0)."""
         if not hidden_states:
             return model(**inputs, logits_to_keep=keep).logits
-        with _trim_before_embedding_backward(model):
-            hidden = model.base_model(**inputs).last_hidden_state  # [n, l, H] cheap to keep whole (no V axis)
+        hidden = model.base_model(**inputs).last_hidden_state  # [n, l, H] cheap to keep whole (no V axis)
         return hidden[:, -keep:] if keep else hidden
 
     def plain() -> torch.Tensor:
@@ -158,30 +155,6 @@ def _completion_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
     tail = run(0, input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
                position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True)  # [N, C-1, V|H]
     return torch.cat([head[inverse], tail], 1)  # [N, C, V|H]
-
-
-@contextlib.contextmanager
-def _trim_before_embedding_backward(model: PreTrainedModel):
-    """Within the block, the input embeddings' outputs call `release_freed_memory` when their gradient arrives.
-
-    That is the backward's last step and its peak with a wide vocabulary: the embedding's dense [V, H] weight
-    gradient is made while the head's is still held (both 155 MB at Qwen2.5's vocabulary), and the activations the
-    decoder's backward has just freed still sit in the C heap. Only while gradients are recorded, on CPU.
-    """
-    embed = model.get_input_embeddings()
-    if not torch.is_grad_enabled() or embed is None or embed.weight.device.type != "cpu":
-        yield
-        return
-
-    def on_output(module, args, out):
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: release_freed_memory(grad.device))  # returns None: grad unchanged
-
-    handle = embed.register_forward_hook(on_output)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _can_share_prompts(model: torch.nn.Module) -> bool:

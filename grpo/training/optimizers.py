@@ -62,8 +62,9 @@ class MasterWeights(torch.optim.Optimizer):
     The parameters' gradients (in the model's dtype, accumulated over the micro-batches, clipped by the trainer) are
     upcast onto the masters a slice of about `slice_bytes` at a time: the inner optimizer steps the masters that
     have a gradient, which it updates one by one (AdamW and 8-bit AdamW keep a step count per parameter), so
-    stepping slice by slice gives the numbers of one step over all of them. `param_groups` and `state` are the inner optimizer's (an LR scheduler drives it through
-    them); `state_dict` carries the masters, so a resumed run continues from the fp32 weights, not the rounded ones.
+    stepping slice by slice gives the numbers of one step over all of them. `param_groups` and `state` are the inner
+    optimizer's (an LR scheduler drives it through them); `state_dict` carries the masters, so a resumed run
+    continues from the fp32 weights, not the rounded ones.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], make_inner, slice_bytes: int = STEP_SLICE_BYTES):
