@@ -73,3 +73,19 @@ def fields_at(root: type[BaseModel], loc: tuple) -> list[str]:
             return []
         model = inner[0]
     return list(model.model_fields)
+
+
+def check_fsdp_settings(distributed, *, weights_dtype: str = "float32",
+                        optimizer: str = "adamw", field: str = "grpo") -> None:
+    """Refuse, naming the field, what the sharded strategy cannot honour (before any model loads): `distributed` is
+    a stage's section (grpo.recipe.DistributedConfig)."""
+    if distributed.strategy != "fsdp":
+        return
+    if weights_dtype == "bfloat16":
+        raise ValueError(f"{field}.weights_dtype bfloat16 keeps fp32 master weights beside bf16 ones in one process; "
+                         f"with distributed.strategy fsdp the shards are the fp32 masters and the units compute in "
+                         f"bf16 where mixed_precision is bf16: set {field}.weights_dtype to float32")
+    if optimizer == "adamw_8bit":
+        raise ValueError(f"{field}.optimizer adamw_8bit (bitsandbytes) cannot step sharded weights; with "
+                         f"distributed.strategy fsdp each process already holds 1/N of AdamW's state: set "
+                         f"{field}.optimizer to adamw")

@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpo.checks import check_fits_context, check_process_split, check_prompts_per_step, describe_errors, fields_at
+from grpo.checks import (check_fits_context, check_fsdp_settings, check_process_split, check_prompts_per_step,
+                         describe_errors, fields_at)
 from grpo.config import (
     REWARD_MODEL,
     TINY,
@@ -115,6 +116,23 @@ class StageConfig(BaseModel):
         return self
 
 
+class FSDPConfig(BaseModel):
+    """The sharded strategy's settings (`distributed.strategy: fsdp`; README: "Training across processes")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # free each unit's gathered weights after its forward and gather them again for the backward: the least
+    # memory (one unit whole at a time) for one more all-gather a unit a step
+    reshard_after_forward: bool = True
+    # keep the shards of the weights, gradients and optimizer state in CPU memory, copied to the GPU a unit at a
+    # time: fits a larger model in GPU memory for a slower step (no effect on a CPU)
+    cpu_offload: bool = False
+    # mean absolute gap in log-probs (nats a token) between the sampler's gathered copy and the sharded trainer on
+    # the same tokens, checked after every weight sync, above which the stage stops; None: 1e-3 where the loop
+    # computes in fp32, 0.1 in bf16 (a copy gathered wrong differs by whole nats)
+    max_sync_logprob_gap: float | None = Field(None, gt=0)
+
+
 class DistributedConfig(BaseModel):
     """How many processes a stage's training loops run on: one, inside the stage's own process, by default.
 
@@ -127,10 +145,17 @@ class DistributedConfig(BaseModel):
 
     # processes; "auto": one per GPU the machine shows (in a Kubernetes job: the GPUs it requested), 1 without GPUs
     num_processes: int | Literal["auto"] = 1
-    # an accelerate config file for the launch (e.g. deployments/accelerate/fsdp-7b.yaml); None: plain DDP
+    # an accelerate config file for the launch (its own settings: dynamo, NUMA, ...); not one that shards (FSDP,
+    # DeepSpeed): `strategy` does that
     config_file: str | None = None
-    # a collective (all-reduce, barrier) that waits longer fails the stage, to be retried, instead of hanging it
+    # a collective (all-reduce, barrier, a sharded weight's gather) that waits longer fails the stage, to be
+    # retried, instead of hanging it
     collective_timeout_s: float = Field(1800.0, ge=10, le=86400)
+    # how the training processes hold the model (grpo.training.strategy): "ddp", whole weights, gradients and
+    # optimizer state on every process (16 bytes a parameter with AdamW); "fsdp", each process holds 1/N of them
+    # (FSDP2: one unit per decoder layer plus the root), gathering a unit's weights only while it computes
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)  # read only with strategy fsdp
 
     @field_validator("num_processes")
     @classmethod
@@ -138,6 +163,13 @@ class DistributedConfig(BaseModel):
         if isinstance(n, int) and n < 1:
             raise ValueError(f"must be at least 1 or \"auto\" (got {n})")
         return n
+
+    @model_validator(mode="after")
+    def _one_way_to_shard(self) -> "DistributedConfig":
+        if self.strategy == "fsdp" and self.config_file:
+            raise ValueError("config_file (an accelerate config file) and strategy fsdp both say how to shard the "
+                             "model: set one of them")
+        return self
 
 
 class ColdStartSFTConfig(StageConfig):
@@ -183,9 +215,11 @@ class ReasoningGRPOConfig(StageConfig):
         if self.algorithm == "ppo" and self.grpo.supervision == "process":
             raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
                              "reward at each completion's last token: use supervision 'outcome' with ppo")
-        if self.algorithm == "ppo" and (self.distributed.num_processes != 1 or self.distributed.config_file):
+        if self.algorithm == "ppo" and (self.distributed.num_processes != 1 or self.distributed.config_file
+                                        or self.distributed.strategy != "ddp"):
             raise ValueError("algorithm ppo trains in one process (its critic is not split across processes): "
-                             "leave distributed at its default, num_processes 1")
+                             "leave distributed at its default, num_processes 1 and strategy ddp")
+        check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
         self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
         return self
 
@@ -266,6 +300,7 @@ class AlignmentGRPOConfig(StageConfig):
                              "reasoning_grpo, whose prompts have checkable steps")
         synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
         check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
+        check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
         return self
 
 

@@ -50,7 +50,7 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
                          context="reward_model")
     launched = launch.is_launched(cfg.distributed)
     rm_cfg = resolve_precision(run_id, "reward_model", cfg.reward_model)
-    out = work_dir(run_id, "reward_model", cfg.preferences, rm_cfg, *([cfg.distributed] if launched else []))
+    out = work_dir(run_id, "reward_model", cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed))
     if launched:
         frames = {"rows": pairs, **({"heldout": heldout} if heldout is not None else {})}
         report = launch.run_launched("reward_model", out, cfg.distributed,
@@ -59,7 +59,7 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
         result = RewardModelResult(**{**report, "model_dir": Path(report["model_dir"])})
     else:
         result = train_reward_model(pairs, rm_cfg, out, on_metrics=tracking.MetricsLogger(run_id),
-                                    heldout=heldout, source=cfg.preferences.source)
+                                    heldout=heldout, source=cfg.preferences.source, distributed=cfg.distributed)
     tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,
                                                   "rm/heldout_accuracy_before": result.heldout_accuracy_before})
     get_run_logger().info("reward model: held-out pair accuracy %.3f (untrained %.3f)", result.heldout_accuracy,

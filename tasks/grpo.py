@@ -38,7 +38,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     cfg = resolve_precision(run_id, "grpo", cfg)
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
                    reward_model_uri, *([ppo] if ppo else []),  # a PPO run never resumes a GRPO run's work
-                   *([distributed] if launched else []))
+                   *launch.resume_key(distributed))
 
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
@@ -59,7 +59,8 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
             model_dir, steps = Path(report["model_dir"]), report["steps"]
         else:
             trainer = build_rl_trainer(model_cfg, rows, cfg, out, reward_model=reward_model_dir, prm=prm_dir, ppo=ppo,
-                                       generation=generation, on_metrics=progress, on_samples=log_samples)
+                                       generation=generation, on_metrics=progress, on_samples=log_samples,
+                                       distributed=distributed)
             model_dir, steps = trainer.train()
     get_run_logger().info("%s finished: %d steps", "GRPO" if ppo is None else "PPO", steps)
     return tracking.log_dir(run_id, model_dir, "checkpoint")

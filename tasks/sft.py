@@ -30,7 +30,7 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
     cfg = resolve_precision(run_id, "train", cfg)
     # keyed by what determines the result, so rerunning an interrupted stage resumes from its last checkpoint
     keys = (model_cfg, cfg, rows["prompt"].astype(str).tolist(), rows["response"].tolist())
-    out = work_dir(run_id, stage, *keys, *([distributed] if launch.is_launched(distributed) else []))
+    out = work_dir(run_id, stage, *keys, *launch.resume_key(distributed))
     with durable_resume(run_id, out) as step:  # its newest checkpoint, wherever it ran before; copies of new ones
         if step:
             get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
@@ -44,7 +44,8 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
             model_dir, steps, final_loss = Path(report["model_dir"]), report["steps"], report["final_loss"]
         else:
             model, tokenizer = load_model_and_tokenizer(model_cfg)
-            model_dir, steps, final_loss = train_sft(model, tokenizer, rows, cfg, out, progress, source=train_uri)
+            model_dir, steps, final_loss = train_sft(model, tokenizer, rows, cfg, out, progress, source=train_uri,
+                                                     distributed=distributed)
     get_run_logger().info("SFT finished: %d steps, final loss %.4f", steps, final_loss)
     return tracking.log_dir(run_id, model_dir, "checkpoint")
 

@@ -1,12 +1,16 @@
 """The SFT, GRPO and reward-model loops on a tiny model, run alike in one process or under `accelerate launch`.
 
     accelerate launch --multi_gpu --num_processes 2 tests/ddp_loops.py OUT     # what test_distributed.py does
+    accelerate launch --multi_gpu --num_processes 2 tests/ddp_loops.py OUT fsdp [RESUME]   # test_fsdp.py
 
 Each loop writes the metrics its main process reported to OUT/<loop>/metrics-rank<R>.json (so a file from any
 other rank means a rank other than 0 reported) and its final model to OUT/<loop>/model. GRPO samples through
 `PromptSeededBackend`: each prompt's completions come from a generator seeded by the prompt and the step, so one
 process and two draw the same completions while their weights agree, and their curves compare; each prompt gets a
 completion budget of its own, so the processes hold unequal numbers of tokens (what DAPO's token mean must see).
+The second argument names the strategy (ddp by default); SFT's and GRPO's step-2 checkpoints are kept in
+OUT/sft-step-2 and OUT/grpo-step-2, and SFT (and under fsdp GRPO) is run again from RESUME's (another run's OUT) or
+from its own.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo.config import GRPOConfig, ModelConfig, RewardModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
+from grpo.config import (GRPOConfig, LoRAConfig, ModelConfig, RewardModelConfig, SamplingConfig, SFTConfig,
+                         TinyModelConfig)
 from grpo.models import load_model_and_tokenizer
+from grpo.recipe import DistributedConfig
 from grpo.sampling.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator
 from grpo.training.distributed import process_share
@@ -31,6 +37,7 @@ from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.reward_model import train_reward_model
 from grpo.training.sft_trainer import train_sft
+from grpo.training.strategy import make_strategy
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -43,7 +50,7 @@ SFT = SFTConfig(max_steps=3, batch_size=8, grad_accum_steps=2, learning_rate=3e-
 GRPO_PROMPTS = pd.DataFrame({"prompt": [f"Count to {i}" for i in range(8)]})
 # 4 prompts x 4 completions a step (2 prompts per process), micro-batches of 4 rows; dapo's token mean and a KL term
 GRPO = GRPOConfig(max_steps=3, prompts_per_step=4, num_generations=4, micro_batch_size=4, learning_rate=1e-2,
-                  warmup_steps=0, beta=0.04, loss_type="dapo", rewards={"digits": 1.0}, checkpoint_every=0,
+                  warmup_steps=0, beta=0.04, loss_type="dapo", rewards={"digits": 1.0}, checkpoint_every=2,
                   log_every=1, samples_every=1, mixed_precision="no",
                   sampling=SamplingConfig(max_new_tokens=10, temperature=1.0))
 PAIRS = pd.DataFrame({"prompt": [f"Q{i}" for i in range(16)], "chosen": [f"A good answer {i}." for i in range(16)],
@@ -103,36 +110,92 @@ class Recorder:
         checkpoint = self.folder / "checkpoints" / "step-2"
         if step == 3 and checkpoint.exists():  # the run's checkpoint, complete, before the finished run clears it
             metrics = {**metrics, "checkpoint_files": sorted(p.name for p in checkpoint.iterdir())}
-            if self.folder.name == "sft":  # what an interrupted run would have left: `run_sft_resumed` picks it up
-                shutil.copytree(checkpoint, self.folder.with_name("sft-resumed") / "checkpoints" / "step-2")
+            if self.folder.name in ("sft", "grpo"):  # what an interrupted run would have left: `run_*_resumed`
+                shutil.copytree(checkpoint, self.folder.with_name(f"{self.folder.name}-step-2"))
         self.seen[step] = metrics
         rank = os.environ.get("RANK", "0")
         (self.folder / f"metrics-rank{rank}.json").write_text(json.dumps(self.seen))
 
 
-def run_sft(out: Path) -> None:
+def run_sft(out: Path, distributed: DistributedConfig | None = None) -> None:
     model, tok = load_model_and_tokenizer(SMALL)
-    train_sft(model, tok, SFT_ROWS, SFT, out / "sft", Recorder(out / "sft"), progress=False)
+    train_sft(model, tok, SFT_ROWS, SFT, out / "sft", Recorder(out / "sft"), progress=False, distributed=distributed)
 
 
-def run_sft_resumed(out: Path) -> None:
-    """SFT again from the step-2 checkpoint the first run left: it trains step 3 only."""
+def place_checkpoint(source: Path, out: Path) -> None:
+    """Copy a step-2 checkpoint into `out`'s checkpoint folder, where a loop writing to `out` resumes from it."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.copytree(source, out / "checkpoints" / "step-2")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every process finds the whole folder
+
+
+def run_sft_resumed(out: Path, distributed: DistributedConfig | None = None, source: Path | None = None) -> None:
+    """SFT again from a step-2 checkpoint (`source`, or the one the first run left): it trains step 3 only."""
+    place_checkpoint(source or out / "sft-step-2", out / "sft-resumed")
     model, tok = load_model_and_tokenizer(SMALL)
-    train_sft(model, tok, SFT_ROWS, SFT, out / "sft-resumed", Recorder(out / "sft-resumed"), progress=False)
+    train_sft(model, tok, SFT_ROWS, SFT, out / "sft-resumed", Recorder(out / "sft-resumed"), progress=False,
+              distributed=distributed)
 
 
-def run_grpo(out: Path) -> None:
+def run_grpo(out: Path, distributed: DistributedConfig | None = None) -> None:
     model, tok = load_model_and_tokenizer(SMALL)
     recorder = Recorder(out / "grpo")
     trainer = GRPOTrainer(model, tok, GRPO_PROMPTS, GRPO, out / "grpo", on_metrics=recorder,
                           engine=None, reward_functions={"digits": digits}, progress=False,
-                          on_samples=lambda step, table: table.to_json(out / "grpo" / f"samples-{step}.json"))
-    trainer.engine = PromptSeededBackend(trainer.acc.unwrap_model(trainer.model), tok)
+                          on_samples=lambda step, table: table.to_json(out / "grpo" / f"samples-{step}.json"),
+                          distributed=distributed)
+    trainer.engine = PromptSeededBackend(trainer.strategy.sampler_model(), tok)
+    syncs = watch_sampler_syncs(trainer)
+    trainer.train()
+    (out / "grpo" / f"syncs-rank{trainer.acc.process_index}.json").write_text(json.dumps(syncs))
+
+
+def run_grpo_resumed(out: Path, distributed: DistributedConfig | None = None, source: Path | None = None) -> None:
+    """GRPO again from a step-2 checkpoint (`source`, or the one the first run left): it trains step 3 only, on
+    the completions the whole run sampled at step 3."""
+    place_checkpoint(source or out / "grpo-step-2", out / "grpo-resumed")
+    model, tok = load_model_and_tokenizer(SMALL)
+    trainer = GRPOTrainer(model, tok, GRPO_PROMPTS, GRPO, out / "grpo-resumed", on_metrics=Recorder(out / "grpo-resumed"),
+                          reward_functions={"digits": digits}, progress=False, distributed=distributed)
+    trainer.engine = PromptSeededBackend(trainer.strategy.sampler_model(), tok)
+    trainer.engine.steps = 2  # the draws of step 3 follow
     trainer.train()
 
 
-def run_reward_model(out: Path) -> None:
-    train_reward_model(PAIRS, RM, out / "rm", Recorder(out / "rm"), progress=False)
+def run_grpo_lora(out: Path, distributed: DistributedConfig | None = None) -> None:
+    """GRPO with LoRA adapters (the reference is the policy with them off) and activation checkpointing."""
+    model, tok = load_model_and_tokenizer(SMALL)
+    cfg = GRPO.model_copy(update={"lora": LoRAConfig(r=4, alpha=8.0), "gradient_checkpointing": True,
+                                  "learning_rate": 3e-3})
+    trainer = GRPOTrainer(model, tok, GRPO_PROMPTS, cfg, out / "grpo-lora", on_metrics=Recorder(out / "grpo-lora"),
+                          reward_functions={"digits": digits}, progress=False, distributed=distributed)
+    trainer.engine = PromptSeededBackend(trainer.strategy.sampler_model(), tok)
+    syncs = watch_sampler_syncs(trainer)
+    trainer.train()
+    (out / "grpo-lora" / f"syncs-rank{trainer.acc.process_index}.json").write_text(json.dumps(syncs))
+
+
+def watch_sampler_syncs(trainer: GRPOTrainer) -> list[float]:
+    """After each of the trainer's weight syncs: the largest difference between the sampler's copy and the
+    policy's whole weights (every process gathers them: a collective at the same points on each)."""
+    seen, sync = [], trainer.sync_sampler
+
+    def checked() -> None:
+        sync()
+        copy = dict(trainer.strategy.sampler_model().named_parameters())
+        gap = 0.0
+        for name, p in trainer.acc.unwrap_model(trainer.model).named_parameters():
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            gap = max(gap, (copy[name].detach() - whole.detach()).abs().max().item())
+        seen.append(gap)
+
+    trainer.sync_sampler = checked
+    return seen
+
+
+def run_reward_model(out: Path, distributed: DistributedConfig | None = None) -> None:
+    train_reward_model(PAIRS, RM, out / "rm", Recorder(out / "rm"), progress=False, distributed=distributed)
 
 
 def logps_rows(groups: int = 4, G: int = 2, P: int = 5, C: int = 6, vocab: int = 1000):
@@ -161,14 +224,14 @@ class WidestVocabularyTensor(TorchDispatchMode):
         return out
 
 
-def run_logps(out: Path) -> None:
+def run_logps(out: Path, distributed: DistributedConfig | None = None) -> None:
     """The chunked head's log-probs (plain_max_bytes=0, 4-token chunks) on the prepared model, backward once: each
     process scores its share of the rows and DDP averages the gradients. Writes this process's gradients, the
     largest vocabulary-wide tensor made in the forward and backward (the full logits: [rows, C, V]) and the
     model's type."""
     acc = make_accelerator("no")
     model, tok = load_model_and_tokenizer(SMALL)
-    model = acc.prepare(model.train())
+    model = make_strategy(acc, distributed).prepare(model.train())
     ids, mask, C = logps_rows()
     mine = process_share(acc, list(range(ids.size(0))))  # whole groups: 4 of the 8 rows in each of 2 processes
     with WidestVocabularyTensor(len(tok), SMALL.tiny.hidden_size) as widest:
@@ -178,18 +241,24 @@ def run_logps(out: Path) -> None:
         acc.backward((logps * weights).sum() / len(mine))  # DDP's mean over processes: the mean over all rows
     folder = out / "logps"
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"grads": {n: p.grad for n, p in acc.unwrap_model(model).named_parameters()},
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for n, p in acc.unwrap_model(model).named_parameters()}  # whole gradients (gathered under fsdp)
+    torch.save({"grads": grads,
                 "widest": widest.most, "vocab": len(tok), "rows": len(mine), "wrapper": type(model).__name__},
                folder / f"rank{acc.process_index}.pt")
 
 
-def run_all(out: Path) -> None:
-    run_logps(out)
-    run_sft(out)
-    run_sft_resumed(out)
-    run_grpo(out)
-    run_reward_model(out)
+def run_all(out: Path, strategy: str = "ddp", resume: Path | None = None) -> None:
+    distributed = DistributedConfig(strategy=strategy)
+    run_logps(out, distributed)
+    run_sft(out, distributed)
+    run_sft_resumed(out, distributed, resume and resume / "sft-step-2")
+    run_grpo(out, distributed)
+    if strategy == "fsdp":  # what the sharded strategy must also keep working (DDP's own tests cover them there)
+        run_grpo_resumed(out, distributed, resume and resume / "grpo-step-2")
+        run_grpo_lora(out, distributed)
+    run_reward_model(out, distributed)
 
 
 if __name__ == "__main__":
-    run_all(Path(sys.argv[1]))
+    run_all(Path(sys.argv[1]), *sys.argv[2:3], *[Path(a) for a in sys.argv[3:4]])

@@ -64,6 +64,8 @@ def optimizer_step(acc: Accelerator, model: torch.nn.Module, optimizer, schedule
     Accelerate's prepared optimizer and scheduler skip their step on micro-batches that only accumulate.
     """
     grad_norm = acc.clip_grad_norm_(model.parameters(), max_grad_norm) if acc.sync_gradients else None
+    if hasattr(grad_norm, "full_tensor"):  # sharded gradients (fsdp) give the norm as a DTensor
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -29,11 +29,16 @@ def resumable_step(output_dir: str | Path) -> int:
     return checkpoint_step(latest) if latest is not None else 0
 
 
-def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int) -> None:
-    """Model, optimizer, scheduler and RNG state at `step`; only the newest `keep` checkpoints stay."""
+def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int, *, strategy=None) -> None:
+    """Model, optimizer, scheduler and RNG state at `step`, as the loop's `strategy` writes them
+    (`grpo.training.strategy`; accelerate's own format without one); only the newest `keep` checkpoints stay."""
     path = root / f"step-{step}"
-    # every process calls it: the main process writes the weights and optimizer, each process its RNG state
-    acc.save_state(str(path), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
+    # every process calls it: under ddp the main process writes the weights and optimizer, each process its RNG
+    # state; under fsdp each process writes its shards
+    if strategy is not None:
+        strategy.save_state(path)
+    else:
+        acc.save_state(str(path), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
     acc.wait_for_everyone()  # the marker goes in once every process has written its part
     if acc.is_main_process:
         (path / "trainer_state.json").write_text(json.dumps({"step": step}))  # last: marks the checkpoint complete

@@ -20,14 +20,13 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Sequence, TypeVar
 
 import pandas as pd
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import gather_object
 
 T = TypeVar("T")
 
@@ -86,16 +85,6 @@ def matched_chunks(acc: Accelerator, chunks: list[slice]) -> list[tuple[slice, b
     return [(s, True) for s in chunks] + [(chunks[-1], False)] * (most - len(chunks))
 
 
-def accumulating(acc: Accelerator, model: torch.nn.Module, last: bool):
-    """The context of one micro-batch's forward and backward: DDP all-reduces the gradients only in the last one.
-
-    The others add to each process's own gradients (DDP's `no_sync`, around the forward too, where DDP decides);
-    the last backward then averages the sums once, which is the same average as one all-reduce per micro-batch
-    at a fraction of the traffic. Every process must agree on which is last: `matched_chunks` evens the counts.
-    """
-    return acc.no_sync(model) if not last else contextlib.nullcontext()
-
-
 def process_weight(acc: Accelerator, loss_type: str, completion_mask: torch.Tensor) -> float:
     """The factor on this process's GRPO loss that makes DDP's mean over processes the global batch's loss.
 
@@ -118,14 +107,6 @@ def process_weight(acc: Accelerator, loss_type: str, completion_mask: torch.Tens
     if loss_type == "dr_grpo":
         return P * rows * width / (all_rows * max_width)
     return P * rows / all_rows
-
-
-def full_state_dict(acc: Accelerator, model: torch.nn.Module) -> dict | None:
-    """The whole model's weights for saving, gathered onto the main process under FSDP (call on every process);
-    None elsewhere, where the unwrapped model holds them all and `save_pretrained` reads them itself."""
-    if acc.distributed_type != DistributedType.FSDP:
-        return None
-    return acc.get_state_dict(model)
 
 
 def reduce_sum(acc: Accelerator, value: float) -> float:

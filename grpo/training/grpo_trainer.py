@@ -36,6 +36,7 @@ from grpo.config import GenerationConfig, GRPOConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
+from grpo.recipe import DistributedConfig
 from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox
@@ -44,14 +45,17 @@ from grpo.sampling.engines import Engine, Rollout, build_engine, pad_right, requ
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
-from grpo.training.distributed import (accumulating, check_split, gather_table, main_only, matched_chunks,
-                                       process_share, process_weight, reduce_metrics, sampling_seed)
+from grpo.training.distributed import (check_split, gather_table, main_only, matched_chunks, process_share,
+                                       process_weight, reduce_metrics, sampling_seed)
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
 from grpo.training.optimizers import MasterWeights, cast_parameters, make_optimizer, require_bitsandbytes
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
 from grpo.training.schedules import make_scheduler
+from grpo.training.strategy import check_fsdp_settings, make_strategy
+
+SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -96,7 +100,8 @@ class GRPOTrainer:
                  generation: GenerationConfig | None = None,
                  on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
                  reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
-                 step_verifiers: Mapping[str, StepVerifier] | None = None):
+                 step_verifiers: Mapping[str, StepVerifier] | None = None,
+                 distributed: DistributedConfig | None = None):
         if "prompt" not in prompts.columns:
             raise ValueError(f"GRPO prompts need a 'prompt' column; found {list(prompts.columns)}")
         if len(prompts) < cfg.prompts_per_step:
@@ -128,10 +133,13 @@ class GRPOTrainer:
             require_bitsandbytes()
         if cfg.lora is not None:
             require_peft()
+        distributed = distributed or DistributedConfig()
+        check_fsdp_settings(distributed, weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer)
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
         self.output_dir = Path(output_dir)
         self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
         self.acc = make_accelerator(cfg.mixed_precision)
+        self.strategy = make_strategy(self.acc, distributed)  # how the processes hold the policy
         check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)  # whole groups per process
         model = model.to(self.acc.device)
         if cfg.lora is not None:  # only the adapters train; the reference is the base with them off
@@ -145,7 +153,9 @@ class GRPOTrainer:
             cast_parameters(model, torch.bfloat16)
         self.master_weights = optimizer if isinstance(optimizer, MasterWeights) else None
         # the reference is a frozen copy of the starting policy; with beta = 0 it is never built, and with LoRA it
-        # is the policy itself with its adapters off
+        # is the policy itself with its adapters off. It stays whole under fsdp too: forward only, no gradients or
+        # optimizer state (2 bytes a parameter in bf16 on a GPU), and a whole model's forward needs no collective,
+        # so each process scores its own rows at its own pace
         self.ref_model = None
         if cfg.beta != 0 and cfg.lora is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -154,10 +164,12 @@ class GRPOTrainer:
         self.checkpointing = checkpointing_on(cfg, self.acc)
         scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                    num_training_steps=cfg.max_steps * cfg.num_iterations)
-        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
-        # the stage's engine (grpo.sampling.engines) on the policy itself, sampling in the loop's precision
-        self.engine = engine or build_engine(generation or GenerationConfig(), self.acc.unwrap_model(self.model),
-                                             tokenizer, dtype=sampling_dtype(self.acc.mixed_precision), who="GRPO")
+        self.model, self.optimizer, self.scheduler = self.strategy.prepare(model, optimizer, scheduler)
+        # the stage's engine (grpo.sampling.engines) on the policy's whole weights (the policy itself, or under fsdp
+        # a copy gathered after every step), sampling in the loop's precision
+        dtype = sampling_dtype(self.acc.mixed_precision)
+        self.engine = engine or build_engine(generation or GenerationConfig(), self.strategy.sampler_model(dtype),
+                                             tokenizer, dtype=dtype, who="GRPO")
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
         self.completions_per_prompt = cfg.num_generations  # G; PPO's trainer samples one per prompt
 
@@ -244,18 +256,13 @@ class GRPOTrainer:
         ref_logps = None
         if cfg.beta != 0:
             reference = self.ref_model if self.ref_model is not None else self.acc.unwrap_model(self.model)
-            with torch.no_grad(), self.acc.autocast(), adapters_off(reference):
-                ref_logps = torch.cat([
-                    token_logps(reference, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
-                    for s in _chunks(input_ids.size(0), cfg.micro_batch_size)])  # [N, C]
+            with adapters_off(reference):
+                ref_logps = self._scored(reference, input_ids, attention_mask, C)  # [N, C]
         old_logps = None  # mu = 1: pi_old is the policy being optimised, so the ratio is exactly 1
         if cfg.num_iterations > 1:
             # Recomputed rather than taken from the sampler: sampling may use top-p/top-k, bf16 or another
             # engine (vLLM), whose log-probs differ from this forward pass and would bias the ratio.
-            with torch.no_grad(), self.acc.autocast():
-                old_logps = torch.cat([
-                    token_logps(self.model, input_ids[s], attention_mask[s], C, cfg.sampling.temperature)[0]
-                    for s in _chunks(input_ids.size(0), cfg.micro_batch_size)])  # [N, C]
+            old_logps = self._scored(self.model, input_ids, attention_mask, C)  # [N, C]
         completion_mask = rollout.completion_mask.float()  # [N, C]
         if cfg.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
             completion_mask = completion_mask * (~rollout.truncated).float()[:, None]
@@ -264,6 +271,23 @@ class GRPOTrainer:
             sampler_logps = sampler_logps.to(self.acc.device)  # [N, C]
         return Batch(input_ids, attention_mask, completion_mask.to(self.acc.device), old_logps, ref_logps,
                      advantages.to(self.acc.device), sampler_logps)
+
+    def _scored(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
+        """Log-probs [N, C] of the completions under `model`, without gradients, in micro-batches. As many passes
+        on every process (`matched_chunks`): a sharded model's forward is a collective."""
+        parts = []
+        with torch.no_grad(), self.acc.autocast():
+            for s, counts in matched_chunks(self.acc, _chunks(input_ids.size(0), self.cfg.micro_batch_size)):
+                logps = token_logps(model, input_ids[s], attention_mask[s], C, self.cfg.sampling.temperature)[0]
+                if counts:
+                    parts.append(logps)
+        return torch.cat(parts)
+
+    def sync_sampler(self) -> None:
+        """Make the next rollout sample the policy's current weights: gather them into the sampler's copy where
+        the strategy keeps one, then let the engine refresh what it holds (a bf16 copy, captured steps)."""
+        self.strategy.sync_sampler()
+        self.engine.sync_weights()
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""
@@ -275,7 +299,7 @@ class GRPOTrainer:
         weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
         chunks = matched_chunks(self.acc, _chunks(N, cfg.micro_batch_size))
         for i, (s, counts) in enumerate(chunks):
-            with accumulating(self.acc, self.model, last=i == len(chunks) - 1):
+            with self.strategy.no_sync(self.model, last=i == len(chunks) - 1):
                 with self.acc.autocast():
                     logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
                                                  cfg.sampling.temperature, with_entropy=True)
@@ -295,7 +319,7 @@ class GRPOTrainer:
                 for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
                     sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
-        self.engine.sync_weights()  # the next rollout samples the stepped weights
+        self.sync_sampler()  # the next rollout samples the stepped weights
         sums["grad_norm"] = float(grad_norm)
         return sums
 
@@ -316,9 +340,10 @@ class GRPOTrainer:
         model_dir = self.output_dir / "model"
         if self.master_weights is not None:  # bf16 weights: save the fp32 masters the optimizer stepped
             self.master_weights.export_weights()
+        whole = self.strategy.whole_model(self.model)  # the whole weights, on the main process
         with main_only(self.acc) as main:
             if main:  # with LoRA: merged weights (what the next stage loads) and the adapter alone beside them
-                save_merged(policy, model_dir, self.output_dir / "adapter")
+                save_merged(whole, model_dir, self.output_dir / "adapter")
                 self.tokenizer.save_pretrained(model_dir)
                 shutil.rmtree(ckpt_root, ignore_errors=True)
         return GRPOResult(model_dir, cfg.max_steps)
@@ -333,6 +358,12 @@ class GRPOTrainer:
             steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
             t_gen = time.perf_counter() - t0
             batch = self.build_batch(rollout, scores.total, steps)
+            # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
+            # the policy itself has nothing to compare)
+            k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))
+            metrics.update(self.strategy.check_sampler(batch.input_ids[:k], batch.attention_mask[:k],
+                                                       rollout.completion_mask[:k].to(self.acc.device),
+                                                       cfg.sampling.temperature))
             t_ref = time.perf_counter() - t0 - t_gen
             for _ in range(cfg.num_iterations):
                 opt_stats = self.optimise(batch)
@@ -389,14 +420,14 @@ class GRPOTrainer:
         return pd.DataFrame(rows)
 
     def _save(self, root: Path, step: int) -> None:
-        save_checkpoint(self.acc, root, step, keep=1)
+        save_checkpoint(self.acc, root, step, keep=1, strategy=self.strategy)
 
     def _resume(self, root: Path) -> int:
         latest = latest_checkpoint(root)
         if latest is None:
             return 0
-        self.acc.load_state(str(latest))
-        self.engine.sync_weights()  # loaded in place: the engine's copy (if any) must see the checkpoint's weights
+        self.strategy.load_state(latest)
+        self.sync_sampler()  # loaded in place: the sampler's copies (if any) must see the checkpoint's weights
         return checkpoint_step(latest)
 
 

@@ -58,13 +58,30 @@ def check_splits(cfg: DistributedConfig, **sizes: int) -> int:
     return n
 
 
+def resume_key(cfg: DistributedConfig) -> tuple:
+    """What of the `distributed` section a stage's work folder (its resume checkpoints) is keyed by. Sharded
+    checkpoints load on any process count, so under fsdp only the strategy counts: a stage killed on two processes
+    resumes on one and the other way round. Under ddp the section counts where it launches processes."""
+    if cfg.strategy == "fsdp":
+        return ("fsdp",)
+    return (cfg,) if is_launched(cfg) else ()
+
+
 def config_file_path(name: str) -> Path:
-    """An accelerate config file as given, or relative to the project (deployments/accelerate/...)."""
+    """An accelerate config file as given, or relative to the project; refused where it shards the model itself
+    (accelerate's FSDP or DeepSpeed): the loops shard through `distributed.strategy`, which also gathers GRPO's
+    sampler copy and the final checkpoint."""
+    import yaml
+
     path = Path(name)
     path = path if path.is_absolute() or path.exists() else PROJECT_ROOT / path
     if not path.is_file():
         raise FileNotFoundError(f"distributed.config_file: no accelerate config file {name!r} (looked in the current "
                                 f"folder and the project's)")
+    kind = str((yaml.safe_load(path.read_text()) or {}).get("distributed_type", "")).upper()
+    if kind in ("FSDP", "DEEPSPEED"):
+        raise ValueError(f"distributed.config_file {name!r} sets distributed_type {kind}: the training loops shard "
+                         f"through distributed.strategy; set strategy: fsdp and drop the config file")
     return path
 
 
@@ -95,7 +112,8 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
     events, result, log = folder / "events.jsonl", folder / "result.json", folder / "launch.log"
     for stale in (events, result):
         stale.unlink(missing_ok=True)
-    job = {**job, "loop": loop, "output_dir": str(out), "events": str(events), "result": str(result)}
+    job = {**job, "loop": loop, "output_dir": str(out), "events": str(events), "result": str(result),
+           "distributed": cfg.model_dump(mode="json")}
     for key, frame in (frames or {}).items():
         frame.to_parquet(folder / f"{key}.parquet")
         job[key] = str(folder / f"{key}.parquet")

@@ -9,12 +9,14 @@ x 256 tokens x 151,936 entries, several times over with the log-softmax, the ent
 the model's logits are exactly `lm_head(last hidden state)` (`selective_head`) and the full logits would pass
 `PLAIN_LOGITS_MAX_BYTES`, the log-probs come from the last hidden states chunk by chunk (`grpo.kernels.logprobs`):
 the same numbers to float rounding, one chunk of logits alive at a time. Under DDP that whole computation runs as
-the wrapped model's forward, inside DDP's own (`_inside_forward`). Must not depend on Prefect or MLflow.
+the wrapped model's forward, inside DDP's own, and under FSDP2 as the sharded root's forward, inside its hooks
+(`_inside_forward`). Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers import DynamicCache, PreTrainedModel
 
@@ -36,7 +38,7 @@ _PLAIN_HEAD_MODELS = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"
 
 def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
                 temperature: float, with_entropy: bool = False, *, plain_max_bytes: int | None = None,
-                chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                chunk_tokens: int | None = None, _inside: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last `n_completion` tokens of each row under `model` (and their entropy if asked).
 
     Returns logps [N, C] float32 and entropy [N, C] (no gradient) or None. `plain_max_bytes` (default
@@ -44,14 +46,19 @@ def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask:
     """
     if plain_max_bytes is None:
         plain_max_bytes = PLAIN_LOGITS_MAX_BYTES
-    if isinstance(model, DistributedDataParallel) and not _hooked(model.module):
-        return _inside_forward(model, lambda ids, mask: token_logps(
-            model.module, ids, mask, n_completion, temperature, with_entropy, plain_max_bytes=plain_max_bytes,
-            chunk_tokens=chunk_tokens), input_ids, attention_mask)
+
+    def inside(module: torch.nn.Module):
+        return lambda ids, mask: token_logps(module, ids, mask, n_completion, temperature, with_entropy,
+                                             plain_max_bytes=plain_max_bytes, chunk_tokens=chunk_tokens, _inside=True)
+
+    if not _inside and isinstance(model, DistributedDataParallel) and not _hooked(model.module):
+        return _inside_forward(model, model.module, inside(model.module), input_ids, attention_mask)
+    if not _inside and isinstance(model, FSDPModule):  # the sharded root: its hooks gather its own weights
+        return _inside_forward(model, model, inside(model), input_ids, attention_mask)
     model = causal_lm(model)  # a LoRA model's inner transformers model: its forward computes the same
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L] left padding is skipped
     targets = input_ids[:, -n_completion:]  # [N, C]
-    head = selective_head(model)
+    head = selective_head(model, root_hooks_ran=_inside)
     if head is None or targets.numel() * head.out_features * 4 <= plain_max_bytes:
         logits = _completion_outputs(model, input_ids, attention_mask, position_ids, n_completion)  # [N, C, V]
         return logps_from_logits(logits, targets, temperature, with_entropy)
@@ -65,17 +72,19 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-def _inside_forward(ddp: DistributedDataParallel, compute, *inputs: torch.Tensor):
-    """`compute(*inputs)` run as the wrapped module's forward, called through DDP's forward.
+def _inside_forward(wrapper: torch.nn.Module, inner: torch.nn.Module, compute, *inputs: torch.Tensor):
+    """`compute(*inputs)` run as `inner`'s forward, called through `wrapper` (DDP around it, or the FSDP2 root
+    itself, whose forward hooks gather its weights and prepare their gradients' reduction).
 
     DDP prepares its gradient all-reduce in its forward (which parameters to expect, `no_sync`, and with
-    `find_unused_parameters` a walk of the graph from the forward's outputs): the chunked head uses the head's
-    weight outside the model's own forward, so the whole computation has to be what DDP's forward returns. So the
-    wrapped model computes what it computes alone (chunked head, shared prompt pass), within one DDP forward. Its
-    forward is replaced for this one call only, and put back before `compute` calls the module (whose own hooks
-    would run twice: `token_logps` does not come here for a module that has any).
+    `find_unused_parameters` a walk of the graph from the forward's outputs); FSDP2's root gathers its own weights
+    (embeddings, final norm, head) in its pre-forward hook and reduces their gradients after the backward of what
+    its forward returned. The chunked head uses the head's weight outside the model's own forward, so the whole
+    computation has to be what the wrapper's forward returns. So the model computes what it computes alone
+    (chunked head, shared prompt pass), within one wrapped forward. Its forward is replaced for this one call
+    only, and put back before `compute` calls the module (under DDP, whose own hooks would run twice: `token_logps`
+    does not come here for a DDP module that has any).
     """
-    inner = ddp.module
     saved = vars(inner).get("forward")  # an instance forward already there (accelerate's autocast wrapper)
 
     def restore() -> None:
@@ -90,19 +99,23 @@ def _inside_forward(ddp: DistributedDataParallel, compute, *inputs: torch.Tensor
 
     inner.forward = once
     try:
-        return ddp(*inputs)
+        return wrapper(*inputs)
     finally:
         restore()
 
 
-def selective_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+def selective_head(model: torch.nn.Module, root_hooks_ran: bool = False) -> torch.nn.Linear | None:
     """The output head, when log-probs may be computed from the base model's hidden states with it; else None.
 
     Only for models whose forward is the decoder then the head and nothing else, run as they are: a wrapper's
     forward (DDP and FSDP sync gradients in it, PEFT routes through it) or a patched one must run, and a head that
     is not a plain `nn.Linear` (quantised, LoRA'd, hooked or offloaded) is not what `selective_logps` computes.
+    `root_hooks_ran`: the call comes from inside the model's own forward (`_inside_forward`), whose hooks (FSDP2's
+    on a sharded root) have run.
     """
-    if not isinstance(model, PreTrainedModel) or type(model).__name__ not in _PLAIN_HEAD_MODELS:
+    # FSDP2 makes a sharded model an instance of a class made of FSDPModule and its own (FSDPQwen2ForCausalLM)
+    classes = {c.__name__ for c in type(model).__mro__}
+    if not isinstance(model, PreTrainedModel) or not classes & _PLAIN_HEAD_MODELS:
         return None
     if "forward" in vars(model) and not hasattr(model, "_original_forward"):  # someone's patch, not accelerate's
         return None  # (accelerate wraps forward in autocast, which the trainer opens around the call anyway)
@@ -112,7 +125,7 @@ def selective_head(model: torch.nn.Module) -> torch.nn.Linear | None:
         return None
     head = model.get_output_embeddings()
     if (type(head) is not torch.nn.Linear or head._forward_hooks or head._forward_pre_hooks
-            or "forward" in vars(head) or model._forward_hooks or model._forward_pre_hooks):
+            or "forward" in vars(head) or (not root_hooks_ran and (model._forward_hooks or model._forward_pre_hooks))):
         return None
     return head
 

@@ -161,7 +161,7 @@ class PPOTrainer(GRPOTrainer):
                 sums[k] = sums.get(k, 0.0) + v * share
         sums["grad_norm"] = float(optimizer_step(self.acc, self.model, self.optimizer, self.scheduler,
                                                  cfg.max_grad_norm))
-        self.engine.sync_weights()  # the next rollout samples the stepped weights
+        self.sync_sampler()  # the next rollout samples the stepped weights
         sums["value/grad_norm"] = float(optimizer_step(self.acc, self.critic, self.critic_optimizer,
                                                        self.critic_scheduler, cfg.max_grad_norm))
         return {**sums, **batch.stats}  # with the KL in the rewards, the rollout's kl, not the loss's 0

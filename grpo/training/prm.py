@@ -44,6 +44,7 @@ from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_st
 from grpo.training.reward_model import pad_right
 from grpo.training.schedules import make_scheduler
 from grpo.training.sft_trainer import batch_indices
+from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -208,7 +209,8 @@ def train_prm(labelled: pd.DataFrame, cfg: RewardModelConfig, output_dir: str | 
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                num_training_steps=cfg.max_steps)
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    strategy = make_strategy(acc)  # one process (the PRM trains where the benchmark or test runs)
+    model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
     model.train()
     window: list[float] = []
     last_loss = math.nan
@@ -219,7 +221,7 @@ def train_prm(labelled: pd.DataFrame, cfg: RewardModelConfig, output_dir: str | 
             b = torch.tensor([n for n, i in enumerate(idx) for _ in rows[i][1]])  # [S] the row of each step
             t = torch.tensor([p for i in idx for p in rows[i][1]])  # [S] the token it ends in
             y = torch.tensor([v for i in idx for v in labels[i]])  # [S]
-            with acc.accumulate(model):
+            with strategy.accumulate(model):
                 logits = model(input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device)).logits[..., 0]
                 picked = logits[b.to(logits.device), t.to(logits.device)].float()  # [B, T] -> [S]
                 loss = F.binary_cross_entropy_with_logits(picked, y.to(logits.device))

@@ -45,13 +45,15 @@ from transformers import (
 from grpo.config import TINY, ModelConfig, RewardModelConfig
 from grpo.data.tables import DataError
 from grpo.models import _DTYPES, activation_checkpointing, check_model_config, load_tokenizer
+from grpo.recipe import DistributedConfig
 from grpo.rewards import completion_text
 from grpo.sampling.backend import render_prompts
 from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
-from grpo.training.distributed import check_split, full_state_dict, main_only, process_share, reduce_metrics
+from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
 from grpo.training.schedules import make_scheduler
 from grpo.training.sft_trainer import _response_text, batch_indices
+from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -264,6 +266,7 @@ def train_reward_model(
     heldout: pd.DataFrame | None = None,
     source: str = "pairs",
     progress: bool = True,
+    distributed: DistributedConfig | None = None,
 ) -> RewardModelResult:
     """Train a reward model on `pairs` (prompt, chosen, rejected) and save it with its tokenizer to `output_dir/model`.
 
@@ -281,26 +284,25 @@ def train_reward_model(
     torch.manual_seed(cfg.seed)
 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
+    strategy = make_strategy(acc, distributed)  # how the processes hold the model (ddp or fsdp)
     check_split("batch_size", cfg.batch_size, acc.num_processes)  # pairs per global micro-batch
     model.config.use_cache = False  # one forward per batch: a KV cache would only cost memory
     checkpointing = activation_checkpointing(model, cfg.gradient_checkpointing)  # on for the training loop only
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                num_training_steps=cfg.max_steps)
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
 
     def evaluate() -> dict[str, float]:
         if heldout is None:
             return {"rm/heldout_accuracy": math.nan, "rm/heldout_margin": math.nan}
-        metrics = {}
-        with main_only(acc) as main:  # the processes hold the same weights: one evaluates, the others wait
-            if main:
-                model.eval()  # the mode a scorer loaded from the saved folder runs in: the same figures
-                with acc.autocast():
-                    metrics = evaluate_pairs(RewardModelScorer(acc.unwrap_model(model), tok, cfg.eval_batch_size),
-                                             heldout)
-                model.train()
-        return metrics or {"rm/heldout_accuracy": math.nan, "rm/heldout_margin": math.nan}
+        # every process scores all the held-out pairs, in the same batches: under fsdp each forward is a
+        # collective; under ddp the others would only wait for the main one
+        model.eval()  # the mode a scorer loaded from the saved folder runs in: the same figures
+        with acc.autocast():
+            metrics = evaluate_pairs(RewardModelScorer(acc.unwrap_model(model), tok, cfg.eval_batch_size), heldout)
+        model.train()
+        return metrics
 
     before = evaluate()["rm/heldout_accuracy"]
     with checkpointing:
@@ -318,7 +320,7 @@ def train_reward_model(
                 # chosen and rejected in one forward: rows [0, B) are chosen, [B, 2B) their rejected partners
                 ids, mask = pad_right([e.chosen_ids for e in batch] + [e.rejected_ids for e in batch],
                                       tok.pad_token_id)
-                with acc.accumulate(model):
+                with strategy.accumulate(model):
                     rewards = model(input_ids=ids.to(acc.device),
                                     attention_mask=mask.to(acc.device)).logits[:, 0]  # [2B]
                     loss = bradley_terry_loss(rewards[:B], rewards[B:])
@@ -346,12 +348,11 @@ def train_reward_model(
     if on_metrics and heldout is not None and acc.is_main_process:
         on_metrics(cfg.max_steps, heldout_metrics)
     model_dir = Path(output_dir) / "model"
-    unwrapped = acc.unwrap_model(model)
-    unwrapped.config.use_cache = True
-    weights = full_state_dict(acc, model)  # None: save_pretrained reads the model's own
+    whole = strategy.whole_model(model)  # the whole weights, on the main process
     with main_only(acc) as main:
         if main:
-            unwrapped.save_pretrained(model_dir, state_dict=weights)
+            whole.config.use_cache = True
+            whole.save_pretrained(model_dir)
             tok.save_pretrained(model_dir)
     return RewardModelResult(model_dir, cfg.max_steps, last_loss, heldout_metrics["rm/heldout_accuracy"], before,
                              heldout_metrics, seconds)

@@ -29,11 +29,13 @@ from grpo.data.tables import DataError, as_messages
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
+from grpo.recipe import DistributedConfig
 from grpo.sampling.backend import render_prompts
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
-from grpo.training.distributed import check_split, full_state_dict, main_only, process_share, reduce_sum
+from grpo.training.distributed import check_split, main_only, process_share, reduce_sum
 from grpo.training.schedules import make_scheduler
+from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -108,8 +110,11 @@ def train_sft(
     *,
     source: str = "dataset",
     progress: bool = True,
+    distributed: DistributedConfig | None = None,
 ) -> SFTResult:
-    """Fine-tune `model` on `rows` (`prompt`, `response`) and save it to `output_dir/model`; resumes if it can."""
+    """Fine-tune `model` on `rows` (`prompt`, `response`) and save it to `output_dir/model`; resumes if it can.
+
+    `distributed`: the stage's section; its strategy (ddp or fsdp) decides how the processes hold the model."""
     output_dir = Path(output_dir)
     ckpt_root = output_dir / "checkpoints"
     examples = tokenize_rows(rows, tokenizer, cfg.max_seq_len, source)  # fails before any training
@@ -117,18 +122,19 @@ def train_sft(
     torch.manual_seed(cfg.seed)
 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
+    strategy = make_strategy(acc, distributed)
     check_split("batch_size", cfg.batch_size, acc.num_processes)  # batch_size is the global micro-batch
     # the tokens the loss counts in each row (the model shifts labels by one): a batch's token mean across processes
     label_tokens = [sum(t != -100 for t in e.labels[1:]) for e in examples]
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                num_training_steps=cfg.max_steps)
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
 
     start = 0
     resume_from = latest_checkpoint(ckpt_root)
     if resume_from is not None:
-        acc.load_state(str(resume_from))
+        strategy.load_state(resume_from)
         start = checkpoint_step(resume_from)
 
     model.train()
@@ -148,7 +154,7 @@ def train_sft(
                 batch = {k: v.to(acc.device) for k, v in collated.items()}
                 # this process's share of the batch's response tokens: 1.0 in one process
                 share = sum(label_tokens[i] for i in mine) / sum(label_tokens[i] for i in idx)
-                with acc.accumulate(model):
+                with strategy.accumulate(model):
                     loss = model(**batch).loss  # mean over this process's response tokens (labels -100 elsewhere)
                     # DDP averages over processes: x N x share makes it the token mean over the whole batch
                     acc.backward(loss * (acc.num_processes * share))
@@ -165,14 +171,14 @@ def train_sft(
                                       "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                                       "train/epoch": done * cfg.grad_accum_steps * cfg.batch_size / len(examples)})
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints)
+                save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints, strategy=strategy)
     bar.close()
 
     model_dir = output_dir / "model"
-    weights = full_state_dict(acc, model)  # None: save_pretrained reads the model's own
+    whole = strategy.whole_model(model)  # the whole weights, on the main process
     with main_only(acc) as main:
         if main:
-            unwrapped.save_pretrained(model_dir, state_dict=weights)
+            whole.save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
             shutil.rmtree(ckpt_root, ignore_errors=True)  # the run finished: the final model supersedes its checkpoints
     return SFTResult(model_dir, cfg.max_steps, last_loss)

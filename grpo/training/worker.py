@@ -43,17 +43,25 @@ def _sft(job: dict, events: EventWriter) -> dict:
 
     model, tokenizer = load_model_and_tokenizer(ModelConfig.model_validate(job["model"]))
     result = train_sft(model, tokenizer, pd.read_parquet(job["rows"]), SFTConfig.model_validate(job["cfg"]),
-                       job["output_dir"], events.metrics, source=job["source"])
+                       job["output_dir"], events.metrics, source=job["source"], distributed=_distributed(job))
     return {"model_dir": str(result.model_dir), "steps": result.steps, "final_loss": result.final_loss}
 
 
+def _distributed(job: dict):
+    from grpo.recipe import DistributedConfig
+
+    return DistributedConfig.model_validate(job.get("distributed") or {})
+
+
 def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_model: str | None = None,
-                     prm: str | None = None, ppo=None, generation=None, on_metrics=None, on_samples=None):
+                     prm: str | None = None, ppo=None, generation=None, on_metrics=None, on_samples=None,
+                     distributed=None):
     """The GRPO (or, with `ppo`, PPO) trainer of a stage, from local inputs only: the stage task's own process and
     each launched process build it the same way.
 
     `reward_model` and `prm` are local folders: the alignment stage's reward model (the "reward_model" reward) and
     the process reward model that scores steps (`step_verifier: prm`). `generation`: the stage's engine section.
+    `distributed`: the stage's section (its strategy decides how the processes hold the policy).
     """
     from grpo.models import load_model_and_tokenizer
     from grpo.rewards import REWARD_FUNCTIONS
@@ -66,7 +74,7 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
         reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
     model, tokenizer = load_model_and_tokenizer(model_cfg)
     kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions,
-                  generation=generation)
+                  generation=generation, distributed=distributed)
     if ppo is not None:
         from grpo.training.ppo_trainer import PPOTrainer
 
@@ -86,7 +94,7 @@ def _grpo(job: dict, events: EventWriter) -> dict:
                                GRPOConfig.model_validate(job["cfg"]), job["output_dir"],
                                reward_model=job.get("reward_model"), prm=job.get("prm"),
                                generation=GenerationConfig.model_validate(job.get("generation") or {}),
-                               on_metrics=events.metrics, on_samples=events.samples)
+                               on_metrics=events.metrics, on_samples=events.samples, distributed=_distributed(job))
     result = trainer.train()
     return {"model_dir": str(result.model_dir), "steps": result.steps}
 
@@ -97,7 +105,8 @@ def _reward_model(job: dict, events: EventWriter) -> dict:
 
     heldout = pd.read_parquet(job["heldout"]) if job.get("heldout") else None
     result = train_reward_model(pd.read_parquet(job["rows"]), RewardModelConfig.model_validate(job["cfg"]),
-                                job["output_dir"], events.metrics, heldout=heldout, source=job["source"])
+                                job["output_dir"], events.metrics, heldout=heldout, source=job["source"],
+                                distributed=_distributed(job))
     return {**result._asdict(), "model_dir": str(result.model_dir)}
 
 

@@ -1,0 +1,157 @@
+"""The sharded strategy (`distributed.strategy: fsdp`, FSDP2): two CPU processes (gloo, on 127.0.0.1) give what one
+process gives at the same global batch, the sampler's gathered copy is the policy, and sharded checkpoints resume on
+another process count.
+
+`accelerate launch` starts two real processes of tests/ddp_loops.py with `fsdp` (SFT, GRPO, GRPO with LoRA and
+activation checkpointing, the reward model, a few steps each on a tiny model); the same functions run here in one
+process first. The tolerances are test_distributed.py's, for the same reasons (fp32 pinned, the same rows and
+completions, float32 rounding of two halves' sums only): sharding changes where each weight's gradient is summed,
+not what is summed. A shard gathered into the wrong place, a gradient reduced twice or not at all, or a checkpoint
+read into the wrong shard would be whole steps of the learning rate away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_loops import GRPO, SFT, logps_rows, run_all, run_grpo_resumed, run_sft_resumed
+from grpo.recipe import DistributedConfig, ReasoningGRPOConfig
+from grpo.training import launch
+from test_distributed import assert_curves_match, assert_same_weights, reported
+
+HERE = Path(__file__).resolve().parent
+FSDP = DistributedConfig(strategy="fsdp")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(one process, two processes): each loop's output folder root. The two-process SFT and GRPO are also resumed
+    from the one-process run's step-2 checkpoints (1 -> 2 processes)."""
+    one, two = tmp_path_factory.mktemp("fsdp-one"), tmp_path_factory.mktemp("fsdp-two")
+    run_all(one, "fsdp")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()),
+           str(HERE / "ddp_loops.py"), str(two), "fsdp", str(one)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return one, two
+
+
+def test_chunked_log_probs_inside_the_sharded_root_reduce_every_gradient(runs):
+    """token_logps through the chunked head on an FSDP2 model: the head runs inside the root's forward (its
+    weights gathered there), no [rows, C, V] logits, and the reduced gradients are the one-process ones."""
+    one, two = runs
+    single = torch.load(one / "logps" / "rank0.pt")
+    ids, _, C = logps_rows()
+    assert single["rows"] == ids.size(0)
+    for rank in (0, 1):
+        got = torch.load(two / "logps" / f"rank{rank}.pt")
+        assert got["wrapper"] == "FSDPQwen2ForCausalLM" and got["rows"] == ids.size(0) // 2
+        assert got["widest"] == 4 * got["vocab"]  # one 4-token chunk's logits
+        for name, want in single["grads"].items():
+            torch.testing.assert_close(got["grads"][name], want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
+                                       msg=f"rank {rank}: {name}")
+
+
+def test_sft_sharded_on_two_processes_matches_one(runs):
+    one, two = runs
+    a, b = reported(one, "sft"), reported(two, "sft")
+    assert sorted(a) == list(range(1, SFT.max_steps + 1))
+    assert_curves_match(a, b, ["train/loss", "train/grad_norm", "train/learning_rate"])
+    assert a[1]["train/loss"] > a[3]["train/loss"]  # it trained
+    assert_same_weights(one / "sft" / "model", two / "sft" / "model", atol=2e-5)
+
+
+def test_sharded_checkpoints_resume_on_another_process_count(runs, tmp_path):
+    """Step 2's checkpoint holds each process's shards and one metadata file; one written by one process resumes
+    on two, and one written by two resumes on one, each ending where the uninterrupted run ends."""
+    one, two = runs
+    files = set(reported(two, "sft")[3]["checkpoint_files"])
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "strategy.json", "trainer_state.json"} <= files, files
+    assert json.loads((two / "sft-step-2" / "strategy.json").read_text()) == {"strategy": "fsdp", "processes": 2}
+    assert sorted(reported(two, "sft-resumed")) == [3]  # 1 -> 2: from the one-process run's step 2
+    assert_same_weights(one / "sft" / "model", two / "sft-resumed" / "model", atol=2e-5)
+    run_sft_resumed(tmp_path, FSDP, source=two / "sft-step-2")  # 2 -> 1, here
+    assert sorted(reported(tmp_path, "sft-resumed")) == [3]
+    assert_same_weights(two / "sft" / "model", tmp_path / "sft-resumed" / "model", atol=2e-5)
+
+
+@pytest.mark.precision
+def test_a_sharded_grpo_checkpoint_resumes_on_another_process_count(runs, tmp_path):
+    """GRPO's step-2 checkpoint (weights and AdamW state sharded, scheduler) resumed on the other process count
+    trains step 3 on the same completions and ends where the uninterrupted run ends."""
+    one, two = runs
+    assert sorted(reported(two, "grpo-resumed")) == [3]  # 1 -> 2
+    assert_same_weights(one / "grpo" / "model", two / "grpo-resumed" / "model", atol=5e-4)
+    run_grpo_resumed(tmp_path, FSDP, source=two / "grpo-step-2")  # 2 -> 1, here
+    assert sorted(reported(tmp_path, "grpo-resumed")) == [3]
+    assert_same_weights(two / "grpo" / "model", tmp_path / "grpo-resumed" / "model", atol=5e-4)
+
+
+@pytest.mark.precision  # its fp32 verdict must not depend on what `auto` gives here
+def test_grpo_sharded_on_two_processes_matches_one_and_samples_the_policy(runs):
+    one, two = runs
+    a, b = reported(one, "grpo"), reported(two, "grpo")
+    assert sorted(a) == list(range(1, GRPO.max_steps + 1))
+    assert_curves_match(a, b, ["reward/total", "reward/std", "completion_length", "train/loss", "kl",
+                               "grad_norm", "entropy", "clip_ratio"])
+    assert a[1]["reward/std"] > 0  # groups had spread: the steps carried a gradient
+    assert_same_weights(one / "grpo" / "model", two / "grpo" / "model", atol=5e-4)
+    for rank in (0, 1):  # after every optimizer step, the sampler's copy is the policy's whole weights, exactly
+        syncs = json.loads((two / "grpo" / f"syncs-rank{rank}.json").read_text())
+        assert syncs == [0.0] * GRPO.max_steps, syncs
+    gaps = [b[step]["sync/logprob_gap"] for step in sorted(b)]  # checked against the sharded forward every step
+    assert all(0 <= g < 1e-5 for g in gaps), gaps
+    assert "sync/logprob_gap" not in a[1]  # one process samples from the policy itself: nothing to compare
+
+
+def test_grpo_with_lora_and_checkpointing_sharded_matches_one(runs):
+    one, two = runs
+    a, b = reported(one, "grpo-lora"), reported(two, "grpo-lora")
+    assert_curves_match(a, b, ["reward/total", "train/loss", "kl", "grad_norm", "entropy"])
+    assert a[3]["kl"] > 0  # the adapters moved the policy off the reference (the base with them off)
+    assert_same_weights(one / "grpo-lora" / "model", two / "grpo-lora" / "model", atol=5e-4)
+    assert json.loads((two / "grpo-lora" / "syncs-rank1.json").read_text()) == [0.0] * GRPO.max_steps
+
+
+def test_reward_model_sharded_on_two_processes_matches_one(runs):
+    one, two = runs
+    a, b = reported(one, "rm"), reported(two, "rm")
+    assert_curves_match(a, b, ["rm/loss", "rm/accuracy", "rm/margin", "rm/grad_norm"])
+
+
+@pytest.mark.parametrize("section, says", [
+    ({"distributed": {"strategy": "fsdp"}, "grpo": {"weights_dtype": "bfloat16"}},
+     "grpo.weights_dtype bfloat16 keeps fp32 master weights"),
+    ({"distributed": {"strategy": "fsdp"}, "grpo": {"optimizer": "adamw_8bit"}},
+     "grpo.optimizer adamw_8bit (bitsandbytes) cannot step sharded weights"),
+    ({"distributed": {"strategy": "fsdp"}, "algorithm": "ppo"}, "algorithm ppo trains in one process"),
+    ({"distributed": {"strategy": "fsdp", "config_file": "x.yaml"}}, "config_file (an accelerate config file)"),
+    ({"distributed": {"strategy": "zero3"}}, "strategy"),
+])
+def test_what_the_sharded_strategy_cannot_honour_is_refused_when_the_recipe_is_read(section, says):
+    with pytest.raises(ValueError, match=None) as e:
+        ReasoningGRPOConfig.model_validate(section)
+    assert says in str(e.value)
+
+
+def test_a_checkpoint_of_another_strategy_is_refused_in_one_line(tmp_path):
+    from grpo.training.accelerator import make_accelerator
+    from grpo.training.strategy import STRATEGY_FILE, make_strategy
+
+    folder = tmp_path / "step-2"
+    folder.mkdir()
+    (folder / STRATEGY_FILE).write_text(json.dumps({"strategy": "ddp", "processes": 2}))
+    with pytest.raises(ValueError, match=r"step-2: a ddp checkpoint cannot be resumed with distributed.strategy "
+                                         r"fsdp; set the strategy it was written with"):
+        make_strategy(make_accelerator("no"), FSDP).load_state(folder)
