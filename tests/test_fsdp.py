@@ -155,3 +155,68 @@ def test_a_checkpoint_of_another_strategy_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"step-2: a ddp checkpoint cannot be resumed with distributed.strategy "
                                          r"fsdp; set the strategy it was written with"):
         make_strategy(make_accelerator("no"), FSDP).load_state(folder)
+
+
+def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable_checkpoint(
+        prefect_harness, mlflow_client, tmp_path, request):
+    """A real `r1 run` of cold-start SFT on two FSDP processes, killed with SIGKILL (it and the processes it
+    launched) once a sharded checkpoint is in the MLflow store and the local work folder lost with the machine; the
+    stage again on one process resumes from that copy and ends with the weights of an uninterrupted one-process run.
+    (GRPO's own resume across process counts is held above, at the loop: a stage samples with a stream per process,
+    so its completions, not its checkpoints, depend on the process count.)"""
+    import shutil
+    import signal
+
+    import yaml
+
+    from flows.cold_start_sft import cold_start_sft
+    from flows.r1_pipeline import r1_pipeline
+    from grpo.recipe import ColdStartSFTConfig
+    from tasks import tracking
+    from tasks.durable import newest_copy
+    from test_pipeline_resume import _kill_group, _r1_run, _wait_for, children, weights
+
+    section = {"model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 2, "num_key_value_heads": 1}},
+               "data": {"num_train": 64, "num_heldout": 0},
+               "train": {"max_steps": 30, "batch_size": 8, "log_every": 2, "checkpoint_every": 2, "seed": 15,
+                         "mixed_precision": "no"},
+               "distributed": {"num_processes": 2, "strategy": "fsdp"}}
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump({"name": "fsdp-killed", "cold_start_sft": section}))
+    proc = _r1_run(two, "--stages", "cold_start_sft")
+    request.addfinalizer(lambda: _kill_group(proc.pid))
+
+    def work_dir():
+        runs = tracking.find_runs("tags.stage = 'cold_start_sft' and attributes.status = 'RUNNING'")
+        parents = {r.info.run_id for r in tracking.find_runs("tags.recipe = 'fsdp-killed'")}
+        return next((Path(r.data.tags["r1.work_dir.cold_start_sft"]) for r in runs
+                     if r.data.tags.get("mlflow.parentRunId") in parents
+                     and "r1.work_dir.cold_start_sft" in r.data.tags), None)
+
+    work = _wait_for("a cold_start_sft run", work_dir, proc)
+    _wait_for("a durable sharded checkpoint", lambda: newest_copy(work.name), proc, every=0.05)
+    _kill_group(proc.pid)  # r1, the launcher and both training processes
+    proc.wait()
+    _, step = newest_copy(work.name)
+    assert 2 <= step < 30
+    shutil.rmtree(work)  # the machine's disk went with it: only the MLflow store's copy is left
+
+    one = tmp_path / "one.yaml"
+    one.write_text(yaml.safe_dump({"name": "fsdp-killed", "cold_start_sft": {
+        **section, "distributed": {"num_processes": 1, "strategy": "fsdp"}}}))
+    result = r1_pipeline(recipe=str(one), stages=["cold_start_sft"])
+    resumed = children(mlflow_client, result.run_id)["cold_start_sft"]
+    assert resumed.data.tags["r1.resumed_from_step"] == str(step)
+    assert resumed.data.tags["r1.work_dir.cold_start_sft"] == str(work)  # the same key on one process
+    history = mlflow_client.get_metric_history(resumed.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(step + 2, 31, 2))
+    for run in tracking.find_runs("tags.recipe = 'fsdp-killed'"):  # the killed ones closed by the next start
+        assert run.info.status in ("FINISHED", "FAILED"), run.info.run_id
+
+    whole = cold_start_sft(ColdStartSFTConfig.model_validate({**section, "distributed": {"num_processes": 1}}))
+    a = weights(result.stages["cold_start_sft"].uris["checkpoint"], tmp_path / "a")
+    b = weights(whole.uris["checkpoint"], tmp_path / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=k)

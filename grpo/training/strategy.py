@@ -10,7 +10,7 @@ whatever the strategy; none branches on it:
 | `accumulate(model)` | accelerate's: DDP's `no_sync` but on the last micro-batch | the same, through FSDP2's `set_requires_gradient_sync` |
 | `no_sync(model, last)` | DDP's `no_sync` unless `last` | FSDP2's gradient sync off unless `last` |
 | `whole_model(model)` | the model itself | a plain copy holding the whole fp32 weights, on the main process (None elsewhere) |
-| `sampler_model(dtype)`, `sync_sampler()` | the policy itself; nothing to sync | a whole copy in the sampling dtype, gathered into one weight at a time |
+| `sampler_model(dtype)`, `sync_sampler()` | the policy itself; nothing to sync | a whole copy in the sampling dtype, gathered into one unit at a time |
 | `save_state(folder)`, `load_state(folder)` | accelerate's `save_state` / `load_state` | `torch.distributed.checkpoint` shards: loads on any process count |
 
 FSDP2 keeps 1/N of the weights, gradients and AdamW state on each of N processes (16 bytes a parameter / N in fp32
@@ -265,19 +265,28 @@ class FSDPStrategy(Strategy):
 
     @torch.no_grad()
     def sync_sampler(self) -> None:
-        """Gather the policy's weights into the sampler's copy, one weight at a time (a collective per weight,
-        in the same order on every process): the largest whole fp32 tensor alive is one weight."""
+        """Gather the policy's weights into the sampler's copy one FSDP unit at a time (a decoder layer, then the
+        root's own weights: one all-gather each, in the same order on every process), so the whole weights alive
+        beside the shards are one unit's, never the model's."""
         if not self.sharded or self._sampler is None:
             return
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.fsdp import FSDPModule
 
         targets = dict(self._sampler.named_parameters())
-        for name, p in self._model.named_parameters():
-            if not p.requires_grad and self._synced_frozen:
-                continue  # frozen (LoRA's base): the copy already holds it
-            whole = p.full_tensor() if isinstance(p, DTensor) else p
-            targets[name].copy_(whole)
-            del whole
+        units = [(prefix, m) for prefix, m in self._model.named_modules() if isinstance(m, FSDPModule)]
+        inner = {id(p) for prefix, m in units if prefix for p in m.parameters()}  # the layers' (not the root's own)
+        for prefix, unit in units:  # every process in the same order: each unit's one all-gather is a collective
+            own = [n for n, p in unit.named_parameters(prefix=prefix)
+                   if (prefix or id(p) not in inner) and (p.requires_grad or not self._synced_frozen)]
+            if not own:
+                continue  # frozen (LoRA's base) and already copied
+            unit.unshard()  # the unit's whole weights (in the compute dtype) take the shards' place until reshard
+            try:
+                whole = dict(unit.named_parameters(prefix=prefix))
+                for name in own:
+                    targets[name].copy_(whole[name])
+            finally:
+                unit.reshard()
         self._synced_frozen = True
 
     def save_state(self, folder: Path) -> None:
