@@ -8,7 +8,8 @@
 process counts the bytes it holds in parameters, gradients and optimizer state (its own shards under fsdp; DDP's
 gradient buckets counted apart, as they are extra), at 1 and 2 processes, for ddp and fsdp (fp32 throughout).
 `step`: GRPOTrainer on the GRPO bench's model shape (hidden 256, 4 layers) on 2 processes, 8 prompts x 8
-completions of up to 64 tokens a step, the median `time/step_s` of steps 2..N for each strategy in one run.
+completions of up to 64 tokens a step, the median `time/step_s` of steps 2..N for each strategy in one run (fsdp
+twice: `reshard_after_forward` on, the default, and off).
 Every process is a real one under `torchrun` on 127.0.0.1 (gloo on CPU).
 """
 
@@ -109,7 +110,9 @@ def worker_step(strategy: str, steps: int) -> None:
 
     with tempfile.TemporaryDirectory() as out:
         trainer = GRPOTrainer(model, tok, prompts, cfg, out, on_metrics=record, reward_functions={"length": length},
-                              progress=False, distributed=DistributedConfig(strategy=strategy))
+                              progress=False, distributed=DistributedConfig(
+                                  strategy="fsdp" if strategy.startswith("fsdp") else strategy,
+                                  fsdp={"reshard_after_forward": strategy != "fsdp-keep"}))
         trainer.train()
         if trainer.acc.is_main_process:
             times = [seen[s]["time/step_s"] for s in sorted(seen)[1:]]  # the first step warms up
@@ -138,11 +141,13 @@ def main() -> None:
                           "fsdp2_over_ddp2_with_buckets": round(rows[("fsdp", 2)]["with_buckets_mib"]
                                                                 / rows[("ddp", 2)]["with_buckets_mib"], 3)}))
     if args.part in ("step", "all"):
-        rows = {s: launch(2, "step", s, "--steps", str(args.steps))[0] for s in ("ddp", "fsdp")}
+        # fsdp-keep: fsdp with reshard_after_forward off (a unit's gathered weights kept from forward to backward)
+        rows = {s: launch(2, "step", s, "--steps", str(args.steps))[0] for s in ("ddp", "fsdp", "fsdp-keep")}
         for row in rows.values():
             print(json.dumps({"part": "step", **row}))
-        print(json.dumps({"part": "step", "fsdp_over_ddp_step_time": round(rows["fsdp"]["median_step_s"]
-                                                                            / rows["ddp"]["median_step_s"], 3)}))
+        print(json.dumps({"part": "step", **{f"{s}_over_ddp_step_time": round(rows[s]["median_step_s"]
+                                                                              / rows["ddp"]["median_step_s"], 3)
+                                             for s in ("fsdp", "fsdp-keep")}}))
 
 
 if __name__ == "__main__":
