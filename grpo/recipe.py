@@ -104,6 +104,8 @@ class StageConfig(BaseModel):
         count known only where the stage runs, "auto", is checked there with the machine's)."""
         distributed = getattr(self, "distributed", None)
         n = processes if processes is not None else distributed.num_processes if distributed else 1
+        if distributed is not None and isinstance(n, int):
+            n *= distributed.num_machines  # the processes of every machine share each global batch
         for field, size in self.process_batches().items():
             check_process_split(field, size, n)
 
@@ -117,7 +119,8 @@ class StageConfig(BaseModel):
 
 
 class FSDPConfig(BaseModel):
-    """The sharded strategy's settings (`distributed.strategy: fsdp`; README: "Training across processes")."""
+    """The sharded strategy's settings (`distributed.strategy: fsdp`; README: "Training across processes and
+    machines")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -143,8 +146,13 @@ class DistributedConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # processes; "auto": one per GPU the machine shows (in a Kubernetes job: the GPUs it requested), 1 without GPUs
+    # processes on each machine; "auto": one per GPU the machine shows (in a Kubernetes job: the GPUs it requested),
+    # 1 without GPUs
     num_processes: int | Literal["auto"] = 1
+    # machines (pods, nodes) the processes span, each starting num_processes of them: a multi-pod job whose pods
+    # find each other through R1_MACHINE_RANK, R1_MAIN_PROCESS_IP, R1_MAIN_PROCESS_PORT and R1_JOIN_DIR
+    # (README: "Training across processes and machines"); the global batches split over all of them
+    num_machines: int = Field(1, ge=1)
     # an accelerate config file for the launch (its own settings: dynamo, NUMA, ...); not one that shards (FSDP,
     # DeepSpeed): `strategy` does that
     config_file: str | None = None
@@ -216,7 +224,7 @@ class ReasoningGRPOConfig(StageConfig):
             raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
                              "reward at each completion's last token: use supervision 'outcome' with ppo")
         if self.algorithm == "ppo" and (self.distributed.num_processes != 1 or self.distributed.config_file
-                                        or self.distributed.strategy != "ddp"):
+                                        or self.distributed.strategy != "ddp" or self.distributed.num_machines != 1):
             raise ValueError("algorithm ppo trains in one process (its critic is not split across processes): "
                              "leave distributed at its default, num_processes 1 and strategy ddp")
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)

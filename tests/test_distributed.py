@@ -197,3 +197,63 @@ def test_a_stage_trains_on_two_processes_and_only_its_task_logs(prefect_harness,
     train_sft(model, tok, read_frame(result.uris["dataset"]), cfg.train, tmp_path,
               lambda step, m: seen.__setitem__(step, m["train/loss"]), progress=False)
     assert [m.value for m in losses] == pytest.approx([seen[2], seen[4]], rel=RTOL)
+
+
+def test_two_machines_on_loopback_train_one_stage_together(prefect_harness, mlflow_client, tmp_path, monkeypatch):
+    """`distributed: {num_machines: 2, strategy: fsdp}`: the stage's task on machine 0 starts its process and
+    announces the job; a second machine (here another process tree on 127.0.0.1, `python -m grpo.training.join`
+    with R1_MACHINE_RANK=1) starts the other; the two processes train one sharded SFT together, the task logs rank
+    0's reports into its one run, and the result is the one-process training of the same rows."""
+    from flows.cold_start_sft import cold_start_sft
+    from grpo.models import load_model_and_tokenizer
+    from grpo.recipe import ColdStartSFTConfig
+    from grpo.training.sft_trainer import train_sft
+    from tasks.data import read_frame
+
+    job = {launch.JOIN_DIR: str(tmp_path / "join"), launch.MAIN_IP: "127.0.0.1",
+           launch.MAIN_PORT: str(launch._free_port())}
+    for key, value in job.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(launch.MACHINE_RANK, "0")
+    env = {**os.environ, **job, launch.MACHINE_RANK: "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    peer = subprocess.Popen([sys.executable, "-m", "grpo.training.join", "--timeout-s", "300"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        cfg = ColdStartSFTConfig.model_validate({**STAGE, "train": {**STAGE["train"], "seed": 21},
+                                                 "distributed": {"num_processes": 1, "num_machines": 2,
+                                                                 "strategy": "fsdp"}})
+        result = cold_start_sft(cfg)
+        output = peer.communicate(timeout=120)[0]
+    finally:
+        peer.kill()
+    assert peer.returncode == 0, output[-3000:]
+    assert "machine 1 of 2" in output and "--machine_rank 1" in output
+    assert not (tmp_path / "join" / launch.ANNOUNCEMENT).exists()  # the finished job is no longer announced
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    losses = mlflow_client.get_metric_history(result.run_id, "train/loss")
+    assert [m.step for m in losses] == [2, 4]
+
+    seen = {}
+    model, tok = load_model_and_tokenizer(cfg.model)
+    train_sft(model, tok, read_frame(result.uris["dataset"]), cfg.train, tmp_path / "one",
+              lambda step, m: seen.__setitem__(step, m["train/loss"]), progress=False)
+    assert [m.value for m in losses] == pytest.approx([seen[2], seen[4]], rel=RTOL)
+
+
+def test_a_multi_machine_stage_without_its_job_settings_is_refused_before_training(monkeypatch):
+    for key in (launch.MAIN_IP, launch.JOIN_DIR, launch.MACHINE_RANK):
+        monkeypatch.delenv(key, raising=False)
+    two = DistributedConfig(num_machines=2)
+    with pytest.raises(ValueError, match="R1_MAIN_PROCESS_IP must name machine 0's address"):
+        launch.check_splits(two, train__batch_size=8)
+    monkeypatch.setenv(launch.MAIN_IP, "10.0.0.1")
+    with pytest.raises(ValueError, match="needs R1_JOIN_DIR: a folder every machine of the job mounts"):
+        launch.check_splits(two, train__batch_size=8)
+    monkeypatch.setenv(launch.MACHINE_RANK, "2")
+    with pytest.raises(ValueError, match=r"R1_MACHINE_RANK='2': expected a machine rank from 0 to 1"):
+        launch.check_splits(two, train__batch_size=8)
+    with pytest.raises(ValueError, match=r"train.batch_size \(6\) must be a multiple of distributed.num_processes "
+                                         r"\(4\)"):
+        launch.check_splits(DistributedConfig(num_processes=2, num_machines=2), train__batch_size=6)

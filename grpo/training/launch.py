@@ -7,6 +7,12 @@ accelerate picks gloo on CPU and NCCL on GPU). The main process of the launch ap
 to an events file; this module follows that file while the children run and hands each line to the stage's
 callbacks (MLflow metrics, the Prefect progress artifact), so the task's process is the only one that talks to
 MLflow. The children's output goes to `launch.log` beside the job file; a failed launch raises with its tail.
+
+With `distributed.num_machines` above 1 the launch spans machines (the pods of one multi-pod job, every one
+mounting R1_HOME and R1_JOIN_DIR from shared storage): the stage's task runs on machine 0 and starts its share of
+the processes, and announces the job file in R1_JOIN_DIR; each other machine runs `python -m grpo.training.join`,
+which waits for that announcement and starts its own share with its machine rank. R1_MACHINE_RANK (0 where the task
+runs), R1_MAIN_PROCESS_IP (machine 0's address) and R1_MAIN_PROCESS_PORT (29500 by default) come from the job.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ import pandas as pd
 from grpo.recipe import DistributedConfig
 
 COLLECTIVE_TIMEOUT = "R1_COLLECTIVE_TIMEOUT_S"  # seconds a collective (all-reduce, barrier) may wait; read by the loops
+# what a multi-machine job tells each of its machines (README: "Training across processes and machines")
+MACHINE_RANK, MAIN_IP, MAIN_PORT, JOIN_DIR = ("R1_MACHINE_RANK", "R1_MAIN_PROCESS_IP", "R1_MAIN_PROCESS_PORT",
+                                              "R1_JOIN_DIR")
+ANNOUNCEMENT = "job.json"  # in R1_JOIN_DIR: where machine 0's launch tells the others which job file to run
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `-m grpo.training.worker` is importable from
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -43,18 +53,27 @@ def num_processes(cfg: DistributedConfig) -> int:
     return n
 
 
+def world_size(cfg: DistributedConfig) -> int:
+    """The processes of every machine together."""
+    return num_processes(cfg) * cfg.num_machines
+
+
 def is_launched(cfg: DistributedConfig) -> bool:
     """Whether the stage's loops run in launched processes (else in the task's own, as one process)."""
-    return num_processes(cfg) > 1 or cfg.config_file is not None
+    return world_size(cfg) > 1 or cfg.config_file is not None
 
 
 def check_splits(cfg: DistributedConfig, **sizes: int) -> int:
-    """The process count, once every global batch size in `sizes` (field name -> size) splits evenly across it."""
+    """The process count of all machines, once every global batch size in `sizes` (field name -> size) splits
+    evenly across it."""
     from grpo.checks import check_process_split
 
-    n = num_processes(cfg)
+    n = world_size(cfg)
     for field, size in sizes.items():
         check_process_split(field.replace("__", "."), size, n)
+    if cfg.num_machines > 1:  # what the job must tell this machine, before any model loads
+        machine(cfg)
+        join_dir()
     return n
 
 
@@ -85,10 +104,32 @@ def config_file_path(name: str) -> Path:
     return path
 
 
+def machine(cfg: DistributedConfig) -> tuple[int, str, int | None]:
+    """(machine rank, main process address, port) of this machine: the job's settings where the launch spans
+    machines (one-line errors for what is missing or wrong), this machine on a free port otherwise (None)."""
+    if cfg.num_machines == 1:
+        return 0, "127.0.0.1", None
+    rank = os.environ.get(MACHINE_RANK, "0")
+    if not rank.isdigit() or int(rank) >= cfg.num_machines:
+        raise ValueError(f"{MACHINE_RANK}={rank!r}: expected a machine rank from 0 to {cfg.num_machines - 1} "
+                         f"(distributed.num_machines={cfg.num_machines})")
+    port = os.environ.get(MAIN_PORT, "29500")
+    if not port.isdigit():
+        raise ValueError(f"{MAIN_PORT}={port!r}: expected the port machine 0 listens on for the rendezvous")
+    address = os.environ.get(MAIN_IP)
+    if not address:
+        raise ValueError(f"distributed.num_machines={cfg.num_machines}: {MAIN_IP} must name machine 0's address "
+                         f"(the job sets it for every machine)")
+    return int(rank), address, int(port)
+
+
 def launch_command(cfg: DistributedConfig, n: int, job_file: Path, port: int) -> list[str]:
-    """The `accelerate launch` command line that runs the job on `n` processes of this machine."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+    """The `accelerate launch` command line that runs the job on `n` processes of this machine (and as many on each
+    of the job's other machines, where it spans several)."""
+    rank, address, main_port = machine(cfg)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n * cfg.num_machines),
+           "--num_machines", str(cfg.num_machines), "--machine_rank", str(rank), "--main_process_ip", address,
+           "--main_process_port", str(main_port or port)]
     if cfg.config_file:
         cmd += ["--config_file", str(config_file_path(cfg.config_file))]
     else:
@@ -120,11 +161,26 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
     job_file = folder / "job.json"
     job_file.write_text(json.dumps(job, indent=1))
     cmd = launch_command(cfg, n, job_file, _free_port())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
-           "MASTER_ADDR": "127.0.0.1", COLLECTIVE_TIMEOUT: str(cfg.collective_timeout_s),
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # a timed-out NCCL collective raises instead of hanging
+    if cfg.num_machines > 1:
+        announce(job_file)
+    try:
+        return _run(cmd, world_size(cfg), events, result, log, cfg, on_metrics, on_samples)
+    finally:
+        if cfg.num_machines > 1:  # a machine joining later must not start a finished job
+            (join_dir() / ANNOUNCEMENT).unlink(missing_ok=True)
+
+
+def launch_env(cfg: DistributedConfig) -> dict[str, str]:
+    """The environment of an `accelerate launch` of the job (on any of its machines)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+            "MASTER_ADDR": machine(cfg)[1], COLLECTIVE_TIMEOUT: str(cfg.collective_timeout_s),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # a timed-out NCCL collective raises instead of hanging
+
+
+def _run(cmd: list[str], n: int, events: Path, result: Path, log: Path, cfg: DistributedConfig,
+         on_metrics: MetricsCallback | None, on_samples: SamplesCallback | None) -> dict:
     with log.open("w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_ROOT)
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=launch_env(cfg), cwd=PROJECT_ROOT)
         try:
             _follow(proc, events, on_metrics, on_samples)
         except BaseException:
@@ -135,6 +191,24 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
         raise RuntimeError(f"training on {n} processes failed (exit code {proc.returncode}); `{' '.join(cmd)}`; "
                            f"the end of {log}:\n{tail}")
     return json.loads(result.read_text())
+
+
+def join_dir() -> Path:
+    """R1_JOIN_DIR: the folder machine 0 announces its job in, one every machine of the job mounts."""
+    folder = os.environ.get(JOIN_DIR)
+    if not folder:
+        raise ValueError(f"a launch across machines needs {JOIN_DIR}: a folder every machine of the job mounts, where "
+                         f"machine 0 says which job file the others run")
+    return Path(folder)
+
+
+def announce(job_file: Path) -> None:
+    """Tell the job's other machines which job file to run (written whole, then renamed into place)."""
+    folder = join_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f".{ANNOUNCEMENT}.part"
+    part.write_text(json.dumps({"job_file": str(job_file.resolve())}))
+    part.replace(folder / ANNOUNCEMENT)
 
 
 def _stop_launch(proc: subprocess.Popen, grace: float = 10) -> None:
