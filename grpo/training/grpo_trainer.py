@@ -43,7 +43,7 @@ from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.engines import Engine, Rollout, build_engine, pad_right, require_tokens, sampling_dtype
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
-from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
+from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (accumulating, check_split, gather_table, main_only, matched_chunks,
                                        process_share, process_weight, reduce_metrics, sampling_seed)
 from grpo.training.logprobs import token_logps
@@ -389,15 +389,13 @@ class GRPOTrainer:
         return pd.DataFrame(rows)
 
     def _save(self, root: Path, step: int) -> None:
-        save_checkpoint(self.acc, root, step, keep=1)
+        save_checkpoint(self.acc, root, step, keep=2)  # two: a damaged newest one falls back to the one before
 
     def _resume(self, root: Path) -> int:
-        latest = latest_checkpoint(root)
-        if latest is None:
-            return 0
-        self.acc.load_state(str(latest))
-        self.engine.sync_weights()  # loaded in place: the engine's copy (if any) must see the checkpoint's weights
-        return checkpoint_step(latest)
+        step = load_newest_checkpoint(self.acc, root)
+        if step:
+            self.engine.sync_weights()  # loaded in place: the engine's copy (if any) must see the checkpoint's weights
+        return step
 
 
 def checkpointing_on(cfg: GRPOConfig, acc) -> bool:

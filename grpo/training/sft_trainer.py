@@ -31,7 +31,7 @@ from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.sampling.backend import render_prompts
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
-from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
+from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, full_state_dict, main_only, process_share, reduce_sum
 from grpo.training.schedules import make_scheduler
 
@@ -125,11 +125,7 @@ def train_sft(
                                num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
 
-    start = 0
-    resume_from = latest_checkpoint(ckpt_root)
-    if resume_from is not None:
-        acc.load_state(str(resume_from))
-        start = checkpoint_step(resume_from)
+    start = load_newest_checkpoint(acc, ckpt_root)  # 0: no checkpoint to trust, it starts over
 
     model.train()
     window: list[float] = []
