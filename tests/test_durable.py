@@ -138,3 +138,32 @@ def test_a_damaged_local_checkpoint_is_not_copied_to_the_store(tmp_path, key, ca
     assert len([r for r in caplog.records if "step-4 is damaged" in r.getMessage()]) == 1
     assert marked_copies(key) == [(run, 2)]  # the store keeps the whole one
     tracking.end_run(run, "FAILED")
+
+
+def test_a_stage_output_cut_short_in_the_store_is_one_line_and_a_cut_local_copy_is_fetched_again(tmp_path):
+    from urllib.parse import urlparse
+
+    from grpo.faults import Fault
+
+    run = tracking.start_run("outputs", tags={})
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w" * 1000)
+    (model / "config.json").write_text("{}")
+    uri = tracking.log_dir(run, model, "checkpoint")
+    tracking.end_run(run)
+
+    local = tracking.download(uri)
+    assert (local / "model.safetensors").read_bytes() == b"w" * 1000
+    (local / "model.safetensors").write_bytes(b"w" * 10)  # the cached copy cut short on this disk
+    assert (tracking.download(uri) / "model.safetensors").read_bytes() == b"w" * 1000  # fetched again, whole
+
+    # the store itself lost the end of the weights
+    stored = Path(urlparse(tracking.client().get_run(run).info.artifact_uri).path) / "checkpoint" / "model.safetensors"
+    stored.write_bytes(b"w" * 500)
+    shutil.rmtree(local.parent)  # as on a machine that never fetched it
+    with pytest.raises(Fault, match=rf"^{uri} is damaged: model.safetensors has 500 bytes where its manifest says "
+                                    r"1000 \(cut short\); .* must run again"):
+        tracking.download(uri)
+    with pytest.raises(Fault, match="is damaged"):
+        tracking.download(uri, tmp_path / "elsewhere")

@@ -20,10 +20,13 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from accelerate import Accelerator
+if TYPE_CHECKING:  # only named: the manifest helpers serve the `tasks` layer without loading torch
+    from accelerate import Accelerator
 
 MANIFEST = "manifest.json"  # {"files": {relative path: {"size": bytes, "sha256": hex}}}, written last
+NO_MANIFEST = f"it has no {MANIFEST} (it was never finished, or was copied without it)"
 log = logging.getLogger(__name__)
 
 
@@ -69,7 +72,7 @@ def verify_manifest(folder: str | Path, *, checksums: bool = True) -> str | None
     Without `checksums` only presence and sizes are compared (cheap: no file is read)."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
-        return f"it has no {MANIFEST} (it was never finished, or was copied without it)"
+        return NO_MANIFEST
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
         wanted = {rel: (int(f["size"]), str(f["sha256"])) for rel, f in files.items()}
