@@ -63,9 +63,18 @@ def _chain(e: BaseException | None):
         e = e.__cause__ or e.__context__
 
 
-def disk_fault(e: BaseException, paths: list[str | Path], needed: int = MIN_FREE) -> Fault | None:
+def _file_size_limit() -> int | None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def disk_fault(e: BaseException, paths: list[str | Path], needed: int = MIN_FREE,
+               written: str | Path | None = None) -> Fault | None:
     """The `Fault` that `e` is when it comes from a full disk under one of `paths` (or a disk-full errno anywhere in
-    its chain), else None. `needed` is what the failed write wanted, when known."""
+    its chain, or a file of the folder `written` stopped at the process's file size limit), else None. `needed` is
+    what the failed write wanted, when known."""
     for link in _chain(e):
         if isinstance(link, Fault):
             return link
@@ -73,6 +82,12 @@ def disk_fault(e: BaseException, paths: list[str | Path], needed: int = MIN_FREE
         free = free_bytes(path)
         if free < needed:
             return Fault(disk_full_line(path, needed, free))
+    limit = _file_size_limit()
+    if limit is not None and written is not None and Path(written).is_dir():
+        if any(p.stat().st_size >= limit for p in Path(written).rglob("*") if p.is_file()):
+            return Fault(f"writing {written} stopped at this process's file size limit of {size_text(limit)} "
+                         f"(ulimit -f). Nothing saved was damaged: raise the limit and run the same command again "
+                         f"to resume")
     for link in _chain(e):
         if isinstance(link, OSError) and link.errno in DISK_FULL:
             where = link.filename or (paths[0] if paths else "a disk")

@@ -8,7 +8,8 @@ the moment the machine died. A disk error or a copy cut short can still damage o
 log line and set aside (`damaged-step-<n>`), and the loop resumes from the one before (the newest `keep` stay), or
 starts over when none is whole. The same manifest guards any folder on its way through a store (a stage's model or
 dataset, a durable copy of a checkpoint): `write_manifest` before it leaves, `verify_manifest` when it comes back.
-Must not depend on Prefect or MLflow.
+Each save first checks the disk has room for it, and a disk that fills up during one is named in one line
+(`grpo.faults`), the half-written folder removed. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from grpo.faults import check_free_space, disk_fault
 
 if TYPE_CHECKING:  # only named: the manifest helpers serve the `tasks` layer without loading torch
     from accelerate import Accelerator
@@ -149,23 +152,57 @@ def load_newest_checkpoint(acc: Accelerator, root: Path, load_state: Callable[[s
     return checkpoint_step(path)
 
 
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def checkpoint_bytes(acc: Accelerator, root: Path) -> int:
+    """What the next checkpoint under `root` will take on disk: the size of the newest one, or before the first
+    the bytes of the prepared models' weights and optimizers' state (with a margin for pickling and RNG files)."""
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        return _folder_bytes(latest)
+    import torch
+
+    tensors = [t for m in acc._models for t in m.state_dict().values()]
+    tensors += [v for o in acc._optimizers for state in o.state_dict()["state"].values() for v in state.values()]
+    return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) * 1.1) + 2**20
+
+
 def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int,
                     save_state: Callable[[str], None] | None = None) -> None:
     """Model, optimizer, scheduler and RNG state at `step` (written by `save_state(folder)` on every process, by
-    default the accelerator's), verified by a manifest and renamed into place; only the newest `keep` stay."""
+    default the accelerator's), verified by a manifest and renamed into place; only the newest `keep` stay.
+
+    A disk without room for it raises a `Fault` naming the folder, what it needs and what is free: before writing
+    when the room is not there, or when a write runs out of it (another process filled the disk meanwhile), the
+    partial folder then removed. The checkpoints already there are never touched on the way."""
     path, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    needed = checkpoint_bytes(acc, root)
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # one a dead process left half-written
+    check_free_space(root, needed)  # on every process: all stop here together, none waits at a barrier for one
+    if acc.is_main_process:
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
-    if save_state is None:
-        acc.save_state(str(tmp), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
-    else:
-        save_state(str(tmp))
-    acc.wait_for_everyone()  # the manifest goes in once every process has written its part
+    try:
+        if save_state is None:
+            acc.save_state(str(tmp), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
+        else:
+            save_state(str(tmp))
+        acc.wait_for_everyone()  # the manifest goes in once every process has written its part
+        if acc.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+            write_manifest(tmp)  # flushes every file first, then the manifest, last
+    except Exception as e:
+        # judged before the partial files are removed: torch reports a full disk in words of its own, so the
+        # disk's free space (none left) is what tells it
+        fault = disk_fault(e, [root], needed, written=tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if fault is not None:
+            raise fault from e
+        raise
     if acc.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-        write_manifest(tmp)  # flushes every file first, then the manifest, last
         shutil.rmtree(path, ignore_errors=True)  # the same step written before (a resume from an earlier one)
         os.replace(tmp, path)
         _fsync(root)  # the rename itself reaches the disk
