@@ -51,9 +51,32 @@ class _Quiet(logging.Filter):
         return not record.getMessage().startswith(self.starts)
 
 
+class _FaultWithoutTraceback(logging.Filter):
+    """Prefect logs a failed task or flow run with its traceback; for a fault of the machine or a store (a full
+    disk, a damaged file: `grpo.faults`) the line `r1` prints says all there is, so the record keeps its message
+    and loses the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and _is_fault(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _is_fault(e: BaseException) -> bool:
+    from grpo.faults import disk_fault
+
+    home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1")
+    return disk_fault(e, [home]) is not None
+
+
 def quiet_libraries() -> None:
-    """Drop the `QUIET` lines at their loggers (which need not be imported yet); once per process."""
+    """Drop the `QUIET` lines at their loggers (which need not be imported yet), and the tracebacks Prefect logs
+    with a fault; once per process."""
     for name, starts in QUIET.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Quiet) for f in logger.filters):
             logger.addFilter(_Quiet(starts))
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _FaultWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_FaultWithoutTraceback())

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
@@ -25,6 +26,7 @@ from grpo.faults import Fault, free_bytes
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import latest_checkpoint, save_checkpoint, verify_manifest
 from grpo.training.sft_trainer import train_sft
+from test_signals import r1  # noqa: F401  (the fixture: a real `r1` on a home of its own)
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -55,8 +57,13 @@ def small_disk(tmp_path):
 def fill(disk: Path, leave: int) -> Path:
     """Another job's file, taking all of the disk's free space but `leave` bytes."""
     filler = disk / f"other-job-{uuid.uuid4().hex}"
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(free_bytes(disk) - leave, 0))
+    with open(filler, "wb", buffering=0) as f:
+        while (room := free_bytes(disk) - leave) > 0:
+            try:
+                f.write(b"\0" * min(room, 1 << 20))
+            except OSError:  # a run writing to the disk meanwhile took the rest: give `leave` back
+                f.truncate(max(os.fstat(f.fileno()).st_size - leave, 0))
+                break
     return filler
 
 
@@ -138,3 +145,45 @@ def test_a_file_size_limit_met_during_a_save_is_one_line(tmp_path):
     assert out.stdout.startswith(f"FAULT writing {root / '.tmp-step-2'} stopped at this process's file size limit "
                                  "of 256.0 KiB (ulimit -f)"), out.stdout + out.stderr[-2000:]
     assert not list(root.iterdir())  # nothing half-written left
+
+
+def test_a_stage_on_a_full_disk_ends_failed_with_one_line_and_the_same_command_resumes(r1, tmp_path):
+    """`r1 run` with its work folders on a small disk of their own (MLflow and Prefect beside them on the big one),
+    filled by another job once the stage has written its first checkpoint."""
+    from grpo.training.checkpoints import resumable_step
+    from test_flows import TINY_STAGE
+    from test_signals import stage_run
+
+    work = tmp_path / "home" / "work"
+    if not mount_tmpfs(work, "160m"):  # room for a stage to start (grpo.faults.MIN_FREE)
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cold = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0},
+                "train": {**TINY_STAGE["train"], "max_steps": 80, "checkpoint_every": 4, "mixed_precision": "no"}}
+        recipe = tmp_path / "disk.yaml"
+        recipe.write_text(yaml.safe_dump({"name": "disk-full", "cold_start_sft": cold}))
+        args = ["run", "--recipe", str(recipe), "--stages", "cold_start_sft"]
+        run = r1(*args)
+        folder = run.wait_for("cold-start training", lambda: (r := stage_run(run, "cold_start_sft")) and
+                              r.data.tags.get("r1.work_dir.cold_start_sft"))
+        run.wait_for("a checkpoint", lambda: resumable_step(Path(folder)))
+        filler = fill(work, leave=64 * 1024)
+        assert run.proc.wait(120) == 1, run.output()[-3000:]
+        out = run.output()
+        assert "Traceback" not in out, out[-3000:]
+        lines = [line for line in out.splitlines() if line.startswith("r1:")]
+        assert len(lines) == 1 and lines[0].startswith(f"r1: the disk under {folder}/checkpoints is full: "), \
+            out[-3000:]
+        assert {r.data.tags.get("stage", "pipeline"): r.info.status for r in run.runs()} == {
+            "pipeline": "FAILED", "cold_start_sft": "FAILED"}
+        step = resumable_step(Path(folder))
+        assert step >= 4 and verify_manifest(latest_checkpoint(Path(folder) / "checkpoints")) is None
+
+        filler.unlink()  # room again
+        again = r1(*args)
+        assert again.proc.wait(300) == 0, again.output()[-3000:]
+        resumed = next(r for r in again.runs() if r.data.tags.get("stage") == "cold_start_sft"
+                       and r.info.status == "FINISHED")
+        assert int(resumed.data.tags["r1.resumed_from_step"]) == step
+    finally:
+        subprocess.run(["umount", "-l", str(work)], check=False)

@@ -28,7 +28,9 @@ from grpo.faults import check_free_space, disk_fault
 if TYPE_CHECKING:  # only named: the manifest helpers serve the `tasks` layer without loading torch
     from accelerate import Accelerator
 
-MANIFEST = "manifest.json"  # {"files": {relative path: {"size": bytes, "sha256": hex}}}, written last
+# {"files": {relative path: {"size": bytes, "sha256": hex}}}, written last; hidden, so readers of a whole folder
+# (pyarrow's datasets, Hugging Face datasets) pass it by
+MANIFEST = ".manifest.json"
 NO_MANIFEST = f"it has no {MANIFEST} (it was never finished, or was copied without it)"
 log = logging.getLogger(__name__)
 
@@ -51,17 +53,17 @@ def _fsync(path: Path) -> None:
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, f"{MANIFEST}.part"))
 
 
 def write_manifest(folder: str | Path) -> None:
-    """Flush every file under `folder` to disk, then record its size and checksum in `folder/manifest.json`."""
+    """Flush every file under `folder` to disk, then record its size and checksum in `folder/.manifest.json`."""
     folder = Path(folder)
     files = {}
     for p in _files(folder):
         _fsync(p)
         files[p.relative_to(folder).as_posix()] = {"size": p.stat().st_size, "sha256": _digest(p)}
-    part = folder / f".{MANIFEST}.part"
+    part = folder / f"{MANIFEST}.part"
     with open(part, "w") as f:
         json.dump({"files": files}, f, indent=1)
         f.flush()
