@@ -119,8 +119,16 @@ class _Uploader(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
+        failing = False
         while not self.stop.wait(EVERY_S):
-            self.sync()
+            try:
+                self.sync()
+                failing = False
+            except Exception as e:  # noqa: BLE001 (a store away for a while: the copy is tried again, said once)
+                if not failing:
+                    log.warning("resume checkpoint not copied to the durable store yet (%s); trying again every "
+                                "%.0f s", " ".join(str(e).split())[:200], EVERY_S)
+                failing = True
 
     def sync(self) -> None:
         latest = latest_checkpoint(self.out / "checkpoints")

@@ -271,24 +271,34 @@ def log_params(run_id: str, params: dict[str, Any]) -> None:
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:
-    from tasks import heartbeat
+    from tasks import heartbeat, outage
 
     heartbeat.stop_beating(run_id)
+    outage.flush(run_id)  # its queued metrics first: a tracking server that did not answer may be back
     client().set_terminated(run_id, status=status)
 
 
 class MetricsLogger:
-    """A metrics callback for `grpo` loops: `logger(step, {"train/loss": 0.1})` writes one batch to the run."""
+    """A metrics callback for `grpo` loops: `logger(step, {"train/loss": 0.1})` writes one batch to the run; to a
+    tracking server through a queue (`tasks.outage`), so training goes on while the server does not answer."""
 
     def __init__(self, run_id: str):
+        from tasks import outage
+
+        uri = tracking_uri()
         self.run_id, self.client = run_id, client()
+        self.queue = outage.queue_for(uri) if uri.startswith(("http://", "https://")) else None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         import time
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v == v]  # drop NaN
-        if batch:
+        if not batch:
+            return
+        if self.queue is not None:
+            self.queue.put(self.run_id, batch)
+        else:
             self.client.log_batch(self.run_id, metrics=batch)
 
 
