@@ -7,8 +7,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.installed-core
 DEV    := $(VENV)/.installed-dev
+# the versions the tests last passed with: every install takes them, so a library's new release cannot change a
+# fresh clone unseen; `make lock` moves them to the newest that pyproject.toml allows, and tests them
+LOCK   := constraints.txt
 
-.PHONY: demo test install browser sandbox clean
+.PHONY: demo test install lock browser sandbox clean
 
 demo: $(CORE)
 	$(VENV)/bin/r1 run --recipe tiny
@@ -25,21 +28,39 @@ test: $(DEV) browser sandbox
 install: $(DEV)
 
 # the demo needs the package alone; the tests also need the dev extra (TRL, a Ray cluster, peft, bitsandbytes)
-$(CORE): pyproject.toml
+# CONSTRAIN is empty for `make lock`, which installs the newest allowed versions to write the lock from
+CONSTRAIN ?= -c $(LOCK)
+TORCH = $(shell grep -s '^torch==' $(LOCK) || echo torch)
+
+$(CORE): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		echo "GPU found: installing torch from the default index"; \
 	else \
 		echo "no GPU: installing the CPU build of torch first"; \
-		$(PY) -m pip install -q torch==2.13.0; \
+		$(PY) -m pip install -q $(CONSTRAIN) '$(TORCH)'; \
 	fi
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q $(CONSTRAIN) -e .
 	touch $(CORE)
 
 $(DEV): $(CORE)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q $(CONSTRAIN) -e '.[dev]'
 	touch $(DEV)
+
+# A fresh .venv with the newest versions pyproject.toml allows, written to the lock (local build labels such as
+# torch's +cpu dropped, so one lock serves CPU and GPU machines: `torch==X` takes X+cpu or X+cu128), then the tests.
+# Commit the new constraints.txt once they pass. torch stays at its locked version (pip keeps an installed
+# requirement that is satisfied): its CPU and CUDA builds come from different indexes, so it moves by editing its
+# line here, then `make lock`.
+lock:
+	rm -rf $(VENV)
+	$(MAKE) $(DEV) CONSTRAIN=
+	{ echo "# The versions the tests passed with (make lock writes this file; every make install takes it)."; \
+	  $(PY) -m pip freeze --exclude-editable | grep -v ' @ ' | sed -E 's/\+[A-Za-z0-9.]+$$//'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	touch $(CORE) $(DEV)
+	$(MAKE) test
 
 # tests/test_ui.py drives the Prefect and MLflow UIs in Debian's Chromium: installed where we may (root with
 # apt-get, as in CI), else the test is skipped saying how to get it. A failed install stops CI here (CI set),

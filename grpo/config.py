@@ -200,7 +200,7 @@ class SFTConfig(BaseModel):
     mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
     gradient_checkpointing: bool = False  # trade compute for memory on real models
     checkpoint_every: int = Field(100, ge=0)  # steps between resumable checkpoints (0 = only at the end)
-    keep_checkpoints: int = Field(1, ge=1)  # resumable checkpoints kept on disk
+    keep_checkpoints: int = Field(2, ge=1)  # resumable checkpoints kept on disk (two: a damaged newest falls back)
     log_every: int = Field(10, ge=1)  # steps between metric callbacks
     seed: int = 0  # data order and dropout
 

@@ -9,6 +9,8 @@ embedded model (`grpo.tiny`). Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,3 +134,17 @@ def activation_checkpointing(model: PreTrainedModel, enabled: bool = True) -> It
     finally:
         _disable_checkpointing(model)
         model.config.use_cache = use_cache
+
+
+@functools.cache
+def _cache_keyword() -> str:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` where transformers has it (5.24
+    warns at `past_key_values`, which 5.40 removes), `past_key_values` in the releases before the rename."""
+    from transformers.models.llama.modeling_llama import LlamaModel  # every decoder's forward is renamed at once
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def cached(cache) -> dict:
+    """The keyword arguments that hand `cache` (a transformers `Cache`, filled in place) to a model's forward."""
+    return {_cache_keyword(): cache, "use_cache": True}

@@ -393,11 +393,18 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
         raise RecipeError(f"no recipe {str(name_or_path)!r} (looked for {path}); known recipes: {known}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RecipeError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    # an empty file (or one of comments only) would otherwise run the whole default recipe without a word
+    if data is None:
+        raise RecipeError(f"{path}: the recipe is empty (no settings, only blank lines or comments); expected "
+                          f"sections such as `cold_start_sft:` (recipes/tiny.yaml is an example)")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a mapping of recipe sections (name, cold_start_sft, ...), got a "
+                          f"{type(data).__name__}")
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:

@@ -6,7 +6,9 @@ into its work folder on the local disk, which a preempted pod or a lost node tak
 only then tags the run `r1.resume.<work key>` with the step: the tag is the mark, so a copy cut off half-way is
 never taken. A stage that starts on a machine that has never seen its work folder finds the newest marked copy among
 all runs with the same work key (the same config and inputs) and downloads it into the folder before the loop
-starts, which then resumes from it as from its own. The local folder is only a cache.
+starts, which then resumes from it as from its own. The local folder is only a cache. Every copy carries the
+checkpoint's manifest and is checked against it on both sides: a damaged local checkpoint is never uploaded, and a
+download that does not match (a store that lost or cut a file) is named in one log line and not taken.
 
 Only the newest copy of a work key is kept: marking one deletes the older ones (of this run and of the runs it
 resumed from), and a stage that finishes deletes its own, as a finished stage is reused, never resumed.
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from grpo.training.checkpoints import checkpoint_step, latest_checkpoint
+from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, newest_verified_checkpoint, verify_manifest
 from tasks import tracking
 
 PREFIX = "r1.resume."  # tag `r1.resume.<work key>` = the step of the run's newest complete copy
@@ -71,7 +73,7 @@ def restore(run_id: str, out: Path) -> int:
     key = out.name.split("-")[0]  # a private folder is `<key>-<run id>`
     if tracking.client().get_run(run_id).data.tags.get(FRESH) == "true":  # starts over: takes no one's work
         return 0
-    local = latest_checkpoint(out / "checkpoints")
+    local = newest_verified_checkpoint(out / "checkpoints")  # a damaged one is set aside (and named) here
     local_step = checkpoint_step(local) if local is not None else 0
     newest = newest_copy(key, exclude=run_id)
     if newest is None or newest[1] <= local_step:
@@ -83,6 +85,12 @@ def restore(run_id: str, out: Path) -> int:
     staging.parent.mkdir(parents=True, exist_ok=True)
     tracking.client().download_artifacts(source, _artifact_path(key, step), str(staging))
     downloaded = staging / f"step-{step}"
+    problem = verify_manifest(downloaded)
+    if problem is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+        then = f"resuming from local step {local_step}" if local_step else "the stage starts over"
+        log.warning("the durable copy of step %d in run %s is damaged: %s; %s", step, source, problem, then)
+        return local_step
     shutil.rmtree(target, ignore_errors=True)
     os.replace(downloaded, target)
     shutil.rmtree(staging, ignore_errors=True)
@@ -111,8 +119,16 @@ class _Uploader(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
+        failing = False
         while not self.stop.wait(EVERY_S):
-            self.sync()
+            try:
+                self.sync()
+                failing = False
+            except Exception as e:  # noqa: BLE001 (a store away for a while: the copy is tried again, said once)
+                if not failing:
+                    log.warning("resume checkpoint not copied to the durable store yet (%s); trying again every "
+                                "%.0f s", " ".join(str(e).split())[:200], EVERY_S)
+                failing = True
 
     def sync(self) -> None:
         latest = latest_checkpoint(self.out / "checkpoints")
@@ -125,6 +141,12 @@ class _Uploader(threading.Thread):
             shutil.copytree(latest, staging, copy_function=os.link)
         except (OSError, shutil.Error):  # deleted under us by the loop's own pruning: the next one will do
             shutil.rmtree(staging, ignore_errors=True)
+            return
+        problem = verify_manifest(staging)  # the same files as the loop's (hard links): damaged there, not copied
+        if problem is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            log.warning("checkpoint %s is damaged (%s): not copied to the durable store", latest, problem)
+            self.done_step = step  # named once; the next checkpoint is copied as usual
             return
         before = marked_copies(self.key)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -27,3 +28,57 @@ def use_local_defaults() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+# Library log lines that tell a person nothing they can act on and that the project's calls cannot avoid, by logger
+# and the start of the message; everything else these loggers say still shows.
+QUIET = {
+    # bitsandbytes (the 8-bit AdamW) on a CPU with avx512_bf16 looks on the hub for an optional 4-bit matmul kernel
+    # when imported, and says when it is not there; the project never runs a 4-bit matmul
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+    # mlflow.transformers looks a logged model's name up on the hub for a model card and a license; the final model
+    # is a local folder with no name there, so both lookups fail, every time, and say so
+    "mlflow.transformers": ("The model card could not be retrieved", "Unable to find license information"),
+    # urllib3 logs each retry of a request to a tracking server that does not answer; tasks.outage says it once
+    "urllib3.connectionpool": ("Retrying (",),
+}
+
+
+class _Quiet(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+class _FaultWithoutTraceback(logging.Filter):
+    """Prefect logs a failed task or flow run with its traceback; for a fault of the machine or a store (a full
+    disk, a damaged file: `grpo.faults`) the line `r1` prints says all there is, so the record keeps its message
+    and loses the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and _is_fault(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _is_fault(e: BaseException) -> bool:
+    from grpo.faults import disk_fault
+
+    home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1")
+    return disk_fault(e, [home]) is not None
+
+
+def quiet_libraries() -> None:
+    """Drop the `QUIET` lines at their loggers (which need not be imported yet), and the tracebacks Prefect logs
+    with a fault; once per process."""
+    for name, starts in QUIET.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Quiet) for f in logger.filters):
+            logger.addFilter(_Quiet(starts))
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _FaultWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_FaultWithoutTraceback())

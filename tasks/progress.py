@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from tasks import tracking
+from tasks import outage, tracking
 
 
 class TrainingProgress:
@@ -29,6 +29,8 @@ class TrainingProgress:
 
         self.log_metrics(step, metrics)
         finished = step >= self.max_steps
+        if finished:  # metrics queued while a tracking server was away are written (or fail the stage) while the
+            outage.flush(self.log_metrics.run_id)  # loop still has its checkpoints: a rerun then resumes
         if finished or time.monotonic() - self.last_update >= self.every_s:  # the API need not hear every step
             update_progress_artifact(self.artifact_id, 100.0 * min(step, self.max_steps) / self.max_steps)
             self.last_update = time.monotonic()

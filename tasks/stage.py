@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from grpo.config import ModelConfig
+from grpo.faults import check_free_space, disk_fault
 from grpo.interrupts import interrupt_threads, is_interrupt
 from tasks import system_metrics, tracking
 
@@ -104,6 +105,7 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
     a pipeline started fresh (`r1.fresh` on the parent) is tagged the same, and its work folders start empty.
     """
     inputs = inputs or {}
+    check_free_space(tracking.r1_home())  # before the run's first write: a disk with no room is one line, not a 500
     fresh = {}
     if parent_run_id and tracking.client().get_run(parent_run_id).data.tags.get(FRESH) == "true":
         fresh = {FRESH: "true"}
@@ -126,6 +128,10 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
                 tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
         finally:
             release_work_dirs(run_id)
+        # a full disk under any of its writes (a checkpoint, a dataset, MLflow's SQLite) is told as one
+        fault = None if stopped else disk_fault(e, [tracking.r1_home()])
+        if fault is not None and fault is not e:
+            raise fault from e
         raise
     try:  # ended before its folders are let go: a run that takes them over starts after this one's end
         system_metrics.stop(monitor)
@@ -171,6 +177,7 @@ def work_dir(run_id: str, stage: str, *keys) -> Path:
             if path in held:
                 return path
             path.mkdir(parents=True, exist_ok=True)
+            check_free_space(path)  # it may be a disk of its own
             fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -25,6 +25,8 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from pydantic import BaseModel
 
+from grpo.faults import Fault
+from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
 from tasks.env import PROJECT_ROOT
 
 DEFAULT_EXPERIMENT = "r1-pipeline"
@@ -269,24 +271,34 @@ def log_params(run_id: str, params: dict[str, Any]) -> None:
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:
-    from tasks import heartbeat
+    from tasks import heartbeat, outage
 
     heartbeat.stop_beating(run_id)
+    outage.flush(run_id)  # its queued metrics first: a tracking server that did not answer may be back
     client().set_terminated(run_id, status=status)
 
 
 class MetricsLogger:
-    """A metrics callback for `grpo` loops: `logger(step, {"train/loss": 0.1})` writes one batch to the run."""
+    """A metrics callback for `grpo` loops: `logger(step, {"train/loss": 0.1})` writes one batch to the run; to a
+    tracking server through a queue (`tasks.outage`), so training goes on while the server does not answer."""
 
     def __init__(self, run_id: str):
+        from tasks import outage
+
+        uri = tracking_uri()
         self.run_id, self.client = run_id, client()
+        self.queue = outage.queue_for(uri) if uri.startswith(("http://", "https://")) else None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         import time
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v == v]  # drop NaN
-        if batch:
+        if not batch:
+            return
+        if self.queue is not None:
+            self.queue.put(self.run_id, batch)
+        else:
             self.client.log_batch(self.run_id, metrics=batch)
 
 
@@ -311,7 +323,9 @@ def log_table(run_id: str, df: pd.DataFrame, artifact_file: str) -> None:
 
 
 def log_dir(run_id: str, local_dir: str | Path, artifact_path: str) -> str:
-    """Upload a folder as an artifact and return its `runs:/` URI, the handle the next stage takes."""
+    """Upload a folder as an artifact and return its `runs:/` URI, the handle the next stage takes. The folder
+    travels with a manifest of its files (sizes, checksums), which `download` checks."""
+    write_manifest(local_dir)
     client().log_artifacts(run_id, str(local_dir), artifact_path)
     return f"runs:/{run_id}/{artifact_path}"
 
@@ -332,7 +346,7 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
     `from_pretrained` reads, as a checkpoint does.
     """
     if Path(uri).exists():
-        return Path(uri)
+        return _verified(Path(uri), uri, checksums=False)  # a local folder: sizes only, as it may be large
     if "://" not in uri and not uri.startswith(("runs:", "models:")):
         raise FileNotFoundError(f"{uri!r} is neither a local path nor an MLflow artifact URI")
     client()
@@ -340,12 +354,19 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
         key = hashlib.sha256(f"{tracking_uri()} {uri}".encode()).hexdigest()[:16]
         cached = r1_home() / "downloads" / key
         done = cached / ".complete"
+        if done.exists() and verify_manifest(cached / done.read_text(), checksums=False) not in (None, NO_MANIFEST):
+            shutil.rmtree(cached, ignore_errors=True)  # the local copy was cut short since: fetched again
         if not done.exists():
             # downloaded aside and renamed into place: two processes fetching the same checkpoint (two pipelines
             # reusing one stage) never see or remove each other's half-written copy
             cached.parent.mkdir(parents=True, exist_ok=True)
             part = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f"{key}.part-"))
             local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(part)))
+            try:
+                _verified(local, uri)
+            except Fault:
+                shutil.rmtree(part, ignore_errors=True)
+                raise
             (part / ".complete").write_text(str(local.relative_to(part)))
             if cached.exists() and not done.exists():  # a half copy an older version of this code left
                 shutil.rmtree(cached, ignore_errors=True)
@@ -356,7 +377,17 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
         return cached / done.read_text()
     dst = Path(dst or tempfile.mkdtemp(prefix="r1-artifact-"))
     dst.mkdir(parents=True, exist_ok=True)
-    return pretrained_folder(Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst))))
+    return pretrained_folder(_verified(Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst))),
+                                       uri))
+
+
+def _verified(local: Path, uri: str, checksums: bool = True) -> Path:
+    """`local`, once its files match the manifest it was logged with (outputs logged without one pass as they are)."""
+    problem = verify_manifest(local, checksums=checksums) if local.is_dir() else None
+    if problem not in (None, NO_MANIFEST):
+        raise Fault(f"{uri} is damaged: {problem}; the store lost or cut part of it, so the stage that wrote it "
+                    f"must run again (`r1 run --fresh`, or that stage alone with `r1 stage`)")
+    return local
 
 
 def pretrained_folder(local: Path) -> Path:

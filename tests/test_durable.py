@@ -4,22 +4,25 @@ cut off before its mark is never taken; a store that takes no write fails before
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from grpo.training.checkpoints import write_manifest
 from tasks import tracking
 from tasks.durable import _Uploader, check_writable, durable_resume, marked_copies, restore
 
 
 def checkpoint(out: Path, step: int, payload: bytes) -> Path:
-    """A complete checkpoint as the loops write one: its files, then `trainer_state.json` last."""
+    """A complete checkpoint as the loops write one: its files, then the manifest last."""
     path = out / "checkpoints" / f"step-{step}"
     path.mkdir(parents=True)
     (path / "model.bin").write_bytes(payload)
     (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    write_manifest(path)
     return path
 
 
@@ -97,3 +100,70 @@ def test_a_store_that_takes_no_write_fails_before_training(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="does not take a write from this machine"):
         check_writable(run)
     tracking.end_run(run, "FAILED")
+
+
+def test_a_damaged_durable_copy_is_named_and_not_taken(tmp_path, key, caplog):
+    run = tracking.start_run("damaged-copy", tags={})
+    out = tmp_path / "a" / key
+    checkpoint(out, 2, b"two")
+    _Uploader(run, out, after_step=0).sync()
+    # the store lost half a file of the copy it holds (the mark stays): written over, cut short
+    cut = checkpoint(tmp_path / "cut" / key, 2, b"two")
+    (cut / "model.bin").write_bytes(b"tw")
+    tracking.client().log_artifact(run, str(cut / "model.bin"), f"resume/{key}/step-2")
+    tracking.end_run(run, "FAILED")
+
+    other = tracking.start_run("other", tags={})
+    fresh = tmp_path / "b" / key
+    fresh.mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="tasks.durable"):
+        assert restore(other, fresh) == 0  # nothing to trust anywhere: the stage starts over
+    assert [r.getMessage() for r in caplog.records if r.name == "tasks.durable"] == [
+        f"the durable copy of step 2 in run {run} is damaged: model.bin has 2 bytes where its manifest says 3 (cut "
+        "short); the stage starts over"]
+    assert not list((fresh / "checkpoints").glob("step-*"))
+    tracking.end_run(other)
+
+
+def test_a_damaged_local_checkpoint_is_not_copied_to_the_store(tmp_path, key, caplog):
+    run = tracking.start_run("damaged-local", tags={})
+    out = tmp_path / "a" / key
+    uploader = _Uploader(run, out, after_step=0)
+    checkpoint(out, 2, b"two")
+    uploader.sync()
+    (checkpoint(out, 4, b"four") / "model.bin").write_bytes(b"fo")  # cut short on the disk after it was written
+    with caplog.at_level(logging.WARNING, logger="tasks.durable"):
+        uploader.sync()
+        uploader.sync()  # named once
+    assert len([r for r in caplog.records if "step-4 is damaged" in r.getMessage()]) == 1
+    assert marked_copies(key) == [(run, 2)]  # the store keeps the whole one
+    tracking.end_run(run, "FAILED")
+
+
+def test_a_stage_output_cut_short_in_the_store_is_one_line_and_a_cut_local_copy_is_fetched_again(tmp_path):
+    from urllib.parse import urlparse
+
+    from grpo.faults import Fault
+
+    run = tracking.start_run("outputs", tags={})
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w" * 1000)
+    (model / "config.json").write_text("{}")
+    uri = tracking.log_dir(run, model, "checkpoint")
+    tracking.end_run(run)
+
+    local = tracking.download(uri)
+    assert (local / "model.safetensors").read_bytes() == b"w" * 1000
+    (local / "model.safetensors").write_bytes(b"w" * 10)  # the cached copy cut short on this disk
+    assert (tracking.download(uri) / "model.safetensors").read_bytes() == b"w" * 1000  # fetched again, whole
+
+    # the store itself lost the end of the weights
+    stored = Path(urlparse(tracking.client().get_run(run).info.artifact_uri).path) / "checkpoint" / "model.safetensors"
+    stored.write_bytes(b"w" * 500)
+    shutil.rmtree(local.parent)  # as on a machine that never fetched it
+    with pytest.raises(Fault, match=rf"^{uri} is damaged: model.safetensors has 500 bytes where its manifest says "
+                                    r"1000 \(cut short\); .* must run again"):
+        tracking.download(uri)
+    with pytest.raises(Fault, match="is damaged"):
+        tracking.download(uri, tmp_path / "elsewhere")

@@ -266,6 +266,18 @@ def test_a_recipe_that_is_not_yaml_names_the_line(ws, capsys):
     fails_cleanly(capsys, ws, ["run", "--recipe", path], "broken.yaml: not valid YAML at line")
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n   # and another\n"])
+def test_an_empty_recipe_is_one_line_naming_the_file(ws, capsys, text):
+    path = ws.file("empty.yaml", text)
+    fails_cleanly(capsys, ws, ["run", "--recipe", path], "empty.yaml: the recipe is empty")
+
+
+def test_a_recipe_that_is_not_a_mapping_says_so(ws, capsys):
+    path = ws.file("list.yaml", "- cold_start_sft\n- sft\n")
+    fails_cleanly(capsys, ws, ["run", "--recipe", path], "list.yaml: expected a mapping of recipe sections",
+                  "got a list")
+
+
 def test_fp16_without_a_gpu(ws, capsys):
     import torch
 

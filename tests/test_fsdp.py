@@ -196,7 +196,13 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
 
     work = _wait_for("a cold_start_sft run", work_dir, proc)
     _wait_for("a durable sharded checkpoint", lambda: newest_copy(work.name), proc, every=0.05)
-    _kill_group(proc.pid)  # r1, the launcher and both training processes
+    import psutil
+
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert len(family) >= 4, family  # r1, the launcher and both training processes (and their helpers)
+    for p in family:  # the machine is lost: every process of the stage dies at once
+        p.kill()
+    psutil.wait_procs(family, timeout=30)
     proc.wait()
     _, step = newest_copy(work.name)
     assert 2 <= step < 30
@@ -220,3 +226,50 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=k)
+
+
+HANGS = """
+import os, sys, time
+import torch
+from grpo.recipe import DistributedConfig
+from grpo.training.accelerator import make_accelerator
+from grpo.training.strategy import make_strategy
+from ddp_loops import SMALL
+from grpo.models import load_model_and_tokenizer
+
+acc = make_accelerator("no")
+model, tok = load_model_and_tokenizer(SMALL)
+strategy = make_strategy(acc, DistributedConfig(strategy="fsdp"))
+model = strategy.prepare(model)
+strategy.sampler_model()  # gathered once by both
+if acc.process_index == 1:
+    time.sleep(120)  # a process that stopped answering (a hung GPU, a lost link)
+started = time.monotonic()
+try:
+    strategy.sync_sampler()
+except Exception as e:
+    print(f"rank 0 gave up after {time.monotonic() - started:.0f} s: {type(e).__name__}", flush=True)
+    os._exit(3)
+"""
+
+
+def test_a_gather_that_waits_past_the_collective_timeout_fails_instead_of_hanging(tmp_path):
+    """The sampler's gather is a collective under the process group's timeout (distributed.collective_timeout_s,
+    passed to the loops as R1_COLLECTIVE_TIMEOUT_S): with the other process gone quiet, it fails in about that
+    time, so the stage can fail and be retried, never a silent hang."""
+    import time
+
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "", launch.COLLECTIVE_TIMEOUT: "10",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(launch._free_port()), str(script)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - started
+    assert proc.returncode != 0
+    said = [line for line in proc.stdout.splitlines() if line.startswith("rank 0 gave up")]
+    assert said, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert 8 <= int(said[0].split()[5]) <= 60, said  # about the timeout, not the sleeping process's 120 s
+    assert took < 115, took  # the launch ended on the failure, not when the quiet process woke

@@ -213,6 +213,14 @@ def _is_user_error(e: BaseException) -> bool:
     return isinstance(e, kinds)
 
 
+def _fault(e: BaseException):
+    """The `grpo.faults.Fault` that `e` is (or comes from), a full disk under the state folder included; else None."""
+    from grpo.faults import disk_fault
+    from tasks.env import PROJECT_ROOT
+
+    return disk_fault(e, [os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -221,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         print("r1: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        fault = None if _is_user_error(e) else _fault(e)
+        if fault is not None:  # the machine's or a store's fault (a full disk, a damaged file): one line, exit 1
+            if getattr(args, "debug", False):
+                traceback.print_exc()
+            print("r1: " + " ".join(str(fault).split()), file=sys.stderr)
+            return 1
         if not _is_user_error(e):
             raise
         if getattr(args, "debug", False):

@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
+from grpo.models import cached
 from grpo.sampling.cpu_decoder import _LeanDecoder
 from grpo.sampling.rollout import Rollout, pad_right
 from grpo.sampling.static_sampler import StaticSampler, distinct_rows, inverse_cdf
@@ -122,8 +123,8 @@ def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
     """
     inverse, first = distinct_rows(torch.cat([ids, mask.to(ids.dtype)], 1))  # [B], [U]
     cache = DynamicCache()
-    logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first], past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+    logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first], **cached(cache),
+                   logits_to_keep=1).logits[:, -1]  # [U, V]
     if not torch.equal(first, torch.arange(ids.size(0), device=ids.device)):
         # [U, ...] -> [B, ...]; also when every row is distinct, since `first` then lists them in sorted order
         cache.reorder_cache(inverse)
@@ -141,7 +142,7 @@ class _HFDecoder:
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)  # [B, P+t+1]
         with self.amp:
             logits = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.pos,
-                                past_key_values=self.cache, use_cache=True).logits[:, -1]  # [B, V]
+                                **cached(self.cache)).logits[:, -1]  # [B, V]
         self.pos = self.pos + 1
         return logits
 

@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from grpo.config import SamplingConfig
+from grpo.models import cached
 from grpo.sampling.cpu_decoder import _COPY_MAX_BYTES, _STATIC_ROPE, _lean_layer, _LeanLayer, _Linear, _rms_norm
 
 F = torch.nn.functional
@@ -378,7 +379,7 @@ class StaticSampler:
         inverse, first = distinct_rows(torch.cat([ids, mask.to(ids.dtype)], 1))  # [B], [U]
         cache = DynamicCache()
         logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+                       **cached(cache), logits_to_keep=1).logits[:, -1]  # [U, V]
         cap = self._capture(model, B, P, s, eos, pad_id, want_logprobs)
         st = cap.state
         for i, layer in enumerate(cache.layers):  # [U, Hkv, P, D] -> the rows' prompt slots

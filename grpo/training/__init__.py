@@ -11,7 +11,7 @@
 | `ppo`, `value`, `ppo_trainer` | PPO with a critic, GRPO's measured baseline: GAE and the clipped losses (pure), the value model, the loop (`PPOTrainer`) |
 | `sft_trainer` | the SFT loop of stages 1 and 4 (`train_sft`) |
 | `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |
-| `checkpoints` | resumable checkpoints of the SFT and GRPO loops: save, find the newest, the step to resume from |
+| `checkpoints` | resumable checkpoints of the loops, written whole (manifest last) and verified before loading; folder manifests |
 | `accelerator` | the Accelerator, the optimizer and the clip/step/zero sequence every loop shares |
 | `schedules` | learning-rate schedules by name, transformers' own without importing `transformers.optimization` (which loads peft and bitsandbytes) |
 | `distributed` | training across processes: each process's share of a global batch, global loss weights, reduced metrics |

@@ -1,22 +1,115 @@
-"""Resumable checkpoints of the SFT and GRPO loops: `<output_dir>/checkpoints/step-<n>/`, one Accelerate state each.
+"""Resumable checkpoints of the training loops: `<output_dir>/checkpoints/step-<n>/`, verified before they are trusted.
 
-A checkpoint counts only once its `trainer_state.json` is written (last), so one cut off mid-save is ignored and the
-run resumes from the one before. Must not depend on Prefect or MLflow.
+Every process writes its files of a checkpoint (one Accelerate state, or whatever a distributed strategy writes)
+into a hidden folder `.tmp-step-<n>`; once all have, the main process flushes them to disk, writes a manifest (each
+file's size and SHA-256) last, and renames the folder to `step-<n>`. A `step-*` folder is therefore whole, whatever
+the moment the machine died. A disk error or a copy cut short can still damage one later, so resume
+(`load_newest_checkpoint`) checks the newest against its manifest before loading it: a damaged one is named in one
+log line and set aside (`damaged-step-<n>`), and the loop resumes from the one before (the newest `keep` stay), or
+starts over when none is whole. The same manifest guards any folder on its way through a store (a stage's model or
+dataset, a durable copy of a checkpoint): `write_manifest` before it leaves, `verify_manifest` when it comes back.
+Each save first checks the disk has room for it, and a disk that fills up during one is named in one line
+(`grpo.faults`), the half-written folder removed. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from accelerate import Accelerator
+from grpo.faults import check_free_space, disk_fault
+
+if TYPE_CHECKING:  # only named: the manifest helpers serve the `tasks` layer without loading torch
+    from accelerate import Accelerator
+
+# {"files": {relative path: {"size": bytes, "sha256": hex}}}, written last; hidden, so readers of a whole folder
+# (pyarrow's datasets, Hugging Face datasets) pass it by
+MANIFEST = ".manifest.json"
+NO_MANIFEST = f"it has no {MANIFEST} (it was never finished, or was copied without it)"
+log = logging.getLogger(__name__)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a folder's entries) to the disk: a rename must never reach it before the data does."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, f"{MANIFEST}.part"))
+
+
+def write_manifest(folder: str | Path) -> None:
+    """Flush every file under `folder` to disk, then record its size and checksum in `folder/.manifest.json`."""
+    folder = Path(folder)
+    files = {}
+    for p in _files(folder):
+        _fsync(p)
+        files[p.relative_to(folder).as_posix()] = {"size": p.stat().st_size, "sha256": _digest(p)}
+    part = folder / f"{MANIFEST}.part"
+    with open(part, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, folder / MANIFEST)
+    _fsync(folder)
+
+
+def verify_manifest(folder: str | Path, *, checksums: bool = True) -> str | None:
+    """What is wrong with `folder` measured against its manifest, in words; None when every file is whole.
+    Without `checksums` only presence and sizes are compared (cheap: no file is read)."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return NO_MANIFEST
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        wanted = {rel: (int(f["size"]), str(f["sha256"])) for rel, f in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"its {MANIFEST} is not readable"
+    for rel, (size, _) in wanted.items():
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != size:
+            return f"{rel} has {p.stat().st_size} bytes where its manifest says {size} (cut short)"
+    if checksums:
+        for rel, (_, sha) in wanted.items():
+            if _digest(folder / rel) != sha:
+                return f"{rel} does not match its checksum (damaged)"
+    return None
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """`step-<n>` folders under `root`, newest first."""
+    found = [p for p in Path(root).glob("step-*") if p.is_dir() and p.name.split("-")[1].isdigit()]
+    return sorted(found, key=_step_of, reverse=True)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    done = [p for p in Path(root).glob("step-*") if (p / "trainer_state.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+    """The newest finished checkpoint under `root` (its manifest written), or None; nothing is read but names.
+    Loops resume through `load_newest_checkpoint`, which verifies first."""
+    return next((p for p in _step_folders(root) if (p / MANIFEST).is_file()), None)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -29,19 +122,94 @@ def resumable_step(output_dir: str | Path) -> int:
     return checkpoint_step(latest) if latest is not None else 0
 
 
-def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int, *, strategy=None) -> None:
-    """Model, optimizer, scheduler and RNG state at `step`, as the loop's `strategy` writes them
-    (`grpo.training.strategy`; accelerate's own format without one); only the newest `keep` checkpoints stay."""
-    path = root / f"step-{step}"
-    # every process calls it: under ddp the main process writes the weights and optimizer, each process its RNG
-    # state; under fsdp each process writes its shards
-    if strategy is not None:
-        strategy.save_state(path)
-    else:
-        acc.save_state(str(path), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
-    acc.wait_for_everyone()  # the marker goes in once every process has written its part
+def newest_verified_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint under `root` whose files match its manifest, or None. Each one found damaged on the
+    way is named in one log line and set aside as `damaged-step-<n>`, so no later look takes it."""
+    damaged, good = [], None
+    for path in _step_folders(root):
+        problem = verify_manifest(path)
+        if problem is None:
+            good = path
+            break
+        aside = path.with_name(f"damaged-{path.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        damaged.append((path, problem, aside))
+    then = f"resuming from {good.name}" if good is not None else "no earlier one is left: starting over"
+    for path, problem, aside in damaged:
+        log.warning("checkpoint %s is damaged: %s; set aside as %s, %s", path, problem, aside.name, then)
+    return good
+
+
+def load_newest_checkpoint(acc: Accelerator, root: Path, load_state: Callable[[str], None] | None = None) -> int:
+    """Load the newest whole checkpoint under `root` into the prepared model, optimizer, scheduler and RNG (with
+    `load_state(folder)`, by default the accelerator's); the step it holds, or 0 when there is none to trust."""
+    if acc.is_main_process:  # one process judges (and sets aside), so every process loads the same one
+        newest_verified_checkpoint(root)
+    acc.wait_for_everyone()
+    path = latest_checkpoint(root)
+    if path is None:
+        return 0
+    (load_state or acc.load_state)(str(path))
+    return checkpoint_step(path)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def checkpoint_bytes(acc: Accelerator, root: Path) -> int:
+    """What the next checkpoint under `root` will take on disk: the size of the newest one, or before the first
+    the bytes of the prepared models' weights and optimizers' state (with a margin for pickling and RNG files)."""
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        return _folder_bytes(latest)
+    import torch
+
+    tensors = [t for m in acc._models for t in m.state_dict().values()]
+    tensors += [v for o in acc._optimizers for state in o.state_dict()["state"].values() for v in state.values()]
+    return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) * 1.1) + 2**20
+
+
+def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int,
+                    save_state: Callable[[str], None] | None = None) -> None:
+    """Model, optimizer, scheduler and RNG state at `step` (written by `save_state(folder)` on every process, by
+    default the accelerator's), verified by a manifest and renamed into place; only the newest `keep` stay.
+
+    A disk without room for it raises a `Fault` naming the folder, what it needs and what is free: before writing
+    when the room is not there, or when a write runs out of it (another process filled the disk meanwhile), the
+    partial folder then removed. The checkpoints already there are never touched on the way."""
+    path, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    needed = checkpoint_bytes(acc, root)
     if acc.is_main_process:
-        (path / "trainer_state.json").write_text(json.dumps({"step": step}))  # last: marks the checkpoint complete
-        for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+        shutil.rmtree(tmp, ignore_errors=True)  # one a dead process left half-written
+    check_free_space(root, needed)  # on every process: all stop here together, none waits at a barrier for one
+    if acc.is_main_process:
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    try:
+        if save_state is None:
+            acc.save_state(str(tmp), safe_serialization=False)  # tied embeddings trip safetensors' shared-memory check
+        else:
+            save_state(str(tmp))
+        acc.wait_for_everyone()  # the manifest goes in once every process has written its part
+        if acc.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+            write_manifest(tmp)  # flushes every file first, then the manifest, last
+    except Exception as e:
+        # judged before the partial files are removed: torch reports a full disk in words of its own, so the
+        # disk's free space (none left) is what tells it
+        fault = disk_fault(e, [root], needed, written=tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if fault is not None:
+            raise fault from e
+        raise
+    if acc.is_main_process:
+        shutil.rmtree(path, ignore_errors=True)  # the same step written before (a resume from an earlier one)
+        os.replace(tmp, path)
+        _fsync(root)  # the rename itself reaches the disk
+        for old in _step_folders(root)[keep:]:
             shutil.rmtree(old, ignore_errors=True)
+        for damaged in root.glob("damaged-step-*"):  # kept for a look until a newer whole one exists
+            shutil.rmtree(damaged, ignore_errors=True)
     acc.wait_for_everyone()

@@ -44,7 +44,7 @@ from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.engines import Engine, Rollout, build_engine, pad_right, require_tokens, sampling_dtype
 from grpo.training.accelerator import make_accelerator, optimizer_step
 from grpo.training.advantages import group_advantages
-from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
+from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (check_split, gather_table, main_only, matched_chunks, process_share,
                                        process_weight, reduce_metrics, sampling_seed)
 from grpo.training.logprobs import token_logps
@@ -420,15 +420,14 @@ class GRPOTrainer:
         return pd.DataFrame(rows)
 
     def _save(self, root: Path, step: int) -> None:
-        save_checkpoint(self.acc, root, step, keep=1, strategy=self.strategy)
+        # two: a damaged newest one falls back to the one before
+        save_checkpoint(self.acc, root, step, keep=2, save_state=self.strategy.save_state)
 
     def _resume(self, root: Path) -> int:
-        latest = latest_checkpoint(root)
-        if latest is None:
-            return 0
-        self.strategy.load_state(latest)
-        self.sync_sampler()  # loaded in place: the sampler's copies (if any) must see the checkpoint's weights
-        return checkpoint_step(latest)
+        step = load_newest_checkpoint(self.acc, root, self.strategy.load_state)
+        if step:
+            self.sync_sampler()  # loaded in place: the sampler's copies (if any) must see the checkpoint's weights
+        return step
 
 
 def checkpointing_on(cfg: GRPOConfig, acc) -> bool:

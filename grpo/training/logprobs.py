@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import DynamicCache, PreTrainedModel
 
 from grpo.kernels.logprobs import logps_from_logits, selective_logps
-from grpo.models import is_checkpointing
+from grpo.models import cached, is_checkpointing
 from grpo.sampling.backend import distinct_rows
 from grpo.training.lora import causal_lm
 
@@ -160,13 +160,13 @@ def _completion_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
         return plain()
     cache = DynamicCache()
     head = run(1, input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
-               position_ids=position_ids[first, :P], past_key_values=cache,
-               use_cache=True)  # [U, 1, V|H] predicts each prompt's first completion token
+               position_ids=position_ids[first, :P],
+               **cached(cache))  # [U, 1, V|H] predicts each prompt's first completion token
     if cache.get_seq_length() != P:  # a model that ignores the cache cannot share its prompt pass
         return plain()
     cache.reorder_cache(inverse)  # [U, ...] -> [N, ...]
     tail = run(0, input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
-               position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True)  # [N, C-1, V|H]
+               position_ids=position_ids[:, P:-1], **cached(cache))  # [N, C-1, V|H]
     return torch.cat([head[inverse], tail], 1)  # [N, C, V|H]
 
 

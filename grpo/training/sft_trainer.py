@@ -32,7 +32,7 @@ from grpo.models import activation_checkpointing
 from grpo.recipe import DistributedConfig
 from grpo.sampling.backend import render_prompts
 from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
-from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, save_checkpoint
+from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, main_only, process_share, reduce_sum
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
@@ -131,11 +131,7 @@ def train_sft(
                                num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
 
-    start = 0
-    resume_from = latest_checkpoint(ckpt_root)
-    if resume_from is not None:
-        strategy.load_state(resume_from)
-        start = checkpoint_step(resume_from)
+    start = load_newest_checkpoint(acc, ckpt_root, strategy.load_state)  # 0: no checkpoint to trust, it starts over
 
     model.train()
     window: list[float] = []
@@ -171,7 +167,7 @@ def train_sft(
                                       "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                                       "train/epoch": done * cfg.grad_accum_steps * cfg.batch_size / len(examples)})
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints, strategy=strategy)
+                save_checkpoint(acc, ckpt_root, done, cfg.keep_checkpoints, save_state=strategy.save_state)
     bar.close()
 
     model_dir = output_dir / "model"

@@ -1,0 +1,189 @@
+"""A full disk is named, and nothing saved is damaged: the faults made for real on a small tmpfs (mounted where the
+test may: as root) and with a low file size limit (RLIMIT_FSIZE, anywhere).
+
+The SFT loop trains with checkpoints every two steps; after step 2 is saved, the disk is filled (as another job on
+a shared disk would), so the step-4 save finds no room: one `Fault` line naming the folder, what it needs and what is
+free; step 2 is intact, no half-written folder is left, and once the disk has room the same loop resumes from step 2
+to the weights of a run that never met the fault.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
+from grpo.faults import Fault, free_bytes
+from grpo.models import load_model_and_tokenizer
+from grpo.training.checkpoints import latest_checkpoint, save_checkpoint, verify_manifest
+from grpo.training.sft_trainer import train_sft
+from test_signals import r1  # noqa: F401  (the fixture: a real `r1` on a home of its own)
+
+SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+ROWS = pd.DataFrame({"prompt": [f"What is {i} + 1?" for i in range(16)],
+                     "response": [f"<think>{i} + 1 = {i + 1}.</think><answer>{i + 1}</answer>" for i in range(16)]})
+SFT = SFTConfig(max_steps=6, batch_size=4, learning_rate=3e-3, warmup_steps=1, log_every=1, checkpoint_every=2,
+                mixed_precision="no")
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 MiB disk of its own, or a skip saying why there is none (the file size limit test runs anywhere)."""
+    disk = tmp_path / "disk"
+    if not mount_tmpfs(disk, "32m"):
+        pytest.skip("mounting a tmpfs needs root: the file size limit test below makes the fault instead")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """Another job's file, taking all of the disk's free space but `leave` bytes."""
+    filler = disk / f"other-job-{uuid.uuid4().hex}"
+    with open(filler, "wb", buffering=0) as f:
+        while (room := free_bytes(disk) - leave) > 0:
+            try:
+                f.write(b"\0" * min(room, 1 << 20))
+            except OSError:  # a run writing to the disk meanwhile took the rest: give `leave` back
+                f.truncate(max(os.fstat(f.fileno()).st_size - leave, 0))
+                break
+    return filler
+
+
+def test_no_room_for_the_next_checkpoint_is_one_line_and_the_same_loop_resumes_once_there_is(small_disk, tmp_path):
+    model, tok = load_model_and_tokenizer(SMALL)
+    straight = train_sft(model, tok, ROWS, SFT, tmp_path / "straight", progress=False)
+    filler = []
+
+    def fill_after_step_2(step, _):
+        if step == 3:
+            filler.append(fill(small_disk, leave=64 * 1024))
+
+    out = small_disk / "sft"
+    model, tok = load_model_and_tokenizer(SMALL)
+    with pytest.raises(Fault) as e:
+        train_sft(model, tok, ROWS, SFT, out, fill_after_step_2, progress=False)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"the disk under {out / 'checkpoints'} is full: ")
+    assert "needed, 64.0 KiB free" in line and "run the same command again to resume" in line
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-2"] and verify_manifest(ckpts / "step-2") is None
+
+    filler[0].unlink()  # room again
+    steps = []
+    model, tok = load_model_and_tokenizer(SMALL)
+    resumed = train_sft(model, tok, ROWS, SFT, out, lambda s, _: steps.append(s), progress=False)
+    assert steps == [3, 4, 5, 6]
+    a = AutoModelForCausalLM.from_pretrained(straight.model_dir).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(resumed.model_dir).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_disk_that_fills_up_during_a_save_is_one_line_and_the_partial_folder_goes(small_disk):
+    from grpo.training.accelerator import make_accelerator, make_adamw
+
+    model, _ = load_model_and_tokenizer(SMALL)
+    acc = make_accelerator("no", 1)
+    model, optimizer = acc.prepare(model, make_adamw(model, 1e-3, 0.0))
+    root = small_disk / "checkpoints"
+    save_checkpoint(acc, root, 2, keep=2)
+
+    def filled_meanwhile(folder: str) -> None:  # the room was there when checked; another job took it since
+        fill(small_disk, leave=4096)
+        acc.save_state(folder, safe_serialization=False)
+
+    with pytest.raises(Fault, match=rf"^the disk under {root} is full: .* needed, [0-9.]+ (B|KiB) free\. Nothing "
+                                    r"saved was damaged"):
+        save_checkpoint(acc, root, 4, keep=2, save_state=filled_meanwhile)
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]  # the partial step 4 is gone, step 2 untouched
+    assert latest_checkpoint(root).name == "step-2" and verify_manifest(root / "step-2") is None
+
+
+SAVE_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from grpo.faults import Fault
+from grpo.models import load_model_and_tokenizer
+from grpo.config import ModelConfig, TinyModelConfig
+from grpo.training.accelerator import make_accelerator, make_adamw
+from grpo.training.checkpoints import save_checkpoint
+
+model, _ = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)))
+acc = make_accelerator("no", 1)
+model, optimizer = acc.prepare(model, make_adamw(model, 1e-3, 0.0))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write over the limit then fails (EFBIG) instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
+try:
+    save_checkpoint(acc, __import__("pathlib").Path(sys.argv[1]), 2, keep=2)
+except Fault as e:
+    print("FAULT", e)
+"""
+
+
+def test_a_file_size_limit_met_during_a_save_is_one_line(tmp_path):
+    root = tmp_path / "checkpoints"
+    out = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_FILE_SIZE_LIMIT, str(root)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"FAULT writing {root / '.tmp-step-2'} stopped at this process's file size limit "
+                                 "of 256.0 KiB (ulimit -f)"), out.stdout + out.stderr[-2000:]
+    assert not list(root.iterdir())  # nothing half-written left
+
+
+def test_a_stage_on_a_full_disk_ends_failed_with_one_line_and_the_same_command_resumes(r1, tmp_path):
+    """`r1 run` with its work folders on a small disk of their own (MLflow and Prefect beside them on the big one),
+    filled by another job once the stage has written its first checkpoint."""
+    from grpo.training.checkpoints import resumable_step
+    from test_flows import TINY_STAGE
+    from test_signals import stage_run
+
+    work = tmp_path / "home" / "work"
+    if not mount_tmpfs(work, "160m"):  # room for a stage to start (grpo.faults.MIN_FREE)
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cold = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0},
+                "train": {**TINY_STAGE["train"], "max_steps": 80, "checkpoint_every": 4, "mixed_precision": "no"}}
+        recipe = tmp_path / "disk.yaml"
+        recipe.write_text(yaml.safe_dump({"name": "disk-full", "cold_start_sft": cold}))
+        args = ["run", "--recipe", str(recipe), "--stages", "cold_start_sft"]
+        run = r1(*args)
+        folder = run.wait_for("cold-start training", lambda: (r := stage_run(run, "cold_start_sft")) and
+                              r.data.tags.get("r1.work_dir.cold_start_sft"))
+        run.wait_for("a checkpoint", lambda: resumable_step(Path(folder)))
+        filler = fill(work, leave=64 * 1024)
+        assert run.proc.wait(120) == 1, run.output()[-3000:]
+        out = run.output()
+        assert "Traceback" not in out, out[-3000:]
+        lines = [line for line in out.splitlines() if line.startswith("r1:")]
+        assert len(lines) == 1 and lines[0].startswith(f"r1: the disk under {folder}/checkpoints is full: "), \
+            out[-3000:]
+        assert {r.data.tags.get("stage", "pipeline"): r.info.status for r in run.runs()} == {
+            "pipeline": "FAILED", "cold_start_sft": "FAILED"}
+        step = resumable_step(Path(folder))
+        assert step >= 4 and verify_manifest(latest_checkpoint(Path(folder) / "checkpoints")) is None
+
+        filler.unlink()  # room again
+        again = r1(*args)
+        assert again.proc.wait(300) == 0, again.output()[-3000:]
+        resumed = next(r for r in again.runs() if r.data.tags.get("stage") == "cold_start_sft"
+                       and r.info.status == "FINISHED")
+        assert int(resumed.data.tags["r1.resumed_from_step"]) == step
+    finally:
+        subprocess.run(["umount", "-l", str(work)], check=False)
