@@ -164,6 +164,17 @@ class DistributedConfig(BaseModel):
     # (FSDP2: one unit per decoder layer plus the root), gathering a unit's weights only while it computes
     strategy: Literal["ddp", "fsdp"] = "ddp"
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)  # read only with strategy fsdp
+    # what starts the processes: "local", `accelerate launch` on this machine (or the machines of one job,
+    # num_machines); "ray", Ray Train workers on a Ray cluster, restarted from the last checkpoint when a node is lost
+    engine: Literal["local", "ray"] = "local"
+    # engine ray: the cluster (host:port of its GCS, ray://host:port, or "auto" for $RAY_ADDRESS); None takes
+    # rejection_sampling.cluster.ray_address from the recipe
+    ray_address: str | None = None
+    num_workers: int = Field(2, ge=1)  # engine ray: training processes, one per GPU on GPU nodes
+    # engine ray: a folder every Ray node and this machine mount (NFS, a shared volume): the stage's work folder
+    # (job, inputs, checkpoints, final model) lives there, so any node reads and resumes it
+    shared_dir: str | None = None
+    max_failures: int = Field(2, ge=0)  # engine ray: restarts of the workers (a lost node) before the stage fails
 
     @field_validator("num_processes")
     @classmethod
@@ -177,6 +188,13 @@ class DistributedConfig(BaseModel):
         if self.strategy == "fsdp" and self.config_file:
             raise ValueError("config_file (an accelerate config file) and strategy fsdp both say how to shard the "
                              "model: set one of them")
+        if self.engine == "ray":
+            if self.num_processes != 1 or self.num_machines != 1 or self.config_file:
+                raise ValueError("engine ray starts num_workers processes where the cluster places them: leave "
+                                 "num_processes, num_machines and config_file at their defaults")
+            if not self.shared_dir:
+                raise ValueError("engine ray needs shared_dir: a folder every Ray node and this machine mount, where "
+                                 "the stage's job, checkpoints and final model live")
         return self
 
 
@@ -330,6 +348,26 @@ class Recipe(BaseModel):
     def stage_configs(self) -> dict[str, StageConfig]:
         """Each stage's settings by name, in the recipe's order."""
         return {name: getattr(self, name) for name in STAGES}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_ray_cluster(cls, data: Any) -> Any:
+        """A training stage on Ray (`distributed.engine: ray`) without a `ray_address` of its own trains on the
+        cluster the recipe names for rejection sampling."""
+        if not isinstance(data, Mapping):
+            return data
+        cluster = (data.get("rejection_sampling") or {}) if isinstance(data.get("rejection_sampling"), Mapping) else {}
+        address = (cluster.get("cluster") or {}).get("ray_address") if isinstance(cluster.get("cluster"), Mapping) \
+            else None
+        if not address:
+            return data
+        data = dict(data)
+        for name in ("cold_start_sft", "reasoning_grpo", "sft", "alignment_grpo"):
+            section = data.get(name)
+            dist = section.get("distributed") if isinstance(section, Mapping) else None
+            if isinstance(dist, Mapping) and dist.get("engine") == "ray" and not dist.get("ray_address"):
+                data[name] = {**section, "distributed": {**dist, "ray_address": address}}
+        return data
 
     @model_validator(mode="after")
     def _placed_on_declared_pools(self) -> "Recipe":

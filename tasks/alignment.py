@@ -13,7 +13,7 @@ from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
 from grpo.training.reward_model import RewardModelResult, train_reward_model
 from grpo.training import launch
-from tasks import tracking
+from tasks import cluster, tracking
 from tasks.data import DataURIs, report_dropped
 from tasks.stage import resolve_precision, work_dir
 
@@ -46,16 +46,18 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
         return cfg.reward_model_uri
     pairs, heldout = load_preference_data(cfg.preferences)
     launch.check_splits(cfg.distributed, reward_model__batch_size=cfg.reward_model.batch_size)
+    ray_address = cluster.check_training_cluster(cfg.distributed, "alignment_grpo")  # None: this machine's
     tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source,
                          context="reward_model")
     launched = launch.is_launched(cfg.distributed)
     rm_cfg = resolve_precision(run_id, "reward_model", cfg.reward_model)
-    out = work_dir(run_id, "reward_model", cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed))
+    out = work_dir(run_id, "reward_model", cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed),
+                   root=launch.work_root(cfg.distributed))
     if launched:
         frames = {"rows": pairs, **({"heldout": heldout} if heldout is not None else {})}
         report = launch.run_launched("reward_model", out, cfg.distributed,
                                      {"cfg": rm_cfg.model_dump(mode="json"), "source": cfg.preferences.source},
-                                     tracking.MetricsLogger(run_id), frames=frames)
+                                     tracking.MetricsLogger(run_id), frames=frames, ray_address=ray_address)
         result = RewardModelResult(**{**report, "model_dir": Path(report["model_dir"])})
     else:
         result = train_reward_model(pairs, rm_cfg, out, on_metrics=tracking.MetricsLogger(run_id),

@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 from grpo.config import ClusterConfig
-from grpo.recipe import RejectionSamplingConfig
+from grpo.recipe import DistributedConfig, RejectionSamplingConfig
 from grpo.rejection import shards
 from tasks import tracking
 from tasks.env import LOCAL_API
@@ -121,3 +121,32 @@ def ray_task_runner(address: str):
 def shard_store_dir(store: str, stage: str, key: str) -> str:
     """The run's folder in the shard store: keyed like the local work folder, so a rerun resumes from it."""
     return f"{store.rstrip('/')}/{stage}/{key}" if "://" in store else str(Path(store) / stage / key)
+
+
+def check_training_cluster(cfg: DistributedConfig, stage: str) -> str | None:
+    """A training stage on Ray (`distributed.engine: ray`): its cluster's address, resolved and checked before any
+    model loads (ray installed, the cluster answers and can give the workers, the shared folder is writable here);
+    None for a stage that trains on this machine."""
+    if cfg.engine != "ray":
+        return None
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
+        raise ModuleNotFoundError(f"{stage}.distributed.engine is ray, but ray[train] is not installed: pip install "
+                                  f"'r1-pipeline[cluster]' (here and on every node)")
+    if not cfg.ray_address:
+        raise ValueError(f"{stage}.distributed.engine is ray but names no cluster: set distributed.ray_address, or "
+                         f"rejection_sampling.cluster.ray_address in the recipe")
+    address = resolve_ray_address(cfg.ray_address)
+    check_ray_address(address)
+    shared = Path(cfg.shared_dir)
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        probe = shared / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"{stage}.distributed.shared_dir {str(shared)!r} is not writable here ({e}); it must "
+                              f"be a folder this machine and every Ray node mount") from None
+    from grpo.training.ray_train import check_ray_cluster
+
+    check_ray_cluster(cfg, address)
+    return address

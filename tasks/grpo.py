@@ -12,7 +12,7 @@ from grpo.ppo_config import PPOConfig
 from grpo.recipe import DistributedConfig
 from grpo.training import launch
 from grpo.training.worker import build_rl_trainer
-from tasks import tracking
+from tasks import cluster, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
 from tasks.durable import durable_resume
@@ -32,13 +32,14 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     """
     rows = read_frame(train_uri)
     processes = launch.check_splits(distributed, grpo__prompts_per_step=cfg.prompts_per_step)
+    ray_address = cluster.check_training_cluster(distributed, stage)  # None: this machine's processes
     launched = launch.is_launched(distributed)
     if launched and ppo is not None:
         raise ValueError("algorithm ppo trains in one process: set distributed.num_processes to 1")
     cfg = resolve_precision(run_id, "grpo", cfg)
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
                    reward_model_uri, *([ppo] if ppo else []),  # a PPO run never resumes a GRPO run's work
-                   *launch.resume_key(distributed))
+                   *launch.resume_key(distributed), root=launch.work_root(distributed))
 
     def log_samples(step, table):
         tracking.log_table(run_id, table, f"samples/step_{step:05d}.json")
@@ -51,11 +52,12 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
         reward_model_dir = str(tracking.download(reward_model_uri)) if reward_model_uri else None
         prm_dir = str(tracking.download(cfg.prm_path)) if cfg.step_verifier == "prm" else None  # process reward model
         if launched:
-            get_run_logger().info("training on %d processes (accelerate launch)", processes)
+            get_run_logger().info("training on %d processes (%s)", processes,
+                                  "Ray Train" if ray_address else "accelerate launch")
             report = launch.run_launched("grpo", out, distributed, {
                 "model": model_cfg.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
                 "reward_model": reward_model_dir, "prm": prm_dir, "generation": generation.model_dump(mode="json")},
-                progress, log_samples, frames={"rows": rows})
+                progress, log_samples, frames={"rows": rows}, ray_address=ray_address)
             model_dir, steps = Path(report["model_dir"]), report["steps"]
         else:
             trainer = build_rl_trainer(model_cfg, rows, cfg, out, reward_model=reward_model_dir, prm=prm_dir, ppo=ppo,

@@ -14,7 +14,7 @@ from grpo.models import load_model_and_tokenizer
 from grpo.recipe import DistributedConfig
 from grpo.training.sft_trainer import train_sft
 from grpo.training import launch
-from tasks import tracking
+from tasks import cluster, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
 from tasks.durable import durable_resume
@@ -27,20 +27,22 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
     """Fine-tune the model on the training rows; log per-step metrics; return the checkpoint's URI."""
     rows = read_frame(train_uri)
     processes = launch.check_splits(distributed, train__batch_size=cfg.batch_size)  # before any model loads
+    ray_address = cluster.check_training_cluster(distributed, stage)  # None: this machine's processes
     cfg = resolve_precision(run_id, "train", cfg)
     # keyed by what determines the result, so rerunning an interrupted stage resumes from its last checkpoint
     keys = (model_cfg, cfg, rows["prompt"].astype(str).tolist(), rows["response"].tolist())
-    out = work_dir(run_id, stage, *keys, *launch.resume_key(distributed))
+    out = work_dir(run_id, stage, *keys, *launch.resume_key(distributed), root=launch.work_root(distributed))
     with durable_resume(run_id, out) as step:  # its newest checkpoint, wherever it ran before; copies of new ones
         if step:
             get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
         progress = TrainingProgress(run_id, stage, cfg.max_steps)
         if launch.is_launched(distributed):
-            get_run_logger().info("training on %d processes (accelerate launch)", processes)
+            get_run_logger().info("training on %d processes (%s)", processes,
+                                  "Ray Train" if ray_address else "accelerate launch")
             report = launch.run_launched("sft", out, distributed, {"model": model_cfg.model_dump(mode="json"),
                                                                    "cfg": cfg.model_dump(mode="json"),
                                                                    "source": train_uri},
-                                         progress, frames={"rows": rows})
+                                         progress, frames={"rows": rows}, ray_address=ray_address)
             model_dir, steps, final_loss = Path(report["model_dir"]), report["steps"], report["final_loss"]
         else:
             model, tokenizer = load_model_and_tokenizer(model_cfg)

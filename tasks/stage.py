@@ -163,14 +163,15 @@ _held: dict[str, dict[Path, int]] = {}  # stage run id -> the work folders it ho
 _held_lock = threading.Lock()
 
 
-def work_dir(run_id: str, stage: str, *keys) -> Path:
+def work_dir(run_id: str, stage: str, *keys, root: Path | None = None) -> Path:
     """A working folder keyed by the stage's inputs, so a rerun with the same inputs finds (and resumes) its work.
+    It lives under R1_HOME/work, or under `root` (a folder other machines mount: `launch.work_root`).
 
     The folder is locked for run `run_id` until its stage ends (an flock: a killed process lets go of it). A second
     run with the same inputs at the same time, two `r1 run` of one recipe say, gets a private folder instead of
     writing checkpoints into the first one's. A run started fresh finds its folder emptied.
     """
-    shared = tracking.r1_home() / "work" / stage / work_key(*keys)
+    shared = (root or tracking.r1_home() / "work") / stage / work_key(*keys)
     with _held_lock:
         held = _held.setdefault(run_id, {})
         for path in (shared, shared.with_name(f"{shared.name}-{run_id}")):

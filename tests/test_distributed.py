@@ -148,12 +148,14 @@ def test_the_task_follows_what_the_main_process_reports(tmp_path):
     writer = EventWriter(events)
     writer.metrics(1, {"train/loss": 0.5})
     writer.samples(1, pd.DataFrame({"prompt": ["p"], "completion": ["c"], "reward": [1.0]}))
+    writer.metrics(1, {"train/loss": 0.5})  # step 1 again (workers restarted from a checkpoint): passed on once
     with events.open("a") as f:
         f.write('{"step": 2, "metr')  # a line still being written when the launch ended: not a whole event
     seen = []
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
-    launch._follow(done, events, lambda step, m: seen.append((step, m)), lambda step, t: seen.append((step, t)))
+    launch._follow(lambda: done.poll() is not None, events, lambda step, m: seen.append((step, m)),
+                   lambda step, t: seen.append((step, t)))
     assert seen[0] == (1, {"train/loss": 0.5})
     assert seen[1][1].to_dict("list") == {"prompt": ["p"], "completion": ["c"], "reward": [1.0]}
     assert len(seen) == 2

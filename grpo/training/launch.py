@@ -54,13 +54,21 @@ def num_processes(cfg: DistributedConfig) -> int:
 
 
 def world_size(cfg: DistributedConfig) -> int:
-    """The processes of every machine together."""
+    """The processes of every machine together (the Ray Train workers with engine ray)."""
+    if cfg.engine == "ray":
+        return cfg.num_workers
     return num_processes(cfg) * cfg.num_machines
 
 
 def is_launched(cfg: DistributedConfig) -> bool:
     """Whether the stage's loops run in launched processes (else in the task's own, as one process)."""
-    return world_size(cfg) > 1 or cfg.config_file is not None
+    return world_size(cfg) > 1 or cfg.config_file is not None or cfg.engine == "ray"
+
+
+def work_root(cfg: DistributedConfig) -> Path | None:
+    """Where the stage's work folder goes when it must be somewhere else than this machine's R1_HOME: under the
+    shared folder every Ray node mounts (engine ray); None otherwise."""
+    return Path(cfg.shared_dir) / "work" if cfg.engine == "ray" else None
 
 
 def check_splits(cfg: DistributedConfig, **sizes: int) -> int:
@@ -140,12 +148,14 @@ def launch_command(cfg: DistributedConfig, n: int, job_file: Path, port: int) ->
 
 
 def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_metrics: MetricsCallback | None,
-                 on_samples: SamplesCallback | None = None, frames: dict[str, pd.DataFrame] | None = None) -> dict:
+                 on_samples: SamplesCallback | None = None, frames: dict[str, pd.DataFrame] | None = None,
+                 ray_address: str | None = None) -> dict:
     """Run `loop` (a `grpo.training.worker.LOOPS` name) across the processes; return what its main process reported.
 
     `job` holds the loop's inputs (JSON-able); `frames` are written as Parquet beside the job file and passed by
     path under the same keys. Blocks until the launch ends; metrics and sample tables reach the callbacks as the
-    main process writes them.
+    main process writes them. With engine ray the workers run on the cluster at `ray_address` (resolved and
+    checked by the caller) and `out` is in the shared folder they all mount.
     """
     n = num_processes(cfg)
     folder = out / "launch"
@@ -160,6 +170,14 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
         job[key] = str(folder / f"{key}.parquet")
     job_file = folder / "job.json"
     job_file.write_text(json.dumps(job, indent=1))
+    if cfg.engine == "ray":
+        from grpo.training import ray_train
+
+        job = ray_train.share_inputs(job, folder / "inputs")  # the nodes read only the shared folder
+        job_file.write_text(json.dumps(job, indent=1))
+        ray_train.run_on_ray(ray_address, cfg, job_file, events, result,
+                             lambda ended: _follow(ended, events, on_metrics, on_samples))
+        return json.loads(result.read_text())
     cmd = launch_command(cfg, n, job_file, _free_port())
     if cfg.num_machines > 1:
         announce(job_file)
@@ -182,7 +200,7 @@ def _run(cmd: list[str], n: int, events: Path, result: Path, log: Path, cfg: Dis
     with log.open("w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=launch_env(cfg), cwd=PROJECT_ROOT)
         try:
-            _follow(proc, events, on_metrics, on_samples)
+            _follow(lambda: proc.poll() is not None, events, on_metrics, on_samples)
         except BaseException:
             _stop_launch(proc)
             raise
@@ -234,12 +252,14 @@ def _stop_launch(proc: subprocess.Popen, grace: float = 10) -> None:
             pass
 
 
-def _follow(proc: subprocess.Popen, events: Path, on_metrics: MetricsCallback | None,
+def _follow(ended: Callable[[], bool], events: Path, on_metrics: MetricsCallback | None,
             on_samples: SamplesCallback | None) -> None:
-    """Hand each complete line of the events file to its callback until the process has ended and all is read."""
-    offset = 0
+    """Hand each complete line of the events file to its callback until the training has `ended()` and all is read.
+    A report seen before (the same step and names: steps trained again after Ray Train restarted the workers from
+    a checkpoint) is passed on once."""
+    offset, seen = 0, set()
     while True:
-        ended = proc.poll() is not None
+        done = ended()
         if events.exists():
             with events.open("rb") as f:
                 f.seek(offset)
@@ -248,12 +268,16 @@ def _follow(proc: subprocess.Popen, events: Path, on_metrics: MetricsCallback | 
             offset += len(complete)
             for line in complete.splitlines():
                 event = json.loads(line)
+                what = (event["step"], "samples" if "samples" in event else tuple(sorted(event.get("metrics", {}))))
+                if what in seen:
+                    continue
+                seen.add(what)
                 if "metrics" in event and on_metrics:
                     on_metrics(event["step"], event["metrics"])
                 elif "samples" in event and on_samples:
                     split = event["samples"]
                     on_samples(event["step"], pd.DataFrame(split["data"], columns=split["columns"]))
-        if ended:
+        if done:
             return
         time.sleep(0.5)
 

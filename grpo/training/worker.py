@@ -113,6 +113,13 @@ def _reward_model(job: dict, events: EventWriter) -> dict:
 LOOPS = {"sft": _sft, "grpo": _grpo, "reward_model": _reward_model}
 
 
+def run_job(job: dict) -> None:
+    """Run the job's loop in this process (one of the launch's, or a Ray Train worker); rank 0 writes the result."""
+    result = LOOPS[job["loop"]](job, EventWriter(job["events"]))
+    if int(os.environ.get("RANK", "0")) == 0:  # the global rank; the loops have saved and synchronised
+        Path(job["result"]).write_text(json.dumps(result))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not Path(argv[0]).is_file():
@@ -121,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path(argv[0]).read_text())
     if job.get("loop") not in LOOPS:
         raise SystemExit(f"{argv[0]}: loop must be one of {sorted(LOOPS)}, got {job.get('loop')!r}")
-    result = LOOPS[job["loop"]](job, EventWriter(job["events"]))
-    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's global rank; the loops have saved and synchronised
-        Path(job["result"]).write_text(json.dumps(result))
+    run_job(job)
     return 0
 
 
