@@ -16,7 +16,7 @@
 | `schedules` | learning-rate schedules by name, transformers' own without importing `transformers.optimization` (which loads peft and bitsandbytes) |
 | `distributed` | training across processes: each process's share of a global batch, global loss weights, reduced metrics |
 | `strategy` | how the processes hold a model (`ddp` or `fsdp`): its distributed form, whole weights back (GRPO's sampler, the final checkpoint), resume checkpoints |
-| `launch`, `worker`, `join` | a stage's loop in launched processes: the task's launch, what each process runs, what a job's other machines run |
+| `launch`, `worker`, `join`, `ray_train` | a stage's loop in launched processes: the task's launch, what each process runs, what a job's other machines run, Ray Train workers on a Ray cluster |
 | `precision` | `auto`/`bf16`/`fp16`/`no` resolved against the hardware (bf16 only where it is native) |
 
 Must not depend on Prefect or MLflow: loops report through callbacks.
