@@ -78,22 +78,31 @@ def test_chunked_log_probs_under_ddp_sync_every_gradient(runs):
     single = torch.load(one / "logps" / "rank0.pt")
     ids, _, C = logps_rows()
     assert single["wrapper"] != "DistributedDataParallel" and single["rows"] == ids.size(0)
+    assert_gradients_of_halves(single, two, "DistributedDataParallel")
+
+
+def assert_gradients_of_halves(single: dict, two: Path, wrapper: str) -> None:
+    """Each of two processes scored half the rows through the chunked head and holds the one-process gradients."""
+    ids, _, _ = logps_rows()
     for rank in (0, 1):
         got = torch.load(two / "logps" / f"rank{rank}.pt")
-        assert got["wrapper"] == "DistributedDataParallel" and got["rows"] == ids.size(0) // 2
+        assert got["wrapper"] == wrapper and got["rows"] == ids.size(0) // 2
         assert got["widest"] == 4 * got["vocab"]  # one 4-token chunk's logits; the plain path makes [rows, C+1, V]
         for name, want in single["grads"].items():  # float32 sums of two halves: rounding only
             torch.testing.assert_close(got["grads"][name], want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
                                        msg=f"rank {rank}: {name}")
 
 
-def test_sft_on_two_processes_matches_one(runs):
-    one, two = runs
+def assert_sft_matches(one: Path, two: Path) -> None:
     a, b = reported(one, "sft"), reported(two, "sft")
     assert sorted(a) == list(range(1, SFT.max_steps + 1))
     assert_curves_match(a, b, ["train/loss", "train/grad_norm", "train/learning_rate"])
     assert a[1]["train/loss"] > a[3]["train/loss"]  # it trained
     assert_same_weights(one / "sft" / "model", two / "sft" / "model", atol=2e-5)
+
+
+def test_sft_on_two_processes_matches_one(runs):
+    assert_sft_matches(*runs)
 
 
 def test_checkpoints_hold_every_process_state_once(runs):

@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_loops import GRPO, SFT, logps_rows, run_all, run_grpo_resumed, run_sft_resumed
+from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_sft_resumed
 from grpo.recipe import DistributedConfig, ReasoningGRPOConfig
 from grpo.training import launch
-from test_distributed import assert_curves_match, assert_same_weights, reported
+from test_distributed import (assert_curves_match, assert_gradients_of_halves, assert_same_weights,
+                              assert_sft_matches, reported)
 
 HERE = Path(__file__).resolve().parent
 FSDP = DistributedConfig(strategy="fsdp")
@@ -52,24 +53,12 @@ def test_chunked_log_probs_inside_the_sharded_root_reduce_every_gradient(runs):
     weights gathered there), no [rows, C, V] logits, and the reduced gradients are the one-process ones."""
     one, two = runs
     single = torch.load(one / "logps" / "rank0.pt")
-    ids, _, C = logps_rows()
-    assert single["rows"] == ids.size(0)
-    for rank in (0, 1):
-        got = torch.load(two / "logps" / f"rank{rank}.pt")
-        assert got["wrapper"] == "FSDPQwen2ForCausalLM" and got["rows"] == ids.size(0) // 2
-        assert got["widest"] == 4 * got["vocab"]  # one 4-token chunk's logits
-        for name, want in single["grads"].items():
-            torch.testing.assert_close(got["grads"][name], want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
-                                       msg=f"rank {rank}: {name}")
+    assert single["rows"] == logps_rows()[0].size(0)
+    assert_gradients_of_halves(single, two, "FSDPQwen2ForCausalLM")
 
 
 def test_sft_sharded_on_two_processes_matches_one(runs):
-    one, two = runs
-    a, b = reported(one, "sft"), reported(two, "sft")
-    assert sorted(a) == list(range(1, SFT.max_steps + 1))
-    assert_curves_match(a, b, ["train/loss", "train/grad_norm", "train/learning_rate"])
-    assert a[1]["train/loss"] > a[3]["train/loss"]  # it trained
-    assert_same_weights(one / "sft" / "model", two / "sft" / "model", atol=2e-5)
+    assert_sft_matches(*runs)
 
 
 def test_sharded_checkpoints_resume_on_another_process_count(runs, tmp_path):

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo.checks import check_fsdp_settings
 from grpo.config import GenerationConfig, GRPOConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
@@ -53,7 +54,7 @@ from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
 from grpo.training.optimizers import MasterWeights, cast_parameters, make_optimizer, require_bitsandbytes
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
 from grpo.training.schedules import make_scheduler
-from grpo.training.strategy import check_fsdp_settings, make_strategy
+from grpo.training.strategy import make_strategy
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
 

@@ -41,7 +41,6 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from grpo.checks import check_fsdp_settings  # noqa: F401  (the loops' check, beside the strategies)
 from grpo.recipe import DistributedConfig, FSDPConfig
 
 SCHEDULER_FILE = "scheduler.pt"
@@ -145,8 +144,8 @@ class FSDPStrategy(Strategy):
         self._scheduler = None
 
     def prepare(self, model: torch.nn.Module, optimizer=None, scheduler=None):
-        self._skeleton = _meta_copy(model)
         if self.sharded:
+            self._skeleton = _meta_copy(model)  # the structure the whole copies (sampler, final weights) are made in
             names = {id(p): n for n, p in model.named_parameters()}
             model = self._shard(model)
             if optimizer is not None:
