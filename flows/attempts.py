@@ -14,6 +14,7 @@ import time
 
 from flows.placement import run_placed
 from flows.stages import Stage
+from grpo.faults import Fault
 from grpo.interrupts import is_interrupt
 from grpo.recipe import StageConfig
 from tasks.stage import StageResult
@@ -32,7 +33,13 @@ def run_stage(stage: Stage, config: StageConfig, parent_run_id: str, inputs: dic
                                             timeout_seconds=res.timeout_s)
             return named(config=config, parent_run_id=parent_run_id, **inputs)
         except BaseException as e:
-            if is_interrupt(e) or attempt == res.retries:
+            if is_interrupt(e):
+                raise
+            if attempt == res.retries:
+                if isinstance(e, TimeoutError) and res.timeout_s:  # the limit the recipe set: one line, not a trace
+                    raise Fault(f"{stage.name}: {'every attempt' if res.retries else 'the stage'} ran past its time "
+                                f"limit ({stage.name}.resources.timeout_s = {res.timeout_s:g} s); the same command "
+                                f"resumes from its last durable checkpoint") from e
                 raise
             delay = res.retry_delay(attempt)
             log.warning("%s: attempt %d of %d failed (%s: %s); the next, in %.0f s, resumes from its last durable "

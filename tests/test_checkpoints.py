@@ -164,3 +164,24 @@ def test_the_manifest_names_what_is_missing_cut_short_or_changed(tmp_path):
     (tmp_path / MANIFEST).write_text("{not json")
     assert verify_manifest(tmp_path) == f"its {MANIFEST} is not readable"
     assert latest_checkpoint(tmp_path) is None  # no step-* folder here
+
+
+def test_the_room_a_first_checkpoint_needs_counts_weights_optimizer_state_and_fp32_masters(tmp_path):
+    from grpo.training.accelerator import make_accelerator
+    from grpo.training.checkpoints import checkpoint_bytes, save_checkpoint
+    from grpo.training.optimizers import make_optimizer
+
+    model, _ = load_model_and_tokenizer(SMALL)
+    n = sum(p.numel() for p in model.parameters())
+    optimizer = make_optimizer(model, 1e-3, 0.0, master_weights=True)  # fp32 masters beside the weights
+    model.to(torch.bfloat16)
+    acc = make_accelerator("no", 1)
+    model, optimizer = acc.prepare(model, optimizer)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()  # AdamW's two moments per master now exist
+    # bf16 weights (tied embeddings counted under both names), fp32 masters, two fp32 moments: at least 14 bytes
+    assert checkpoint_bytes(acc, tmp_path / "checkpoints") > 14 * n
+    save_checkpoint(acc, tmp_path / "checkpoints", 1, keep=2)
+    assert verify_manifest(tmp_path / "checkpoints" / "step-1") is None
+    assert checkpoint_bytes(acc, tmp_path / "checkpoints") == sum(  # then: what the last one took
+        p.stat().st_size for p in (tmp_path / "checkpoints" / "step-1").rglob("*") if p.is_file())

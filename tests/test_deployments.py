@@ -15,7 +15,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.cli import stack
-from test_flows import TINY_STAGE
+from test_flows import TINY_ALIGN, TINY_STAGE
 
 EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "r1-process"), ("reasoning_grpo", "r1-process"),
             ("rejection_sampling", "r1-process"), ("sft", "r1-process"), ("alignment_grpo", "r1-process"),
@@ -176,3 +176,48 @@ def test_the_server_marks_a_flow_run_crashed_once_its_heartbeats_stop(servers):
     assert automation.trigger.within.total_seconds() == 3 * stack.FLOW_HEARTBEAT_S
     assert [a.state for a in automation.actions] == [StateType.CRASHED]
     assert stack.base_env()["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(stack.FLOW_HEARTBEAT_S)
+
+
+def test_promotion_from_a_deployment_suspends_for_approval_and_resumes_through_the_api(servers, answering_checkpoint):
+    """`promotion: approve` on a worker: the flow run is suspended (its process ends, freeing the machine), a person's
+    answer through the Prefect API resumes it, and the worker runs it again, which promotes without training again."""
+    import time
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import arun_deployment
+
+    worker = stack.start_worker(servers["api"], servers["tracking"], servers["root"] / "logs",
+                                PREFECT_WORKER_QUERY_SECONDS="2", OMP_NUM_THREADS="1")
+    servers["started"].append(worker)
+    name = f"r1-suspend-{int(time.time())}"
+    config = {**TINY_ALIGN, "registered_model": name, "promotion": "approve", "approval_timeout_s": 600}
+
+    async def start(client):
+        return await arun_deployment("alignment_grpo/r1-process", client=client, timeout=0, as_subflow=False,
+                                     parameters={"checkpoint_uri": answering_checkpoint, "config": config})
+
+    flow_run = call(servers["api"], start)
+
+    async def state(client):
+        return (await client.read_flow_run(flow_run.id)).state
+
+    deadline = time.monotonic() + 400
+    while (now := call(servers["api"], state)).name != "Suspended" and time.monotonic() < deadline:
+        assert not now.is_final(), f"{now.type}: {open(worker.log).read()[-4000:]}"
+        time.sleep(2)
+    assert now.name == "Suspended", open(worker.log).read()[-4000:]
+    mlflow = MlflowClient(tracking_uri=servers["tracking"])
+    assert not mlflow.get_registered_model(name).aliases  # nothing moves before a person answers
+
+    async def answer(client):
+        return await client.resume_flow_run(flow_run.id, run_input={"promote": True, "note": "read the samples"})
+
+    call(servers["api"], answer)
+    while not (now := call(servers["api"], state)).is_final() and time.monotonic() < deadline:
+        time.sleep(2)
+    assert now.type == StateType.COMPLETED, open(worker.log).read()[-4000:]
+    version = mlflow.get_model_version_by_alias(name, "champion")
+    run = mlflow.get_run(version.run_id)
+    assert run.data.tags["promotion.reason"].startswith("approved in the Prefect UI (read the samples)")
+    stage_runs = mlflow.search_runs([run.info.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+    assert [r.info.run_id for r in stage_runs] == [run.info.run_id]  # trained once, before the suspension

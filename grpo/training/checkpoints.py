@@ -164,11 +164,24 @@ def checkpoint_bytes(acc: Accelerator, root: Path) -> int:
     latest = latest_checkpoint(root)
     if latest is not None:
         return _folder_bytes(latest)
+    tensors = [t for m in acc._models for t in m.state_dict().values()]
+    for o in acc._optimizers:  # their live state, not `state_dict()`, which may copy (MasterWeights' masters)
+        inner = getattr(o, "optimizer", o)  # inside accelerate's wrapper
+        tensors += [*_tensors(list(inner.state.values())), *getattr(inner, "masters", [])]
+    return int(sum(t.numel() * t.element_size() for t in _tensors(tensors)) * 1.1) + 2**20
+
+
+def _tensors(obj):
     import torch
 
-    tensors = [t for m in acc._models for t in m.state_dict().values()]
-    tensors += [v for o in acc._optimizers for state in o.state_dict()["state"].values() for v in state.values()]
-    return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) * 1.1) + 2**20
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int,
