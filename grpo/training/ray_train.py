@@ -104,7 +104,11 @@ def run_on_ray(address: str, cfg: DistributedConfig, job_file: Path, events: Pat
 
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
-    follow(lambda: not thread.is_alive())
+    try:
+        follow(lambda: not thread.is_alive())
+    except BaseException:  # Ctrl-C, a stop signal: the workers must not train on without the stage
+        ray.shutdown()  # this driver's job ends, and Ray Train's controller and workers, which it owns, with it
+        raise
     thread.join()
     if failure:
         raise RuntimeError(f"training on Ray Train ({cfg.num_workers} workers at {address}) failed: "
