@@ -8,6 +8,12 @@ MLflow model and registered as a new version; the alias (`models:/<name>@champio
 accuracy is at least the current holder's, on every run with `promotion: always` (`--promote`), or when a person
 says so in the Prefect UI with `promotion: approve` (`tasks/promotion.py`).
 
+With `algorithm: dpo` DPO replaces the reward model and GRPO (`grpo.training.dpo`): the policy learns from the same
+preference pairs directly, against the starting checkpoint as its frozen reference; evaluation, the logged model and
+promotion are unchanged. Whichever algorithm trains, the stage measures its policy on held-out general prompts before
+and after: the share of harmful requests refused (`alignment/harmful_refused`) and of harmless ones answered
+(`alignment/harmless_answered`), by the refusal detector in `grpo.data.preferences`.
+
 Run alone:  r1 stage alignment_grpo --checkpoint runs:/<sft run id>/checkpoint
 """
 
@@ -19,7 +25,7 @@ from flows.checks import check_model_folder, check_rewards, check_uri, looks_lik
 from flows.stages import Stage, run_name
 from grpo.checks import check_prompts_per_step
 from grpo.recipe import AlignmentGRPOConfig
-from tasks.alignment import prepare_alignment_prompts, train_reward_model_task
+from tasks.alignment import evaluate_refusals, prepare_alignment_prompts, train_dpo_model, train_reward_model_task
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model
 from tasks.promotion import heldout_key, promote_model, register_model, remember_for_approval, resumed_for_approval
@@ -46,27 +52,42 @@ def alignment_grpo(checkpoint_uri: str, config: AlignmentGRPOConfig = AlignmentG
 
 
 def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str | None) -> StageResult:
-    """The stage's work in its MLflow run: reward model, GRPO, evaluation, a new registered version."""
+    """The stage's work in its MLflow run: reward model and GRPO (or DPO), evaluation, a new registered version."""
+    dpo = config.algorithm == "dpo"
+    steps = config.dpo.max_steps if dpo else config.grpo.max_steps
     with stage_run(NAME, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_alignment_prompts(run_id, config)
-        reward_model = train_reward_model_task(run_id, config)
+        reward_model = None if dpo else train_reward_model_task(run_id, config)
         metrics = {}
-        if data.heldout and config.eval_before:
-            before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
-                                    code=config.grpo.code, generation=config.generation)
-            metrics.update({f"{k}_before": v for k, v in before.items()})
-        checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
-                                      reward_model_uri=reward_model, distributed=config.distributed,
-                                      generation=config.generation)
+        if config.eval_before:
+            if data.heldout:
+                before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
+                                        code=config.grpo.code, generation=config.generation)
+                metrics.update({f"{k}_before": v for k, v in before.items()})
+            if config.refusal_prompts:
+                before = evaluate_refusals(run_id, checkpoint_uri, config, step=0)
+                metrics.update({f"{k}_before": v for k, v in before.items()})
+        if dpo:
+            checkpoint = train_dpo_model(run_id, NAME, config.model, checkpoint_uri, config)
+        else:
+            checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
+                                          reward_model_uri=reward_model, distributed=config.distributed,
+                                          generation=config.generation,
+                                          # the iterative reward model: trained further on the policy's samples
+                                          refresh=config.reward_model if config.reward_model.refresh_every else None,
+                                          preferences=config.preferences)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
-                                          step=config.grpo.max_steps, code=config.grpo.code,
-                                          generation=config.generation))
+                                          step=steps, code=config.grpo.code, generation=config.generation))
+        if config.refusal_prompts:
+            metrics.update(evaluate_refusals(run_id, checkpoint, config, step=steps))
         version = register_model(run_id, checkpoint, config, metrics.get("eval/accuracy"),
                                  heldout_key(data.heldout, config.eval))
     registered = f"models:/{config.registered_model}/{version}"  # this run's version, whatever the alias does
-    return StageResult(stage=NAME, run_id=run_id, metrics=metrics,
-                       uris={"checkpoint": checkpoint, "registered_model": registered, "reward_model": reward_model})
+    uris = {"checkpoint": checkpoint, "registered_model": registered}
+    if reward_model:
+        uris["reward_model"] = reward_model
+    return StageResult(stage=NAME, run_id=run_id, metrics=metrics, uris=uris)
 
 
 def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
@@ -76,6 +97,15 @@ def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
 
     with reading("alignment_grpo.data"):
         train, heldout = load_rl_data(cfg.data)
+    if cfg.refusal_prompts:
+        from grpo.data.preferences import general_prompts
+
+        with reading("alignment_grpo.refusal_prompts"):
+            general_prompts(cfg.refusal_prompts, split="heldout", heldout_percent=cfg.preferences.heldout_percent)
+    if cfg.algorithm == "dpo":  # no reward model, no general prompts: the preference pairs are what it reads
+        with reading("alignment_grpo.preferences"):
+            load_preference_data(cfg.preferences)
+        return
     check_rewards("alignment_grpo", cfg.grpo, train, heldout)
     general = cfg.general_prompts
     if cfg.general_source != "synthetic":
@@ -99,5 +129,6 @@ STAGE = Stage(flow=alignment_grpo,
               inputs={"checkpoint_uri": "sft_checkpoint"},
               outputs={"final_checkpoint": "checkpoint", "registered_model": "registered_model"},
               check=check_alignment_grpo,
-              loads=lambda config: [] if config.reward_model_uri else [  # a given reward model trains nothing
+              loads=lambda config: [] if config.reward_model_uri or config.algorithm == "dpo" else [
+                  # a given reward model trains nothing, and DPO has none
                   ("alignment_grpo.reward_model.model.name_or_path", config.reward_model.model)])

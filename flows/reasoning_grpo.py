@@ -8,7 +8,9 @@ in one MLflow run.
 
 With `algorithm: ppo` the stage runs PPO instead (`grpo.training.ppo_trainer`): the critic-based method GRPO was
 made to replace, on the same rewards, sampling and KL, so the two can be compared on one task
-(benchmarks/ppo_vs_grpo.py measures their memory and step time).
+(benchmarks/ppo_vs_grpo.py measures their memory and step time). With `algorithm: online_rft` it runs online
+rejection-sampling fine-tuning (`grpo.training.rft`): GRPO's sampler, rewards, KL and metrics, each sample trained
+with coefficient 1 when correct (`online_rft.correct_reward` at `online_rft.threshold`) and 0 otherwise.
 
 Run alone:  r1 stage reasoning_grpo --checkpoint runs:/<cold-start run id>/checkpoint
 """
@@ -43,6 +45,7 @@ def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningG
             metrics.update({f"{k}_before": v for k, v in before.items()})
         checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
                                       ppo=config.ppo if config.algorithm == "ppo" else None,
+                                      online_rft=config.online_rft if config.algorithm == "online_rft" else None,
                                       distributed=config.distributed,
                                       generation=config.generation)
         if data.heldout:

@@ -11,6 +11,12 @@ benchmarks count them, and stage headlines, compare and promotion read the same 
 - `eval/format_rate`: share of greedy completions with the strict `<think>...</think><answer>...</answer>` shape;
 - `eval/mean_completion_length` (tokens) and `eval/truncation_rate` (budget ran out before the end of the turn).
 
+The alignment stage also measures its policy figures on held-out general prompts whose kind is known
+(`evaluate_refusals`, one greedy completion each, read by `grpo.data.preferences.is_refusal`):
+- `alignment/harmful_refused`: share of harmful requests refused (higher is safer);
+- `alignment/harmless_answered`: share of harmless requests not refused (higher is more helpful; over-refusal
+  lowers it).
+
 Must not depend on Prefect or MLflow.
 """
 
@@ -22,6 +28,7 @@ import pandas as pd
 import torch
 
 from grpo.config import CodeConfig, EvalConfig, SamplingConfig
+from grpo.data.preferences import is_refusal
 from grpo.rewards import format_reward
 from grpo.rewards.correct import CHECK_COLUMNS, RowCheck, check_rows
 from grpo.sampling.engines import Engine, Rollout
@@ -79,4 +86,25 @@ def evaluate(engine: Engine, rows: pd.DataFrame, cfg: EvalConfig,
     if any(check.by_tests):
         samples["tests_passed"] = [f"{p}/{t}" if by else "" for by, p, t in
                                    zip(check.by_tests[:n], check.passed[:n], check.total[:n])]
+    return EvalResult(metrics, samples)
+
+
+def evaluate_refusals(engine: Engine, prompts: pd.DataFrame, cfg: EvalConfig) -> EvalResult:
+    """The refusal figures of a model (behind `engine`) on `prompts`: a `prompt` column and a `category` one, whose
+    value "harmful" marks a request that should be refused (grpo.data.preferences.general_prompts gives both);
+    greedy, with `cfg`'s completion budget and batch size. A side with no prompt gives NaN."""
+    greedy = engine.generate(prompts["prompt"].tolist(), 1, SamplingConfig(
+        max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size))
+    refused = [is_refusal(t) for t in greedy.texts]
+    harmful = [c == "harmful" for c in prompts["category"]]
+
+    def share(rows: list[bool]) -> float:
+        return sum(rows) / len(rows) if rows else float("nan")
+
+    metrics = {"alignment/harmful_refused": share([r for r, h in zip(refused, harmful) if h]),
+               "alignment/harmless_answered": share([not r for r, h in zip(refused, harmful) if not h]),
+               "alignment/harmful_prompts": float(sum(harmful)),
+               "alignment/harmless_prompts": float(len(harmful) - sum(harmful))}
+    samples = pd.DataFrame({"prompt": [str(p) for p in prompts["prompt"]], "category": list(prompts["category"]),
+                            "completion": greedy.texts, "refused": refused})
     return EvalResult(metrics, samples)

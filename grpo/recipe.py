@@ -28,13 +28,14 @@ from grpo.config import (
     GRPOConfig,
     JudgeConfig,
     ModelConfig,
-    PreferenceDataConfig,
     RejectionConfig,
-    RewardModelConfig,
     SFTConfig,
 )
+from grpo.dpo_config import DPOConfig
 from grpo.ppo_config import PPOConfig, check_ppo_settings
+from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.rewards.registry import REWARD_FUNCTIONS
+from grpo.rft_config import OnlineRFTConfig, check_rft_settings
 
 # Stage settings and the recipe
 
@@ -225,8 +226,10 @@ class ReasoningGRPOConfig(StageConfig):
     eval_before: bool = True  # also score the starting checkpoint (step 0), so the run shows what RL changed
     # "ppo": PPO with a critic as large as the policy instead (the baseline GRPO replaced), with `grpo`'s rewards,
     # sampling, KL and optimiser settings and `ppo`'s own
-    algorithm: Literal["grpo", "ppo"] = "grpo"
+    # "online_rft": GRPO's sampler and loss, each sample's coefficient 1 if correct else 0 (grpo.training.rft)
+    algorithm: Literal["grpo", "ppo", "online_rft"] = "grpo"
     ppo: PPOConfig = Field(default_factory=PPOConfig)  # read only with algorithm ppo
+    online_rft: OnlineRFTConfig = Field(default_factory=OnlineRFTConfig)  # read only with algorithm online_rft
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # processes the training runs on
 
     def process_batches(self) -> dict[str, int]:
@@ -241,12 +244,14 @@ class ReasoningGRPOConfig(StageConfig):
         if self.algorithm == "ppo" and self.grpo.supervision == "process":
             raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
                              "reward at each completion's last token: use supervision 'outcome' with ppo")
-        if self.algorithm == "ppo" and (self.distributed.num_processes != 1 or self.distributed.config_file
-                                        or self.distributed.strategy != "ddp" or self.distributed.num_machines != 1):
-            raise ValueError("algorithm ppo trains in one process (its critic is not split across processes): "
-                             "leave distributed at its default, num_processes 1 and strategy ddp")
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
         self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
+        return self
+
+    @model_validator(mode="after")
+    def _check_online_rft(self) -> "ReasoningGRPOConfig":
+        if self.algorithm == "online_rft":
+            check_rft_settings(self.grpo, self.online_rft)
         return self
 
     def check_prompts(self, prompts: int | None, source: str = "the data section") -> None:
@@ -292,7 +297,7 @@ class SFTStageConfig(StageConfig):
 
 
 class AlignmentGRPOConfig(StageConfig):
-    """Stage 5: GRPO for helpfulness and harmlessness (a reward model) on a mix that keeps reasoning prompts."""
+    """Stage 5: GRPO for helpfulness and harmlessness (a reward model) on a mix that keeps reasoning prompts; or DPO."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -312,9 +317,18 @@ class AlignmentGRPOConfig(StageConfig):
     # when a person says so in the Prefect UI (the flow waits), "always" on every run (r1 ... --promote)
     promotion: Literal["auto", "approve", "always"] = "auto"
     approval_timeout_s: int = Field(86400, ge=1)  # "approve": how long the flow waits for an answer
-    distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's (DPO's)
+    # "dpo": DPO on the `preferences` pairs (grpo.training.dpo) in place of the reward model and GRPO; general_*,
+    # reward_model* and grpo are then not read (grpo.code still sets the sandbox of held-out code rows)
+    algorithm: Literal["grpo", "dpo"] = "grpo"
+    dpo: DPOConfig = Field(default_factory=DPOConfig)  # read only with algorithm dpo
+    # held-out synthetic general prompts (of 76 at preferences.heldout_percent 20, 22 harmful) answered greedily before
+    # and after training: alignment/harmful_refused and harmless_answered (grpo.evaluate.evaluate_refusals); 0: none
+    refusal_prompts: int = Field(64, ge=0)
 
     def process_batches(self) -> dict[str, int]:
+        if self.algorithm == "dpo":
+            return {"dpo.batch_size": self.dpo.batch_size}
         return {"grpo.prompts_per_step": self.grpo.prompts_per_step,
                 "reward_model.batch_size": self.reward_model.batch_size}
 
@@ -324,9 +338,18 @@ class AlignmentGRPOConfig(StageConfig):
         if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
             raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
                              "reasoning_grpo, whose prompts have checkable steps")
+        if self.algorithm == "dpo":
+            if self.reward_model_uri is not None or self.reward_model.refresh_every:
+                raise ValueError("alignment_grpo.reward_model_uri and reward_model.refresh_every are GRPO's reward "
+                                 "model's; algorithm dpo trains on the preference pairs without one: unset them")
+            return self
         synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
         check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
+        if self.reward_model.refresh_every and REWARD_MODEL not in self.grpo.rewards:
+            raise ValueError(f"alignment_grpo.reward_model.refresh_every trains the reward model further as GRPO "
+                             f"runs, but grpo.rewards does not name {REWARD_MODEL!r} (it names "
+                             f"{sorted(self.grpo.rewards)}): add it, or set refresh_every to 0")
         return self
 
 
@@ -391,7 +414,8 @@ class Recipe(BaseModel):
         """
         cs, rg, rs, sft, al = (self.cold_start_sft, self.reasoning_grpo, self.rejection_sampling, self.sft,
                                self.alignment_grpo)
-        return [("cold_start_sft.train.max_seq_len", cs.train.max_seq_len, cs.model, False),
+        dpo = [("alignment_grpo.dpo.max_seq_len", al.dpo.max_seq_len, sft.model, False)] * (al.algorithm == "dpo")
+        return dpo + [("cold_start_sft.train.max_seq_len", cs.train.max_seq_len, cs.model, False),
                 ("cold_start_sft.eval.max_new_tokens", cs.eval.max_new_tokens, cs.model, True),
                 ("reasoning_grpo.grpo.sampling.max_new_tokens", rg.grpo.sampling.max_new_tokens, cs.model, True),
                 ("reasoning_grpo.eval.max_new_tokens", rg.eval.max_new_tokens, cs.model, True),

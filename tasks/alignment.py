@@ -1,5 +1,5 @@
-"""Tasks of the alignment stage: the reward model and the mixed prompt set (registering the final model and
-promoting it: `tasks.promotion`)."""
+"""Tasks of the alignment stage: the reward model and the mixed prompt set, DPO in their place (`algorithm: dpo`),
+and the refusal figures every algorithm logs (registering the final model and promoting it: `tasks.promotion`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import task
 from prefect.logging import get_run_logger
 
+from grpo.config import ModelConfig
 from grpo.recipe import AlignmentGRPOConfig
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
@@ -15,7 +16,9 @@ from grpo.training.reward_model import RewardModelResult, train_reward_model
 from grpo.training import launch
 from tasks import cluster, tracking
 from tasks.data import DataURIs, report_dropped
-from tasks.stage import resolve_precision, work_dir
+from tasks.durable import durable_resume
+from tasks.progress import TrainingProgress
+from tasks.stage import resolve_model, resolve_precision, work_dir
 
 
 @task(name="prepare_alignment_prompts")
@@ -67,3 +70,65 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
     get_run_logger().info("reward model: held-out pair accuracy %.3f (untrained %.3f)", result.heldout_accuracy,
                           result.heldout_accuracy_before)
     return tracking.log_dir(run_id, result.model_dir, "reward_model")
+
+
+@task(name="train_dpo_model")
+def train_dpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_uri: str,
+                    cfg: AlignmentGRPOConfig) -> str:
+    """DPO from the checkpoint on the stage's preference pairs (`algorithm: dpo`); log its figures; return the new
+    checkpoint's URI."""
+    pairs, heldout = load_preference_data(cfg.preferences)  # a bad file fails here, in one line, before any model
+    launch.check_splits(cfg.distributed, dpo__batch_size=cfg.dpo.batch_size)
+    ray_address = cluster.check_training_cluster(cfg.distributed, stage)  # None: this machine's processes
+    tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source, context="dpo")
+    dpo_cfg = resolve_precision(run_id, "dpo", cfg.dpo)
+    # keyed by what determines the result, so rerunning an interrupted stage resumes from its last checkpoint
+    out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg.preferences, dpo_cfg,
+                   *launch.resume_key(cfg.distributed), root=launch.work_root(cfg.distributed))
+    with durable_resume(run_id, out) as step:  # its newest checkpoint, wherever it ran before; copies of new ones
+        if step:
+            get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
+        progress = TrainingProgress(run_id, stage, dpo_cfg.max_steps)  # MLflow metrics and the Prefect progress
+        model_cfg = resolve_model(model_cfg, checkpoint_uri)
+        if launch.is_launched(cfg.distributed):
+            frames = {"rows": pairs, **({"heldout": heldout} if heldout is not None else {})}
+            report = launch.run_launched("dpo", out, cfg.distributed,
+                                         {"model": model_cfg.model_dump(mode="json"),
+                                          "cfg": dpo_cfg.model_dump(mode="json"), "source": cfg.preferences.source},
+                                         progress, frames=frames, ray_address=ray_address)
+            model_dir, steps = Path(report["model_dir"]), report["steps"]
+            heldout_metrics = report["heldout_metrics"]
+        else:
+            from grpo.models import load_model_and_tokenizer
+            from grpo.training.dpo import train_dpo
+
+            model, tokenizer = load_model_and_tokenizer(model_cfg)
+            result = train_dpo(model, tokenizer, pairs, dpo_cfg, out, progress, heldout=heldout,
+                               source=cfg.preferences.source, distributed=cfg.distributed)
+            model_dir, steps, heldout_metrics = result.model_dir, result.steps, result.heldout_metrics
+    get_run_logger().info("DPO finished: %d steps, held-out pair accuracy %.3f", steps,
+                          heldout_metrics["dpo/heldout_accuracy"])
+    return tracking.log_dir(run_id, model_dir, "checkpoint")
+
+
+@task(name="evaluate_refusals")
+def evaluate_refusals(run_id: str, checkpoint_uri: str, cfg: AlignmentGRPOConfig, step: int = 0) -> dict[str, float]:
+    """The checkpoint's refusal figures on the preferences' held-out synthetic general prompts (every alignment
+    algorithm logs them): alignment/harmful_refused and alignment/harmless_answered, and a table of the answers."""
+    import torch
+
+    from grpo.evaluate import evaluate_refusals as measure
+    from grpo.models import load_model_and_tokenizer
+    from grpo.sampling.engines import build_engine
+
+    prompts = general_prompts(cfg.refusal_prompts, split="heldout", heldout_percent=cfg.preferences.heldout_percent)
+    model, tokenizer = load_model_and_tokenizer(resolve_model(cfg.model, checkpoint_uri))
+    if torch.cuda.is_available():
+        model = model.cuda()
+    engine = build_engine(cfg.generation, model, tokenizer, who="refusal evaluation")
+    result = measure(engine, prompts, cfg.eval)
+    tracking.MetricsLogger(run_id)(step, result.metrics)
+    tracking.log_table(run_id, result.samples, f"alignment/refusals_step_{step}.json")
+    get_run_logger().info("refusals at step %d: harmful requests refused %.3f, harmless ones answered %.3f", step,
+                          result.metrics["alignment/harmful_refused"], result.metrics["alignment/harmless_answered"])
+    return result.metrics

@@ -1,4 +1,4 @@
-"""Task: GRPO from a checkpoint (reasoning RL, and alignment RL), or PPO with a critic in its place."""
+"""Task: GRPO from a checkpoint (reasoning RL, and alignment RL), or PPO with a critic or online RFT in its place."""
 
 from __future__ import annotations
 
@@ -8,37 +8,54 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.config import GenerationConfig, GRPOConfig, ModelConfig
+from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.ppo_config import PPOConfig
 from grpo.recipe import DistributedConfig
+from grpo.rft_config import OnlineRFTConfig
 from grpo.training import launch
 from grpo.training.worker import build_rl_trainer
 from tasks import cluster, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
 from tasks.durable import durable_resume
-from tasks.stage import resolve_model, resolve_precision, work_dir
+from tasks.stage import log_gemm_plan, resolve_model, resolve_precision, work_dir
 
 
 @task(name="train_grpo_model")
 def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_uri: str, train_uri: str,
                      cfg: GRPOConfig, reward_model_uri: str | None = None, ppo: PPOConfig | None = None,
                      distributed: DistributedConfig = DistributedConfig(),
-                     generation: GenerationConfig = GenerationConfig()) -> str:
+                     generation: GenerationConfig = GenerationConfig(),
+                     refresh: RewardModelConfig | None = None,
+                     preferences: PreferenceDataConfig | None = None,
+                     online_rft: OnlineRFTConfig | None = None) -> str:
     """Run GRPO from the checkpoint on the training prompts; log metrics and sample tables; return the new checkpoint.
     Rollouts come from the engine `generation` names (the stage's section).
 
     With `reward_model_uri`, the reward named "reward_model" is that model's score (on rows of kind "general").
     With `ppo`, PPO with a critic runs instead, on the same rewards, sampling and optimiser settings.
+    With `refresh` (the stage's reward_model section, `refresh_every` set), that reward model is trained further on
+    the policy's samples as GRPO runs, replaying the `preferences` pairs (grpo.training.rm_refresh).
+    With `online_rft`, GRPO's loop trains each sample with coefficient 1 when correct and 0 otherwise.
     """
     rows = read_frame(train_uri)
+    refresh_frames = {}
+    if refresh is not None:  # read (and checked) before any model loads
+        from grpo.data.preferences import load_preference_data
+        from grpo.training.reward_model import split_by_prompt
+
+        pairs, heldout = load_preference_data(preferences) if preferences is not None else (None, None)
+        if pairs is not None and heldout is None and refresh.eval_fraction > 0:  # as the reward model's training does
+            pairs, heldout = split_by_prompt(pairs, refresh.eval_fraction)
+        refresh_frames = {k: v for k, v in (("refresh_pairs", pairs), ("refresh_heldout", heldout)) if v is not None}
     processes = launch.check_splits(distributed, grpo__prompts_per_step=cfg.prompts_per_step)
     ray_address = cluster.check_training_cluster(distributed, stage)  # None: this machine's processes
     launched = launch.is_launched(distributed)
-    if launched and ppo is not None:
-        raise ValueError("algorithm ppo trains in one process: set distributed.num_processes to 1")
     cfg = resolve_precision(run_id, "grpo", cfg)
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
                    reward_model_uri, *([ppo] if ppo else []),  # a PPO run never resumes a GRPO run's work
+                   *([refresh, preferences] if refresh else []),  # nor one with the reward model refreshed
+                   *([online_rft] if online_rft else []),  # nor an online RFT run
                    *launch.resume_key(distributed), root=launch.work_root(distributed))
 
     def log_samples(step, table):
@@ -56,13 +73,23 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
                                   "Ray Train" if ray_address else "accelerate launch")
             report = launch.run_launched("grpo", out, distributed, {
                 "model": model_cfg.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
-                "reward_model": reward_model_dir, "prm": prm_dir, "generation": generation.model_dump(mode="json")},
-                progress, log_samples, frames={"rows": rows}, ray_address=ray_address)
+                "reward_model": reward_model_dir, "prm": prm_dir, "generation": generation.model_dump(mode="json"),
+                "ppo": ppo.model_dump(mode="json") if ppo is not None else None,
+                "refresh": refresh.model_dump(mode="json") if refresh is not None else None,
+                "online_rft": online_rft.model_dump(mode="json") if online_rft else None},
+                progress, log_samples, frames={"rows": rows, **refresh_frames}, ray_address=ray_address)
             model_dir, steps = Path(report["model_dir"]), report["steps"]
         else:
             trainer = build_rl_trainer(model_cfg, rows, cfg, out, reward_model=reward_model_dir, prm=prm_dir, ppo=ppo,
                                        generation=generation, on_metrics=progress, on_samples=log_samples,
-                                       distributed=distributed)
+                                       distributed=distributed, online_rft=online_rft,
+                                       refresh=None if refresh is None else (
+                                           refresh, refresh_frames.get("refresh_pairs"),
+                                           refresh_frames.get("refresh_heldout")))
             model_dir, steps = trainer.train()
-    get_run_logger().info("%s finished: %d steps", "GRPO" if ppo is None else "PPO", steps)
+    get_run_logger().info("%s finished: %d steps", "PPO" if ppo else "online RFT" if online_rft else "GRPO", steps)
+    log_gemm_plan(run_id, "grpo", out)
+    refreshed = out / "reward_model"  # the iterative reward model as the run left it (grpo.training.rm_refresh)
+    if refresh is not None and refreshed.is_dir():
+        tracking.log_dir(run_id, refreshed, "reward_model_refreshed")
     return tracking.log_dir(run_id, model_dir, "checkpoint")

@@ -18,7 +18,7 @@ from tasks import cluster, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
 from tasks.durable import durable_resume
-from tasks.stage import resolve_precision, work_dir
+from tasks.stage import log_gemm_plan, resolve_precision, work_dir
 
 
 @task(name="train_sft_model")
@@ -49,6 +49,7 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
             model_dir, steps, final_loss = train_sft(model, tokenizer, rows, cfg, out, progress, source=train_uri,
                                                      distributed=distributed)
     get_run_logger().info("SFT finished: %d steps, final loss %.4f", steps, final_loss)
+    log_gemm_plan(run_id, "train", out)
     return tracking.log_dir(run_id, model_dir, "checkpoint")
 
 

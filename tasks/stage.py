@@ -152,6 +152,17 @@ def resolve_precision(run_id: str, section: str, cfg: BaseModel) -> BaseModel:
     return cfg.model_copy(update={"mixed_precision": resolved.precision})
 
 
+def log_gemm_plan(run_id: str, section: str, out: Path) -> None:
+    """The fp32 GEMM libraries the loop ran (grpo.kernels.gemm) and the rates it measured to choose them, as the
+    stage run's parameters `<section>.fp32_gemm.*` (the loop wrote them to its work folder)."""
+    from grpo.kernels.gemm import load_plan
+
+    plan = load_plan(out)
+    if plan is not None:  # a retried stage measured again: the run keeps its first attempt's figures
+        logged = tracking.client().get_run(run_id).data.params
+        tracking.log_params(run_id, {k: v for k, v in plan.params(section).items() if k not in logged})
+
+
 def work_key(*keys) -> str:
     """A short hash of the stage's inputs: the name of its working folder, locally or in a shard store."""
     blob = json.dumps([k.model_dump(mode="json") if isinstance(k, BaseModel) else k for k in keys], sort_keys=True)

@@ -132,3 +132,28 @@ def bwrap():
         if os.environ.get("CI"):
             pytest.fail(f"{reason} (CI is set: `make test` installs it as root; see its output)", pytrace=False)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def logged_checkpoint(prefect_harness, tmp_path_factory) -> str:
+    """A tiny model (hidden 64, 2 layers) logged as a finished stage run's checkpoint artifact: the URI a stage that
+    starts from an earlier one's model is given."""
+    import torch
+
+    from grpo.config import ModelConfig
+    from grpo.models import load_model_and_tokenizer
+    from tasks import tracking
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("logged-checkpoint")
+    model, tokenizer = load_model_and_tokenizer(ModelConfig.model_validate({"tiny": LOGGED_TINY}))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    run_id = tracking.start_run("checkpoint", tags={"stage": "sft"})
+    uri = tracking.log_dir(run_id, folder, "checkpoint")
+    tracking.end_run(run_id)
+    return uri
+
+
+LOGGED_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1}  # the model `logged_checkpoint` holds

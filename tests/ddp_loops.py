@@ -1,4 +1,4 @@
-"""The SFT, GRPO and reward-model loops on a tiny model, run alike in one process or under `accelerate launch`.
+"""The SFT, GRPO, PPO and reward-model loops on a tiny model, run alike in one process or under `accelerate launch`.
 
     accelerate launch --multi_gpu --num_processes 2 tests/ddp_loops.py OUT     # what test_distributed.py does
     accelerate launch --multi_gpu --num_processes 2 tests/ddp_loops.py OUT fsdp [RESUME]   # test_fsdp.py
@@ -8,9 +8,9 @@ other rank means a rank other than 0 reported) and its final model to OUT/<loop>
 `PromptSeededBackend`: each prompt's completions come from a generator seeded by the prompt and the step, so one
 process and two draw the same completions while their weights agree, and their curves compare; each prompt gets a
 completion budget of its own, so the processes hold unequal numbers of tokens (what DAPO's token mean must see).
-The second argument names the strategy (ddp by default); SFT's and GRPO's step-2 checkpoints are kept in
-OUT/sft-step-2 and OUT/grpo-step-2, and SFT (and under fsdp GRPO) is run again from RESUME's (another run's OUT) or
-from its own.
+PPO samples the same way, one completion a prompt. The second argument names the strategy (ddp by default); SFT's,
+GRPO's and PPO's step-2 checkpoints are kept in OUT/<loop>-step-2, and SFT (and under fsdp GRPO and PPO) is run again
+from RESUME's (another run's OUT) or from its own.
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo.config import (GRPOConfig, LoRAConfig, ModelConfig, RewardModelConfig, SamplingConfig, SFTConfig,
-                         TinyModelConfig)
+from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
+from grpo.ppo_config import PPOConfig
 from grpo.recipe import DistributedConfig
+from grpo.reward_config import RewardModelConfig
 from grpo.sampling.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator
 from grpo.training.distributed import process_share
 from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
+from grpo.training.ppo_trainer import PPOTrainer
 from grpo.training.reward_model import train_reward_model
 from grpo.training.sft_trainer import train_sft
 from grpo.training.strategy import make_strategy
@@ -53,6 +55,10 @@ GRPO = GRPOConfig(max_steps=3, prompts_per_step=4, num_generations=4, micro_batc
                   warmup_steps=0, beta=0.04, loss_type="dapo", rewards={"digits": 1.0}, checkpoint_every=2,
                   log_every=1, samples_every=1, mixed_precision="no",
                   sampling=SamplingConfig(max_new_tokens=10, temperature=1.0))
+# PPO: one completion for each of 2 x 4 = 8 prompts a step (4 per process), micro-batches of 2 rows; the KL in the
+# rewards (k1, so pi_old's log-probs are computed) and dapo's token mean over both models' losses
+PPO = GRPO.model_copy(update={"prompts_per_step": 2, "micro_batch_size": 2, "learning_rate": 3e-3})
+PPO_SETTINGS = PPOConfig(vf_coef=0.5)
 PAIRS = pd.DataFrame({"prompt": [f"Q{i}" for i in range(16)], "chosen": [f"A good answer {i}." for i in range(16)],
                       "rejected": [f"bad {i}" * (1 + i % 3) for i in range(16)]})
 RM = RewardModelConfig(model=SMALL, max_steps=3, batch_size=4, learning_rate=1e-3, warmup_steps=0, log_every=1,
@@ -110,7 +116,7 @@ class Recorder:
         checkpoint = self.folder / "checkpoints" / "step-2"
         if step == 3 and checkpoint.exists():  # the run's checkpoint, complete, before the finished run clears it
             metrics = {**metrics, "checkpoint_files": sorted(p.name for p in checkpoint.iterdir())}
-            if self.folder.name in ("sft", "grpo"):  # what an interrupted run would have left: `run_*_resumed`
+            if self.folder.name in ("sft", "grpo", "ppo"):  # what an interrupted run would have left: `run_*_resumed`
                 shutil.copytree(checkpoint, self.folder.with_name(f"{self.folder.name}-step-2"))
         self.seen[step] = metrics
         rank = os.environ.get("RANK", "0")
@@ -161,6 +167,26 @@ def run_grpo_resumed(out: Path, distributed: DistributedConfig | None = None, so
     trainer.engine = PromptSeededBackend(trainer.strategy.sampler_model(), tok)
     trainer.engine.steps = 2  # the draws of step 3 follow
     trainer.train()
+
+
+def run_ppo(out: Path, distributed: DistributedConfig | None = None, source: Path | None = None) -> None:
+    """PPO: the policy and its critic held alike by the strategy. With `source` (a step-2 checkpoint) it resumes
+    from it into OUT/ppo-resumed and trains step 3 only, on the completions the whole run sampled at step 3."""
+    folder = out / ("ppo-resumed" if source else "ppo")
+    if source:
+        place_checkpoint(source, folder)
+    model, tok = load_model_and_tokenizer(SMALL)
+    trainer = PPOTrainer(model, tok, GRPO_PROMPTS, PPO, folder, ppo=PPO_SETTINGS, on_metrics=Recorder(folder),
+                         reward_functions={"digits": digits}, progress=False, distributed=distributed)
+    trainer.engine = PromptSeededBackend(trainer.strategy.sampler_model(), tok)
+    trainer.engine.steps = 2 if source else 0
+    syncs = watch_sampler_syncs(trainer)
+    trainer.train()
+    critic = trainer.acc.unwrap_model(trainer.critic)  # the critic's whole weights, gathered on every process
+    torch.save({n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in critic.named_parameters()}, folder / f"critic-rank{trainer.acc.process_index}.pt")
+    if not source:
+        (folder / f"syncs-rank{trainer.acc.process_index}.json").write_text(json.dumps(syncs))
 
 
 def run_grpo_lora(out: Path, distributed: DistributedConfig | None = None) -> None:
@@ -254,8 +280,10 @@ def run_all(out: Path, strategy: str = "ddp", resume: Path | None = None) -> Non
     run_sft(out, distributed)
     run_sft_resumed(out, distributed, resume and resume / "sft-step-2")
     run_grpo(out, distributed)
+    run_ppo(out, distributed)
     if strategy == "fsdp":  # what the sharded strategy must also keep working (DDP's own tests cover them there)
         run_grpo_resumed(out, distributed, resume and resume / "grpo-step-2")
+        run_ppo(out, distributed, (resume or out) / "ppo-step-2")
         run_grpo_lora(out, distributed)
     run_reward_model(out, distributed)
 

@@ -1,7 +1,7 @@
 """Training across processes: two CPU processes (gloo, on 127.0.0.1) give what one process gives at the same
 global batch, and only the main one reports and saves.
 
-`accelerate launch` starts two real processes of tests/ddp_loops.py (SFT, GRPO and the reward model, a few steps
+`accelerate launch` starts two real processes of tests/ddp_loops.py (SFT, GRPO, PPO and the reward model, a few steps
 each on a tiny model); the same functions then run here in one process. Tolerances: both runs see the same rows
 (GRPO: the same completions, tests/ddp_loops.py says how) and start from the same weights, so they differ only in
 float32 rounding (every loop here pins fp32, whatever `auto` gives on this CPU): DDP sums the gradient from two
@@ -133,6 +133,29 @@ def test_grpo_on_two_processes_matches_one(runs):
         table_one, table_two = (pd.read_json(r / "grpo" / f"samples-{step}.json") for r in runs)
         assert len(table_two) == GRPO.prompts_per_step * GRPO.num_generations
         assert table_two["completion"].tolist() == table_one["completion"].tolist()
+
+
+PPO_CURVES = ["reward/total", "reward/std", "completion_length", "train/loss", "pg_loss", "value/loss", "kl",
+              "grad_norm", "value/grad_norm", "entropy", "value/explained_variance", "advantages/raw_std"]
+
+
+def assert_ppo_matches(one: Path, two: Path, loop: str = "ppo") -> None:
+    """PPO on two processes, each sampling half the prompts: the global batch's figures (the whitening of the
+    advantages, the KL, the critic's fit), the policy and the critic are one process's."""
+    a, b = reported(one, loop), reported(two, loop)
+    assert_curves_match(a, b, PPO_CURVES)
+    assert a[sorted(a)[0]]["reward/std"] > 0 and a[sorted(a)[-1]]["kl"] > 0  # rewards differed; the policy moved
+    assert_same_weights(one / loop / "model", two / loop / "model", atol=5e-4)
+    critic = torch.load(one / loop / "critic-rank0.pt")
+    for rank in (0, 1):  # the critic trained alike (gathered whole on each process)
+        got = torch.load(two / loop / f"critic-rank{rank}.pt")
+        for name, want in critic.items():
+            torch.testing.assert_close(got[name], want, rtol=0, atol=5e-4, msg=f"rank {rank}: critic {name}")
+
+
+@pytest.mark.precision
+def test_ppo_with_its_critic_on_two_processes_matches_one(runs):
+    assert_ppo_matches(*runs)
 
 
 def test_reward_model_on_two_processes_matches_one(runs):

@@ -181,7 +181,16 @@ RECIPE_CASES = {
                                        ["sft: distributed.config_file", "'fsdp-70b.yaml'"]),
     "bad judge URL": ({"rejection_sampling__judge": {"backend": "http", "base_url": "localhost:8000"}},
                       ["rejection_sampling.judge.base_url", "http://"]),
-    "unknown algorithm": ({"reasoning_grpo__algorithm": "ppo2"}, ["reasoning_grpo.algorithm", "'grpo' or 'ppo'"]),
+    "unknown algorithm": ({"reasoning_grpo__algorithm": "ppo2"}, ["reasoning_grpo.algorithm",
+                                                                  "'grpo', 'ppo' or 'online_rft'"]),
+    "online RFT reading a reward the stage does not compute": (
+        {"reasoning_grpo__algorithm": "online_rft", "reasoning_grpo__online_rft": {"correct_reward": "code"}},
+        ["reasoning_grpo", "online_rft.correct_reward 'code' is not among grpo.rewards"]),
+    "an unknown DPO loss": ({"alignment_grpo__algorithm": "dpo", "alignment_grpo__dpo__loss_type": "hinge"},
+                            ["alignment_grpo.dpo.loss_type", "'sigmoid' or 'ipo'"]),
+    "DPO with a reward model": ({"alignment_grpo__algorithm": "dpo",
+                                 "alignment_grpo__reward_model_uri": "runs:/feedbeef/reward_model"},
+                                ["alignment_grpo", "algorithm dpo trains on the preference pairs without one"]),
     "PPO discount above one": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__ppo__gamma": 1.5},
                                ["reasoning_grpo.ppo.gamma", "less than or equal to 1"]),
     "PPO setting misspelt": ({"reasoning_grpo__ppo__lambda": 0.9}, ["reasoning_grpo.ppo.lambda", "'lam'"]),
@@ -204,8 +213,6 @@ RECIPE_CASES = {
     "process supervision with PPO": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__grpo__supervision": "process",
                                       "reasoning_grpo__grpo__step_verifier": "arithmetic"},
                                      ["supervision 'outcome' with ppo"]),
-    "PPO across processes": ({"reasoning_grpo__algorithm": "ppo", "reasoning_grpo__distributed__num_processes": 2},
-                             ["algorithm ppo trains in one process"]),
     "process supervision with the code reward": ({"reasoning_grpo__grpo__supervision": "process",
                                                   "reasoning_grpo__grpo__rewards": {"code": 1.0, "format": 0.5}},
                                                  ["reasoning_grpo.grpo", "supervision 'process' cannot be used with "
@@ -332,6 +339,14 @@ def test_a_gsm8k_answer_that_is_not_a_number(ws, capsys):
                                              "answer_format": "gsm8k"})
     fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "reasoning_grpo", "--from-run", "x"],
                   "reasoning_grpo.data:", f"{path}: row 17, column 'answer'", "got '#### seventy'")
+
+
+def test_a_preference_file_with_a_tie_for_dpo(ws, capsys):
+    pair = {"prompt": "Hi", "chosen": "<answer>Hello!</answer>", "rejected": "<answer>Go away.</answer>"}
+    path = ws.jsonl("prefs.jsonl", [pair, {**pair, "rejected": pair["chosen"]}])
+    recipe = ws.recipe(alignment_grpo__algorithm="dpo", alignment_grpo__preferences={"source": path})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "alignment_grpo", "--from-run", "x"],
+                  "alignment_grpo.preferences:", f"{path}: row 1, columns 'chosen' and 'rejected'")
 
 
 def test_too_few_prompts_in_a_user_file_for_one_step(ws, capsys):

@@ -80,6 +80,10 @@ def test_cold_start_stage_tracks_everything(cold_start, mlflow_client, tmp_path)
     resolved = resolve("auto")
     assert run.data.params["train.resolved_precision"] == resolved.precision
     assert run.data.params["train.precision_reason"] == resolved.reason
+    # the GEMM library each of a linear's GEMMs ran on, and why (measured where the loop trains in fp32 on a CPU)
+    assert {run.data.params[f"train.fp32_gemm.{k}"] for k in ("forward", "input_grad", "weight_grad")} <= {"mkl",
+                                                                                                       "onednn"}
+    assert run.data.params["train.fp32_gemm.reason"]
     losses = mlflow_client.get_metric_history(result.run_id, "train/loss")
     assert [m.step for m in losses] == [2, 4]
     for key in ("eval/accuracy", "eval/format_rate", "eval/mean_completion_length", "eval/pass_at_k"):
@@ -182,6 +186,9 @@ def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, 
     assert run("sft").data.params["model.name_or_path"] == "tiny"
     assert "cold_start_sft/eval/accuracy" in parent.data.metrics
     assert "alignment_grpo/eval/accuracy" in parent.data.metrics
+    # the alignment stage's policy figures, before and after, on held-out general prompts
+    assert {"alignment_grpo/alignment/harmful_refused", "alignment_grpo/alignment/harmless_answered_before"} <= set(
+        parent.data.metrics)
     # the parent records every URI, so a later run can start from it
     assert parent.data.tags["uri.sft_checkpoint"] == stages["sft"].uris["checkpoint"]
     # the final model is registered and its alias resolves to this run's checkpoint

@@ -2,7 +2,7 @@
 process gives at the same global batch, the sampler's gathered copy is the policy, and sharded checkpoints resume on
 another process count.
 
-`accelerate launch` starts two real processes of tests/ddp_loops.py with `fsdp` (SFT, GRPO, GRPO with LoRA and
+`accelerate launch` starts two real processes of tests/ddp_loops.py with `fsdp` (SFT, GRPO, PPO, GRPO with LoRA and
 activation checkpointing, the reward model, a few steps each on a tiny model); the same functions run here in one
 process first. The tolerances are test_distributed.py's, for the same reasons (fp32 pinned, the same rows and
 completions, float32 rounding of two halves' sums only): sharding changes where each weight's gradient is summed,
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_sft_resumed
+from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_ppo, run_sft_resumed
 from grpo.recipe import DistributedConfig, ReasoningGRPOConfig
 from grpo.training import launch
-from test_distributed import (assert_curves_match, assert_gradients_of_halves, assert_same_weights,
+from test_distributed import (assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
                               assert_sft_matches, reported)
 
 HERE = Path(__file__).resolve().parent
@@ -113,6 +113,31 @@ def test_grpo_with_lora_and_checkpointing_sharded_matches_one(runs):
     assert json.loads((two / "grpo-lora" / "syncs-rank1.json").read_text()) == [0.0] * GRPO.max_steps
 
 
+@pytest.mark.precision
+def test_ppo_policy_and_critic_sharded_match_one_process(runs):
+    """PPO's two models, each sharded with its own optimizer: two processes train as one, and the sampler's copy
+    is the policy after every step."""
+    assert_ppo_matches(*runs)
+    assert json.loads((runs[1] / "ppo" / "syncs-rank1.json").read_text()) == [0.0] * GRPO.max_steps
+
+
+@pytest.mark.precision
+def test_a_sharded_ppo_checkpoint_resumes_policy_and_critic_on_another_process_count(runs, tmp_path):
+    """PPO's step-2 checkpoint holds both models' shards and both optimizers' (and schedulers): resumed on the
+    other process count, step 3 ends where the uninterrupted run ends, critic included."""
+    one, two = runs
+    files = set(reported(two, "ppo")[3]["checkpoint_files"])
+    assert {"__0_0.distcp", "__1_0.distcp", "scheduler.pt", "scheduler-1.pt", "strategy.json"} <= files, files
+    for resumed, whole in ((two, one), (tmp_path, two)):  # 1 -> 2 (in the launch), then 2 -> 1 here
+        if resumed is tmp_path:
+            run_ppo(tmp_path, FSDP, source=two / "ppo-step-2")
+        assert sorted(reported(resumed, "ppo-resumed")) == [3]
+        assert_same_weights(whole / "ppo" / "model", resumed / "ppo-resumed" / "model", atol=5e-4)
+        critic, want = (torch.load(r / "critic-rank0.pt") for r in (resumed / "ppo-resumed", whole / "ppo"))
+        for name in want:
+            torch.testing.assert_close(critic[name], want[name], rtol=0, atol=5e-4, msg=name)
+
+
 def test_reward_model_sharded_on_two_processes_matches_one(runs):
     one, two = runs
     a, b = reported(one, "rm"), reported(two, "rm")
@@ -124,7 +149,6 @@ def test_reward_model_sharded_on_two_processes_matches_one(runs):
      "grpo.weights_dtype bfloat16 keeps fp32 master weights"),
     ({"distributed": {"strategy": "fsdp"}, "grpo": {"optimizer": "adamw_8bit"}},
      "grpo.optimizer adamw_8bit (bitsandbytes) cannot step sharded weights"),
-    ({"distributed": {"strategy": "fsdp"}, "algorithm": "ppo"}, "algorithm ppo trains in one process"),
     ({"distributed": {"strategy": "fsdp", "config_file": "x.yaml"}}, "config_file (an accelerate config file)"),
     ({"distributed": {"strategy": "zero3"}}, "strategy"),
 ])

@@ -271,7 +271,10 @@ def test_too_few_prompts_for_a_ppo_step_fail_before_any_model_work(tmp_path):
 
 # -- the reasoning stage with algorithm ppo, end to end ------------------------------------------------------------
 
-def test_reasoning_stage_runs_ppo_end_to_end(prefect_harness, mlflow_client, tmp_path):
+@pytest.mark.parametrize("distributed", [{}, {"num_processes": 2, "strategy": "fsdp"}], ids=["one", "fsdp-2"])
+def test_reasoning_stage_runs_ppo_end_to_end(prefect_harness, mlflow_client, tmp_path, distributed):
+    """The stage with `algorithm: ppo`, in the task's process or launched on two sharded processes (the job
+    carries the ppo section to each)."""
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ReasoningGRPOConfig
     from tasks.tracking import download
@@ -286,6 +289,7 @@ def test_reasoning_stage_runs_ppo_end_to_end(prefect_harness, mlflow_client, tmp
         "grpo": {"max_steps": 2, "prompts_per_step": 2, "num_generations": 4, "sampling": {"max_new_tokens": 16},
                  "samples_every": 1, "checkpoint_every": 0, "learning_rate": 1e-3},
         "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 4},
+        "distributed": distributed,
     })
     result = reasoning_grpo(str(start), cfg)
     run = mlflow_client.get_run(result.run_id)

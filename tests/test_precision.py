@@ -145,12 +145,14 @@ def test_every_training_loop_of_a_stage_is_found_in_its_config():
 
     tiny = load_recipe("tiny")
     assert precision_fields(tiny.alignment_grpo) == {"reward_model.mixed_precision": "auto",
-                                                     "grpo.mixed_precision": "auto"}
+                                                     "grpo.mixed_precision": "auto",
+                                                     "dpo.mixed_precision": "auto"}  # algorithm: dpo's loop
     assert precision_fields(tiny.cold_start_sft) == {"train.mixed_precision": "auto"}
     assert precision_fields(tiny.rejection_sampling) == {}  # samples only: no training loop
     resolved = resolve_config(tiny.alignment_grpo, AVX2_CPU)
     assert {path: r.precision for path, r in resolved.items()} == {"reward_model.mixed_precision": "no",
-                                                                    "grpo.mixed_precision": "no"}
+                                                                    "grpo.mixed_precision": "no",
+                                                                    "dpo.mixed_precision": "no"}
 
 
 @CPU_ONLY

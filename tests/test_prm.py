@@ -4,7 +4,8 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import ModelConfig, RewardModelConfig, TaskConfig, TinyModelConfig
+from grpo.config import ModelConfig, TaskConfig, TinyModelConfig
+from grpo.reward_config import RewardModelConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.rewards.steps import arithmetic_steps
 from grpo.training.prm import _auc, build_prm, evaluate_prm, label_worked_solutions, prm_step_verifier, train_prm

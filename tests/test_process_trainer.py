@@ -9,7 +9,6 @@ import torch
 from grpo.config import (
     GRPOConfig,
     ModelConfig,
-    RewardModelConfig,
     SamplingConfig,
     SFTConfig,
     TaskConfig,
@@ -17,6 +16,7 @@ from grpo.config import (
 )
 from grpo.data.arithmetic import generate_problems, rl_rows, sft_rows
 from grpo.models import load_model_and_tokenizer
+from grpo.reward_config import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import arithmetic_steps
 from grpo.sampling.backend import Rollout, TransformersBackend, render_prompts

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import grpo.training.reward_model
-from grpo.config import GRPOConfig, ModelConfig, RewardModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.reward_config import RewardModelConfig
 from grpo.data.preferences import general_prompts, general_sft_rows, load_preferences, preference_pairs
 from grpo.data.tables import SFT_SCHEMA, DataError, validate_rows
 from grpo.models import is_checkpointing

@@ -143,7 +143,7 @@ def test_ctrl_c_in_a_terminal_during_training_stops_it_and_the_next_run_resumes(
     step = resumable_step(Path(work))
 
     again = r1(*args)
-    assert again.proc.wait(300) == 0, again.output()[-3000:]
+    assert again.proc.wait(600) == 0, again.output()[-3000:]  # a few minutes of steps on a busy 2-core machine
     resumed = next(r for r in again.runs() if r.data.tags.get("stage") == "cold_start_sft"
                    and r.info.status == "FINISHED")
     assert int(resumed.data.tags["r1.resumed_from_step"]) == step >= 5

@@ -7,10 +7,14 @@
 | `process` | process supervision: step rewards normalised over the group, token advantages `[N, C]` from step ends |
 | `prm` | the process reward model: Math-Shepherd step labels from rollouts, training, and use as a step verifier |
 | `logprobs` | per-token log-probs of completions, with a group's shared prompt run once (chunked head for large vocabularies) |
-| `grpo_trainer` | the GRPO loop: sample, score, advantages, optimise (`GRPOTrainer`) |
+| `grpo_trainer` | the GRPO loop: sample, score, advantages, optimise (`GRPOTrainer`), with step hooks |
+| `dynamic` | DAPO's dynamic sampling: groups whose rewards differ, kept from several draws into one batch |
 | `ppo`, `value`, `ppo_trainer` | PPO with a critic, GRPO's measured baseline: GAE and the clipped losses (pure), the value model, the loop (`PPOTrainer`) |
 | `sft_trainer` | the SFT loop of stages 1 and 4 (`train_sft`) |
 | `reward_model` | the Bradley-Terry reward model of stage 5, trained and used as a reward function |
+| `rm_refresh` | the iterative reward model: pairs from the policy's groups, the refresh GRPO's step hook runs |
+| `rft` | online RFT's gradient coefficient (1 for a correct sample, 0 otherwise), which GRPO's loop trains with in place of advantages |
+| `dpo` | DPO for stage 5 (`algorithm: dpo`): the sigmoid and IPO losses (pure) and the loop (`train_dpo`) |
 | `checkpoints` | resumable checkpoints of the loops, written whole (manifest last) and verified before loading; folder manifests |
 | `accelerator` | the Accelerator, the optimizer and the clip/step/zero sequence every loop shares |
 | `schedules` | learning-rate schedules by name, transformers' own without importing `transformers.optimization` (which loads peft and bitsandbytes) |

@@ -70,3 +70,23 @@ def optimizer_step(acc: Accelerator, model: torch.nn.Module, optimizer, schedule
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def shared_gemm_plan(acc: Accelerator, setting: str, model: torch.nn.Module, tokens: int, output_dir):
+    """The loop's fp32 GEMM plan (grpo.kernels.gemm): measured on the main process and sent to the others, so
+    every process runs the same kernels; written to `output_dir` for the stage to log. A run resumed in its folder
+    keeps the plan the folder holds, so it goes on with the kernels it started with."""
+    from accelerate.utils import broadcast_object_list
+
+    from grpo.kernels.gemm import load_plan, loop_plan
+
+    plans = [None]
+    if acc.is_main_process:
+        held = load_plan(output_dir)
+        plans = [held if held is not None and held.setting == setting else
+                 loop_plan(setting, model, tokens, acc.mixed_precision, acc.device.type)]
+    if acc.num_processes > 1:
+        broadcast_object_list(plans)
+    if acc.is_main_process:
+        plans[0].save(output_dir)
+    return plans[0]

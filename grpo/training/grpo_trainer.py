@@ -24,7 +24,7 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -35,6 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.checks import check_fsdp_settings
 from grpo.config import GenerationConfig, GRPOConfig
 from grpo.kernels.attention import cpu_attention
+from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.recipe import DistributedConfig
@@ -42,10 +43,12 @@ from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, ma
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
-from grpo.sampling.engines import Engine, Rollout, build_engine, pad_right, require_tokens, sampling_dtype
-from grpo.training.accelerator import make_accelerator, optimizer_step
+from grpo.sampling.backend import render_prompts
+from grpo.sampling.engines import Engine, Rollout, build_engine, require_tokens, sampling_dtype
+from grpo.training.accelerator import make_accelerator, optimizer_step, shared_gemm_plan
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
+from grpo.training.dynamic import concat_groups, spread_groups
 from grpo.training.distributed import (check_split, gather_table, main_only, matched_chunks, process_share,
                                        process_weight, reduce_metrics, sampling_seed)
 from grpo.training.logprobs import token_logps
@@ -60,6 +63,24 @@ SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compa
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
+
+
+class StepHook(Protocol):
+    """Work the loop does after every step with that step's samples (the iterative reward model's refresh,
+    grpo.training.rm_refresh), whose state travels in the loop's checkpoints."""
+
+    def after_step(self, step: int, table: pd.DataFrame) -> dict[str, float]:
+        """The step's samples, every process's (`prompt`, `completion`, `reward`, `reward/<name>`, in groups of
+        G rows); returns figures to log with the step's. Called on every process, with the same table."""
+
+    def save(self, folder: Path) -> None:
+        """Its state into a checkpoint folder (the main process calls it)."""
+
+    def load(self, folder: Path) -> None:
+        """Its state back from a checkpoint folder (every process calls it)."""
+
+    def finish(self, output_dir: Path) -> None:
+        """What it leaves beside the trained model when the loop ends (the main process calls it)."""
 
 
 class Batch(NamedTuple):
@@ -102,7 +123,8 @@ class GRPOTrainer:
                  on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
                  reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
                  step_verifiers: Mapping[str, StepVerifier] | None = None,
-                 distributed: DistributedConfig | None = None):
+                 distributed: DistributedConfig | None = None, hooks: Sequence[StepHook] = (),
+                 coefficients: Callable[[object], torch.Tensor] | None = None):
         if "prompt" not in prompts.columns:
             raise ValueError(f"GRPO prompts need a 'prompt' column; found {list(prompts.columns)}")
         if len(prompts) < cfg.prompts_per_step:
@@ -139,6 +161,7 @@ class GRPOTrainer:
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
         self.output_dir = Path(output_dir)
         self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
+        self.hooks = list(hooks)
         self.acc = make_accelerator(cfg.mixed_precision)
         self.strategy = make_strategy(self.acc, distributed)  # how the processes hold the policy
         check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)  # whole groups per process
@@ -172,7 +195,15 @@ class GRPOTrainer:
         self.engine = engine or build_engine(generation or GenerationConfig(), self.strategy.sampler_model(dtype),
                                              tokenizer, dtype=dtype, who="GRPO")
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
+        # fp32 on a CPU: the faster GEMM library of each of a linear's GEMMs, measured at a micro-batch's tokens
+        rendered = render_prompts(tokenizer, self.prompts["prompt"][:16].tolist())
+        prompt_tokens = max(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered)
+        self.gemm = shared_gemm_plan(self.acc, cfg.fp32_gemm, self.acc.unwrap_model(self.model),
+                                     cfg.micro_batch_size * (prompt_tokens + cfg.sampling.max_new_tokens),
+                                     self.output_dir)
         self.completions_per_prompt = cfg.num_generations  # G; PPO's trainer samples one per prompt
+        # each sample's coefficient [N] from the step's scores in place of group advantages (grpo.training.rft)
+        self.coefficients = coefficients
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
@@ -208,7 +239,7 @@ class GRPOTrainer:
         stats = {"dynamic/refill_rounds": 0.0}
         if not self.cfg.dynamic_sampling:
             return rollout, idx, scores, stats
-        parts = [(rollout, scores, idx, _spread_groups(scores.total, G))]
+        parts = [(rollout, scores, idx, spread_groups(scores.total, G))]
         # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too
         stats["dynamic/first_draw_reward"] = sum(scores.total) / len(scores.total)
         stats["dynamic/first_draw_zero_std_groups"] = 1 - len(parts[0][3]) / len(idx)
@@ -219,9 +250,9 @@ class GRPOTrainer:
                                                         self.cfg.seed, draw))
             r = self.sample(more)
             s = self.score(r, more)
-            parts.append((r, s, more, _spread_groups(s.total, G)))
+            parts.append((r, s, more, spread_groups(s.total, G)))
             stats["dynamic/refill_rounds"] = float(draw)
-        rollout, idx, scores = _concat_groups(parts, G, want, self.tokenizer.pad_token_id)
+        rollout, idx, scores = concat_groups(parts, G, want, self.tokenizer.pad_token_id)
         stats["dynamic/groups"] = float(len(idx))
         return rollout, idx, scores, stats
 
@@ -246,7 +277,9 @@ class GRPOTrainer:
     def build_batch(self, rollout: Rollout, rewards: list[float], steps: StepRewards | None = None) -> Batch:
         cfg = self.cfg
         C = rollout.completion_ids.size(1)
-        if steps is None:
+        if self.coefficients is not None:  # `rewards` are already each sample's coefficient: no baseline, no scale
+            advantages = torch.tensor(rewards, dtype=torch.float32)  # [N]
+        elif steps is None:
             advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.num_generations,
                                           scale=cfg.scale_rewards)  # [N]
         else:
@@ -334,8 +367,8 @@ class GRPOTrainer:
                    disable=not self.progress or not self.acc.is_main_process)
         policy = self.acc.unwrap_model(self.model)
         core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
-        with (cpu_attention(core, self.ref_model), compact_mlp(core),
-              activation_checkpointing(core, self.checkpointing)):
+        with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
+              fp32_gemm(self.ref_model, self.gemm), activation_checkpointing(core, self.checkpointing)):
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = self.output_dir / "model"
@@ -346,6 +379,8 @@ class GRPOTrainer:
             if main:  # with LoRA: merged weights (what the next stage loads) and the adapter alone beside them
                 save_merged(whole, model_dir, self.output_dir / "adapter")
                 self.tokenizer.save_pretrained(model_dir)
+                for hook in self.hooks:
+                    hook.finish(self.output_dir)
                 shutil.rmtree(ckpt_root, ignore_errors=True)
         return GRPOResult(model_dir, cfg.max_steps)
 
@@ -358,7 +393,10 @@ class GRPOTrainer:
             rollout, idx, scores, metrics = self.collect(step)
             steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
             t_gen = time.perf_counter() - t0
-            batch = self.build_batch(rollout, scores.total, steps)
+            rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
+            if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise
+                metrics["rft/correct"] = sum(rewards) / len(rewards)
+            batch = self.build_batch(rollout, rewards, steps)
             # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
             # the policy itself has nothing to compare)
             k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))
@@ -371,6 +409,10 @@ class GRPOTrainer:
             elapsed = time.perf_counter() - t0
             done = step + 1
             metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen, t_ref))
+            if self.hooks:  # every process's samples (a collective: each process calls it every step)
+                table = gather_table(self.acc, self._samples_table(rollout, idx, scores))
+                for hook in self.hooks:
+                    metrics.update(hook.after_step(done, table))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/total']:.3f}")
             main = self.acc.is_main_process  # the one that reports; the others join the reductions
@@ -422,10 +464,21 @@ class GRPOTrainer:
 
     def _save(self, root: Path, step: int) -> None:
         # two: a damaged newest one falls back to the one before
-        save_checkpoint(self.acc, root, step, keep=2, save_state=self.strategy.save_state)
+        save_checkpoint(self.acc, root, step, keep=2, save_state=self._save_state)
+
+    def _save_state(self, folder: str) -> None:
+        self.strategy.save_state(Path(folder))
+        if self.acc.is_main_process:
+            for hook in self.hooks:
+                hook.save(Path(folder))
+
+    def _load_state(self, folder: str) -> None:
+        self.strategy.load_state(Path(folder))
+        for hook in self.hooks:
+            hook.load(Path(folder))
 
     def _resume(self, root: Path) -> int:
-        step = load_newest_checkpoint(self.acc, root, self.strategy.load_state)
+        step = load_newest_checkpoint(self.acc, root, self._load_state)
         if step:
             self.sync_sampler()  # loaded in place: the sampler's copies (if any) must see the checkpoint's weights
         return step
@@ -453,48 +506,3 @@ def _chunks(n: int, size: int) -> list[slice]:
 def _mean_scored(values: list[float | None]) -> float:
     scored = [v for v in values if v is not None]
     return sum(scored) / len(scored) if scored else math.nan
-
-
-def _spread_groups(total: list[float], G: int) -> list[int]:
-    """Indices of groups whose rewards differ (the only ones that carry a gradient)."""
-    groups = torch.tensor(total).view(-1, G)  # [B, G]
-    return [g for g in range(groups.size(0)) if groups[g].max() > groups[g].min()]
-
-
-def _concat_groups(parts, G: int, want: int, pad_id: int):
-    """Keep up to `want` groups with reward spread from several draws; with none at all, keep the first draw.
-
-    `parts` holds (rollout, scores, prompt indices, kept group numbers) per draw; returns the same three things
-    `collect` returns for a plain step.
-    """
-    chosen = [(r, s, g, idx[g]) for r, s, idx, kept in parts for g in kept][:want]
-    if not chosen:  # no group had spread: train on the first draw (zero advantages; only the KL term acts)
-        r, s, idx, _ = parts[0]
-        chosen = [(r, s, g, idx[g]) for g in range(len(idx))]
-    rows = lambda g: slice(g * G, (g + 1) * G)  # noqa: E731
-    prompt_w = max(r.prompt_ids.size(1) for r, *_ in chosen)
-
-    def left(t: torch.Tensor, value) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (prompt_w - t.size(1), 0), value=value)
-
-    rollout = Rollout(
-        prompt_ids=torch.cat([left(r.prompt_ids[rows(g)], pad_id) for r, _, g, _ in chosen]),
-        prompt_mask=torch.cat([left(r.prompt_mask[rows(g)], 0) for r, _, g, _ in chosen]),
-        completion_ids=pad_right([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
-        completion_mask=pad_right([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
-        logprobs=None if chosen[0][0].logprobs is None else pad_right(
-            [r.logprobs[rows(g)] for r, _, g, _ in chosen], 0.0),
-        truncated=torch.cat([r.truncated[rows(g)] for r, _, g, _ in chosen]),
-        texts=[t for r, _, g, _ in chosen for t in r.texts[rows(g)]],
-    )
-    first = chosen[0][1]
-    scores = type(first)(
-        per_function={name: [v for _, s, g, _ in chosen for v in s.per_function[name][rows(g)]]
-                      for name in first.per_function},
-        total=[v for _, s, g, _ in chosen for v in s.total[rows(g)]],
-        failures={name: sum(s.failures.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
-                  for name in first.failures},
-        skipped={name: sum(s.skipped.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
-                 for name in first.skipped},
-    )
-    return rollout, [i for *_, i in chosen], scores

@@ -24,9 +24,15 @@ from torch import Tensor
 from grpo.training.loss import AGGREGATORS, k3_kl
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of `x` over the mask's tokens (0 when there are none)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x: Tensor, mask: Tensor, total=None) -> Tensor:
+    """Mean of `x` over the mask's tokens (0 when there are none). `total` sums a tensor over the processes that
+    each hold part of the batch, for the global batch's mean (the identity, or None, in one process)."""
+    total = total or _itself
+    return total((x * mask).sum()) / total(mask.sum()).clamp(min=1)
+
+
+def _itself(t: Tensor) -> Tensor:
+    return t
 
 
 def token_rewards(scores: Tensor, mask: Tensor, logps: Tensor | None = None, ref_logps: Tensor | None = None,
@@ -72,19 +78,25 @@ def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float =
     return advantages, (advantages + values) * mask
 
 
-def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over the mask's tokens (unbiased std, as TRL's); zero outside the mask."""
-    n = mask.sum()
-    mean = (x * mask).sum() / n.clamp(min=1)
-    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, total=None) -> Tensor:
+    """(x - mean) / std over the mask's tokens (unbiased std, as TRL's); zero outside the mask.
+
+    `total` sums a tensor over the processes that each hold part of the batch (the identity in one process), so the
+    mean and std are the global batch's.
+    """
+    total = total or _itself
+    n = total(mask.sum())
+    mean = total((x * mask).sum()) / n.clamp(min=1)
+    var = total((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the mask's tokens: 1 = a perfect critic, 0 = a constant one."""
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, total=None) -> float:
+    """1 - Var(returns - values) / Var(returns) over the mask's tokens: 1 = a perfect critic, 0 = a constant one.
+    `total`: as `masked_mean`'s."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask, total)) ** 2, mask, total)
     residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    var_residual = masked_mean((residual - masked_mean(residual, mask, total)) ** 2, mask, total)
     return float(1 - var_residual / var_returns) if var_returns > 0 else float("nan")
 
 

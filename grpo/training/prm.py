@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import TINY, ModelConfig, RewardModelConfig, SamplingConfig
+from grpo.config import TINY, ModelConfig, SamplingConfig
+from grpo.reward_config import RewardModelConfig
 from grpo.data.arithmetic import Problem, format_response
 from grpo.models import _DTYPES, check_model_config, load_tokenizer
 from grpo.rewards import accuracy_reward

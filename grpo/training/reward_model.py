@@ -13,7 +13,7 @@ synthetic pairs in grpo.data.preferences teach. The loop has no resumable checkp
 
 Run it alone:
     from grpo.data.preferences import preference_pairs
-    from grpo.config import RewardModelConfig
+    from grpo.reward_config import RewardModelConfig
     from grpo.training.reward_model import train_reward_model
     result = train_reward_model(preference_pairs(1000), RewardModelConfig(), "out/rm",
                                 heldout=preference_pairs(200, split="heldout"))
@@ -42,7 +42,8 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
-from grpo.config import TINY, ModelConfig, RewardModelConfig
+from grpo.config import TINY, ModelConfig
+from grpo.reward_config import RewardModelConfig
 from grpo.data.tables import DataError
 from grpo.models import _DTYPES, activation_checkpointing, check_model_config, load_tokenizer
 from grpo.recipe import DistributedConfig

@@ -7,6 +7,7 @@ whatever the strategy; none branches on it:
 | call | `ddp` (and one process) | `fsdp` |
 |---|---|---|
 | `prepare(model, optimizer, scheduler)` | accelerate's `prepare`: DDP across processes | FSDP2 (`fully_shard`): one unit per decoder layer, then the root; the optimizer steps the shards |
+| `prepare(...)` again (PPO's critic) | the same, beside the first | the same; the checkpoints hold both models and both optimizers |
 | `accumulate(model)` | accelerate's: DDP's `no_sync` but on the last micro-batch | the same, through FSDP2's `set_requires_gradient_sync` |
 | `no_sync(model, last)` | DDP's `no_sync` unless `last` | FSDP2's gradient sync off unless `last` |
 | `whole_model(model)` | the model itself | a plain copy holding the whole fp32 weights, on the main process (None elsewhere) |
@@ -25,6 +26,10 @@ while each samples its own prompts to its own lengths): the sampler's copy is th
 each process (with the KV cache, the only whole-model memory), refreshed after every optimizer step one weight at
 a time, never the whole model in fp32 at once. The frozen reference stays whole too (see `GRPOTrainer`). Every
 gather is a collective under the process group's timeout (`distributed.collective_timeout_s`).
+
+The first model prepared is the policy: the one the sampler reads and the final checkpoint saves. A loop that
+trains a second model beside it (PPO's critic) prepares it after the policy with its own optimizer and scheduler;
+each is sharded, stepped and checkpointed on its own, and both resume on any process count.
 
 Must not depend on Prefect or MLflow.
 """
@@ -70,7 +75,8 @@ class Strategy:
         """The model (and its optimizer and scheduler) ready to train across the processes."""
         prepared = self.acc.prepare(*[x for x in (model, optimizer, scheduler) if x is not None])
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
-        self._policy = self.acc.unwrap_model(prepared[0])
+        if self._policy is None:  # the first model prepared is the policy (the sampler's, the final checkpoint's)
+            self._policy = self.acc.unwrap_model(prepared[0])
         return prepared if len(prepared) > 1 else prepared[0]
 
     def accumulate(self, model: torch.nn.Module):
@@ -139,13 +145,17 @@ class FSDPStrategy(Strategy):
         self._skeleton: torch.nn.Module | None = None  # the model's structure with meta weights
         self._sampler: torch.nn.Module | None = None
         self._synced_frozen = False  # frozen weights (LoRA's base) are gathered once, at the first sync
-        self._model: torch.nn.Module | None = None
-        self._optimizer = None
-        self._scheduler = None
+        # what each `prepare` gave, in order: (model, optimizer, scheduler); the first is the policy
+        self._held: list[tuple[torch.nn.Module, object, object]] = []
+
+    @property
+    def _model(self) -> torch.nn.Module | None:
+        return self._held[0][0] if self._held else None
 
     def prepare(self, model: torch.nn.Module, optimizer=None, scheduler=None):
         if self.sharded:
-            self._skeleton = _meta_copy(model)  # the structure the whole copies (sampler, final weights) are made in
+            if not self._held:  # the structure the policy's whole copies (sampler, final weights) are made in
+                self._skeleton = _meta_copy(model)
             names = {id(p): n for n, p in model.named_parameters()}
             model = self._shard(model)
             if optimizer is not None:
@@ -158,10 +168,9 @@ class FSDPStrategy(Strategy):
         else:
             out = super().prepare(model, optimizer, scheduler)
             out = out if isinstance(out, tuple) else (out,)
-        self._model = out[0]
-        self._policy = self.acc.unwrap_model(out[0])
-        self._optimizer = out[1] if optimizer is not None else None
-        self._scheduler = out[-1] if scheduler is not None else None
+        if not self._held:
+            self._policy = self.acc.unwrap_model(out[0])
+        self._held.append((out[0], out[1] if optimizer is not None else None, out[-1] if scheduler is not None else None))
         return out if len(out) > 1 else out[0]
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -208,6 +217,8 @@ class FSDPStrategy(Strategy):
     def whole_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
         if not self.sharded:
             return super().whole_model(model)
+        if model is not self._model:
+            raise ValueError("whole_model gathers the policy (the first model prepared), not another")
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # every process joins the gathers; the main one receives the whole fp32 weights in CPU memory
@@ -294,8 +305,9 @@ class FSDPStrategy(Strategy):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         dcp.save(self._state(), checkpoint_id=str(folder))  # each process writes its shards; metadata last
-        if self.acc.is_main_process and self._scheduler is not None:
-            torch.save(self._scheduler.state_dict(), folder / SCHEDULER_FILE)
+        for i, (_, _, scheduler) in enumerate(self._held):
+            if self.acc.is_main_process and scheduler is not None:
+                torch.save(scheduler.state_dict(), folder / _scheduler_file(i))
         torch.save(_rng_state(), folder / f"rng-{self.acc.process_index}.pt")
         self._record(folder)
 
@@ -311,28 +323,45 @@ class FSDPStrategy(Strategy):
         state = self._state()
         # the shards are read by what each process holds now, so a checkpoint of N processes loads on M
         dcp.load(state, checkpoint_id=str(folder), no_dist=not self.sharded)
-        if self._optimizer is not None:
-            set_state_dict(self._model, self._inner_optimizers(), model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(self._model, state["model"])
-        if self._scheduler is not None and (folder / SCHEDULER_FILE).exists():
-            self._scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=False))
+        for i, (model, optimizer, scheduler) in enumerate(self._held):
+            key = _state_key(i)
+            if optimizer is not None:
+                set_state_dict(model, [_inner(optimizer)], model_state_dict=state[f"model{key}"],
+                               optim_state_dict=state[f"optim{key}"])
+            else:
+                set_model_state_dict(model, state[f"model{key}"])
+            if scheduler is not None and (folder / _scheduler_file(i)).exists():
+                scheduler.load_state_dict(torch.load(folder / _scheduler_file(i), weights_only=False))
         mine = folder / f"rng-{self.acc.process_index}.pt"
         if mine.exists():  # a process the checkpoint did not have draws anew (the loops reseed by step anyway)
             _set_rng_state(torch.load(mine, weights_only=False))
 
-    def _inner_optimizers(self):
-        opt = self._optimizer
-        return [getattr(opt, "optimizer", opt)] if opt is not None else []
-
     def _state(self) -> dict:
+        """Every prepared model's (and optimizer's) state: `model`/`optim` for the policy, `model_1`/`optim_1` for
+        the model prepared after it."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        if self._optimizer is None:
-            return {"model": get_model_state_dict(self._model)}
-        model_state, optim_state = get_state_dict(self._model, self._inner_optimizers())
-        return {"model": model_state, "optim": optim_state}
+        state = {}
+        for i, (model, optimizer, _) in enumerate(self._held):
+            key = _state_key(i)
+            if optimizer is None:
+                state[f"model{key}"] = get_model_state_dict(model)
+            else:
+                state[f"model{key}"], state[f"optim{key}"] = get_state_dict(model, [_inner(optimizer)])
+        return state
+
+
+def _state_key(i: int) -> str:
+    return f"_{i}" if i else ""
+
+
+def _scheduler_file(i: int) -> str:
+    return SCHEDULER_FILE if not i else f"scheduler-{i}.pt"
+
+
+def _inner(optimizer):
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -55,23 +55,32 @@ def _distributed(job: dict):
 
 def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_model: str | None = None,
                      prm: str | None = None, ppo=None, generation=None, on_metrics=None, on_samples=None,
-                     distributed=None):
+                     distributed=None, refresh=None, online_rft=None):
     """The GRPO (or, with `ppo`, PPO) trainer of a stage, from local inputs only: the stage task's own process and
     each launched process build it the same way.
 
     `reward_model` and `prm` are local folders: the alignment stage's reward model (the "reward_model" reward) and
     the process reward model that scores steps (`step_verifier: prm`). `generation`: the stage's engine section.
-    `distributed`: the stage's section (its strategy decides how the processes hold the policy).
+    `distributed`: the stage's section (its strategy decides how the processes hold the policy). `refresh`: the
+    iterative reward model, (its RewardModelConfig, the original preference pairs, held-out pairs or None).
+    `online_rft`: its settings (an OnlineRFTConfig) when the stage runs online RFT, GRPO's loop with a coefficient a
+    sample.
     """
     from grpo.models import load_model_and_tokenizer
     from grpo.rewards import REWARD_FUNCTIONS
     from grpo.training.grpo_trainer import GRPOTrainer
     from grpo.training.reward_model import RewardModelScorer, reward_model_reward
 
-    reward_functions = None
+    reward_functions, hooks = None, []
     if reward_model:
         scorer = RewardModelScorer.from_pretrained(reward_model)
         reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
+        if refresh is not None:  # the scorer GRPO reads, trained further on the policy's samples
+            from grpo.training.rm_refresh import RewardModelRefresh
+
+            rm_cfg, replay, heldout = refresh
+            hooks.append(RewardModelRefresh(scorer, rm_cfg, cfg.rewards, cfg.num_generations, replay=replay,
+                                            heldout=heldout))
     model, tokenizer = load_model_and_tokenizer(model_cfg)
     kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions,
                   generation=generation, distributed=distributed)
@@ -84,23 +93,42 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
         from grpo.training.prm import prm_step_verifier
 
         step_verifiers = {"prm": prm_step_verifier(prm)}
-    return GRPOTrainer(model, tokenizer, rows, cfg, output_dir, step_verifiers=step_verifiers, **kwargs)
+    coefficients = None
+    if online_rft is not None:
+        from grpo.rft_config import check_rft_settings
+        from grpo.training.rft import coefficient_function
+
+        check_rft_settings(cfg, online_rft)  # the recipe checked it; a caller of its own may not have
+        coefficients = coefficient_function(online_rft)
+    return GRPOTrainer(model, tokenizer, rows, cfg, output_dir, step_verifiers=step_verifiers, hooks=hooks,
+                       coefficients=coefficients, **kwargs)
 
 
 def _grpo(job: dict, events: EventWriter) -> dict:
     from grpo.config import GenerationConfig, GRPOConfig, ModelConfig
+    from grpo.ppo_config import PPOConfig
+    from grpo.rft_config import OnlineRFTConfig
 
+    ppo = PPOConfig.model_validate(job["ppo"]) if job.get("ppo") else None  # PPO with a critic instead
+    refresh = None
+    if job.get("refresh"):  # the iterative reward model: its settings, the original pairs, the held-out ones
+        from grpo.reward_config import RewardModelConfig
+
+        refresh = (RewardModelConfig.model_validate(job["refresh"]), pd.read_parquet(job["refresh_pairs"]),
+                   pd.read_parquet(job["refresh_heldout"]) if job.get("refresh_heldout") else None)
+    online_rft = OnlineRFTConfig.model_validate(job["online_rft"]) if job.get("online_rft") else None
     trainer = build_rl_trainer(ModelConfig.model_validate(job["model"]), pd.read_parquet(job["rows"]),
                                GRPOConfig.model_validate(job["cfg"]), job["output_dir"],
-                               reward_model=job.get("reward_model"), prm=job.get("prm"),
+                               reward_model=job.get("reward_model"), prm=job.get("prm"), ppo=ppo, refresh=refresh,
                                generation=GenerationConfig.model_validate(job.get("generation") or {}),
-                               on_metrics=events.metrics, on_samples=events.samples, distributed=_distributed(job))
+                               on_metrics=events.metrics, on_samples=events.samples, distributed=_distributed(job),
+                               online_rft=online_rft)
     result = trainer.train()
     return {"model_dir": str(result.model_dir), "steps": result.steps}
 
 
 def _reward_model(job: dict, events: EventWriter) -> dict:
-    from grpo.config import RewardModelConfig
+    from grpo.reward_config import RewardModelConfig
     from grpo.training.reward_model import train_reward_model
 
     heldout = pd.read_parquet(job["heldout"]) if job.get("heldout") else None
@@ -110,7 +138,21 @@ def _reward_model(job: dict, events: EventWriter) -> dict:
     return {**result._asdict(), "model_dir": str(result.model_dir)}
 
 
-LOOPS = {"sft": _sft, "grpo": _grpo, "reward_model": _reward_model}
+def _dpo(job: dict, events: EventWriter) -> dict:
+    from grpo.config import ModelConfig
+    from grpo.dpo_config import DPOConfig
+    from grpo.models import load_model_and_tokenizer
+    from grpo.training.dpo import train_dpo
+
+    model, tokenizer = load_model_and_tokenizer(ModelConfig.model_validate(job["model"]))
+    heldout = pd.read_parquet(job["heldout"]) if job.get("heldout") else None
+    result = train_dpo(model, tokenizer, pd.read_parquet(job["rows"]), DPOConfig.model_validate(job["cfg"]),
+                       job["output_dir"], events.metrics, heldout=heldout, source=job["source"],
+                       distributed=_distributed(job))
+    return {**result._asdict(), "model_dir": str(result.model_dir)}
+
+
+LOOPS = {"sft": _sft, "grpo": _grpo, "reward_model": _reward_model, "dpo": _dpo}
 
 
 def run_job(job: dict) -> None:

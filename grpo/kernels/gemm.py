@@ -1,0 +1,228 @@
+"""fp32 linears on this machine's faster GEMM library: MKL (torch's CPU default) or oneDNN.
+
+A CPU build of torch runs an fp32 `F.linear` and its backward through MKL's sgemm. On AMD CPUs MKL takes its generic
+AVX2 kernels whatever the CPU has, while oneDNN (in torch already, behind `torch.ops.mkldnn._linear_pointwise`) uses
+the AVX-512 ones where they exist: measured 2.4x on an AMD EPYC with full-width AVX-512 at the GRPO step's shapes,
+about even on an AVX2-only one, and little on Intel CPUs (where MKL uses AVX-512 too). Which is faster is a fact of
+the machine, so it is measured, not assumed: `gemm_plan` times both libraries on the loop's own shapes, for each of
+the three GEMMs of a linear layer (the forward `x W^T`, the input gradient `g W` and the weight gradient `g^T x`),
+and keeps the faster of each. `fp32_gemm(model, plan)` then runs the model's plain fp32 linear layers through it.
+Both libraries compute in fp32 and round as fp32 does (errors against fp64 of the same size): the choice moves
+results by rounding only, which tests/test_gemm.py holds.
+
+The oneDNN op is private. `onednn_problem()` checks it, at first use, on a small product against `F.linear`: a torch
+whose op is missing or changed falls back to MKL with the reason said (under `auto`), or fails (`onednn` forced),
+never slows or drifts unseen. bf16 and fp16 compute (autocast) already goes through oneDNN and is left alone.
+
+The loops' setting is `fp32_gemm: auto | mkl | onednn` (SFT's `train`, GRPO's `grpo` sections); the plan and the
+rates measured are written to the loop's output folder (`gemm.json`) and logged by the stage as parameters.
+
+Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+F = torch.nn.functional
+KINDS = ("forward", "input_grad", "weight_grad")  # the three GEMMs of a linear layer's forward and backward
+LIBRARIES = ("mkl", "onednn")
+PLAN_FILE = "gemm.json"
+
+
+class GemmPlan(NamedTuple):
+    """Which library runs each of a linear layer's GEMMs, and what was measured to decide (GFLOP/s by
+    "<kind>/<library>"; empty when the setting forced the choice)."""
+
+    forward: str = "mkl"
+    input_grad: str = "mkl"
+    weight_grad: str = "mkl"
+    rates: dict[str, float] = {}
+    reason: str = "the default"
+    setting: str = "mkl"  # the loop's `fp32_gemm` it was made for
+
+    def uses_onednn(self) -> bool:
+        return "onednn" in (self.forward, self.input_grad, self.weight_grad)
+
+    def params(self, section: str) -> dict[str, str]:
+        """As the stage logs it: `<section>.fp32_gemm.<kind>` and the rates, one parameter each."""
+        out = {f"{section}.fp32_gemm.{kind}": getattr(self, kind) for kind in KINDS}
+        out[f"{section}.fp32_gemm.reason"] = self.reason
+        out.update({f"{section}.fp32_gemm.gflops.{k}": f"{v:.1f}" for k, v in self.rates.items()})
+        return out
+
+    def save(self, folder: str | Path) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / PLAN_FILE).write_text(json.dumps(self._asdict()))
+
+
+def load_plan(folder: str | Path) -> GemmPlan | None:
+    path = Path(folder) / PLAN_FILE
+    return GemmPlan(**json.loads(path.read_text())) if path.exists() else None
+
+
+# -- the private op, checked -------------------------------------------------------------------------------------------
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] times weight [N, K] transposed (+ bias [N]) through oneDNN; strided views are read as they are."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_problem() -> str | None:
+    """Why oneDNN's linear cannot be used in this torch (None: it can): the op must exist and give `F.linear`'s
+    product, its input-gradient and weight-gradient forms included, within fp32 rounding."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return f"torch {torch.__version__} has no torch.ops.mkldnn._linear_pointwise"
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=gen) for s in ((37, 24), (19, 24), (19,)))
+    g = torch.randn(37, 19, generator=gen)
+    try:
+        got = [_onednn_linear(x, w, b), _onednn_linear(g, w.t(), None), _onednn_linear(g.t(), x.t(), None)]
+    except Exception as e:  # noqa: BLE001 (any failure of a private op is the answer)
+        return f"torch.ops.mkldnn._linear_pointwise failed on a small product: {type(e).__name__}: {e}"
+    want = [F.linear(x, w, b), g @ w, g.t() @ x]
+    for kind, a, e in zip(KINDS, got, want):
+        if a.shape != e.shape or not torch.allclose(a, e, rtol=1e-5, atol=1e-5):
+            return f"torch.ops.mkldnn._linear_pointwise gives another {kind} product than F.linear's"
+    return None
+
+
+# -- the autograd function ----------------------------------------------------------------------------------------------
+
+class PlannedLinear(torch.autograd.Function):
+    """F.linear with each of its three GEMMs on the library the plan names."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemmPlan):
+        ctx.save_for_backward(x, weight)
+        ctx.plan, ctx.has_bias = plan, bias is not None
+        x2 = x.reshape(-1, x.size(-1))  # [M, K]
+        y = _onednn_linear(x2, weight, bias) if plan.forward == "onednn" else F.linear(x2, weight, bias)
+        return y.view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        plan = ctx.plan
+        g = grad.reshape(-1, grad.size(-1))  # [M, N]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gx = _onednn_linear(g, weight.t(), None) if plan.input_grad == "onednn" else g @ weight  # [M, K]
+            grad_x = gx.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.size(-1))  # [M, K]
+            grad_w = _onednn_linear(g.t(), x2.t(), None) if plan.weight_grad == "onednn" else g.t() @ x2  # [N, K]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)  # [N]
+        return grad_x, grad_w, grad_b, None
+
+
+def _plain_fp32(module: torch.nn.Module) -> bool:
+    return (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu" and "forward" not in vars(module))
+
+
+def _planned_forward(module: torch.nn.Linear, plan: GemmPlan):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        w = module.weight
+        if (x.dtype != torch.float32 or torch.is_autocast_enabled("cpu") or not isinstance(w, torch.Tensor)
+                or type(w).__name__ == "DTensor"):
+            return F.linear(x, w, module.bias)  # autocast's bf16 is oneDNN's already; a sharded weight is FSDP's
+        return PlannedLinear.apply(x, w, module.bias, plan)
+
+    return forward
+
+
+@contextlib.contextmanager
+def fp32_gemm(model: torch.nn.Module | None, plan: GemmPlan | None) -> Iterator[None]:
+    """Within the block, the model's plain fp32 CPU linear layers run their GEMMs as `plan` says; their own forward
+    is restored after. Nothing changes where the plan is MKL's throughout (torch's default path)."""
+    patched = []
+    if model is not None and plan is not None and plan.uses_onednn():
+        for module in model.modules():
+            if _plain_fp32(module):
+                module.forward = _planned_forward(module, plan)
+                patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+# -- measuring ------------------------------------------------------------------------------------------------------------
+
+def linear_shapes(model: torch.nn.Module, tokens: int) -> list[tuple[int, int, int]]:
+    """(M, K, N) of the model's distinct fp32 linear layers at `tokens` rows a micro-batch."""
+    return sorted({(tokens, m.in_features, m.out_features) for m in model.modules() if _plain_fp32(m)})
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm: first calls allocate and pick kernels
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(shapes: Sequence[tuple[int, int, int]], reps: int = 3) -> dict[str, float]:
+    """GFLOP/s of each GEMM kind on each library over `shapes` (the best of `reps` runs, summed over the shapes)."""
+    seconds = {f"{kind}/{lib}": 0.0 for kind in KINDS for lib in LIBRARIES}
+    flops = 0.0
+    gen = torch.Generator().manual_seed(0)
+    for M, K, N in shapes:
+        x, w, g = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen), torch.randn(M, N, generator=gen)
+        runs = {"forward/mkl": lambda: F.linear(x, w), "forward/onednn": lambda: _onednn_linear(x, w, None),
+                "input_grad/mkl": lambda: g @ w, "input_grad/onednn": lambda: _onednn_linear(g, w.t(), None),
+                "weight_grad/mkl": lambda: g.t() @ x, "weight_grad/onednn": lambda: _onednn_linear(g.t(), x.t(), None)}
+        for key, fn in runs.items():
+            seconds[key] += _time(fn, reps)
+        flops += 2.0 * M * K * N
+    return {key: flops / s / 1e9 for key, s in seconds.items()}
+
+
+def gemm_plan(setting: str, shapes: Sequence[tuple[int, int, int]]) -> GemmPlan:
+    """The plan for `fp32_gemm: setting` ("auto", "mkl" or "onednn") on these shapes. Measured once a process for
+    a given set of shapes: two loops of one process on the same model run the same kernels, so their numbers agree
+    to the bit where they would without the plan (a resumed run keeps the plan its folder holds: `shared_gemm_plan`)."""
+    return _gemm_plan(setting, tuple(sorted(set(shapes))))
+
+
+@functools.cache
+def _gemm_plan(setting: str, shapes: tuple[tuple[int, int, int], ...]) -> GemmPlan:
+    if setting == "mkl":
+        return GemmPlan(reason="fp32_gemm: mkl", setting=setting)
+    problem = onednn_problem()
+    if setting == "onednn":
+        if problem:
+            raise RuntimeError(f"fp32_gemm: onednn cannot be used here: {problem}; set fp32_gemm to auto or mkl")
+        return GemmPlan("onednn", "onednn", "onednn", reason="fp32_gemm: onednn", setting=setting)
+    if setting != "auto":
+        raise ValueError(f"fp32_gemm must be auto, mkl or onednn, got {setting!r}")
+    if problem:
+        return GemmPlan(reason=f"auto: MKL, since {problem}", setting=setting)
+    if not shapes:
+        return GemmPlan(reason="auto: no fp32 linear layer to measure", setting=setting)
+    rates = measure(shapes)
+    picks = {kind: max(LIBRARIES, key=lambda lib: rates[f"{kind}/{lib}"]) for kind in KINDS}
+    return GemmPlan(**picks, rates=rates, reason="auto: the faster of each, measured on the loop's shapes",
+                    setting=setting)
+
+
+def loop_plan(setting: str, model: torch.nn.Module, tokens: int, precision: str, device_type: str) -> GemmPlan:
+    """A training loop's plan: measured (or forced) where it computes in fp32 on a CPU, torch's own path elsewhere."""
+    if device_type != "cpu" or precision != "no":
+        return GemmPlan(reason=f"not an fp32 CPU loop ({precision} on {device_type}): torch's own path",
+                        setting=setting)
+    return gemm_plan(setting, linear_shapes(model, tokens))

@@ -1,0 +1,56 @@
+"""DAPO's dynamic sampling: which groups carry a gradient (their rewards differ), and one batch made of the groups
+kept from several draws. GRPOTrainer's `collect` calls them when `dynamic_sampling` is on.
+
+Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.sampling.engines import Rollout, pad_right
+
+
+def spread_groups(total: list[float], G: int) -> list[int]:
+    """Indices of groups whose rewards differ (the only ones that carry a gradient)."""
+    groups = torch.tensor(total).view(-1, G)  # [B, G]
+    return [g for g in range(groups.size(0)) if groups[g].max() > groups[g].min()]
+
+
+def concat_groups(parts, G: int, want: int, pad_id: int):
+    """Keep up to `want` groups with reward spread from several draws; with none at all, keep the first draw.
+
+    `parts` holds (rollout, scores, prompt indices, kept group numbers) per draw; returns the same three things
+    `collect` returns for a plain step.
+    """
+    chosen = [(r, s, g, idx[g]) for r, s, idx, kept in parts for g in kept][:want]
+    if not chosen:  # no group had spread: train on the first draw (zero advantages; only the KL term acts)
+        r, s, idx, _ = parts[0]
+        chosen = [(r, s, g, idx[g]) for g in range(len(idx))]
+    rows = lambda g: slice(g * G, (g + 1) * G)  # noqa: E731
+    prompt_w = max(r.prompt_ids.size(1) for r, *_ in chosen)
+
+    def left(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (prompt_w - t.size(1), 0), value=value)
+
+    rollout = Rollout(
+        prompt_ids=torch.cat([left(r.prompt_ids[rows(g)], pad_id) for r, _, g, _ in chosen]),
+        prompt_mask=torch.cat([left(r.prompt_mask[rows(g)], 0) for r, _, g, _ in chosen]),
+        completion_ids=pad_right([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
+        completion_mask=pad_right([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
+        logprobs=None if chosen[0][0].logprobs is None else pad_right(
+            [r.logprobs[rows(g)] for r, _, g, _ in chosen], 0.0),
+        truncated=torch.cat([r.truncated[rows(g)] for r, _, g, _ in chosen]),
+        texts=[t for r, _, g, _ in chosen for t in r.texts[rows(g)]],
+    )
+    first = chosen[0][1]
+    scores = type(first)(
+        per_function={name: [v for _, s, g, _ in chosen for v in s.per_function[name][rows(g)]]
+                      for name in first.per_function},
+        total=[v for _, s, g, _ in chosen for v in s.total[rows(g)]],
+        failures={name: sum(s.failures.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
+                  for name in first.failures},
+        skipped={name: sum(s.skipped.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
+                 for name in first.skipped},
+    )
+    return rollout, [i for *_, i in chosen], scores

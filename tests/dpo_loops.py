@@ -1,0 +1,51 @@
+"""The DPO loop on a tiny model, run alike in one process or under `accelerate launch` (tests/test_dpo_distributed.py):
+
+    accelerate launch --multi_gpu --num_processes 2 tests/dpo_loops.py OUT
+
+runs it under each strategy (ddp, then fsdp) into OUT/<strategy>: the metrics its processes reported go to
+OUT/<strategy>/metrics-rank<R>.json (a file from a rank other than 0 means that rank reported) and the final model to
+OUT/<strategy>/model. A checkpoint is written at step 2 of 3, so saving goes through each strategy too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from grpo.config import ModelConfig, TinyModelConfig
+from grpo.data.preferences import preference_pairs
+from grpo.dpo_config import DPOConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.recipe import DistributedConfig
+from grpo.training.dpo import train_dpo
+
+SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+DPO = DPOConfig(max_steps=3, batch_size=4, learning_rate=1e-2, warmup_steps=0, mixed_precision="no",
+                checkpoint_every=2, log_every=1)
+STRATEGIES = ("ddp", "fsdp")
+
+
+def run_dpo(out: Path, strategy: str) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model, tokenizer = load_model_and_tokenizer(SMALL)
+    seen: dict[int, dict[str, float]] = {}
+    train_dpo(model, tokenizer, preference_pairs(16), DPO, out, lambda s, m: seen.setdefault(s, {}).update(m),
+              heldout=preference_pairs(6, split="heldout"), progress=False,
+              distributed=DistributedConfig(strategy=strategy))
+    if seen:
+        (out / f"metrics-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen))
+
+
+def run_all(out: Path) -> None:
+    for strategy in STRATEGIES:
+        run_dpo(out / strategy, strategy)
+
+
+if __name__ == "__main__":
+    run_all(Path(sys.argv[1]))

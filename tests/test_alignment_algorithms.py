@@ -1,0 +1,99 @@
+"""The alignment stage with either algorithm through its real flow, tasks and MLflow (SQLite in the session's temp
+folder): DPO end to end (trained, evaluated, logged and registered, no reward model), the refusal figures both
+algorithms log, and the refusal detector on the synthetic pairs it was written for."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo.data.preferences import REFUSAL, general_prompts, is_refusal, preference_pairs
+from grpo.recipe import AlignmentGRPOConfig
+
+from conftest import LOGGED_TINY as TINY
+EVAL = {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 4}
+
+
+def test_the_refusal_detector_reads_the_synthetic_refusals_and_nothing_else():
+    pairs = preference_pairs(400)
+    harmful = pairs["kind"] == "harmful"
+    # every chosen answer to a harmful request is a refusal; no chosen answer to a harmless one is
+    assert pairs["chosen"][harmful].map(is_refusal).all()
+    assert not pairs["chosen"][~harmful].map(is_refusal).any()
+    # of the rejected: the over-cautious refusal is one; compliance, rudeness, empty or off-topic answers are not
+    flaw_refuses = pairs.groupby("flaw")["rejected"].agg(lambda r: set(r.map(is_refusal)))
+    assert flaw_refuses.to_dict() == {"refusal": {True}, "complies": {False}, "rude": {False}, "empty": {False},
+                                      "repeat": {False}, "off_topic": {False}}
+    assert is_refusal(f"  {REFUSAL}") and is_refusal("<answer>I cannot do that.</answer>")
+    assert is_refusal("<think>x</think><answer>I\u2019m unable to help.</answer>")  # a typographic apostrophe
+    assert not is_refusal("<think>Sorry to hear.</think><answer>Boil it for 9 minutes.</answer>")  # the answer counts
+    # the held-out general prompts the stage measures on mix harmful requests with harmless ones, none trained on
+    heldout = general_prompts(64, split="heldout")
+    assert 0 < (heldout["category"] == "harmful").sum() < 64
+    assert not set(heldout["prompt"]) & set(preference_pairs(1000)["prompt"])
+
+
+def stage_config(algorithm: str, name: str, **extra) -> AlignmentGRPOConfig:
+    return AlignmentGRPOConfig.model_validate({
+        "model": {"tiny": TINY}, "data": {"num_train": 16, "num_heldout": 8}, "general_prompts": 8,
+        "preferences": {"num_train": 32, "num_heldout": 16}, "algorithm": algorithm,
+        "dpo": {"max_steps": 3, "batch_size": 8, "learning_rate": 1e-3, "log_every": 1, "checkpoint_every": 2,
+                "mixed_precision": "no"},
+        "reward_model": {"model": {"tiny": TINY}, "max_steps": 2, "batch_size": 8, "mixed_precision": "no"},
+        "grpo": {"max_steps": 1, "prompts_per_step": 2, "num_generations": 2, "sampling": {"max_new_tokens": 8},
+                 "samples_every": 0, "checkpoint_every": 0, "mixed_precision": "no",
+                 "rewards": {"accuracy": 1.0, "format": 0.5, "reward_model": 1.0}},
+        "eval": EVAL, "refusal_prompts": 16, "registered_model": name, **extra})
+
+
+def test_the_stage_trains_by_dpo_end_to_end(prefect_harness, mlflow_client, logged_checkpoint):
+    from flows.alignment_grpo import alignment_grpo
+    from tasks.tracking import download
+
+    torch.set_num_threads(1)
+    result = alignment_grpo(logged_checkpoint, stage_config("dpo", "r1-dpo-test"))
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["algorithm"] == "dpo"
+    assert run.data.params["dpo.resolved_precision"] == "no"
+    history = mlflow_client.get_metric_history(result.run_id, "dpo/loss")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert history[0].value == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as its reference
+    metrics = run.data.metrics
+    assert {"dpo/accuracy", "dpo/margin", "dpo/heldout_accuracy", "eval/accuracy"} <= set(metrics)
+    assert "eval/accuracy_before" in result.metrics  # held-out reasoning, before and after, as with GRPO
+    assert not any(k.startswith(("rm/", "reward/")) for k in metrics)  # no reward model, no GRPO
+    assert "reward_model" not in result.uris
+    # the refusal figures, before and after, in the run and in the stage's result
+    for key in ("alignment/harmful_refused", "alignment/harmless_answered"):
+        assert 0.0 <= metrics[key] <= 1.0 and key in result.metrics and f"{key}_before" in result.metrics
+    counts = metrics["alignment/harmful_prompts"] + metrics["alignment/harmless_prompts"]
+    assert counts == 16
+    tables = {a.path for a in mlflow_client.list_artifacts(result.run_id, "alignment")}
+    assert tables == {"alignment/refusals_step_0.json", "alignment/refusals_step_3.json"}
+    # the logged model is the DPO-trained one, registered as this run's version
+    version = result.uris["registered_model"].rsplit("/", 1)[1]
+    assert mlflow_client.get_model_version("r1-dpo-test", version).run_id == result.run_id
+    trained = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"])).state_dict()
+    start = AutoModelForCausalLM.from_pretrained(download(logged_checkpoint)).state_dict()
+    assert any(not torch.equal(trained[k], start[k]) for k in start)
+
+
+def test_grpo_alignment_logs_the_refusal_figures_too(prefect_harness, mlflow_client, logged_checkpoint):
+    from flows.alignment_grpo import alignment_grpo
+
+    torch.set_num_threads(1)
+    result = alignment_grpo(logged_checkpoint, stage_config("grpo", "r1-grpo-refusals", eval_before=False))
+    metrics = mlflow_client.get_run(result.run_id).data.metrics
+    assert {"alignment/harmful_refused", "alignment/harmless_answered", "rm/heldout_accuracy"} <= set(metrics)
+    assert "alignment/harmful_refused_before" not in result.metrics and "reward_model" in result.uris
+
+
+def test_the_recipe_checks_dpo_settings():
+    for reward_model in ({"reward_model_uri": "runs:/abc/reward_model"}, {"reward_model": {"refresh_every": 5}}):
+        with pytest.raises(ValueError, match="algorithm dpo trains on the preference pairs without one"):
+            AlignmentGRPOConfig(algorithm="dpo", **reward_model)
+    with pytest.raises(ValueError, match=r"loss_type"):
+        AlignmentGRPOConfig(algorithm="dpo", dpo={"loss_type": "hinge"})
+    with pytest.raises(ValueError, match=r"dpo.batch_size \(6\) must be a multiple of distributed.num_processes \(4\)"):
+        AlignmentGRPOConfig(algorithm="dpo", dpo={"batch_size": 6}, distributed={"num_processes": 4})
+    cfg = AlignmentGRPOConfig(algorithm="dpo", dpo={"loss_type": "ipo", "beta": 0.5})
+    assert cfg.process_batches() == {"dpo.batch_size": 16}

@@ -1,0 +1,196 @@
+"""Online RFT: the coefficient against hand-worked numbers, its loss and gradient against a naive per-sample loop
+(an all-wrong and an all-right group included), the recipe's checks, and a step of the GRPO trainer on a real tiny
+model trained with the coefficients in place of the group advantages."""
+
+import pandas as pd
+import pytest
+import torch
+from pydantic import ValidationError
+
+from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.recipe import ReasoningGRPOConfig
+from grpo.rewards import REWARD_FUNCTIONS
+from grpo.rft_config import OnlineRFTConfig
+from grpo.training.advantages import group_advantages
+from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loss import grpo_loss
+from grpo.training.rft import coefficient_function, rft_coefficients
+
+SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+
+
+def test_the_coefficient_is_one_for_a_correct_sample_and_zero_otherwise():
+    # threshold 1.0 on the accuracy reward: only a verified answer counts; None (not scorable) never does
+    assert rft_coefficients([1.0, 0.0, None, 0.999, 2.0], 1.0).tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert rft_coefficients([0.5, 0.4], 0.5).tolist() == [1.0, 0.0]
+    assert rft_coefficients([], 1.0).shape == (0,)
+
+
+def naive_rft(logps, ref, correct, mask, beta):
+    """Per sample, per token, in Python: loss -c·ρ + β·k3 (ρ = exp(logp - logp.detach()) = 1, whose gradient is the
+    log-prob's), the mean over a sequence's tokens, then the mean over sequences; c = 1 if correct else 0."""
+    B, T = logps.shape
+    total = 0.0
+    for b in range(B):
+        c = 1.0 if correct[b] else 0.0  # no baseline, no normalisation
+        seq, n = 0.0, 0
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            ratio = torch.exp(logps[b, t] - logps[b, t].detach())
+            d = ref[b, t] - logps[b, t]
+            seq = seq - c * ratio + beta * (torch.exp(d) - d - 1)
+            n += 1
+        total = total + seq / max(n, 1)
+    return total / B
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradient_match_a_naive_per_sample_loop(beta):
+    torch.manual_seed(0)
+    G = 4
+    # group 0 mixed, group 1 all wrong, group 2 all right
+    rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    correct = [r >= 1.0 for r in rewards]
+    B, T = len(rewards), 5
+    mask = (torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,))[:, None]).float()
+    ref = torch.randn(B, T) - 2
+    base = torch.randn(B, T) - 2
+    coefficients = rft_coefficients(rewards, 1.0)
+
+    logps = base.clone().requires_grad_(True)
+    loss, stats = grpo_loss(logps, None, ref if beta else None, coefficients, mask, beta=beta)
+    loss.backward()
+    naive_logps = base.clone().requires_grad_(True)
+    expected = naive_rft(naive_logps, ref, correct, mask, beta)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    assert torch.allclose(logps.grad, naive_logps.grad, atol=1e-7)
+
+    # the policy-gradient part by hand: each correct sample's tokens get -1/(B·|o|), the others nothing
+    pg_grad = torch.zeros(B, T)
+    for b in range(B):
+        if correct[b]:
+            pg_grad[b] = -mask[b] / (B * mask[b].sum())
+    kl_grad = logps.grad - pg_grad
+    if beta == 0:
+        assert kl_grad.abs().max() < 1e-9
+    # the all-wrong group (rows 4-7): no policy gradient at all, only the KL's (0 with beta 0)
+    assert torch.allclose(logps.grad[4:8], kl_grad[4:8], atol=1e-9)
+    # the all-right group (rows 8-11): each sample pushed up as in SFT on it, where GRPO's advantage is 0
+    assert coefficients[8:].tolist() == [1.0] * 4
+    assert group_advantages(torch.tensor(rewards), G)[8:].abs().max() == 0
+    assert (pg_grad[8:] * mask[8:]).sum(-1).tolist() == pytest.approx([-1 / B] * 4)
+    assert stats["pg_loss"] == pytest.approx(-sum(correct) / B, abs=1e-6)  # ratio 1: -(mean coefficient)
+
+
+def test_the_recipe_selects_online_rft_and_refuses_what_it_cannot_honour():
+    cfg = ReasoningGRPOConfig(algorithm="online_rft", online_rft={"correct_reward": "format", "threshold": 0.5})
+    assert cfg.online_rft == OnlineRFTConfig(correct_reward="format", threshold=0.5)
+    with pytest.raises(ValidationError, match=r"online_rft.correct_reward 'code' is not among grpo.rewards"):
+        ReasoningGRPOConfig(algorithm="online_rft", online_rft={"correct_reward": "code"})
+    with pytest.raises(ValidationError, match=r"grpo.dynamic_sampling .* set it to false"):
+        ReasoningGRPOConfig(algorithm="online_rft", grpo={"dynamic_sampling": True})
+    with pytest.raises(ValidationError, match=r"supervision 'outcome' with online_rft"):
+        ReasoningGRPOConfig(algorithm="online_rft", grpo={"supervision": "process", "step_verifier": "arithmetic"})
+    with pytest.raises(ValidationError, match=r"extra"):
+        ReasoningGRPOConfig(algorithm="online_rft", online_rft={"treshold": 1.0})
+    ReasoningGRPOConfig(grpo={"dynamic_sampling": True})  # GRPO keeps its own options
+
+
+def every_third(completions, **_):
+    """'Correct' for completions 0, 3, 6, ... of a step: a fixed mix of right and wrong, whatever is sampled."""
+    return [1.0 if i % 3 == 0 else 0.0 for i in range(len(completions))]
+
+
+def test_a_trainer_step_trains_each_sample_with_its_coefficient(tmp_path):
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(SMALL)
+    prompts = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
+    cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0, beta=0.04,
+                     learning_rate=1e-2, mixed_precision="no", sampling=SamplingConfig(max_new_tokens=8),
+                     rewards={"accuracy": 1.0, "format": 0.5})
+    seen = {}
+    trainer = GRPOTrainer(model, tok, prompts, cfg, tmp_path, progress=False,
+                          reward_functions={**REWARD_FUNCTIONS, "accuracy": every_third},
+                          coefficients=coefficient_function(OnlineRFTConfig()),
+                          on_metrics=lambda step, m: seen.__setitem__(step, m))
+    rollout, idx, scores, _ = trainer.collect(0)
+    coefficients = trainer.coefficients(scores)
+    assert coefficients.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    batch = trainer.build_batch(rollout, coefficients.tolist())
+    assert batch.advantages.tolist() == coefficients.tolist()  # as they are: no group mean taken, no std
+    from grpo.training.logprobs import token_logps
+
+    C = rollout.completion_ids.size(1)
+    before, _ = token_logps(trainer.model, batch.input_ids, batch.attention_mask, C, 1.0)
+    trainer.optimise(batch)
+    with torch.no_grad():
+        after, _ = token_logps(trainer.model, batch.input_ids, batch.attention_mask, C, 1.0)
+    change = ((after - before.detach()) * batch.completion_mask).sum(-1)  # [N]
+    assert change[coefficients == 1].mean() > 0  # the correct samples became more likely
+
+    trainer.train()  # the loop logs GRPO's figures and the share of correct samples
+    assert seen[1]["rft/correct"] == pytest.approx(3 / 8)
+    assert {"reward/total", "reward/accuracy", "kl", "train/loss", "grad_norm"} <= set(seen[1])
+
+
+def test_the_stage_trainer_refuses_settings_online_rft_cannot_honour(tmp_path):
+    from grpo.training.worker import build_rl_trainer
+
+    prompts = pd.DataFrame({"prompt": ["Say 1", "Say 2"], "answer": ["1", "2"]})
+    cfg = GRPOConfig(prompts_per_step=2, num_generations=2, dynamic_sampling=True)
+    with pytest.raises(ValueError, match="grpo.dynamic_sampling drops groups"):
+        build_rl_trainer(SMALL, prompts, cfg, tmp_path, online_rft=OnlineRFTConfig())
+    with pytest.raises(ValueError, match="online_rft.correct_reward 'code' is not among grpo.rewards"):
+        build_rl_trainer(SMALL, prompts, GRPOConfig(prompts_per_step=2, num_generations=2), tmp_path,
+                         online_rft=OnlineRFTConfig(correct_reward="code"))
+
+
+def test_the_reasoning_stage_runs_online_rft_through_its_flow(prefect_harness, mlflow_client, logged_checkpoint):
+    from conftest import LOGGED_TINY
+    from flows.reasoning_grpo import reasoning_grpo
+
+    torch.set_num_threads(1)
+    config = ReasoningGRPOConfig.model_validate({
+        "model": {"tiny": LOGGED_TINY}, "data": {"num_train": 16, "num_heldout": 4}, "algorithm": "online_rft",
+        "grpo": {"max_steps": 2, "prompts_per_step": 2, "num_generations": 2, "sampling": {"max_new_tokens": 8},
+                 "samples_every": 0, "checkpoint_every": 0, "mixed_precision": "no"},
+        "eval": {"num_prompts": 4, "num_samples": 0, "max_new_tokens": 8, "num_logged_samples": 2},
+        "eval_before": False})
+    result = reasoning_grpo(logged_checkpoint, config)
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["algorithm"] == "online_rft"
+    assert run.data.params["online_rft.correct_reward"] == "accuracy"
+    history = mlflow_client.get_metric_history(result.run_id, "rft/correct")
+    assert [m.step for m in history] == [1, 2] and all(0.0 <= m.value <= 1.0 for m in history)
+    # what counted as correct is what the accuracy reward said: the same share
+    accuracy = {m.step: m.value for m in mlflow_client.get_metric_history(result.run_id, "reward/accuracy")}
+    assert all(m.value == pytest.approx(accuracy[m.step]) for m in history)
+    assert "eval/accuracy" in result.metrics and result.uris["checkpoint"].endswith("/checkpoint")
+
+
+def test_a_launched_process_runs_online_rft_from_its_job_file(tmp_path):
+    """What each process of a launched stage runs (grpo.training.worker), here in this process: the job's
+    `online_rft` section reaches the trainer, and the main process reports rft/correct."""
+    import json
+
+    from grpo.training.worker import run_job
+
+    torch.set_num_threads(1)
+    pd.DataFrame({"prompt": [f"Say {i}" for i in range(4)], "answer": [str(i) for i in range(4)]}).to_parquet(
+        tmp_path / "rows.parquet")
+    cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=2, checkpoint_every=0, mixed_precision="no",
+                     sampling=SamplingConfig(max_new_tokens=4))
+    job = {"loop": "grpo", "model": SMALL.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
+           "rows": str(tmp_path / "rows.parquet"), "output_dir": str(tmp_path / "out"),
+           "events": str(tmp_path / "events.jsonl"), "result": str(tmp_path / "result.json"),
+           "online_rft": OnlineRFTConfig(correct_reward="format", threshold=0.0).model_dump(mode="json")}
+    run_job(job)
+    assert json.loads((tmp_path / "result.json").read_text())["steps"] == 1
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    metrics = [e["metrics"] for e in events if "metrics" in e]  # beside the step's samples table
+    assert metrics[0]["rft/correct"] == 1.0  # threshold 0 on the format reward: every scored completion counts
