@@ -198,9 +198,9 @@ class SFTConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)  # gradient clipping
     max_seq_len: int = Field(384, ge=2)  # prompt + response tokens; longer rows are cut at the end of the response
     mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
-    # fp32 linears on a CPU: "mkl" (torch's default path), "onednn", or "auto" to time both on the loop's shapes
-    # and keep the faster of each GEMM (grpo.kernels.gemm; not yet kept in durable checkpoints, so not the default)
-    fp32_gemm: Literal["auto", "mkl", "onednn"] = "mkl"
+    # fp32 linears on a CPU: "auto" times MKL (torch's default path) and oneDNN on the loop's shapes and keeps the
+    # faster of each GEMM (grpo.kernels.gemm); "mkl" or "onednn" forces one
+    fp32_gemm: Literal["auto", "mkl", "onednn"] = "auto"
     gradient_checkpointing: bool = False  # trade compute for memory on real models
     checkpoint_every: int = Field(100, ge=0)  # steps between resumable checkpoints (0 = only at the end)
     keep_checkpoints: int = Field(2, ge=1)  # resumable checkpoints kept on disk (two: a damaged newest falls back)
@@ -273,9 +273,9 @@ class GRPOConfig(BaseModel):
     # recompute each layer in the backward: less memory, one more forward; "auto": on a GPU, off on a CPU
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
-    # fp32 linears on a CPU: "mkl" (torch's default path), "onednn", or "auto" to time both on the loop's shapes
-    # and keep the faster of each GEMM (grpo.kernels.gemm; not yet kept in durable checkpoints, so not the default)
-    fp32_gemm: Literal["auto", "mkl", "onednn"] = "mkl"
+    # fp32 linears on a CPU: "auto" times MKL (torch's default path) and oneDNN on the loop's shapes and keeps the
+    # faster of each GEMM (grpo.kernels.gemm); "mkl" or "onednn" forces one
+    fp32_gemm: Literal["auto", "mkl", "onednn"] = "auto"
     # the frozen reference's weights: "auto" is bf16 on a GPU whose loop runs in bf16 (half its memory), else the
     # policy's dtype
     reference_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -14,8 +14,13 @@ The oneDNN op is private. `onednn_problem()` checks it, at first use, on a small
 whose op is missing or changed falls back to MKL with the reason said (under `auto`), or fails (`onednn` forced),
 never slows or drifts unseen. bf16 and fp16 compute (autocast) already goes through oneDNN and is left alone.
 
-The loops' setting is `fp32_gemm: auto | mkl | onednn` (SFT's `train`, GRPO's `grpo` sections); the plan and the
-rates measured are written to the loop's output folder (`gemm.json`) and logged by the stage as parameters.
+The loops' setting is `fp32_gemm: auto | mkl | onednn` (SFT's `train`, GRPO's `grpo` sections; `auto` by default);
+the plan and the rates measured are written to the loop's output folder (`gemm.json`), carried in each of its
+checkpoints, and logged by the stage as parameters. A resumed run goes on with the plan it started with where it
+runs on the same CPU (so it resumes to the bit, wherever its checkpoint was restored from), and measures again on
+another (whose kernels round otherwise anyway). `auto` takes oneDNN for a GEMM only where it measures clearly
+faster (`ONEDNN_MARGIN`): where the two are about even, the timing noise of a busy machine would otherwise pick
+one library in one process and the other in the next.
 
 Must not depend on Prefect or MLflow.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import platform
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,6 +42,9 @@ F = torch.nn.functional
 KINDS = ("forward", "input_grad", "weight_grad")  # the three GEMMs of a linear layer's forward and backward
 LIBRARIES = ("mkl", "onednn")
 PLAN_FILE = "gemm.json"
+# oneDNN's rate over MKL's that `auto` needs to take oneDNN for a GEMM: 2.4x where MKL runs AVX2 kernels on an
+# AVX-512 CPU; 0.7-1.1x on an AVX2-only or an Intel CPU, where runs of one machine vary by ~10% with its load
+ONEDNN_MARGIN = 1.15
 
 
 class GemmPlan(NamedTuple):
@@ -48,6 +57,7 @@ class GemmPlan(NamedTuple):
     rates: dict[str, float] = {}
     reason: str = "the default"
     setting: str = "mkl"  # the loop's `fp32_gemm` it was made for
+    cpu: str = ""  # the CPU it was measured on (`cpu_model()`; empty where nothing was measured)
 
     def uses_onednn(self) -> bool:
         return "onednn" in (self.forward, self.input_grad, self.weight_grad)
@@ -56,6 +66,8 @@ class GemmPlan(NamedTuple):
         """As the stage logs it: `<section>.fp32_gemm.<kind>` and the rates, one parameter each."""
         out = {f"{section}.fp32_gemm.{kind}": getattr(self, kind) for kind in KINDS}
         out[f"{section}.fp32_gemm.reason"] = self.reason
+        if self.cpu:
+            out[f"{section}.fp32_gemm.cpu"] = self.cpu
         out.update({f"{section}.fp32_gemm.gflops.{k}": f"{v:.1f}" for k, v in self.rates.items()})
         return out
 
@@ -65,8 +77,38 @@ class GemmPlan(NamedTuple):
 
 
 def load_plan(folder: str | Path) -> GemmPlan | None:
+    """The plan a loop's output folder, or one of its checkpoints, holds (None: none, or one unreadable)."""
     path = Path(folder) / PLAN_FILE
-    return GemmPlan(**json.loads(path.read_text())) if path.exists() else None
+    try:
+        return GemmPlan(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # no file, or one cut short or of another version: measure again
+        return None
+
+
+def resumed_plan(held: GemmPlan | None, setting: str) -> GemmPlan | None:
+    """The plan a resumed loop goes on with: the one it started with (`held`, from its folder or checkpoint) when
+    made for the same setting and, where it was measured, on this CPU; else None, and it is made anew."""
+    if held is None or held.setting != setting:
+        return None
+    return held if not held.rates or held.cpu == cpu_model() else None
+
+
+@functools.cache
+def cpu_model() -> str:
+    """This CPU as its kernels are chosen: vendor, family and model, and its name (Linux's /proc/cpuinfo)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not key.strip():  # the first processor's block is enough: every core is the same model
+                break
+    except OSError:
+        return platform.machine() or "unknown"
+    if "cpu family" not in fields:
+        return fields.get("model name") or platform.machine() or "unknown"
+    return (f"{fields.get('vendor_id', '')} family {fields['cpu family']} model {fields.get('model', '?')} "
+            f"({fields.get('model name', '')})")
 
 
 # -- the private op, checked -------------------------------------------------------------------------------------------
@@ -195,7 +237,7 @@ def measure(shapes: Sequence[tuple[int, int, int]], reps: int = 3) -> dict[str, 
 def gemm_plan(setting: str, shapes: Sequence[tuple[int, int, int]]) -> GemmPlan:
     """The plan for `fp32_gemm: setting` ("auto", "mkl" or "onednn") on these shapes. Measured once a process for
     a given set of shapes: two loops of one process on the same model run the same kernels, so their numbers agree
-    to the bit where they would without the plan (a resumed run keeps the plan its folder holds: `shared_gemm_plan`)."""
+    to the bit where they would without the plan (a resumed run keeps the plan it started with: `resumed_plan`)."""
     return _gemm_plan(setting, tuple(sorted(set(shapes))))
 
 
@@ -215,9 +257,10 @@ def _gemm_plan(setting: str, shapes: tuple[tuple[int, int, int], ...]) -> GemmPl
     if not shapes:
         return GemmPlan(reason="auto: no fp32 linear layer to measure", setting=setting)
     rates = measure(shapes)
-    picks = {kind: max(LIBRARIES, key=lambda lib: rates[f"{kind}/{lib}"]) for kind in KINDS}
-    return GemmPlan(**picks, rates=rates, reason="auto: the faster of each, measured on the loop's shapes",
-                    setting=setting)
+    picks = {kind: "onednn" if rates[f"{kind}/onednn"] >= ONEDNN_MARGIN * rates[f"{kind}/mkl"] else "mkl"
+             for kind in KINDS}
+    return GemmPlan(**picks, rates=rates, setting=setting, cpu=cpu_model(),
+                    reason=f"auto: measured on the loop's shapes, oneDNN where {ONEDNN_MARGIN}x MKL's rate or more")
 
 
 def loop_plan(setting: str, model: torch.nn.Module, tokens: int, precision: str, device_type: str) -> GemmPlan:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -74,16 +75,19 @@ def optimizer_step(acc: Accelerator, model: torch.nn.Module, optimizer, schedule
 
 def shared_gemm_plan(acc: Accelerator, setting: str, model: torch.nn.Module, tokens: int, output_dir):
     """The loop's fp32 GEMM plan (grpo.kernels.gemm): measured on the main process and sent to the others, so
-    every process runs the same kernels; written to `output_dir` for the stage to log. A run resumed in its folder
-    keeps the plan the folder holds, so it goes on with the kernels it started with."""
+    every process runs the same kernels; written to `output_dir` for the stage to log, and carried by each
+    checkpoint. A resumed run, in its folder or from a checkpoint restored elsewhere, goes on with the kernels it
+    started with where the CPU is the same (grpo.kernels.gemm.resumed_plan)."""
     from accelerate.utils import broadcast_object_list
 
-    from grpo.kernels.gemm import load_plan, loop_plan
+    from grpo.kernels.gemm import load_plan, loop_plan, resumed_plan
+    from grpo.training.checkpoints import latest_checkpoint
 
     plans = [None]
     if acc.is_main_process:
-        held = load_plan(output_dir)
-        plans = [held if held is not None and held.setting == setting else
+        newest = latest_checkpoint(Path(output_dir) / "checkpoints")
+        held = load_plan(output_dir) or (load_plan(newest) if newest is not None else None)
+        plans = [resumed_plan(held, setting) or
                  loop_plan(setting, model, tokens, acc.mixed_precision, acc.device.type)]
     if acc.num_processes > 1:
         broadcast_object_list(plans)

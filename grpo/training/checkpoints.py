@@ -9,7 +9,9 @@ log line and set aside (`damaged-step-<n>`), and the loop resumes from the one b
 starts over when none is whole. The same manifest guards any folder on its way through a store (a stage's model or
 dataset, a durable copy of a checkpoint): `write_manifest` before it leaves, `verify_manifest` when it comes back.
 Each save first checks the disk has room for it, and a disk that fills up during one is named in one line
-(`grpo.faults`), the half-written folder removed. Must not depend on Prefect or MLflow.
+(`grpo.faults`), the half-written folder removed. A checkpoint also carries the small files of the loop's output
+folder that a resumed run must go on with (`CARRIED_FILES`), so they travel with its durable copy. Must not depend
+on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ if TYPE_CHECKING:  # only named: the manifest helpers serve the `tasks` layer wi
 # (pyarrow's datasets, Hugging Face datasets) pass it by
 MANIFEST = ".manifest.json"
 NO_MANIFEST = f"it has no {MANIFEST} (it was never finished, or was copied without it)"
+# files of `<output_dir>` copied into each of its checkpoints: the fp32 GEMM plan (grpo.kernels.gemm.PLAN_FILE),
+# which a run resumed from a durable copy on a fresh disk keeps, to resume to the bit
+CARRIED_FILES = ("gemm.json",)
 log = logging.getLogger(__name__)
 
 
@@ -208,6 +213,9 @@ def save_checkpoint(acc: Accelerator, root: Path, step: int, keep: int,
         acc.wait_for_everyone()  # the manifest goes in once every process has written its part
         if acc.is_main_process:
             (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+            for name in CARRIED_FILES:
+                if (root.parent / name).is_file():
+                    shutil.copyfile(root.parent / name, tmp / name)
             write_manifest(tmp)  # flushes every file first, then the manifest, last
     except Exception as e:
         # judged before the partial files are removed: torch reports a full disk in words of its own, so the
