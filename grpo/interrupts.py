@@ -8,6 +8,10 @@ threads (`interrupt_threads`): it lands at the thread's next Python instruction,
 
 Within a flow run Prefect turns SIGTERM into its own `TerminationSignal`; `is_interrupt` counts it with
 KeyboardInterrupt, so a run cancelled by a worker or killed by a scheduler is KILLED too.
+
+Some calls must not stop halfway: a write to a SQLite tracking store stopped inside its transaction leaves the
+database locked for the rest of the process, so the run could not even be ended KILLED. Inside
+`signals_deferred` the main thread's stop waits for the block's end (a single database call: milliseconds).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ _lock = threading.Lock()
 # set by `stop_on_signals` once a stop signal arrived: whatever fails from then on is the stop's doing (a signal that
 # lands inside `compile()` surfaces as a SystemError, not a KeyboardInterrupt, in CPython)
 _stopping = threading.Event()
+_deferring = 0  # depth of `signals_deferred` blocks open in the main thread
+_deferred: list[int] = []  # a stop signal that arrived inside one, raised when the outermost ends
 
 
 def is_interrupt(exc: BaseException) -> bool:
@@ -59,6 +65,24 @@ def interrupt_threads() -> int:
 
 
 @contextmanager
+def signals_deferred() -> Iterator[None]:
+    """In the main thread, a stop signal that arrives within the block raises its KeyboardInterrupt at the block's
+    end instead of inside it (elsewhere signals do not land, and nothing changes). For short calls only."""
+    global _deferring
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _deferred:
+            _deferred.clear()
+            raise KeyboardInterrupt
+
+
+@contextmanager
 def stop_on_signals() -> Iterator[None]:
     """In the main thread: SIGINT and SIGTERM raise KeyboardInterrupt once; signals after the first are ignored, so
     the clean-up the first one started (ending runs, stopping processes) is not itself interrupted."""
@@ -69,13 +93,18 @@ def stop_on_signals() -> Iterator[None]:
             return
         received.append(signum)
         _stopping.set()
+        if _deferring:  # inside a call that must not stop halfway: raised when it ends
+            _deferred.append(signum)
+            return
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     _stopping.clear()
+    _deferred.clear()
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
         _stopping.clear()
+        _deferred.clear()

@@ -11,6 +11,7 @@ Where things go:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -26,6 +27,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from pydantic import BaseModel
 
 from grpo.faults import Fault
+from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
 from tasks.env import PROJECT_ROOT
 
@@ -237,9 +239,13 @@ def retry_locked(call, *args, tries: int = 8, **kwargs):
 
     from mlflow.exceptions import MlflowException
 
+    # a stop signal waits for a SQLite call's end: one stopped inside its transaction keeps the database locked
+    # for the rest of the process (the run could not be ended KILLED); a call to a server may be stopped anywhere
+    shield = signals_deferred if tracking_uri().startswith("sqlite:") else contextlib.nullcontext
     for attempt in range(tries):
         try:
-            return call(*args, **kwargs)
+            with shield():
+                return call(*args, **kwargs)
         except MlflowException as e:
             if "database is locked" not in str(e) or attempt == tries - 1:
                 raise

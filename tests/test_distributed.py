@@ -57,10 +57,15 @@ def reported(root: Path, loop: str) -> dict[int, dict]:
     return {int(k): v for k, v in json.loads((root / loop / "metrics-rank0.json").read_text()).items()}
 
 
+# figures that cancel to about zero, whose rounding is that of the unit-sized terms they sum: PPO's first-step
+# pg_loss is minus the mean of whitened advantages (ratio 1), 0 up to the fp32 rounding of ~100 terms of size ~1
+ATOL = {"pg_loss": 1e-6}
+
+
 def assert_curves_match(one: dict, two: dict, keys: list[str]) -> None:
     assert sorted(one) == sorted(two)
     apart = {(step, key): (one[step][key], two[step][key]) for step in one for key in keys
-             if two[step][key] != pytest.approx(one[step][key], rel=RTOL, abs=1e-7)}
+             if two[step][key] != pytest.approx(one[step][key], rel=RTOL, abs=ATOL.get(key, 1e-7))}
     assert not apart, f"(step, metric): (one process, two): {apart}"
 
 

@@ -3,6 +3,13 @@
 (That the links show the runs in a browser is tests/test_ui.py's part; MLflow 3.17's UI reads no kind tag.)
 """
 
+import os
+import signal
+
+import pytest
+from mlflow.entities import Metric
+
+from grpo.interrupts import stop_on_signals
 from tasks import tracking
 
 KIND = "mlflow.experimentKind"
@@ -38,3 +45,22 @@ def test_the_links_point_at_the_tracking_server_or_the_local_mlflow_ui():
     assert set(local) == {"runs", "c" * 32}  # one run: nothing to compare
     assert all(url.startswith("http://127.0.0.1:5000/#/experiments/1/runs") for url in local.values())
     assert tracking.ui_command("sqlite:////tmp/mlflow.db").endswith("--port 5000")
+
+
+def test_ctrl_c_during_a_write_to_the_sqlite_store_lands_after_it_and_the_run_can_still_be_ended(mlflow_client):
+    """A stop signal that arrives inside a tracking call waits for the call's end: one stopped inside its SQLite
+    transaction left the database locked for the process, so its runs could not be ended KILLED (seen in CI)."""
+    run_id = mlflow_client.create_run(tracking.experiment_id()).info.run_id
+
+    def write_after_ctrl_c():
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to this (the main) thread at its next instruction
+        return mlflow_client.log_batch(run_id, metrics=[Metric("train/loss", 0.5, 0, 1)])
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt), stop_on_signals():
+        tracking.retry_locked(write_after_ctrl_c)
+        reached.append("after the call")  # the interrupt lands as the call ends: not reached
+    assert not reached
+    assert mlflow_client.get_metric_history(run_id, "train/loss")[0].value == 0.5  # the write went through whole
+    tracking.end_run(run_id, "KILLED")  # and the store is not left locked
+    assert mlflow_client.get_run(run_id).info.status == "KILLED"
