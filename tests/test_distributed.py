@@ -35,18 +35,22 @@ HERE = Path(__file__).resolve().parent
 RTOL = 1e-4
 
 
+def launch_two_processes(script: Path, out: Path, **env: str) -> None:
+    """`script out` on two CPU processes under `accelerate launch` (gloo on 127.0.0.1); its output on a failure."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()), str(script), str(out)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "", **env,
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(one process, two processes): each loop's output folder root."""
     one, two = tmp_path_factory.mktemp("one-process"), tmp_path_factory.mktemp("two-processes")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()),
-           str(HERE / "ddp_loops.py"), str(two)]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    launch_two_processes(HERE / "ddp_loops.py", two)
     run_all(one)
     return one, two
 

@@ -5,9 +5,6 @@ a gradient summed from two halves, a few Adam steps at lr 1e-2)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dpo_loops import STRATEGIES, run_all
-from grpo.training import launch
+from test_distributed import launch_two_processes
 
 HERE = Path(__file__).resolve().parent
 KEYS = ["dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward", "dpo/grad_norm"]
@@ -25,14 +22,7 @@ KEYS = ["dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/reje
 def runs(tmp_path_factory):
     """(one process, two processes): each strategy's output folder root."""
     one, two = tmp_path_factory.mktemp("dpo-one"), tmp_path_factory.mktemp("dpo-two")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()),
-           str(HERE / "dpo_loops.py"), str(two)]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    launch_two_processes(HERE / "dpo_loops.py", two, OMP_NUM_THREADS="1")
     run_all(one)
     return one, two
 
