@@ -9,7 +9,8 @@
 #   benchmarks/gpu_acceptance.sh lora-7b        # the qwen2.5-7b preset trains with LoRA on one 80 GB GPU
 #
 # On a machine with no network: copy the shared bench's gpu/ folder to .gpu/bench and the wheels that machine lacks
-# (trl, datasets, pydantic, ...; see that folder's README) to .gpu/wheels (.gitignore keeps .gpu/ out of git).
+# (trl, datasets, pydantic, ...; see that folder's README) to .gpu/wheels, or unpack them into .gpu/site, which goes
+# on PYTHONPATH as it is (no install; .gitignore keeps .gpu/ out of git).
 # Models are built once under $R1_GPU_MODELS (default /tmp/r1-gpu-models). Record the lines in BENCHMARKS.md with
 # the GPU's name (`nvidia-smi -L`).
 set -euo pipefail
@@ -18,16 +19,27 @@ PART=${1:?"usage: $0 smoke|decode|compare-0.5b|compare-1.5b|lora-7b"}
 PY=${PYTHON:-python}
 BENCH=${R1_GPU_BENCH:-.gpu/bench}
 WHEELS=${R1_GPU_WHEELS:-.gpu/wheels}
+SITE=${R1_GPU_SITE:-.gpu/site}
 MODELS=${R1_GPU_MODELS:-/tmp/r1-gpu-models}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1
+[ -d "$SITE" ] && PYTHONPATH="$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1
 
 [ -f "$BENCH/make_model.py" ] || { echo "no bench in $BENCH: copy the shared bench's gpu/ folder there" >&2; exit 2; }
 if compgen -G "$WHEELS/*.whl" >/dev/null; then  # what this machine lacks, without an index
   $PY -m pip install -q --no-deps --no-index --find-links "$WHEELS" "$WHEELS"/*.whl
 fi
 
-model() {  # the preset's model folder, built once
-  [ -f "$MODELS/$1/config.json" ] || $PY "$BENCH/make_model.py" "$1" "$MODELS/$1" >&2
+model() {  # the preset's model folder, built once; `model PRESET gpu-bf16` builds it on the GPU in bf16 (7.6B random
+  # fp32 weights initialised and written on the CPU take most of a 10-minute call; the 7B part trains bf16 weights)
+  if [ ! -f "$MODELS/$1/config.json" ]; then
+    if [ "${2:-}" = gpu-bf16 ]; then
+      $PY -c "import runpy, sys, torch
+torch.set_default_device('cuda'); torch.set_default_dtype(torch.bfloat16)
+sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$BENCH/make_model.py" "$1" "$MODELS/$1" >&2
+    else
+      $PY "$BENCH/make_model.py" "$1" "$MODELS/$1" >&2
+    fi
+  fi
   echo "$MODELS/$1"
 }
 
@@ -73,7 +85,7 @@ EOF
       | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'part': '$PART', **r}))"
     ;;
   lora-7b)
-    m=$(model qwen2.5-7b)
+    m=$(model qwen2.5-7b gpu-bf16)
     $PY benchmarks/grpo_step.py "$m" --workload "$BENCH/workload.json" --gradient-checkpointing --lora 16 \
       --weights-dtype bfloat16 | tail -1 | $PY -c "import json,sys; print(json.dumps({'part': 'lora-7b', **json.loads(sys.stdin.read())}))"
     ;;

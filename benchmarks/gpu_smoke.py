@@ -42,8 +42,9 @@ def main() -> None:
     import torch
 
     from grpo.config import (GenerationConfig, GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig,
-                             RewardModelConfig, SamplingConfig, SFTConfig)
+                             SamplingConfig, SFTConfig)
     from grpo.models import load_model_and_tokenizer
+    from grpo.reward_config import RewardModelConfig
     from grpo.rejection.shards import process_shard
     from grpo.sampling.engines import build_engine, sampling_dtype
     from grpo.sampling.static_sampler import StaticSampler
