@@ -183,6 +183,7 @@ def test_lora_trains_only_adapters_and_the_reference_is_the_base(tmp_path, monke
     trainer = make_trainer(tmp_path, model=base, lora=LoRAConfig(r=4, alpha=8), beta=0.04, max_steps=2,
                            mixed_precision="no")
     assert trainer.ref_model is None
+    assert trainer.engine.sampler.unsupported_reason() is None  # the adapters sample through the static step
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}

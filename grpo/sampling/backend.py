@@ -4,9 +4,9 @@ It returns what GRPO needs and `model.generate` does not hand back cheaply: the 
 and the sampling policy's log-probability of every sampled token (what truncated importance sampling and `r1
 serve`'s logprobs read). Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through
 `grpo.sampling.static_sampler` (a static KV cache, CUDA graphs on a GPU, from a bf16 copy where the stage computes in
-bf16); any other model, or one the static step cannot compute exactly (hooks, LoRA), through the decode loop below
-(`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise), which stops as soon
-as every sequence has ended. Must not depend on Prefect or MLflow.
+bf16; LoRA adapters included); any other model, or one the static step cannot compute exactly (hooks, DoRA,
+quantized projections), through the decode loop below (`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models,
+the model's own forward otherwise), which stops as soon as every sequence has ended. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations

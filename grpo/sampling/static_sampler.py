@@ -21,8 +21,11 @@ One call samples a batch of left-padded prompts:
 
 It samples in the model's own dtype or from a copy in another (bf16 where the recipe trains under bf16 autocast),
 refreshed by `sync_weights(model)`, which the engine's `sync_weights` calls (a trainer: after each optimizer step).
-A KV cache over `memory_budget` bytes is split: rows are sampled in parts that fit. A model it does not compute
-exactly gets `unsupported_reason` (a sentence) and the caller decodes another way. Must not depend on Prefect or
+A peft LoRA model samples the same way: the step reads its base weights and adds each adapter's (x A^T) B^T, the
+adapters of a fused projection in one pair of small matmuls (`cpu_decoder._Linear`), so LoRA costs no merged copy of
+the weights and stays on the captured path. A KV cache over `memory_budget` bytes is split: rows are sampled in
+parts that fit. A model it does not compute exactly (DoRA, quantized projections, hooks) gets `unsupported_reason`
+(a sentence) and the caller decodes another way. Must not depend on Prefect or
 MLflow.
 """
 
@@ -36,7 +39,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from grpo.config import SamplingConfig
 from grpo.models import cached
-from grpo.sampling.cpu_decoder import _COPY_MAX_BYTES, _STATIC_ROPE, _lean_layer, _LeanLayer, _Linear, _rms_norm
+from grpo.sampling.cpu_decoder import (_COPY_MAX_BYTES, _STATIC_ROPE, _lean_layer, _LeanLayer, _Linear, _rms_norm,
+                                       lora_reason)
 
 F = torch.nn.functional
 
@@ -56,8 +60,15 @@ def prompt_bucket(length: int) -> int:
     return max(step, -(-length // step) * step)
 
 
+def decoder(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model the step reads: inside a peft LoRA model, its base model (the adapters injected into
+    its projections, which `_Linear` computes); any other model is itself."""
+    return model.get_base_model() if type(model).__module__.startswith("peft.") else model
+
+
 def unsupported_reason(model: PreTrainedModel, total_len: int = 0) -> str | None:
     """None when the static step computes `model` exactly (for sequences of `total_len` tokens); else why not."""
+    model = decoder(model)
     name = type(model).__name__
     if name not in _ARCHITECTURES:
         return f"{name} is not a decoder the static sampler computes (it knows {sorted(_ARCHITECTURES)})"
@@ -75,12 +86,14 @@ def unsupported_reason(model: PreTrainedModel, total_len: int = 0) -> str | None
         return f"a sliding attention window of {window} tokens, shorter than the {total_len} sampled"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "the model has forward hooks (a logit mask, an adapter) that reading its weights would skip"
-    linear = torch.nn.Linear
+    if type(core.embed_tokens) is not torch.nn.Embedding:
+        return f"the embedding is a {type(core.embed_tokens).__name__}, not a plain nn.Embedding"
     for layer in core.layers:
         a, m = layer.self_attn, layer.mlp
-        if not all(type(x) is linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                                                m.down_proj, model.lm_head)):
-            return "a projection is not a plain nn.Linear (LoRA-wrapped or quantized)"
+        for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj, model.lm_head):
+            reason = lora_reason(x)
+            if reason is not None:
+                return reason
     return None
 
 
@@ -153,6 +166,7 @@ class _Weights(NamedTuple):
 
 def _read_weights(model: PreTrainedModel, rows: int, pack: bool = True) -> _Weights:
     """The step's weights; pack=False leaves out MKL's packed copies, which cannot be refreshed in place."""
+    model = decoder(model)
     core = model.model
     copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= _COPY_MAX_BYTES
     norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
@@ -171,6 +185,7 @@ def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
     for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
         out += [t for pair in lin.parts for t in pair if t is not None] if lin.parts else \
             [t for t in (lin.weight, lin.bias) if t is not None]
+        out += [t for t in (lin.lora_a, lin.lora_b) if t is not None]
     out += [t for layer in w.layers for t in (layer.ln1, layer.ln2)]
     out += [t for pair in w.qk_norms if pair for t in pair]
     return out
@@ -180,6 +195,7 @@ class _State:
     """Everything one decode step reads and writes, allocated once per shape (B rows, prompt bucket P, budget C)."""
 
     def __init__(self, model: PreTrainedModel, B: int, P: int, C: int, dtype: torch.dtype, device: torch.device):
+        model = decoder(model)
         cfg, attn = model.config, model.model.layers[0].self_attn
         T = P + C
         self.n_kv, self.head_dim, self.scale = cfg.num_key_value_heads, attn.head_dim, attn.scaling
@@ -299,9 +315,13 @@ class StaticSampler:
                     dst.copy_(src)
             if self._weights is not None:  # the captured steps read these: new values at the same addresses
                 fresh = _read_weights(self._sampling_model(), self._weights.head.rows, pack=False)
-                for old, new in zip(_weight_tensors(self._weights), _weight_tensors(fresh)):
-                    if old is not new:
-                        old.copy_(new)
+                olds, news = _weight_tensors(self._weights), _weight_tensors(fresh)
+                if [t.shape for t in olds] != [t.shape for t in news]:  # adapters merged or turned off: new steps
+                    self._weights, self._captures = None, {}
+                else:
+                    for old, new in zip(olds, news):
+                        if old is not new:
+                            old.copy_(new)
         self._seen = seen
 
     def _sampling_model(self) -> PreTrainedModel:
@@ -364,7 +384,8 @@ class StaticSampler:
                                            - torch.cuda.memory_allocated(self.device)))
         if budget is None:
             return B
-        cfg, attn = self.model.config, self.model.model.layers[0].self_attn
+        inner = decoder(self.model)
+        cfg, attn = inner.config, inner.model.layers[0].self_attn
         per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * T * attn.head_dim * self.dtype.itemsize
         if per_row > budget:
             raise ValueError(f"a KV cache budget of {budget} bytes holds no row's KV cache: one row of {T} tokens "
@@ -373,7 +394,7 @@ class StaticSampler:
 
     def _sample_part(self, ids: torch.Tensor, mask: torch.Tensor, uniforms: torch.Tensor, s: SamplingConfig,
                      eos: torch.Tensor, pad_id: int, want_logprobs: bool) -> tuple[torch.Tensor, ...]:
-        model = self._sampling_model()
+        model = decoder(self._sampling_model())  # inside a LoRA model its base, the adapters injected
         (B, P), C = ids.shape, s.max_new_tokens
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] positions that ignore left padding
         inverse, first = distinct_rows(torch.cat([ids, mask.to(ids.dtype)], 1))  # [B], [U]
