@@ -80,15 +80,21 @@ def reference_loop(model, ids, mask, s: SamplingConfig, uniforms: torch.Tensor):
     return torch.stack(toks, 1), torch.stack(alive, 1).long(), torch.stack(lps, 1), ~done
 
 
+def recorded_logits(monkeypatch) -> list:
+    """The logits [B, V] of each of the sampler's choices (the prefill's, then each step's), in float32, in order."""
+    seen = []
+    choose = static_sampler.choose_tokens
+    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.float().clone()) or
+                        choose(logits, *a))
+    return seen
+
+
 @pytest.mark.parametrize("full_cache", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
 def test_step_logits_equal_the_models_forward(kind, full_cache, monkeypatch):
     model = make_model(kind, head_scale=4.0)  # logits of a few units: fp32 rounding stays well under 1e-5
     ids, mask = left_padded([5, 11, 3, 8], repeat=2)
-    seen = []
-    choose = static_sampler.choose_tokens
-    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.clone()) or
-                        choose(logits, *a))
+    seen = recorded_logits(monkeypatch)
     sampler = StaticSampler(model, full_cache_attention=full_cache, buckets=full_cache)  # as captured, and eager
     out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=12), [], PAD)  # no end token: 12 steps
     assert out.completion_ids.shape == (8, 12) and len(seen) == 12
@@ -327,10 +333,7 @@ def test_a_bf16_copy_decodes_the_bf16_models_numbers(monkeypatch):
     # bf16's precision (a wrong weight, rotary or mask would be off by whole units)
     model = make_model(head_scale=4.0)
     ids, mask = left_padded([5, 11, 3])
-    seen = []
-    choose = static_sampler.choose_tokens
-    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.float()) or
-                        choose(logits, *a))
+    seen = recorded_logits(monkeypatch)
     sampler = StaticSampler(model, dtype=torch.bfloat16)
     out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=10), [], PAD)
     half = sampler._sampling_model()
@@ -414,10 +417,7 @@ def test_lora_adapters_are_computed_by_the_step(kept, monkeypatch):
     model = lora_model()
     assert unsupported_reason(model) is None
     ids, mask = left_padded([5, 11, 3, 8], repeat=2)
-    seen = []
-    choose = static_sampler.choose_tokens
-    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.clone()) or
-                        choose(logits, *a))
+    seen = recorded_logits(monkeypatch)
     sampler = StaticSampler(model, keep_captures=kept, full_cache_attention=kept, buckets=kept)
     out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=12), [], PAD)
     want = forward_logits(model, torch.cat([ids, out.completion_ids], 1),
@@ -453,10 +453,7 @@ def test_a_bf16_copy_of_a_lora_model_decodes_its_numbers(monkeypatch):
     # fp32 weights and adapters trained under bf16 autocast: the sampler's bf16 copy holds the adapters too
     model = lora_model()
     ids, mask = left_padded([5, 11, 3])
-    seen = []
-    choose = static_sampler.choose_tokens
-    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.float()) or
-                        choose(logits, *a))
+    seen = recorded_logits(monkeypatch)
     sampler = StaticSampler(model, dtype=torch.bfloat16)
     out = sampler.sample(ids, mask, SamplingConfig(max_new_tokens=10), [], PAD)
     full = torch.cat([ids, out.completion_ids], 1), torch.cat([mask, out.completion_mask], 1)
