@@ -1,4 +1,4 @@
-"""Memory of three pieces of the GPU path, measured on CPU at a real model's size: one JSON line on stdout.
+"""Memory of four pieces of the GPU path, measured on CPU at a real model's size: one JSON line on stdout.
 
     python benchmarks/memory_pieces.py [--preset qwen2.5-0.5b|small] [--layers N] [--batch 128] [--repeats 10]
 
@@ -16,6 +16,11 @@ shrinks the rest (hidden 256, 4 layers) for a quick run; `--layers N` cuts the l
 3. `inverse_cdf`: the two-level inverse CDF `choose_tokens` uses against a float64 cumsum over the whole vocabulary
    (what it replaced), at batch x vocabulary: milliseconds a call (best of `--repeats` rounds after a warm-up) on one
    thread and on all, the largest single tensor each makes and the most bytes alive at once.
+
+4. `head_backward`: the most bytes alive during the backward of the chunked log-probs (`selective_logps`) under
+   bf16 autocast at the preset's head ([vocabulary, hidden] fp32 weight, 512 tokens), with the weight gradient
+   accumulated a `WGRAD_BLOCK_BYTES` block of the vocabulary at a time against the whole [V, H] bf16 product and
+   its fp32 copy per chunk (what it replaced); the two gradients must be equal.
 
 Bytes come from `BytesAlive` (every op's new storages, followed until freed), so they are exact on CPU and say
 nothing of an allocator's caching; times are wall-clock and swing with whatever else the machine runs.
@@ -37,6 +42,7 @@ import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from benchmarks.bytes_alive import BytesAlive  # noqa: E402
+from grpo.kernels import logprobs  # noqa: E402
 from grpo.sampling.static_sampler import StaticSampler, inverse_cdf  # noqa: E402
 from grpo.training.accelerator import make_adamw  # noqa: E402
 from grpo.training.optimizers import STEP_SLICE_BYTES, MasterWeights, cast_parameters  # noqa: E402
@@ -160,6 +166,33 @@ def cdf_pieces(batch: int, vocab: int, repeats: int) -> dict:
     return out
 
 
+def head_backward(vocab: int, hidden: int, tokens: int = 512) -> dict:
+    """Peak bytes of the chunked head's backward under bf16 autocast: blocked weight gradient against whole."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.02)  # [V, H]
+    states = torch.randn(1, tokens, hidden)  # [1, T, H]
+    targets = torch.randint(0, vocab, (1, tokens))  # [1, T]
+    out, grads = {"weight_fp32_bytes": weight.numel() * 4, "tokens": tokens}, {}
+    whole = vocab * hidden * 4  # a block this large is the whole product: the old way
+    for name, block in (("blocked", logprobs.WGRAD_BLOCK_BYTES), ("whole", whole)):
+        saved, logprobs.WGRAD_BLOCK_BYTES = logprobs.WGRAD_BLOCK_BYTES, block
+        try:
+            weight.grad = None
+            h = states.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logps, _ = logprobs.selective_logps(h, weight, None, targets, 1.0)
+            start = time.perf_counter()
+            with BytesAlive() as alive:
+                logps.sum().backward()
+            out[name] = {"block_bytes": block, "peak_bytes": alive.peak,
+                         "seconds": round(time.perf_counter() - start, 2)}
+            grads[name] = weight.grad
+        finally:
+            logprobs.WGRAD_BLOCK_BYTES = saved
+    out["equal_gradients"] = torch.equal(grads["blocked"], grads["whole"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b")
@@ -179,6 +212,10 @@ def main() -> None:
     print(f"master weights step: {m['sliced']['peak_extra_bytes'] / MB:.0f} MiB extra sliced, "
           f"{m['all_at_once']['peak_extra_bytes'] / MB:.0f} MiB all at once "
           f"({m['sliced']['step_s']} s against {m['all_at_once']['step_s']} s)", file=sys.stderr)
+    result["head_backward"] = h = head_backward(cfg.vocab_size, cfg.hidden_size)
+    print(f"head backward under bf16 autocast: {h['blocked']['peak_bytes'] / MB:.0f} MiB at its peak, against "
+          f"{h['whole']['peak_bytes'] / MB:.0f} MiB with the whole [V, H] product (equal gradients: "
+          f"{h['equal_gradients']})", file=sys.stderr)
     del model
     gc.collect()
     result["inverse_cdf"] = c = cdf_pieces(args.batch, cfg.vocab_size, args.repeats)

@@ -177,6 +177,28 @@ def test_keeps_no_vocabulary_sized_tensor_for_the_backward():
     assert sel_all < logits_bytes / 4  # the rest are references to the inputs (hidden, weight, bias)
 
 
+def test_bf16_weight_gradient_is_accumulated_a_block_at_a_time(monkeypatch):
+    """Under bf16 autocast the head's fp32 weight gradient is summed from bf16 products: a block of the vocabulary at
+    a time makes no [V, H] product (bf16) nor its fp32 copy, and gives the whole product's gradient bit for bit."""
+    from benchmarks.bytes_alive import BytesAlive
+    from grpo.kernels import logprobs
+
+    H, V = 64, 8192
+    hidden, weight, _, targets, upstream = _inputs(N=2, C=16, H=H, V=V)
+    peaks, grads = {}, {}
+    for name, block in (("blocked", 256 * H * 4), ("whole", V * H * 4)):  # 256 rows a block, or all V
+        monkeypatch.setattr(logprobs, "WGRAD_BLOCK_BYTES", block)
+        w = weight.detach().clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logps, _ = selective_logps(hidden.detach(), w, None, targets, 1.0, chunk_tokens=8)
+        with BytesAlive() as alive:
+            (logps * upstream).sum().backward()
+        peaks[name], grads[name] = alive.peak, w.grad
+    assert torch.equal(grads["blocked"], grads["whole"])
+    product = V * H * (2 + 4)  # the whole [V, H] product in bf16 and its fp32 copy: 3 MiB
+    assert peaks["whole"] - peaks["blocked"] >= 0.9 * product  # less a block's and a few small tensors' bytes
+
+
 def test_default_chunk():
     assert default_chunk_tokens(151_936) == 220
     assert default_chunk_tokens(151_936, 64 * 2**20) == 110

@@ -28,6 +28,10 @@ F = torch.nn.functional
 # Float32 logits of one chunk of tokens. The forward works in two buffers of this size (the logits and their
 # log-softmax), the backward in one, plus the matmul's own output when it runs in bf16.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
+# The head's weight gradient under bf16 autocast is accumulated in float32 from bf16 products: a block of this many
+# float32 bytes of it at a time, not the whole [V, H] product and its float32 copy per chunk (0.76 GiB at
+# Qwen2.5-0.5B's 151,936 x 896, more than the gradient itself; benchmarks/memory_pieces.py "head_backward")
+WGRAD_BLOCK_BYTES = 32 * 2**20
 
 
 def default_chunk_tokens(vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -155,8 +159,10 @@ class _SelectiveLogps(torch.autograd.Function):
                 if need_w:
                     if mm_dtype == acc:
                         grad_w.addmm_(dz.t(), h)  # [V, H] accumulated in place
-                    else:
-                        grad_w += (dz.t() @ h).to(acc)  # [V, H] this chunk's share, in the matmul dtype
+                    else:  # a block of the vocabulary at a time: no [V, H] product and fp32 copy of it per chunk
+                        rows = max(1, WGRAD_BLOCK_BYTES // (weight.size(1) * 4))
+                        for v in range(0, V, rows):
+                            grad_w[v : v + rows] += (dz[:, v : v + rows].t() @ h).to(acc)  # [rows, H]
                 if need_b:
                     grad_b += dz.to(acc).sum(0)  # [V]
         del z_buf
