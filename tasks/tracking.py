@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -314,9 +315,15 @@ def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, contex
     for col in shown.columns:  # chat messages are lists, some columns mix None and text: MLflow's schema wants
         if shown[col].dtype == object:  # one scalar type per column (and an empty frame cannot be inferred)
             shown[col] = shown[col].astype(str)
-    try:  # a file path or URL MLflow knows how to describe
-        dataset = mlflow.data.from_pandas(shown, source=source, name=name)
-    except mlflow.exceptions.MlflowException:  # generated in code (the synthetic task) or a hub name
+    dataset = None
+    if "://" in source or Path(source).exists():  # a URI or a local file MLflow knows how to describe
+        with warnings.catch_warnings():
+            # mlflow registers its local-file source for two schemes ("" and "file"), so every local path matches
+            # it twice and it warns that the source is ambiguous: both are the same class
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple")
+            with contextlib.suppress(mlflow.exceptions.MlflowException):  # a scheme it has no source for (runs:/)
+                dataset = mlflow.data.from_pandas(shown, source=source, name=name)
+    if dataset is None:  # generated in code (the synthetic task, a run's output) or a hub name: not a path here
         from mlflow.data.code_dataset_source import CodeDatasetSource
 
         dataset = mlflow.data.from_pandas(shown, source=CodeDatasetSource(tags={"source": source}), name=name)

@@ -6,6 +6,7 @@
 import os
 import signal
 
+import pandas as pd
 import pytest
 from mlflow.entities import Metric
 
@@ -64,3 +65,25 @@ def test_ctrl_c_during_a_write_to_the_sqlite_store_lands_after_it_and_the_run_ca
     assert mlflow_client.get_metric_history(run_id, "train/loss")[0].value == 0.5  # the write went through whole
     tracking.end_run(run_id, "KILLED")  # and the store is not left locked
     assert mlflow_client.get_run(run_id).info.status == "KILLED"
+
+
+@pytest.mark.parametrize("kind", ["file", "synthetic", "runs", "hub"])
+def test_a_dataset_input_names_its_source_and_mlflow_says_nothing(mlflow_client, tmp_path, kind):
+    """A file that exists here is a local source; data made in code, a run's output or a hub name is a code source
+    tagged with it (not a local path of that name); MLflow's ambiguous-source warning for local paths is not shown."""
+    import warnings
+
+    rows = pd.DataFrame({"prompt": ["1 + 1", "2 + 2"], "answer": ["2", "4"]})
+    path = tmp_path / "rows.jsonl"
+    rows.to_json(path, orient="records", lines=True)
+    source = {"file": str(path), "synthetic": "synthetic", "runs": "runs:/abc/dataset/curated",
+              "hub": "openai/gsm8k"}[kind]
+    run_id = mlflow_client.create_run(tracking.experiment_id()).info.run_id
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        # (name, digest) is a dataset's identity in an experiment: one name per kind, or the first kind's is reused
+        tracking.log_dataset(run_id, rows, name=f"rows-{kind}", source=source, context="training")
+    assert not [w for w in seen if issubclass(w.category, UserWarning)], [str(w.message) for w in seen]
+    (inp,) = mlflow_client.get_run(run_id).inputs.dataset_inputs
+    assert inp.dataset.source_type == ("local" if kind == "file" else "code")
+    assert source in inp.dataset.source
