@@ -471,3 +471,21 @@ def test_lora_kinds_the_step_does_not_compute_are_refused():
     assert "variant" in unsupported_reason(lora_model(use_dora=True))
     assert "bias" in unsupported_reason(lora_model(lora_bias=True))
     assert "embedding" in unsupported_reason(lora_model(targets=["q_proj", "embed_tokens"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_steps_rms_norm_is_hfs_bit_for_bit(dtype):
+    # the step's norms are one torch op (one kernel on CUDA, where a replayed step is bound by its kernel count);
+    # on the CPU they must give transformers' Qwen2RMSNorm exactly, in fp32 and in bf16 (fp32 statistics)
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from grpo.sampling.cpu_decoder import _rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for hidden in (64, 896):
+        norm = Qwen2RMSNorm(hidden, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
+        norm = norm.to(dtype)
+        x = (torch.randn(32, hidden, generator=g) * 3).to(dtype)
+        assert torch.equal(_rms_norm(x, norm.weight, 1e-6), norm(x))

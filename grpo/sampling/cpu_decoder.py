@@ -167,9 +167,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     """Qwen2/Llama RMSNorm: statistics in fp32, the weight applied in the input dtype."""
     if x.dtype == weight.dtype == torch.float32:
         return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)  # fewer ops; the same numbers in fp32
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    # HF's normalisation as torch's rms_norm without a weight, which computes a bf16/fp16 input in fp32 and rounds
+    # once to the input dtype (the same ops on a CPU, bit for bit; one kernel instead of seven on CUDA, where a
+    # replayed decode step is bound by its kernel count), then the weight applied in the input dtype, as HF does
+    return weight * torch.nn.functional.rms_norm(x, weight.shape, None, eps)
 
 
 class _LeanDecoder:
