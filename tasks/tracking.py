@@ -316,7 +316,7 @@ def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, contex
         if shown[col].dtype == object:  # one scalar type per column (and an empty frame cannot be inferred)
             shown[col] = shown[col].astype(str)
     dataset = None
-    if "://" in source or Path(source).exists():  # a URI or a local file MLflow knows how to describe
+    if "://" in source or _is_local_path(source):  # a URI or a local file MLflow knows how to describe
         with warnings.catch_warnings():
             # mlflow registers its local-file source for two schemes ("" and "file"), so every local path matches
             # it twice and it warns that the source is ambiguous: both are the same class
@@ -329,6 +329,14 @@ def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, contex
         dataset = mlflow.data.from_pandas(shown, source=CodeDatasetSource(tags={"source": source}), name=name)
     inp = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
     client().log_inputs(run_id, datasets=[inp])
+
+
+def _is_local_path(source: str) -> bool:
+    """Whether `source` names a file or folder here (a name too long or odd for a path is not one)."""
+    try:
+        return Path(source).exists()
+    except (OSError, ValueError):
+        return False
 
 
 def log_table(run_id: str, df: pd.DataFrame, artifact_file: str) -> None:
