@@ -6,7 +6,8 @@ serve`'s logprobs read). Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sa
 `grpo.sampling.static_sampler` (a static KV cache, CUDA graphs on a GPU, from a bf16 copy where the stage computes in
 bf16; LoRA adapters included); any other model, or one the static step cannot compute exactly (hooks, DoRA,
 quantized projections), through the decode loop below (`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models,
-the model's own forward otherwise), which stops as soon as every sequence has ended. Must not depend on Prefect or MLflow.
+the model's own forward otherwise), which stops as soon as every sequence has ended. Must not depend on Prefect or
+MLflow.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ A peft LoRA model samples the same way: the step reads its base weights and adds
 adapters of a fused projection in one pair of small matmuls (`cpu_decoder._Linear`), so LoRA costs no merged copy of
 the weights and stays on the captured path. A KV cache over `memory_budget` bytes is split: rows are sampled in
 parts that fit. A model it does not compute exactly (DoRA, quantized projections, hooks) gets `unsupported_reason`
-(a sentence) and the caller decodes another way. Must not depend on Prefect or
-MLflow.
+(a sentence) and the caller decodes another way. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
