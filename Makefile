@@ -22,7 +22,7 @@ demo: $(CORE)
 OTHER_BF16 := $(shell grep -qwsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo 0 || echo 1)
 
 test: $(DEV) browser sandbox
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	R1_CPU_BF16=$(OTHER_BF16) $(PY) -m pytest -q -m precision
 
 install: $(DEV)

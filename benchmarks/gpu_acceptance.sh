@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU targets of the sampler and the GRPO step, one part per call, each within a 10-minute command limit
 # (all five within ~25 minutes on one H100). Each part prints one JSON line (its figures and ratios) as its last line.
+# Seen on an H100 (2026-11-25), each with its model build: smoke 4 min, decode 3, compare-0.5b 5, compare-1.5b 4.5
+# with --pairs 1 (about 7 with 2), lora-7b 4 (model built on the GPU). Start the machine once and chain parts that
+# fit a call; write each part's log under $OUT so a part cut off still leaves what it printed.
 #
 #   benchmarks/gpu_acceptance.sh smoke          # benchmarks/gpu_smoke.py on the qwen2.5-0.5b preset
 #   benchmarks/gpu_acceptance.sh decode         # our sampler vs transformers' generate (dynamic, static+compiled)
-#   benchmarks/gpu_acceptance.sh compare-0.5b   # GRPO step vs TRL 1.16 (bench compare.py --pairs 2)
+#   benchmarks/gpu_acceptance.sh compare-0.5b   # GRPO step vs TRL 1.16 (bench compare.py --pairs 2; R1_GPU_PAIRS=1)
 #   benchmarks/gpu_acceptance.sh compare-1.5b
 #   benchmarks/gpu_acceptance.sh lora-7b        # the qwen2.5-7b preset trains with LoRA on one 80 GB GPU
 #
@@ -80,7 +83,7 @@ EOF
     ;;
   compare-0.5b | compare-1.5b)
     preset=qwen2.5-${PART#compare-}
-    $PY "$BENCH/compare.py" --pairs 2 --preset "$preset" \
+    $PY "$BENCH/compare.py" --pairs "${R1_GPU_PAIRS:-2}" --preset "$preset" \
       --ours "$PY benchmarks/grpo_step.py --gradient-checkpointing" | tee /dev/stderr | tail -1 \
       | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'part': '$PART', **r}))"
     ;;
