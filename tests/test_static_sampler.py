@@ -20,11 +20,17 @@ KINDS = ["qwen2", "llama", "qwen3", "mistral"]
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    # fixed reduction order: the comparisons below are at 1e-5 or token for token
+    # fixed reduction order: the comparisons below are at 1e-5 of the values compared or token for token
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def fp32_gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference relative to the largest value: fp32 rounding scales with the values, and another GEMM
+    blocking (another CPU kind) rounds apart by a few 1e-6 of them (1.03e-5 absolute on logits of ~4 on a Zen 4)."""
+    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def make_model(kind: str = "qwen2", vocab: int = V, seed: int = 0, head_scale: float = 20.0):
@@ -92,7 +98,7 @@ def recorded_logits(monkeypatch) -> list:
 @pytest.mark.parametrize("full_cache", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
 def test_step_logits_equal_the_models_forward(kind, full_cache, monkeypatch):
-    model = make_model(kind, head_scale=4.0)  # logits of a few units: fp32 rounding stays well under 1e-5
+    model = make_model(kind, head_scale=4.0)  # logits of a few units
     ids, mask = left_padded([5, 11, 3, 8], repeat=2)
     seen = recorded_logits(monkeypatch)
     sampler = StaticSampler(model, full_cache_attention=full_cache, buckets=full_cache)  # as captured, and eager
@@ -101,7 +107,7 @@ def test_step_logits_equal_the_models_forward(kind, full_cache, monkeypatch):
     want = forward_logits(model, torch.cat([ids, out.completion_ids], 1),
                           torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1]  # [B, 12, V]
     got = torch.stack(seen, 1)  # [B, 12, V]: the prefill's, then each step's
-    assert got.abs().max() > 1 and (got - want).abs().max() <= 1e-5
+    assert got.abs().max() > 1 and fp32_gap(got, want) <= 1e-5
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(max_new_tokens=20, temperature=0.8),
@@ -426,7 +432,7 @@ def test_lora_adapters_are_computed_by_the_step(kept, monkeypatch):
         base = forward_logits(model, torch.cat([ids, out.completion_ids], 1),
                               torch.cat([mask, out.completion_mask], 1))[:, ids.size(1) - 1 : -1]
     got = torch.stack(seen, 1)
-    assert (got - want).abs().max() <= 1e-5 < 0.1 < (base - want).abs().max()
+    assert fp32_gap(got, want) <= 1e-5 and 0.1 < (base - want).abs().max()
 
 
 def test_kept_captures_see_an_adapter_step():
