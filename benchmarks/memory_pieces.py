@@ -44,8 +44,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from benchmarks.bytes_alive import BytesAlive  # noqa: E402
 from grpo.kernels import logprobs  # noqa: E402
 from grpo.sampling.static_sampler import StaticSampler, inverse_cdf  # noqa: E402
-from grpo.training.accelerator import make_adamw  # noqa: E402
-from grpo.training.optimizers import STEP_SLICE_BYTES, MasterWeights, cast_parameters  # noqa: E402
+from grpo.training.optimizers import STEP_SLICE_BYTES, MasterWeights, cast_parameters, make_adamw  # noqa: E402
 
 QWEN = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
             num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=32_768,

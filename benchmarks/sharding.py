@@ -54,8 +54,9 @@ def worker_state(strategy: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo.recipe import DistributedConfig
-    from grpo.training.accelerator import make_accelerator, make_adamw
+    from grpo.distributed_config import DistributedConfig
+    from grpo.training.accelerator import make_accelerator
+    from grpo.training.optimizers import make_adamw
     from grpo.training.strategy import make_strategy
 
     torch.manual_seed(0)
@@ -90,7 +91,7 @@ def worker_step(strategy: str, steps: int) -> None:
 
     from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.recipe import DistributedConfig
+    from grpo.distributed_config import DistributedConfig
     from grpo.training.grpo_trainer import GRPOTrainer
 
     torch.manual_seed(0)

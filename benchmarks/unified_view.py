@@ -218,7 +218,8 @@ def _alignment(row: str, seed: int, recipe, start: dict, work: Path, args) -> di
 
     from grpo.rewards import REWARD_FUNCTIONS
     from grpo.training.grpo_trainer import GRPOTrainer
-    from grpo.training.reward_model import RewardModelScorer, evaluate_pairs, reward_model_reward, train_reward_model
+    from grpo.training.reward_model import train_reward_model
+    from grpo.training.reward_scorer import RewardModelScorer, evaluate_pairs, reward_model_reward
 
     rm_cfg = al.reward_model.model_copy(update={"seed": seed})
     rm = train_reward_model(pairs, rm_cfg, out_dir / "reward_model", heldout=heldout_pairs, progress=False)

@@ -14,7 +14,8 @@ import socket
 from pathlib import Path
 
 from grpo.config import ClusterConfig
-from grpo.recipe import DistributedConfig, RejectionSamplingConfig
+from grpo.distributed_config import DistributedConfig
+from grpo.recipe import RejectionSamplingConfig
 from grpo.rejection import shards
 from tasks import tracking
 from tasks.env import LOCAL_API

@@ -10,7 +10,7 @@ from prefect.logging import get_run_logger
 from grpo.config import GenerationConfig, GRPOConfig, ModelConfig
 from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.ppo_config import PPOConfig
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.rft_config import OnlineRFTConfig
 from grpo.training import launch
 from grpo.training.worker import build_rl_trainer
@@ -41,8 +41,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     rows = read_frame(train_uri)
     refresh_frames = {}
     if refresh is not None:  # read (and checked) before any model loads
-        from grpo.data.preferences import load_preference_data
-        from grpo.training.reward_model import split_by_prompt
+        from grpo.data.preferences import load_preference_data, split_by_prompt
 
         pairs, heldout = load_preference_data(preferences) if preferences is not None else (None, None)
         if pairs is not None and heldout is None and refresh.eval_fraction > 0:  # as the reward model's training does

@@ -18,12 +18,16 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from typing import Callable
 
 from grpo.faults import Fault
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0  # a server that takes longer than this to say it is healthy counts as not answering
 RETRY_EVERY_S = 1.0  # how often a server that did not answer is asked again
+# writes one batch of a run's metrics to the server (tasks.tracking passes MLflow's client): given, not imported,
+# so this module needs nothing of tasks
+Writer = Callable[[str, list], None]
 
 
 def wait_s() -> float:
@@ -45,9 +49,9 @@ def answering(uri: str) -> bool:
 class MetricsQueue(threading.Thread):
     """Metric batches on their way to one tracking server, in order, each written once."""
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, write: Writer):
         super().__init__(name="r1-metrics", daemon=True)
-        self.uri = uri
+        self.uri, self.write = uri, write
         self.pending: deque[tuple[str, list]] = deque()  # (run id, metrics), oldest first
         self.changed = threading.Condition()
         self.down_since: float | None = None
@@ -58,8 +62,6 @@ class MetricsQueue(threading.Thread):
             self.changed.notify_all()
 
     def run(self) -> None:
-        from tasks import tracking
-
         while True:
             with self.changed:
                 while not self.pending:
@@ -70,7 +72,7 @@ class MetricsQueue(threading.Thread):
                 time.sleep(RETRY_EVERY_S)
                 continue
             try:
-                tracking.client().log_batch(run_id, metrics=metrics)
+                self.write(run_id, metrics)
             except Exception as e:  # noqa: BLE001 (MLflow's and requests' errors alike)
                 if not answering(self.uri):  # gone while writing: the same batch again once it is back
                     continue
@@ -109,11 +111,12 @@ _queues: dict[str, MetricsQueue] = {}
 _lock = threading.Lock()
 
 
-def queue_for(uri: str) -> MetricsQueue:
+def queue_for(uri: str, write: Writer) -> MetricsQueue:
+    """This process's queue to the server at `uri` (one a server), writing with `write` when it starts."""
     with _lock:
         q = _queues.get(uri)
         if q is None or not q.is_alive():
-            q = _queues[uri] = MetricsQueue(uri)
+            q = _queues[uri] = MetricsQueue(uri, write)
             q.start()
         return q
 

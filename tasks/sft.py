@@ -11,7 +11,7 @@ from prefect.logging import get_run_logger
 from grpo.config import ModelConfig, SFTConfig
 from grpo.data.tables import validate_rows
 from grpo.models import load_model_and_tokenizer
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.training.sft_trainer import train_sft
 from grpo.training import launch
 from tasks import cluster, tracking

@@ -294,7 +294,7 @@ class MetricsLogger:
 
         uri = tracking_uri()
         self.run_id, self.client = run_id, client()
-        self.queue = outage.queue_for(uri) if uri.startswith(("http://", "https://")) else None
+        self.queue = outage.queue_for(uri, _write_metrics) if uri.startswith(("http://", "https://")) else None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         import time
@@ -307,6 +307,10 @@ class MetricsLogger:
             self.queue.put(self.run_id, batch)
         else:
             self.client.log_batch(self.run_id, metrics=batch)
+
+
+def _write_metrics(run_id: str, metrics: list) -> None:
+    client().log_batch(run_id, metrics=metrics)
 
 
 def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, context: str) -> None:

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ppo_config import PPOConfig
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.reward_config import RewardModelConfig
 from grpo.sampling.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator

@@ -97,7 +97,8 @@ def test_no_room_for_the_next_checkpoint_is_one_line_and_the_same_loop_resumes_o
 
 
 def test_a_disk_that_fills_up_during_a_save_is_one_line_and_the_partial_folder_goes(small_disk):
-    from grpo.training.accelerator import make_accelerator, make_adamw
+    from grpo.training.accelerator import make_accelerator
+    from grpo.training.optimizers import make_adamw
 
     model, _ = load_model_and_tokenizer(SMALL)
     acc = make_accelerator("no", 1)
@@ -121,7 +122,8 @@ import resource, signal, sys
 from grpo.faults import Fault
 from grpo.models import load_model_and_tokenizer
 from grpo.config import ModelConfig, TinyModelConfig
-from grpo.training.accelerator import make_accelerator, make_adamw
+from grpo.training.accelerator import make_accelerator
+from grpo.training.optimizers import make_adamw
 from grpo.training.checkpoints import save_checkpoint
 
 model, _ = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128,

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddp_loops import GRPO, SFT, logps_rows, run_all
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.training import launch
 
 HERE = Path(__file__).resolve().parent

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_ppo, run_sft_resumed
-from grpo.recipe import DistributedConfig, ReasoningGRPOConfig
+from grpo.distributed_config import DistributedConfig
+from grpo.recipe import ReasoningGRPOConfig
 from grpo.training import launch
 from test_distributed import (assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
                               assert_sft_matches, reported)
@@ -244,7 +245,7 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
 HANGS = """
 import os, sys, time
 import torch
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.training.accelerator import make_accelerator
 from grpo.training.strategy import make_strategy
 from ddp_loops import SMALL

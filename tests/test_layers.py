@@ -17,15 +17,25 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """The project modules a file imports when it is imported (imports inside functions are deferred)."""
+def _imports(path: Path) -> set[str]:
+    """The project modules a file imports, at the top or inside a function (a deferred import is still an edge: it
+    runs when the function does, and a circle through one is a circle a newcomer must hold in mind)."""
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            # `from grpo.training import launch` imports the module grpo.training.launch
+            found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
     return {m for m in found if m.split(".")[0] in ("grpo", "tasks", "flows")}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    files = [p for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
+    graph = {_module(p): _imports(p) for p in files}
+    # `from a.b import name` also listed a.b.name, which is a module only where a file has that name
+    return {module: (deps & graph.keys()) - {module} for module, deps in graph.items()}
 
 
 def test_grpo_imports_neither_prefect_nor_mlflow():
@@ -78,8 +88,8 @@ print(sorted({{n.split(".")[0] for n in sys.modules}} & {set(OPTIONAL)!r}))
 
 
 def test_no_import_circle_in_the_project():
-    files = [p for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
-    graph = {_module(p): {m for m in _top_level_imports(p)} for p in files}
+    """No module reaches, through any chain of imports (at the top or inside functions), back to itself."""
+    graph = _import_graph()
     # importing a.b.c runs a/__init__ and a/b/__init__ first: an edge to each parent package too
     for deps in graph.values():
         for m in list(deps):
@@ -101,6 +111,29 @@ def test_no_import_circle_in_the_project():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+LOOPS = "grpo.training.loops"
+LAUNCHERS = "grpo.training.launchers"
+
+
+def test_training_is_parts_loops_and_launchers():
+    """`grpo/training/` holds loops (`loops/`), what starts them (`launchers/`) and the parts they share (loose):
+    no loop imports another loop, parts import neither loops nor launchers, and loops import no launcher."""
+    graph = _import_graph()
+    assert any(m.startswith(LOOPS + ".") for m in graph), f"{LOOPS} holds the training loops"
+    assert any(m.startswith(LAUNCHERS + ".") for m in graph), f"{LAUNCHERS} holds what starts them"
+    wrong = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if module.startswith(LOOPS + ".") and dep.startswith(LOOPS + ".") and dep != module:
+                wrong.append(f"loop {module} imports loop {dep}")
+            elif module.startswith(LOOPS + ".") and dep.startswith(LAUNCHERS):
+                wrong.append(f"loop {module} imports launcher {dep}")
+            elif (module.startswith("grpo.") and not module.startswith((LOOPS, LAUNCHERS))
+                  and dep.startswith((LOOPS + ".", LAUNCHERS + "."))):
+                wrong.append(f"part {module} imports {dep}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_no_module_over_about_500_lines():

@@ -13,10 +13,9 @@ import grpo.training.grpo_trainer as grpo_trainer
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.training.accelerator import make_adamw
+from grpo.training.optimizers import MasterWeights, cast_parameters, make_adamw
 from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
-from grpo.training.optimizers import MasterWeights, cast_parameters
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
 

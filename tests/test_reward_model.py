@@ -17,17 +17,9 @@ from grpo.models import is_checkpointing
 from grpo.rewards import format_reward_strict, score_completions
 from grpo.tiny import build_tiny_model, build_tokenizer
 from grpo.training.grpo_trainer import GRPOTrainer
-from grpo.training.reward_model import (
-    RewardModelScorer,
-    bradley_terry_loss,
-    build_reward_model,
-    encode,
-    encode_pairs,
-    evaluate_pairs,
-    pair_metrics,
-    reward_model_reward,
-    train_reward_model,
-)
+from grpo.training.reward_model import train_reward_model
+from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, build_reward_model, encode,
+                                         encode_pairs, evaluate_pairs, pair_metrics, reward_model_reward)
 from grpo.training.sft_trainer import tokenize_rows
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

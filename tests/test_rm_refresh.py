@@ -14,7 +14,7 @@ from grpo.reward_config import RewardModelConfig
 from grpo.data.preferences import general_prompts, preference_pairs
 from grpo.models import load_model_and_tokenizer
 from grpo.training.grpo_trainer import GRPOTrainer
-from grpo.training.reward_model import RewardModelScorer, build_reward_model, reward_model_reward
+from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
 from grpo.training.rm_refresh import RewardModelRefresh, policy_pairs
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -11,7 +11,7 @@ from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import activation_checkpointing, is_checkpointing, load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.sampling.cpu_decoder import lean_decode_supported
-from grpo.training.accelerator import make_adamw
+from grpo.training.optimizers import make_adamw
 from grpo.training.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.loss import grpo_loss
@@ -165,7 +165,7 @@ def test_unknown_reward_fails_before_any_sampling(tmp_path):
 
 
 def test_dynamic_sampling_refills_groups_with_spread(tmp_path):
-    from grpo.training.grpo_trainer import prompt_order
+    from grpo.training.batches import prompt_order
 
     first = set(prompt_order(len(PROMPTS), 0, 2, seed=0))  # the step's own prompts
 

@@ -35,6 +35,7 @@ Pure Python and pandas: must not depend on torch, Prefect or MLflow.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from typing import Literal, NamedTuple
 
@@ -279,3 +280,13 @@ def load_preference_data(cfg: PreferenceDataConfig) -> tuple[pd.DataFrame, pd.Da
                    if cfg.num_heldout else None)
         return preference_pairs(cfg.num_train, cfg.seed, "train", cfg.heldout_percent), heldout
     return load_preferences(cfg.source, cfg.split, cfg.num_train), None
+
+
+def split_by_prompt(pairs: pd.DataFrame, fraction: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(train, held-out) with whole prompts on one side, chosen by hash so the split never depends on row order."""
+    def held(prompt) -> bool:
+        key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+        return int.from_bytes(hashlib.sha1(key.encode()).digest()[:4], "big") / 2**32 < fraction
+
+    mask = pairs["prompt"].map(held).astype(bool)
+    return pairs[~mask].reset_index(drop=True), pairs[mask].reset_index(drop=True)

@@ -22,7 +22,7 @@ from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.models import cached
 from grpo.sampling.cpu_decoder import _LeanDecoder
-from grpo.sampling.rollout import Rollout, pad_right
+from grpo.sampling.rollout import Rollout, cat_padded
 from grpo.sampling.static_sampler import StaticSampler, distinct_rows, inverse_cdf
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,20 @@ _REPORTED: set[str] = set()  # fallback reasons already logged: once each, not o
 def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list) -> list[str]:
     """Prompt cells (strings or chat messages) as the text the model sees, ending where the assistant begins."""
     return [tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=False) for p in prompts]
+
+
+def response_text(tokenizer: PreTrainedTokenizerBase, cell, prompt: str, response: str) -> str:
+    """The response as the chat template closes an assistant turn (e.g. `...<|im_end|>` for Qwen).
+
+    Rendering the whole conversation and cutting off the prompt keeps whatever end-of-turn marker the template
+    uses, which for base models is often not `tokenizer.eos_token`. Templates that rewrite earlier turns (some
+    strip reasoning from history) do not render the prompt as a prefix; those fall back to response + eos.
+    """
+    full = tokenizer.apply_chat_template(as_messages(cell) + [{"role": "assistant", "content": response}],
+                                         tokenize=False)
+    if full.startswith(prompt) and response in full[len(prompt):]:
+        return full[len(prompt):]
+    return response + tokenizer.eos_token
 
 
 def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,9 +213,9 @@ class TransformersBackend:
                 parts.append(self.sample_ids(prompt_ids[sl], prompt_mask[sl], sampling, logprobs=logprobs))
         finally:
             self.model.train(was_training)
-        completion_ids = pad_right([p[0] for p in parts], tok.pad_token_id)  # [N, C]
-        completion_mask = pad_right([p[1] for p in parts], 0)  # [N, C]
-        token_logps = pad_right([p[2] for p in parts], 0.0) if logprobs else None  # [N, C]
+        completion_ids = cat_padded([p[0] for p in parts], tok.pad_token_id)  # [N, C]
+        completion_mask = cat_padded([p[1] for p in parts], 0)  # [N, C]
+        token_logps = cat_padded([p[2] for p in parts], 0.0) if logprobs else None  # [N, C]
         truncated = torch.cat([p[3] for p in parts])  # [N]
         texts = tok.batch_decode(completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id),
                                  skip_special_tokens=True)

@@ -35,9 +35,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import GenerationConfig
 from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.http_backend import build_http_backend
-from grpo.sampling.rollout import Engine, Rollout, pad_right, require_tokens
+from grpo.sampling.rollout import Engine, Rollout, cat_padded, require_tokens
 
-__all__ = ["Engine", "Rollout", "build_engine", "local_generation", "pad_right", "require_tokens", "sampling_dtype"]
+__all__ = ["Engine", "Rollout", "build_engine", "cat_padded", "local_generation", "require_tokens", "sampling_dtype"]
 
 
 def sampling_dtype(precision: str) -> torch.dtype | None:

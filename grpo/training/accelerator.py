@@ -1,4 +1,4 @@
-"""One Accelerator per training loop, whatever the loop before it asked for.
+"""One Accelerator per training loop, whatever the loop before it asked for, and the fp32 GEMM plan its processes share.
 
 Must not depend on Prefect or MLflow.
 """
@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.state import AcceleratorState
 
-from grpo.training.launch import COLLECTIVE_TIMEOUT
+from grpo.distributed_config import COLLECTIVE_TIMEOUT
 from grpo.training.precision import choose_precision, emulated_bf16_warning, this_machine
 
 
@@ -45,32 +45,6 @@ def make_accelerator(mixed_precision: str, gradient_accumulation_steps: int = 1)
     group = InitProcessGroupKwargs(timeout=timedelta(seconds=float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))))
     return Accelerator(mixed_precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
                        cpu=hw.device != "cuda", kwargs_handlers=[ddp, group], dataloader_config=global_batches)
-
-
-def make_adamw(model: torch.nn.Module | list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters (or these tensors), as one fused kernel where torch has it.
-
-    The fused step (CPU and CUDA) updates every tensor in one pass instead of a dozen elementwise ops per group of
-    tensors: ~4x faster on a small model, where the optimizer step is a visible share of a training step.
-    """
-    params = [p for p in (model.parameters() if isinstance(model, torch.nn.Module) else model) if p.requires_grad]
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
-
-
-def optimizer_step(acc: Accelerator, model: torch.nn.Module, optimizer, scheduler,
-                   max_grad_norm: float) -> torch.Tensor | None:
-    """Clip, step and zero the gradients inside `acc.accumulate(model)`; the gradient norm on a syncing step, else None.
-
-    Accelerate's prepared optimizer and scheduler skip their step on micro-batches that only accumulate.
-    """
-    grad_norm = acc.clip_grad_norm_(model.parameters(), max_grad_norm) if acc.sync_gradients else None
-    if hasattr(grad_norm, "full_tensor"):  # sharded gradients (fsdp) give the norm as a DTensor
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
 
 
 def shared_gemm_plan(acc: Accelerator, setting: str, model: torch.nn.Module, tokens: int, output_dir):

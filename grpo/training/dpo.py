@@ -62,17 +62,18 @@ from grpo.dpo_config import DPOConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.rewards import completion_text
-from grpo.sampling.backend import render_prompts
-from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
+from grpo.sampling.backend import render_prompts, response_text
+from grpo.training.accelerator import make_accelerator
+from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
-from grpo.training.reward_model import split_by_prompt
+from grpo.data.preferences import split_by_prompt
 from grpo.training.schedules import make_scheduler
-from grpo.training.sft_trainer import _response_text, batch_indices
+from grpo.training.batches import batch_indices
 from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -161,7 +162,7 @@ def tokenize_pairs(pairs: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         responses = []
         for col in ("chosen", "rejected"):
-            text = _response_text(tokenizer, cell, prompt, completion_text(pairs[col].iloc[i]))
+            text = response_text(tokenizer, cell, prompt, completion_text(pairs[col].iloc[i]))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(prompt_ids) + len(ids) > max_seq_len:
                 raise DataError(f"{source}: row {i}, column {col!r}: prompt + response is {len(prompt_ids) + len(ids)} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.sampling.engines import Rollout, pad_right
+from grpo.sampling.engines import Rollout, cat_padded
 
 
 def spread_groups(total: list[float], G: int) -> list[int]:
@@ -36,9 +36,9 @@ def concat_groups(parts, G: int, want: int, pad_id: int):
     rollout = Rollout(
         prompt_ids=torch.cat([left(r.prompt_ids[rows(g)], pad_id) for r, _, g, _ in chosen]),
         prompt_mask=torch.cat([left(r.prompt_mask[rows(g)], 0) for r, _, g, _ in chosen]),
-        completion_ids=pad_right([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
-        completion_mask=pad_right([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
-        logprobs=None if chosen[0][0].logprobs is None else pad_right(
+        completion_ids=cat_padded([r.completion_ids[rows(g)] for r, _, g, _ in chosen], pad_id),
+        completion_mask=cat_padded([r.completion_mask[rows(g)] for r, _, g, _ in chosen], 0),
+        logprobs=None if chosen[0][0].logprobs is None else cat_padded(
             [r.logprobs[rows(g)] for r, _, g, _ in chosen], 0.0),
         truncated=torch.cat([r.truncated[rows(g)] for r, _, g, _ in chosen]),
         texts=[t for r, _, g, _ in chosen for t in r.texts[rows(g)]],

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
@@ -38,14 +37,17 @@ from grpo.kernels.attention import cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.backend import render_prompts
 from grpo.sampling.engines import Engine, Rollout, build_engine, require_tokens, sampling_dtype
-from grpo.training.accelerator import make_accelerator, optimizer_step, shared_gemm_plan
+from grpo.training.accelerator import make_accelerator, shared_gemm_plan
+from grpo.training.batches import prompt_order
+from grpo.training.optimizers import (MasterWeights, cast_parameters, make_optimizer, optimizer_step,
+                                      require_bitsandbytes)
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.dynamic import concat_groups, spread_groups
@@ -54,7 +56,6 @@ from grpo.training.distributed import (check_split, gather_table, main_only, mat
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
-from grpo.training.optimizers import MasterWeights, cast_parameters, make_optimizer, require_bitsandbytes
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
@@ -98,20 +99,6 @@ class Batch(NamedTuple):
 class GRPOResult(NamedTuple):
     model_dir: Path  # final policy, loadable with from_pretrained
     steps: int  # optimizer steps taken in total
-
-
-def prompt_order(n_prompts: int, step: int, per_step: int, seed: int, draw: int = 0) -> list[int]:
-    """Prompt indices for a step: epoch-wise permutations walked in order, a pure function of the step.
-
-    Draw 0 is the step's own batch; refill draws (dynamic sampling) come from a separate random stream, so they
-    never shift which prompts later steps see.
-    """
-    if draw:
-        return np.random.default_rng([seed, 1, step, draw]).choice(n_prompts, per_step, replace=False).tolist()
-    per_epoch = n_prompts // per_step
-    epoch, i = divmod(step, per_epoch)
-    perm = np.random.default_rng([seed, 0, epoch]).permutation(n_prompts)
-    return perm[i * per_step : (i + 1) * per_step].tolist()
 
 
 class GRPOTrainer:

@@ -28,9 +28,8 @@ from typing import Callable
 
 import pandas as pd
 
-from grpo.recipe import DistributedConfig
+from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
 
-COLLECTIVE_TIMEOUT = "R1_COLLECTIVE_TIMEOUT_S"  # seconds a collective (all-reduce, barrier) may wait; read by the loops
 # what a multi-machine job tells each of its machines (README: "Training across processes and machines")
 MACHINE_RANK, MAIN_IP, MAIN_PORT, JOIN_DIR = ("R1_MACHINE_RANK", "R1_MAIN_PROCESS_IP", "R1_MAIN_PROCESS_PORT",
                                               "R1_JOIN_DIR")

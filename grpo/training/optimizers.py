@@ -1,5 +1,5 @@
-"""The GRPO optimizer: AdamW (fused where torch has it) or bitsandbytes' 8-bit AdamW, stepping the weights
-themselves or fp32 master copies of bf16 weights.
+"""The loops' optimizers and their step: AdamW (fused where torch has it) or bitsandbytes' 8-bit AdamW, stepping
+the weights themselves or fp32 master copies of bf16 weights; the clip/step/zero sequence every loop shares.
 
 bf16 weights with an fp32 optimizer (`weights_dtype: bfloat16`): the model, its gradients, the reference model and
 sampling hold bf16, and `MasterWeights` keeps an fp32 copy of every trainable weight that the inner optimizer
@@ -15,15 +15,43 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 import torch
 
-from grpo.training.accelerator import make_adamw
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 # fp32 gradient bytes made at once in a MasterWeights step (or one parameter's, if larger): the step's peak extra
 # memory, instead of an fp32 copy of every gradient (28 GB for a 7B model). Big enough that a step's few kernel
 # launches per slice cost nothing next to the optimizer's own work.
 STEP_SLICE_BYTES = 256 * 2**20
+
+
+def make_adamw(model: torch.nn.Module | list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters (or these tensors), as one fused kernel where torch has it.
+
+    The fused step (CPU and CUDA) updates every tensor in one pass instead of a dozen elementwise ops per group of
+    tensors: ~4x faster on a small model, where the optimizer step is a visible share of a training step.
+    """
+    params = [p for p in (model.parameters() if isinstance(model, torch.nn.Module) else model) if p.requires_grad]
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
+def optimizer_step(acc: Accelerator, model: torch.nn.Module, optimizer, scheduler,
+                   max_grad_norm: float) -> torch.Tensor | None:
+    """Clip, step and zero the gradients inside `acc.accumulate(model)`; the gradient norm on a syncing step, else None.
+
+    Accelerate's prepared optimizer and scheduler skip their step on micro-batches that only accumulate.
+    """
+    grad_norm = acc.clip_grad_norm_(model.parameters(), max_grad_norm) if acc.sync_gradients else None
+    if hasattr(grad_norm, "full_tensor"):  # sharded gradients (fsdp) give the norm as a DTensor
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def require_bitsandbytes() -> None:

@@ -39,12 +39,12 @@ from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.ppo_config import PPOConfig, check_ppo_settings
 from grpo.sampling.engines import Rollout
-from grpo.training.accelerator import optimizer_step
+from grpo.training.optimizers import cast_parameters, make_optimizer, optimizer_step
 from grpo.training.distributed import matched_chunks, process_share, process_weight
-from grpo.training.grpo_trainer import GRPOTrainer, checkpointing_on, prompt_order
+from grpo.training.batches import prompt_order
+from grpo.training.grpo_trainer import GRPOTrainer, checkpointing_on
 from grpo.training.logprobs import token_logps
 from grpo.training.loss import batch_share, k3_kl
-from grpo.training.optimizers import cast_parameters, make_optimizer
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
 from grpo.training.schedules import make_scheduler
 from grpo.training.value import ValueModel

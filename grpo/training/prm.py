@@ -41,10 +41,10 @@ from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, Steps, StepVerifier
 from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.tiny import build_tiny_model
-from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
-from grpo.training.reward_model import pad_right
+from grpo.training.accelerator import make_accelerator
+from grpo.training.optimizers import make_adamw, optimizer_step
+from grpo.training.batches import batch_indices, pad_right
 from grpo.training.schedules import make_scheduler
-from grpo.training.sft_trainer import batch_indices
 from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]

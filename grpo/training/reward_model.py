@@ -23,45 +23,31 @@ Must not depend on Prefect or MLflow: metrics go to a callback.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import random
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import (
-    AutoModelForSequenceClassification,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Qwen2ForSequenceClassification,
-)
 
-from grpo.config import TINY, ModelConfig
 from grpo.reward_config import RewardModelConfig
+from grpo.data.preferences import split_by_prompt
 from grpo.data.tables import DataError
-from grpo.models import _DTYPES, activation_checkpointing, check_model_config, load_tokenizer
-from grpo.recipe import DistributedConfig
-from grpo.rewards import completion_text
-from grpo.sampling.backend import render_prompts
-from grpo.tiny import build_tiny_model
-from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step
+from grpo.models import activation_checkpointing
+from grpo.distributed_config import DistributedConfig
+from grpo.training.accelerator import make_accelerator
+from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
 from grpo.training.schedules import make_scheduler
-from grpo.training.sft_trainer import _response_text, batch_indices
+from grpo.training.batches import batch_indices, pad_right
+from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, build_reward_model, encode_pairs,
+                                         evaluate_pairs, pair_metrics)
 from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
-
-
-class PairExample(NamedTuple):
-    chosen_ids: list[int]  # chat-formatted prompt + chosen response
-    rejected_ids: list[int]  # chat-formatted prompt + rejected response
 
 
 class RewardModelResult(NamedTuple):
@@ -73,190 +59,6 @@ class RewardModelResult(NamedTuple):
     heldout_metrics: dict[str, float]  # rm/heldout_accuracy, rm/heldout_margin and, with a `flaw` column, per flaw
     seconds: float  # wall time of the training loop
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# The loss
-
-def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
-    """Mean over pairs of `-log sigmoid(r_chosen - r_rejected)`: the negative log-likelihood that the chosen wins.
-
-    >>> bradley_terry_loss(torch.tensor([0.0]), torch.tensor([0.0]))  # a tie: -log(1/2)
-    tensor(0.6931)
-    """
-    return -F.logsigmoid(chosen_rewards.float() - rejected_rewards.float()).mean()  # [B] -> scalar
-
-
-def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, float]:
-    """Accuracy (share of pairs with r_chosen strictly above r_rejected; a tie is a miss) and mean margin."""
-    margin = (chosen_rewards.float() - rejected_rewards.float()).detach()  # [B]
-    return {"accuracy": (margin > 0).float().mean().item(), "margin": margin.mean().item()}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The model
-
-def build_reward_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A sequence classifier with one output and `pad_token_id` set, so it can find each row's last token.
-
-    "tiny" builds the embedded backbone (the same weights `build_tiny_model` gives for its seed) under a fresh
-    head; anything else goes to `AutoModelForSequenceClassification.from_pretrained`, which keeps a causal LM's
-    backbone and starts a new head, or reloads a trained reward model whole.
-    """
-    check_model_config(cfg)
-    tok = load_tokenizer(cfg)
-    if cfg.name_or_path == TINY:
-        lm = build_tiny_model(cfg.tiny, tok)
-        lm.config.num_labels = 1
-        torch.manual_seed(seed)  # the head's initialisation
-        model = Qwen2ForSequenceClassification(lm.config)
-        model.model.load_state_dict(lm.model.state_dict())
-        return model.to(_DTYPES[cfg.dtype]), tok
-    kwargs = dict(num_labels=1, pad_token_id=tok.pad_token_id, trust_remote_code=cfg.trust_remote_code,
-                  dtype=_DTYPES[cfg.dtype])
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
-    torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, **kwargs), tok
-
-
-def load_reward_model(path: str | Path, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A reward model saved by `train_reward_model` (or any one-output sequence classifier folder)."""
-    return build_reward_model(ModelConfig(name_or_path=str(path), dtype=dtype))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Text to token ids, and batches
-
-def encode(tokenizer: PreTrainedTokenizerBase, prompts: Sequence, responses: Sequence) -> list[list[int]]:
-    """Prompt + response as the chat template renders a finished assistant turn (end-of-turn marker included)."""
-    rendered = render_prompts(tokenizer, list(prompts))
-    out = []
-    for cell, prompt, response in zip(prompts, rendered, responses):
-        text = completion_text(response)
-        out.append(tokenizer(prompt + _response_text(tokenizer, cell, prompt, text), add_special_tokens=False)
-                   ["input_ids"])
-    return out
-
-
-def encode_pairs(pairs: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_seq_len: int,
-                 source: str = "pairs") -> list[PairExample]:
-    """Every pair as token ids; one that does not fit fails here, before any training.
-
-    Cutting a long pair would drop the end of the response, which is exactly the token the score is read from.
-    """
-    chosen = encode(tokenizer, pairs["prompt"].tolist(), pairs["chosen"].tolist())
-    rejected = encode(tokenizer, pairs["prompt"].tolist(), pairs["rejected"].tolist())
-    for i, (c, r) in enumerate(zip(chosen, rejected)):
-        for col, ids in (("chosen", c), ("rejected", r)):
-            if len(ids) > max_seq_len:
-                raise DataError(f"{source}: row {i}, column {col!r}: prompt + response is {len(ids)} tokens; "
-                                f"expected at most max_seq_len={max_seq_len}")
-    return [PairExample(c, r) for c, r in zip(chosen, rejected)]
-
-
-def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right padding: every row starts at position 0, so a row's positions and score do not depend on its batch."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id)  # [B, T]
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, T]
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
-def split_by_prompt(pairs: pd.DataFrame, fraction: float) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(train, held-out) with whole prompts on one side, chosen by hash so the split never depends on row order."""
-    def held(prompt) -> bool:
-        key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
-        return int.from_bytes(hashlib.sha1(key.encode()).digest()[:4], "big") / 2**32 < fraction
-
-    mask = pairs["prompt"].map(held).astype(bool)
-    return pairs[~mask].reset_index(drop=True), pairs[mask].reset_index(drop=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Scoring
-
-class RewardModelScorer:
-    """Scores (prompt, completion) pairs with a reward model: batched, without gradients, right-padded.
-
-    Sequence classifiers in transformers read the rightmost token that is not padding, so right padding puts
-    each row's score on its own last token and at the same positions it has alone; the tokenizer's own padding
-    side (left, for generation) is never used. A completion longer than `max_seq_len` keeps its end: the score
-    is read there, and a policy's overlong sample must not stop a GRPO run.
-    """
-
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 64,
-                 max_seq_len: int | None = None):
-        if model.config.pad_token_id is None:
-            raise ValueError("the reward model's config has no pad_token_id: it could not find each row's last token")
-        self.model = model.eval()  # no_grad below; parameters stay trainable for a caller that goes on training
-        self.tokenizer, self.batch_size = tokenizer, batch_size
-        self.max_seq_len = max_seq_len or getattr(model.config, "max_position_embeddings", None) or 4096
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, batch_size: int = 64, dtype: str = "float32") -> RewardModelScorer:
-        return cls(*load_reward_model(path, dtype), batch_size=batch_size)
-
-    @torch.no_grad()
-    def score_ids(self, seqs: list[list[int]]) -> list[float]:
-        device = next(self.model.parameters()).device
-        seqs = [s[-self.max_seq_len:] for s in seqs]
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # like lengths together: less padding
-        scores = [0.0] * len(seqs)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            ids, mask = pad_right([seqs[i] for i in chunk], self.model.config.pad_token_id)
-            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]  # [B]
-            for i, s in zip(chunk, out.float().tolist()):
-                scores[i] = s
-        return scores
-
-    def score(self, prompts: Sequence, completions: Sequence) -> list[float]:
-        """One score per (prompt, completion); prompts are text or chat messages, completions text or messages."""
-        if len(prompts) != len(completions):
-            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
-        return self.score_ids(encode(self.tokenizer, prompts, completions)) if prompts else []
-
-
-def reward_model_reward(scorer: RewardModelScorer,
-                        only_kind: str | None = "general") -> Callable[..., list[float | None]]:
-    """The scorer as a reward function with the project's contract: `fn(completions, prompt, **columns)`.
-
-    Takes the prompts from a `prompt` column (or TRL's `prompts`). With a `kind` column, only rows of `only_kind`
-    are scored and the rest get None (R1 scores reasoning prompts by rules and general prompts by the reward
-    model; in a mixed dataset each reward abstains on the other's rows). `only_kind=None` scores every row.
-    """
-    def reward_model(completions: Sequence, prompt: Sequence | None = None, *, prompts: Sequence | None = None,
-                     kind: Sequence | None = None, **_) -> list[float | None]:
-        prompt = prompt if prompt is not None else prompts
-        if prompt is None:
-            raise ValueError("reward_model needs the prompts: pass a 'prompt' column (or TRL's 'prompts')")
-        rows = [i for i in range(len(completions)) if only_kind is None or kind is None or kind[i] == only_kind]
-        out: list[float | None] = [None] * len(completions)
-        for i, s in zip(rows, scorer.score([prompt[i] for i in rows], [completions[i] for i in rows])):
-            out[i] = s
-        return out
-
-    return reward_model
-
-
-def evaluate_pairs(scorer: RewardModelScorer, pairs: pd.DataFrame) -> dict[str, float]:
-    """Held-out pair accuracy and mean margin, and accuracy per `flaw` when the pairs name one."""
-    prompts = pairs["prompt"].tolist()
-    chosen = torch.tensor(scorer.score(prompts, pairs["chosen"].tolist()))  # [N]
-    rejected = torch.tensor(scorer.score(prompts, pairs["rejected"].tolist()))  # [N]
-    m = pair_metrics(chosen, rejected)
-    out = {"rm/heldout_accuracy": m["accuracy"], "rm/heldout_margin": m["margin"]}
-    if "flaw" in pairs.columns:
-        for flaw, idx in pairs.groupby("flaw").indices.items():
-            out[f"rm/heldout_accuracy/{flaw}"] = pair_metrics(chosen[idx], rejected[idx])["accuracy"]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Training
 
 def train_reward_model(
     pairs: pd.DataFrame,

@@ -40,9 +40,10 @@ import torch
 
 from grpo.config import REWARD_MODEL
 from grpo.reward_config import RewardModelConfig
-from grpo.training.accelerator import make_adamw
-from grpo.training.reward_model import (RewardModelScorer, bradley_terry_loss, encode_pairs, evaluate_pairs,
-                                        pad_right, pair_metrics)
+from grpo.training.optimizers import make_adamw
+from grpo.training.batches import pad_right
+from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, encode_pairs, evaluate_pairs,
+                                         pair_metrics)
 
 STATE_FILE = "reward_model_refresh.pt"  # in each GRPO checkpoint folder
 OUTPUT_FOLDER = "reward_model"  # the refreshed reward model, beside GRPO's `model` when the loop ends

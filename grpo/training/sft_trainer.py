@@ -18,21 +18,22 @@ import shutil
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import SFTConfig
-from grpo.data.tables import DataError, as_messages
+from grpo.data.tables import DataError
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.recipe import DistributedConfig
-from grpo.sampling.backend import render_prompts
-from grpo.training.accelerator import make_accelerator, make_adamw, optimizer_step, shared_gemm_plan
+from grpo.distributed_config import DistributedConfig
+from grpo.sampling.backend import render_prompts, response_text
+from grpo.training.accelerator import make_accelerator, shared_gemm_plan
+from grpo.training.batches import batch_indices
+from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, main_only, process_share, reduce_sum
 from grpo.training.schedules import make_scheduler
@@ -58,27 +59,13 @@ def tokenize_rows(rows: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_se
     examples = []
     for i, (cell, prompt, response) in enumerate(zip(rows["prompt"].tolist(), prompts, rows["response"].tolist())):
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(_response_text(tokenizer, cell, prompt, response), add_special_tokens=False)["input_ids"]
+        r = tokenizer(response_text(tokenizer, cell, prompt, response), add_special_tokens=False)["input_ids"]
         if len(p) >= max_seq_len:
             raise DataError(f"{source}: row {i}, column 'prompt': {len(p)} tokens leave no room for the response "
                             f"within max_seq_len={max_seq_len}")
         ids = (p + r)[:max_seq_len]
         examples.append(Example(ids, ([-100] * len(p) + r)[:max_seq_len]))
     return examples
-
-
-def _response_text(tokenizer: PreTrainedTokenizerBase, cell, prompt: str, response: str) -> str:
-    """The response as the chat template closes an assistant turn (e.g. `...<|im_end|>` for Qwen).
-
-    Rendering the whole conversation and cutting off the prompt keeps whatever end-of-turn marker the template
-    uses, which for base models is often not `tokenizer.eos_token`. Templates that rewrite earlier turns (some
-    strip reasoning from history) do not render the prompt as a prefix; those fall back to response + eos.
-    """
-    full = tokenizer.apply_chat_template(as_messages(cell) + [{"role": "assistant", "content": response}],
-                                         tokenize=False)
-    if full.startswith(prompt) and response in full[len(prompt):]:
-        return full[len(prompt):]
-    return response + tokenizer.eos_token
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
@@ -91,14 +78,6 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         labels[i, : len(e.labels)] = torch.tensor(e.labels)
         mask[i, : len(e.input_ids)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def batch_indices(n_rows: int, batch_size: int, micro_step: int, seed: int) -> list[int]:
-    """Row indices of micro-batch number `micro_step`: a fresh permutation per epoch, a pure function of the step."""
-    per_epoch = max(1, n_rows // batch_size)
-    epoch, k = divmod(micro_step, per_epoch)
-    perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
-    return perm[k * batch_size : (k + 1) * batch_size].tolist()
 
 
 def train_sft(

@@ -48,7 +48,7 @@ def _sft(job: dict, events: EventWriter) -> dict:
 
 
 def _distributed(job: dict):
-    from grpo.recipe import DistributedConfig
+    from grpo.distributed_config import DistributedConfig
 
     return DistributedConfig.model_validate(job.get("distributed") or {})
 
@@ -69,7 +69,7 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
     from grpo.models import load_model_and_tokenizer
     from grpo.rewards import REWARD_FUNCTIONS
     from grpo.training.grpo_trainer import GRPOTrainer
-    from grpo.training.reward_model import RewardModelScorer, reward_model_reward
+    from grpo.training.reward_scorer import RewardModelScorer, reward_model_reward
 
     reward_functions, hooks = None, []
     if reward_model:
