@@ -48,9 +48,9 @@ def main() -> None:
     from grpo.rejection.shards import process_shard
     from grpo.sampling.engines import build_engine, sampling_dtype
     from grpo.sampling.static_sampler import StaticSampler
-    from grpo.training.grpo_trainer import GRPOTrainer
-    from grpo.training.reward_model import train_reward_model
-    from grpo.training.sft_trainer import train_sft
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.reward_model import train_reward_model
+    from grpo.training.loops.sft_trainer import train_sft
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():

@@ -95,7 +95,7 @@ def main() -> None:
 
     import torch
 
-    from grpo.training.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
 
     cuda, g, n, rows, model, tok, cfg = load_workload(args)
     steps: list[dict] = []

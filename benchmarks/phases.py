@@ -100,7 +100,7 @@ def run_side(side: str, model_dir: str, workload: str) -> None:
         runpy.run_path(str(BENCH / "trl_grpo_peer.py"), run_name="__main__")
     else:
         from grpo.sampling.backend import TransformersBackend
-        from grpo.training.grpo_trainer import GRPOTrainer
+        from grpo.training.loops.grpo_trainer import GRPOTrainer
 
         timers.wrap(TransformersBackend, "generate", "sampling")
         timers.wrap(GRPOTrainer, "_scored", "reference")  # it turns gradients off itself

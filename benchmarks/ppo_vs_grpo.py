@@ -44,8 +44,8 @@ def run_one(algorithm: str, args) -> dict:
     import torch
 
     from grpo.ppo_config import PPOConfig
-    from grpo.training.grpo_trainer import GRPOTrainer
-    from grpo.training.ppo_trainer import PPOTrainer
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.ppo_trainer import PPOTrainer
 
     cuda, g, n, rows, model, tok, cfg = load_workload(args)  # n: completions a step, for both
     steps: list[dict] = []

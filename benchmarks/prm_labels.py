@@ -39,7 +39,7 @@ def main() -> None:
     from grpo.recipe import load_recipe
     from grpo.rewards.steps import arithmetic_steps
     from grpo.sampling.backend import TransformersBackend
-    from grpo.training.prm import _auc, build_prm, encode_steps, label_steps, score_step_positions, train_prm
+    from grpo.training.loops.prm import _auc, build_prm, encode_steps, label_steps, score_step_positions, train_prm
 
     recipe = load_recipe(args.recipe)
     rg = recipe.reasoning_grpo

@@ -61,8 +61,8 @@ def main() -> None:
     from grpo.data.tables import load_rl_data, load_sft_data
     from grpo.models import load_model_and_tokenizer
     from grpo.recipe import load_recipe
-    from grpo.training.grpo_trainer import GRPOTrainer
-    from grpo.training.sft_trainer import train_sft
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.sft_trainer import train_sft
 
     recipe = load_recipe(args.recipe)
     work = Path(args.work or tempfile.mkdtemp(prefix="process-bench-"))
@@ -82,7 +82,7 @@ def main() -> None:
 
     step_verifiers = None
     if args.step_verifier == "prm":
-        from grpo.training.prm import prm_step_verifier
+        from grpo.training.loops.prm import prm_step_verifier
 
         step_verifiers = {"prm": prm_step_verifier(args.prm)}
     records = []

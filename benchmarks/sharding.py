@@ -92,7 +92,7 @@ def worker_step(strategy: str, steps: int) -> None:
     from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.distributed_config import DistributedConfig
-    from grpo.training.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
 
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(hidden_size=256, intermediate_size=688,

@@ -104,7 +104,7 @@ def _start(group: str, recipe, work: Path) -> dict:
     from grpo.data.preferences import general_sft_rows
     from grpo.data.tables import load_sft_data
     from grpo.models import load_model_and_tokenizer
-    from grpo.training.sft_trainer import train_sft
+    from grpo.training.loops.sft_trainer import train_sft
 
     folder = work / ("cold_start" if group == "reasoning" else "alignment_start") / "model"
     cs = recipe.cold_start_sft
@@ -159,7 +159,7 @@ def _reasoning(row: str, seed: int, recipe, start: dict, work: Path, args) -> di
     from grpo.data.tables import load_rl_data
     from grpo.models import load_model_and_tokenizer
     from grpo.sampling.engines import build_engine, sampling_dtype
-    from grpo.training.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
     from grpo.training.rft import coefficient_function
 
     rg = recipe.reasoning_grpo
@@ -174,7 +174,7 @@ def _reasoning(row: str, seed: int, recipe, start: dict, work: Path, args) -> di
     out_dir = work / f"{row}_{seed}"
     kwargs = dict(progress=False, on_metrics=lambda step, m: seen.append(m))
     if row == "ppo":
-        from grpo.training.ppo_trainer import PPOTrainer
+        from grpo.training.loops.ppo_trainer import PPOTrainer
 
         trainer = PPOTrainer(model, tok, train, cfg, out_dir, ppo=rg.ppo, **kwargs)
     else:
@@ -209,7 +209,7 @@ def _alignment(row: str, seed: int, recipe, start: dict, work: Path, args) -> di
     torch.manual_seed(seed)
     out_dir = work / f"{row}_{seed}"
     if row == "dpo":
-        from grpo.training.dpo import train_dpo
+        from grpo.training.loops.dpo import train_dpo
 
         result = train_dpo(model, tok, pairs, al.dpo.model_copy(update={"seed": seed, "checkpoint_every": 0}),
                            out_dir, heldout=heldout_pairs, progress=False)
@@ -217,8 +217,8 @@ def _alignment(row: str, seed: int, recipe, start: dict, work: Path, args) -> di
         return {**figures, "pair_accuracy": result.heldout_metrics["dpo/heldout_accuracy"], "steps": result.steps}
 
     from grpo.rewards import REWARD_FUNCTIONS
-    from grpo.training.grpo_trainer import GRPOTrainer
-    from grpo.training.reward_model import train_reward_model
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.reward_model import train_reward_model
     from grpo.training.reward_scorer import RewardModelScorer, evaluate_pairs, reward_model_reward
 
     rm_cfg = al.reward_model.model_copy(update={"seed": seed})
@@ -230,7 +230,7 @@ def _alignment(row: str, seed: int, recipe, start: dict, work: Path, args) -> di
                                      "checkpoint_every": 0, "samples_every": 0})
     hooks = []
     if row == "iterative_rm":
-        from grpo.training.rm_refresh import RewardModelRefresh
+        from grpo.training.loops.rm_refresh import RewardModelRefresh
 
         refresh_cfg = rm_cfg.model_copy(update={"refresh_every": args.refresh_every})
         hooks.append(RewardModelRefresh(scorer, refresh_cfg, cfg.rewards, cfg.num_generations, replay=pairs,

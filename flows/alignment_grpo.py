@@ -8,7 +8,7 @@ MLflow model and registered as a new version; the alias (`models:/<name>@champio
 accuracy is at least the current holder's, on every run with `promotion: always` (`--promote`), or when a person
 says so in the Prefect UI with `promotion: approve` (`tasks/promotion.py`).
 
-With `algorithm: dpo` DPO replaces the reward model and GRPO (`grpo.training.dpo`): the policy learns from the same
+With `algorithm: dpo` DPO replaces the reward model and GRPO (`grpo.training.loops.dpo`): the policy learns from the same
 preference pairs directly, against the starting checkpoint as its frozen reference; evaluation, the logged model and
 promotion are unchanged. Whichever algorithm trains, the stage measures its policy on held-out general prompts before
 and after: the share of harmful requests refused (`alignment/harmful_refused`) and of harmless ones answered

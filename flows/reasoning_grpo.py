@@ -6,7 +6,7 @@ neural reward model. Here the prompts are the synthetic task's, or a user datase
 answer format named in `data`), and the held-out split is scored before and after, so the change RL made is visible
 in one MLflow run.
 
-With `algorithm: ppo` the stage runs PPO instead (`grpo.training.ppo_trainer`): the critic-based method GRPO was
+With `algorithm: ppo` the stage runs PPO instead (`grpo.training.loops.ppo_trainer`): the critic-based method GRPO was
 made to replace, on the same rewards, sampling and KL, so the two can be compared on one task
 (benchmarks/ppo_vs_grpo.py measures their memory and step time). With `algorithm: online_rft` it runs online
 rejection-sampling fine-tuning (`grpo.training.rft`): GRPO's sampler, rewards, KL and metrics, each sample trained

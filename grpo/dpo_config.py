@@ -3,7 +3,7 @@ of a reward model and GRPO (`alignment_grpo.algorithm: dpo`).
 
 DPO (Rafailov et al. 2023) trains the policy on (prompt, chosen, rejected) pairs directly, against a frozen
 reference (the stage's starting checkpoint): no reward model, no sampling. The loss and the loop are
-`grpo.training.dpo`; the pairs are the stage's `preferences` section, the same ones the reward model would learn.
+`grpo.training.loops.dpo`; the pairs are the stage's `preferences` section, the same ones the reward model would learn.
 
 Plain pydantic: must not import torch (a recipe is checked without it).
 """

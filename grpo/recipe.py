@@ -239,7 +239,7 @@ class AlignmentGRPOConfig(StageConfig):
     promotion: Literal["auto", "approve", "always"] = "auto"
     approval_timeout_s: int = Field(86400, ge=1)  # "approve": how long the flow waits for an answer
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's (DPO's)
-    # "dpo": DPO on the `preferences` pairs (grpo.training.dpo) in place of the reward model and GRPO; general_*,
+    # "dpo": DPO on the `preferences` pairs (grpo.training.loops.dpo) in place of the reward model and GRPO; general_*,
     # reward_model* and grpo are then not read (grpo.code still sets the sandbox of held-out code rows)
     algorithm: Literal["grpo", "dpo"] = "grpo"
     dpo: DPOConfig = Field(default_factory=DPOConfig)  # read only with algorithm dpo

@@ -37,7 +37,7 @@ class RewardModelConfig(BaseModel):
     seed: int = 0  # head initialisation and data order
     # the iterative reward model (DeepSeekMath's iterative RL; off at 0): every `refresh_every` alignment GRPO steps
     # the reward model trains `refresh_steps` more steps on pairs from the policy's samples since the last refresh
-    # (grpo.training.rm_refresh says how they are ranked), `refresh_replay` of each batch drawn from the
+    # (grpo.training.loops.rm_refresh says how they are ranked), `refresh_replay` of each batch drawn from the
     # preference pairs it was first trained on
     refresh_every: int = Field(0, ge=0)
     refresh_steps: int = Field(8, ge=1)  # optimizer steps a refresh, of `batch_size` pairs each

@@ -12,8 +12,8 @@ from grpo.config import ModelConfig
 from grpo.recipe import AlignmentGRPOConfig
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
-from grpo.training.reward_model import RewardModelResult, train_reward_model
-from grpo.training import launch
+from grpo.training.loops.reward_model import RewardModelResult, train_reward_model
+from grpo.training.launchers import launch
 from tasks import cluster, tracking
 from tasks.data import DataURIs, report_dropped
 from tasks.durable import durable_resume
@@ -100,7 +100,7 @@ def train_dpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_
             heldout_metrics = report["heldout_metrics"]
         else:
             from grpo.models import load_model_and_tokenizer
-            from grpo.training.dpo import train_dpo
+            from grpo.training.loops.dpo import train_dpo
 
             model, tokenizer = load_model_and_tokenizer(model_cfg)
             result = train_dpo(model, tokenizer, pairs, dpo_cfg, out, progress, heldout=heldout,

@@ -147,7 +147,7 @@ def check_training_cluster(cfg: DistributedConfig, stage: str) -> str | None:
     except OSError as e:
         raise PermissionError(f"{stage}.distributed.shared_dir {str(shared)!r} is not writable here ({e}); it must "
                               f"be a folder this machine and every Ray node mount") from None
-    from grpo.training.ray_train import check_ray_cluster
+    from grpo.training.launchers.ray_train import check_ray_cluster
 
     check_ray_cluster(cfg, address)
     return address

@@ -12,8 +12,8 @@ from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.ppo_config import PPOConfig
 from grpo.distributed_config import DistributedConfig
 from grpo.rft_config import OnlineRFTConfig
-from grpo.training import launch
-from grpo.training.worker import build_rl_trainer
+from grpo.training.launchers import launch
+from grpo.training.launchers.worker import build_rl_trainer
 from tasks import cluster, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress
@@ -35,7 +35,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     With `reward_model_uri`, the reward named "reward_model" is that model's score (on rows of kind "general").
     With `ppo`, PPO with a critic runs instead, on the same rewards, sampling and optimiser settings.
     With `refresh` (the stage's reward_model section, `refresh_every` set), that reward model is trained further on
-    the policy's samples as GRPO runs, replaying the `preferences` pairs (grpo.training.rm_refresh).
+    the policy's samples as GRPO runs, replaying the `preferences` pairs (grpo.training.loops.rm_refresh).
     With `online_rft`, GRPO's loop trains each sample with coefficient 1 when correct and 0 otherwise.
     """
     rows = read_frame(train_uri)
@@ -88,7 +88,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
             model_dir, steps = trainer.train()
     get_run_logger().info("%s finished: %d steps", "PPO" if ppo else "online RFT" if online_rft else "GRPO", steps)
     log_gemm_plan(run_id, "grpo", out)
-    refreshed = out / "reward_model"  # the iterative reward model as the run left it (grpo.training.rm_refresh)
+    refreshed = out / "reward_model"  # the iterative reward model as the run left it (grpo.training.loops.rm_refresh)
     if refresh is not None and refreshed.is_dir():
         tracking.log_dir(run_id, refreshed, "reward_model_refreshed")
     return tracking.log_dir(run_id, model_dir, "checkpoint")

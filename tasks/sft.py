@@ -12,8 +12,8 @@ from grpo.config import ModelConfig, SFTConfig
 from grpo.data.tables import validate_rows
 from grpo.models import load_model_and_tokenizer
 from grpo.distributed_config import DistributedConfig
-from grpo.training.sft_trainer import train_sft
-from grpo.training import launch
+from grpo.training.loops.sft_trainer import train_sft
+from grpo.training.launchers import launch
 from tasks import cluster, tracking
 from tasks.data import read_frame
 from tasks.progress import TrainingProgress

@@ -16,7 +16,7 @@ def train_answering_checkpoint(out: Path) -> str:
     """Trained in a few seconds; it gets the prompts whose answer is 1 right most of the time when sampled, so the
     rule check keeps some samples and drops others. Returns the checkpoint folder."""
     from grpo.models import load_model_and_tokenizer
-    from grpo.training.sft_trainer import train_sft
+    from grpo.training.loops.sft_trainer import train_sft
 
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
     rows = pd.DataFrame({"prompt": [f"Question {i}?" for i in range(32)],

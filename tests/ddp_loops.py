@@ -34,11 +34,11 @@ from grpo.reward_config import RewardModelConfig
 from grpo.sampling.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator
 from grpo.training.distributed import process_share
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
-from grpo.training.ppo_trainer import PPOTrainer
-from grpo.training.reward_model import train_reward_model
-from grpo.training.sft_trainer import train_sft
+from grpo.training.loops.ppo_trainer import PPOTrainer
+from grpo.training.loops.reward_model import train_reward_model
+from grpo.training.loops.sft_trainer import train_sft
 from grpo.training.strategy import make_strategy
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -21,7 +21,7 @@ from grpo.data.preferences import preference_pairs
 from grpo.dpo_config import DPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.distributed_config import DistributedConfig
-from grpo.training.dpo import train_dpo
+from grpo.training.loops.dpo import train_dpo
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import MANIFEST, latest_checkpoint, verify_manifest, write_manifest
-from grpo.training.grpo_trainer import GRPOTrainer
-from grpo.training.sft_trainer import train_sft
+from grpo.training.loops.grpo_trainer import GRPOTrainer
+from grpo.training.loops.sft_trainer import train_sft
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))

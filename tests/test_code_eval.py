@@ -27,7 +27,7 @@ from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rewards.correct import check_rows
 from grpo.rewards.sandbox import SandboxUnavailable
 from grpo.sampling.backend import Rollout, TransformersBackend
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
 
 PROBLEMS = Path(__file__).resolve().parents[1] / "recipes" / "data" / "code_problems.jsonl"

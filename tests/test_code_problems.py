@@ -16,7 +16,7 @@ from grpo.config import CodeConfig, DataConfig, GRPOConfig, ModelConfig, Samplin
 from grpo.data.tables import load_rl_data
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import check_code
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 
 PROBLEMS = Path(__file__).resolve().parents[1] / "recipes" / "data" / "code_problems.jsonl"
 HELDOUT = PROBLEMS.with_name("code_problems_heldout.jsonl")

@@ -25,7 +25,7 @@ from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
 from grpo.faults import Fault, free_bytes
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import latest_checkpoint, save_checkpoint, verify_manifest
-from grpo.training.sft_trainer import train_sft
+from grpo.training.loops.sft_trainer import train_sft
 from test_signals import r1  # noqa: F401  (the fixture: a real `r1` on a home of its own)
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

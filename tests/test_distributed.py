@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from ddp_loops import GRPO, SFT, logps_rows, run_all
 from grpo.distributed_config import DistributedConfig
-from grpo.training import launch
+from grpo.training.launchers import launch
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-4
@@ -183,7 +183,7 @@ def test_a_batch_that_cannot_split_is_refused_before_training():
 
 def test_the_task_follows_what_the_main_process_reports(tmp_path):
     """The worker's event lines reach the task's callbacks as metrics and tables, a torn last line waits."""
-    from grpo.training.worker import EventWriter
+    from grpo.training.launchers.worker import EventWriter
 
     events = tmp_path / "events.jsonl"
     writer = EventWriter(events)
@@ -220,7 +220,7 @@ def test_a_stage_trains_on_two_processes_and_only_its_task_logs(prefect_harness,
     from flows.cold_start_sft import cold_start_sft
     from grpo.models import load_model_and_tokenizer
     from grpo.recipe import ColdStartSFTConfig
-    from grpo.training.sft_trainer import train_sft
+    from grpo.training.loops.sft_trainer import train_sft
     from tasks.data import read_frame
 
     cfg = ColdStartSFTConfig.model_validate(STAGE)
@@ -244,13 +244,13 @@ def test_a_stage_trains_on_two_processes_and_only_its_task_logs(prefect_harness,
 
 def test_two_machines_on_loopback_train_one_stage_together(prefect_harness, mlflow_client, tmp_path, monkeypatch):
     """`distributed: {num_machines: 2, strategy: fsdp}`: the stage's task on machine 0 starts its process and
-    announces the job; a second machine (here another process tree on 127.0.0.1, `python -m grpo.training.join`
+    announces the job; a second machine (here another process tree on 127.0.0.1, `python -m grpo.training.launchers.join`
     with R1_MACHINE_RANK=1) starts the other; the two processes train one sharded SFT together, the task logs rank
     0's reports into its one run, and the result is the one-process training of the same rows."""
     from flows.cold_start_sft import cold_start_sft
     from grpo.models import load_model_and_tokenizer
     from grpo.recipe import ColdStartSFTConfig
-    from grpo.training.sft_trainer import train_sft
+    from grpo.training.loops.sft_trainer import train_sft
     from tasks.data import read_frame
 
     job = {launch.JOIN_DIR: str(tmp_path / "join"), launch.MAIN_IP: "127.0.0.1",
@@ -260,7 +260,7 @@ def test_two_machines_on_loopback_train_one_stage_together(prefect_harness, mlfl
     monkeypatch.setenv(launch.MACHINE_RANK, "0")
     env = {**os.environ, **job, launch.MACHINE_RANK: "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    peer = subprocess.Popen([sys.executable, "-m", "grpo.training.join", "--timeout-s", "300"], env=env,
+    peer = subprocess.Popen([sys.executable, "-m", "grpo.training.launchers.join", "--timeout-s", "300"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         cfg = ColdStartSFTConfig.model_validate({**STAGE, "train": {**STAGE["train"], "seed": 21},

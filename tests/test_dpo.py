@@ -16,7 +16,7 @@ from grpo.data.preferences import load_preference_data, preference_pairs
 from grpo.data.tables import DataError
 from grpo.dpo_config import DPOConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.training.dpo import dpo_loss, pair_batch, sequence_logps, tokenize_pairs, train_dpo
+from grpo.training.loops.dpo import dpo_loss, pair_batch, sequence_logps, tokenize_pairs, train_dpo
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -212,8 +212,8 @@ def test_bad_preference_files_fail_in_one_line_naming_the_file_row_and_field(tmp
 
 
 def test_a_launched_process_runs_dpo_from_its_job_file(tmp_path):
-    """What each process of a launched stage runs (grpo.training.worker), here in this process."""
-    from grpo.training.worker import run_job
+    """What each process of a launched stage runs (grpo.training.launchers.worker), here in this process."""
+    from grpo.training.launchers.worker import run_job
 
     torch.set_num_threads(1)
     preference_pairs(8).to_parquet(tmp_path / "rows.parquet")

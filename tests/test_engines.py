@@ -11,7 +11,7 @@ from grpo.recipe import RecipeError, load_recipe
 from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.engines import Rollout, build_engine, local_generation, require_tokens, sampling_dtype
 from grpo.sampling.http_backend import HTTPGenerationBackend
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))

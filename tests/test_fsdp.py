@@ -24,7 +24,7 @@ import torch
 from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_ppo, run_sft_resumed
 from grpo.distributed_config import DistributedConfig
 from grpo.recipe import ReasoningGRPOConfig
-from grpo.training import launch
+from grpo.training.launchers import launch
 from test_distributed import (assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
                               assert_sft_matches, reported)
 

@@ -16,8 +16,8 @@ from grpo.kernels.gemm import (KINDS, ONEDNN_MARGIN, PLAN_FILE, GemmPlan, Planne
                                gemm_plan, load_plan, onednn_problem)
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import CARRIED_FILES, write_manifest
-from grpo.training.grpo_trainer import GRPOTrainer
-from grpo.training.sft_trainer import train_sft
+from grpo.training.loops.grpo_trainer import GRPOTrainer
+from grpo.training.loops.sft_trainer import train_sft
 
 ONEDNN = GemmPlan("onednn", "onednn", "onednn")
 MIXED = GemmPlan("onednn", "mkl", "onednn")

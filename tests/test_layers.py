@@ -24,7 +24,7 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            # `from grpo.training import launch` imports the module grpo.training.launch
+            # `from grpo.training.launchers import launch` imports the module grpo.training.launchers.launch
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
@@ -69,7 +69,7 @@ from transformers import AutoModelForCausalLM
 from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1)
 model, tok = load_model_and_tokenizer(ModelConfig(tiny=tiny))

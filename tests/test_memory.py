@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import grpo.training.grpo_trainer as grpo_trainer
+import grpo.training.policy as policy
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.optimizers import MasterWeights, cast_parameters, make_adamw
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
@@ -177,7 +177,7 @@ def test_lora_trains_only_adapters_and_the_reference_is_the_base(tmp_path, monke
         assert not isinstance(obj, torch.nn.Module), "the trainer copied the model"
         return deepcopy(obj, *a, **k)
 
-    monkeypatch.setattr(grpo_trainer.copy, "deepcopy", no_model_copy)
+    monkeypatch.setattr(policy.copy, "deepcopy", no_model_copy)  # where the reference is made
     # the reference's log-probs are compared with the base model's to 1e-5: in fp32, whatever `auto` gives here
     trainer = make_trainer(tmp_path, model=base, lora=LoRAConfig(r=4, alpha=8), beta=0.04, max_steps=2,
                            mixed_precision="no")

@@ -21,7 +21,7 @@ from grpo.training.ppo import (
     ppo_loss,
     token_rewards,
 )
-from grpo.training.ppo_trainer import PPOTrainer
+from grpo.training.loops.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

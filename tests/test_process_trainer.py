@@ -20,11 +20,11 @@ from grpo.reward_config import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import arithmetic_steps
 from grpo.sampling.backend import Rollout, TransformersBackend, render_prompts
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.process import process_advantages
-from grpo.training.prm import label_steps, label_worked_solutions, prm_step_verifier, train_prm
-from grpo.training.sft_trainer import train_sft
+from grpo.training.loops.prm import label_steps, label_worked_solutions, prm_step_verifier, train_prm
+from grpo.training.loops.sft_trainer import train_sft
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))

@@ -62,7 +62,7 @@ def test_a_grpo_stage_on_ray_survives_losing_a_node(prefect_harness, mlflow_clie
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
     from tasks import tracking
-    from grpo.training.ray_train import worker_starts
+    from grpo.training.launchers.ray_train import worker_starts
     from tasks import durable
     from tasks.durable import newest_copy
 

@@ -13,7 +13,7 @@ from grpo.recipe import ReasoningGRPOConfig
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rft_config import OnlineRFTConfig
 from grpo.training.advantages import group_advantages
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loss import grpo_loss
 from grpo.training.rft import coefficient_function, rft_coefficients
 
@@ -139,7 +139,7 @@ def test_a_trainer_step_trains_each_sample_with_its_coefficient(tmp_path):
 
 
 def test_the_stage_trainer_refuses_settings_online_rft_cannot_honour(tmp_path):
-    from grpo.training.worker import build_rl_trainer
+    from grpo.training.launchers.worker import build_rl_trainer
 
     prompts = pd.DataFrame({"prompt": ["Say 1", "Say 2"], "answer": ["1", "2"]})
     cfg = GRPOConfig(prompts_per_step=2, num_generations=2, dynamic_sampling=True)
@@ -174,11 +174,11 @@ def test_the_reasoning_stage_runs_online_rft_through_its_flow(prefect_harness, m
 
 
 def test_a_launched_process_runs_online_rft_from_its_job_file(tmp_path):
-    """What each process of a launched stage runs (grpo.training.worker), here in this process: the job's
+    """What each process of a launched stage runs (grpo.training.launchers.worker), here in this process: the job's
     `online_rft` section reaches the trainer, and the main process reports rft/correct."""
     import json
 
-    from grpo.training.worker import run_job
+    from grpo.training.launchers.worker import run_job
 
     torch.set_num_threads(1)
     pd.DataFrame({"prompt": [f"Say {i}" for i in range(4)], "answer": [str(i) for i in range(4)]}).to_parquet(

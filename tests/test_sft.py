@@ -9,7 +9,7 @@ from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
 from grpo.data.tables import DataError
 from grpo.models import is_checkpointing, load_model_and_tokenizer
 from grpo.training.batches import batch_indices
-from grpo.training.sft_trainer import tokenize_rows, train_sft
+from grpo.training.loops.sft_trainer import tokenize_rows, train_sft
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))

@@ -186,7 +186,7 @@ def test_sigterm_to_r1_alone_stops_a_loop_launched_on_two_processes(r1, tmp_path
 
     run.wait_for("training on two processes", training_on_two_processes)
     # the launcher (accelerate's, then torch's elastic agent) and the two training processes name the worker module
-    workers = [p for p in psutil.Process(run.proc.pid).children(recursive=True) if "grpo.training.worker" in p.cmdline()]
+    workers = [p for p in psutil.Process(run.proc.pid).children(recursive=True) if "grpo.training.launchers.worker" in p.cmdline()]
     assert len(workers) >= 3, [p.cmdline() for p in psutil.Process(run.proc.pid).children(recursive=True)]
     took, family = run.stop(signal.SIGTERM, whole_group=False)  # `kill <pid>`: nothing else gets the signal
     assert_stopped_cleanly(run, took, family, ["cold_start_sft"])

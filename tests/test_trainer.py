@@ -12,7 +12,7 @@ from grpo.models import activation_checkpointing, is_checkpointing, load_model_a
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.sampling.cpu_decoder import lean_decode_supported
 from grpo.training.optimizers import make_adamw
-from grpo.training.grpo_trainer import GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.loss import grpo_loss
 
@@ -365,7 +365,7 @@ def test_on_a_gpu_auto_checkpoints_activations_and_keeps_a_bf16_reference():
     from types import SimpleNamespace
 
     from grpo.config import GRPOConfig
-    from grpo.training.grpo_trainer import checkpointing_on, reference_dtype
+    from grpo.training.policy import checkpointing_on, reference_dtype
 
     gpu = SimpleNamespace(device=torch.device("cuda"), mixed_precision="bf16")  # what an Accelerator reports
     cpu = SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16")

@@ -98,7 +98,7 @@ def check_distributed(recipe: Recipe, stages: Sequence[str]) -> None:
         cfg = getattr(config, "distributed", None)
         if cfg is None or (cfg.num_processes == 1 and cfg.num_machines == 1 and cfg.config_file is None):
             continue
-        from grpo.training import launch  # reads the GPUs (imports torch): only when a stage asks for processes
+        from grpo.training.launchers import launch  # reads the GPUs (imports torch): only when a stage asks for processes
 
         try:
             config.check_splits(launch.num_processes(cfg))

@@ -10,7 +10,7 @@ here: grpo.training.process adds it as the last step, rewarded with the outcome 
 | `arithmetic` | each `a + b = c` equation of the `<think>` block (the synthetic task's; counted ones too: `9 + 3 = 10 11 12.`) | the result is right (a count goes up or down by one to it) and, given the prompts, each operand is one of the problem's numbers or an earlier step's result |
 | `gsm8k` | each line of the reasoning with a calculator annotation `<<48/2=24>>` or a plain equation `48 / 2 = 24` | every equation on the line evaluates to its result |
 
-A learned verifier, the process reward model, is in grpo.training.prm (it needs torch).
+A learned verifier, the process reward model, is in grpo.training.loops.prm (it needs torch).
 
 Pure Python; must not depend on torch, Prefect or MLflow.
 """

@@ -5,10 +5,10 @@ one per stage in the recipe):
 
 | who samples | engines it may use |
 |---|---|
-| GRPO and PPO rollouts (`grpo.training.grpo_trainer`) | local: it needs token ids, and a weight sync after each step |
+| GRPO and PPO rollouts (`grpo.training.loops.grpo_trainer`) | local: it needs token ids, and a weight sync after each step |
 | held-out evaluation (`tasks.evaluate`) | local |
 | rejection sampling (`tasks.rejection`, `r1 plan`) | local or http |
-| the local LLM judge (`grpo.sampling.judge`) and PRM step labels (`grpo.training.prm`) | local |
+| the local LLM judge (`grpo.sampling.judge`) and PRM step labels (`grpo.training.loops.prm`) | local |
 | `r1 serve` (`grpo.sampling.serve`) | local |
 
 The engines:

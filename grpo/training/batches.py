@@ -41,3 +41,8 @@ def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     return ids, mask
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    """The rows of a batch of `n` in slices of `size` (the last one shorter)."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]

@@ -1,10 +1,10 @@
 """What each machine but the first of a multi-machine training job runs: its share of the stage's processes.
 
-    python -m grpo.training.join [--timeout-s S]
+    python -m grpo.training.launchers.join [--timeout-s S]
 
 A stage whose `distributed.num_machines` is above 1 runs as a job of that many machines (pods), each mounting the
 same R1_HOME and R1_JOIN_DIR. The stage's Prefect flow runs on machine 0: its task writes the job file, starts its
-processes, and announces the job file in R1_JOIN_DIR (`grpo.training.launch`). Every other machine runs this module:
+processes, and announces the job file in R1_JOIN_DIR (`grpo.training.launchers.launch`). Every other machine runs this module:
 it waits for the announcement, then starts its own `num_processes` with `accelerate launch --machine_rank
 $R1_MACHINE_RANK` on that job file, and exits with the launch's exit code once training ends. Only machine 0 reports
 (its task follows rank 0's events and talks to MLflow); a failure on any machine fails the whole launch. Imports
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo.training import launch
+from grpo.training.launchers import launch
 
 
 def wait_for_job(folder: Path, timeout_s: float) -> Path:
@@ -40,7 +40,7 @@ def wait_for_job(folder: Path, timeout_s: float) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m grpo.training.join", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m grpo.training.launchers.join", description=__doc__.splitlines()[0])
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="how long to wait for machine 0's job")
     args = ap.parse_args(argv)
     from grpo.distributed_config import DistributedConfig

@@ -1,8 +1,8 @@
-"""A stage's training loop across processes: `accelerate launch` of `grpo.training.worker`, its reports logged here.
+"""A stage's training loop across processes: `accelerate launch` of `grpo.training.launchers.worker`, its reports logged here.
 
 A stage whose recipe section sets `distributed.num_processes` above 1 (or an accelerate config file) does not
 train in the Prefect task's own process: the task resolves every input to a local file, writes a job file in its
-work folder and runs `accelerate launch --num_processes N -m grpo.training.worker <job file>` as a subprocess (DDP:
+work folder and runs `accelerate launch --num_processes N -m grpo.training.launchers.worker <job file>` as a subprocess (DDP:
 accelerate picks gloo on CPU and NCCL on GPU). The main process of the launch appends its metrics and sample tables
 to an events file; this module follows that file while the children run and hands each line to the stage's
 callbacks (MLflow metrics, the Prefect progress artifact), so the task's process is the only one that talks to
@@ -10,7 +10,7 @@ MLflow. The children's output goes to `launch.log` beside the job file; a failed
 
 With `distributed.num_machines` above 1 the launch spans machines (the pods of one multi-pod job, every one
 mounting R1_HOME and R1_JOIN_DIR from shared storage): the stage's task runs on machine 0 and starts its share of
-the processes, and announces the job file in R1_JOIN_DIR; each other machine runs `python -m grpo.training.join`,
+the processes, and announces the job file in R1_JOIN_DIR; each other machine runs `python -m grpo.training.launchers.join`,
 which waits for that announcement and starts its own share with its machine rank. R1_MACHINE_RANK (0 where the task
 runs), R1_MAIN_PROCESS_IP (machine 0's address) and R1_MAIN_PROCESS_PORT (29500 by default) come from the job.
 """
@@ -34,7 +34,7 @@ from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
 MACHINE_RANK, MAIN_IP, MAIN_PORT, JOIN_DIR = ("R1_MACHINE_RANK", "R1_MAIN_PROCESS_IP", "R1_MAIN_PROCESS_PORT",
                                               "R1_JOIN_DIR")
 ANNOUNCEMENT = "job.json"  # in R1_JOIN_DIR: where machine 0's launch tells the others which job file to run
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `-m grpo.training.worker` is importable from
+PROJECT_ROOT = Path(__file__).resolve().parents[3]  # where `-m grpo.training.launchers.worker` is importable from
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -143,13 +143,13 @@ def launch_command(cfg: DistributedConfig, n: int, job_file: Path, port: int) ->
         # accelerate's flag for its torchrun launcher: N processes on this machine. The children's Accelerator
         # then takes NCCL with a GPU each, or gloo on CPU (make_accelerator passes cpu=True where there is no GPU)
         cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    return cmd + ["-m", "grpo.training.worker", str(job_file)]
+    return cmd + ["-m", "grpo.training.launchers.worker", str(job_file)]
 
 
 def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_metrics: MetricsCallback | None,
                  on_samples: SamplesCallback | None = None, frames: dict[str, pd.DataFrame] | None = None,
                  ray_address: str | None = None) -> dict:
-    """Run `loop` (a `grpo.training.worker.LOOPS` name) across the processes; return what its main process reported.
+    """Run `loop` (a `grpo.training.launchers.worker.LOOPS` name) across the processes; return what its main process reported.
 
     `job` holds the loop's inputs (JSON-able); `frames` are written as Parquet beside the job file and passed by
     path under the same keys. Blocks until the launch ends; metrics and sample tables reach the callbacks as the
@@ -170,7 +170,7 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
     job_file = folder / "job.json"
     job_file.write_text(json.dumps(job, indent=1))
     if cfg.engine == "ray":
-        from grpo.training import ray_train
+        from grpo.training.launchers import ray_train
 
         job = ray_train.share_inputs(job, folder / "inputs")  # the nodes read only the shared folder
         job_file.write_text(json.dumps(job, indent=1))

@@ -4,7 +4,7 @@ The stage's task writes the same job file a local launch runs, in its work folde
 folder every node and the task's machine mount), and hands it to a `TorchTrainer` of `num_workers` workers, spread
 over the cluster's nodes (`ScalingConfig`: one GPU each where the cluster has GPUs). Ray Train starts the process
 group (gloo on CPU, NCCL on GPU, under `collective_timeout_s`) and the environment accelerate reads, so each worker
-runs `grpo.training.worker.run_job` exactly as a launched process does: the same loops, the same strategy (ddp or
+runs `grpo.training.launchers.worker.run_job` exactly as a launched process does: the same loops, the same strategy (ddp or
 fsdp), checkpoints in the shared work folder. Rank 0 appends its metrics to the events file there, which the task
 follows while `fit` runs, as it follows a local launch.
 
@@ -136,7 +136,7 @@ def _worker_loop(config: dict) -> None:
 
     import ray.train
 
-    from grpo.training.worker import run_job
+    from grpo.training.launchers.worker import run_job
 
     job_file = Path(config["job_file"])
     context = ray.train.get_context()

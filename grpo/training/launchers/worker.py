@@ -1,8 +1,8 @@
 """What each process of a launched training stage runs: one training loop, read from a job file.
 
-    accelerate launch --num_processes N -m grpo.training.worker <work folder>/launch/job.json
+    accelerate launch --num_processes N -m grpo.training.launchers.worker <work folder>/launch/job.json
 
-The stage task (`grpo.training.launch`) writes the job file with every input already a local file (rows as Parquet, the
+The stage task (`grpo.training.launchers.launch`) writes the job file with every input already a local file (rows as Parquet, the
 model as a folder or the tiny config), starts this module under `accelerate launch`, and logs what the main process
 reports. Only the main process (rank 0) reports, through the loops' callbacks: it appends metrics and sample
 tables as JSON lines to the job's events file, and writes `result.json` when the loop has finished. Imports
@@ -39,7 +39,7 @@ class EventWriter:
 def _sft(job: dict, events: EventWriter) -> dict:
     from grpo.config import ModelConfig, SFTConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.training.sft_trainer import train_sft
+    from grpo.training.loops.sft_trainer import train_sft
 
     model, tokenizer = load_model_and_tokenizer(ModelConfig.model_validate(job["model"]))
     result = train_sft(model, tokenizer, pd.read_parquet(job["rows"]), SFTConfig.model_validate(job["cfg"]),
@@ -68,7 +68,7 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
     """
     from grpo.models import load_model_and_tokenizer
     from grpo.rewards import REWARD_FUNCTIONS
-    from grpo.training.grpo_trainer import GRPOTrainer
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
     from grpo.training.reward_scorer import RewardModelScorer, reward_model_reward
 
     reward_functions, hooks = None, []
@@ -76,7 +76,7 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
         scorer = RewardModelScorer.from_pretrained(reward_model)
         reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
         if refresh is not None:  # the scorer GRPO reads, trained further on the policy's samples
-            from grpo.training.rm_refresh import RewardModelRefresh
+            from grpo.training.loops.rm_refresh import RewardModelRefresh
 
             rm_cfg, replay, heldout = refresh
             hooks.append(RewardModelRefresh(scorer, rm_cfg, cfg.rewards, cfg.num_generations, replay=replay,
@@ -85,12 +85,12 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
     kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions,
                   generation=generation, distributed=distributed)
     if ppo is not None:
-        from grpo.training.ppo_trainer import PPOTrainer
+        from grpo.training.loops.ppo_trainer import PPOTrainer
 
         return PPOTrainer(model, tokenizer, rows, cfg, output_dir, ppo=ppo, **kwargs)
     step_verifiers = None
     if prm:
-        from grpo.training.prm import prm_step_verifier
+        from grpo.training.loops.prm import prm_step_verifier
 
         step_verifiers = {"prm": prm_step_verifier(prm)}
     coefficients = None
@@ -129,7 +129,7 @@ def _grpo(job: dict, events: EventWriter) -> dict:
 
 def _reward_model(job: dict, events: EventWriter) -> dict:
     from grpo.reward_config import RewardModelConfig
-    from grpo.training.reward_model import train_reward_model
+    from grpo.training.loops.reward_model import train_reward_model
 
     heldout = pd.read_parquet(job["heldout"]) if job.get("heldout") else None
     result = train_reward_model(pd.read_parquet(job["rows"]), RewardModelConfig.model_validate(job["cfg"]),
@@ -142,7 +142,7 @@ def _dpo(job: dict, events: EventWriter) -> dict:
     from grpo.config import ModelConfig
     from grpo.dpo_config import DPOConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.training.dpo import train_dpo
+    from grpo.training.loops.dpo import train_dpo
 
     model, tokenizer = load_model_and_tokenizer(ModelConfig.model_validate(job["model"]))
     heldout = pd.read_parquet(job["heldout"]) if job.get("heldout") else None

@@ -19,7 +19,7 @@ DPO's implicit reward, logged as `dpo/chosen_reward` and `dpo/rejected_reward`; 
 pairs with m > 0. IPO's paper writes h with the sequence's summed log-probs, as here (some libraries average over
 tokens instead).
 
-The loop is the reward model's (`grpo.training.reward_model`) with a policy in place of a scorer: pairs tokenized
+The loop is the reward model's (`grpo.training.loops.reward_model`) with a policy in place of a scorer: pairs tokenized
 up front (a pair too long fails before training), micro-batches drawn by step (a resumed run sees the batches it
 would have seen), chosen and rejected rows in one forward with the prompt shared (`token_logps`: the prompt pass is
 made once for both), the reference's log-probs computed without gradients in the same micro-batch (a frozen whole
@@ -33,7 +33,7 @@ Run it alone:
     from grpo.data.preferences import preference_pairs
     from grpo.dpo_config import DPOConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.training.dpo import train_dpo
+    from grpo.training.loops.dpo import train_dpo
     model, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path="<sft checkpoint folder>"))
     result = train_dpo(model, tokenizer, preference_pairs(1000), DPOConfig(), "out/dpo",
                        heldout=preference_pairs(200, split="heldout"))

@@ -19,9 +19,6 @@ Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 
 from __future__ import annotations
 
-import copy
-import math
-import shutil
 import time
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
@@ -38,26 +35,24 @@ from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.distributed_config import DistributedConfig
-from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
-from grpo.rewards.code import code_limits
-from grpo.rewards.sandbox import check_sandbox
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
-from grpo.sampling.backend import render_prompts
-from grpo.sampling.engines import Engine, Rollout, build_engine, require_tokens, sampling_dtype
-from grpo.training.accelerator import make_accelerator, shared_gemm_plan
-from grpo.training.batches import prompt_order
-from grpo.training.optimizers import (MasterWeights, cast_parameters, make_optimizer, optimizer_step,
+from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
+from grpo.training.accelerator import make_accelerator
+from grpo.training.batches import micro_batches, prompt_order
+from grpo.training.optimizers import (MasterWeights, optimizer_step,
                                       require_bitsandbytes)
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.dynamic import concat_groups, spread_groups
-from grpo.training.distributed import (check_split, gather_table, main_only, matched_chunks, process_share,
-                                       process_weight, reduce_metrics, sampling_seed)
+from grpo.training.distributed import (check_split, gather_table, matched_chunks, process_share,
+                                       process_weight, sampling_seed)
 from grpo.training.logprobs import token_logps
-from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
+from grpo.training.lora import adapters_off, causal_lm, require_peft
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
+from grpo.training.policy import (check_prompts, checkpointing_on, frozen_reference, gemm_plan, prepared,
+                                  report_step, reward_registry, rollout_metrics, row_columns, sample_rollout, samples_table,
+                                  save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
-from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
@@ -68,7 +63,7 @@ SamplesCallback = Callable[[int, pd.DataFrame], None]
 
 class StepHook(Protocol):
     """Work the loop does after every step with that step's samples (the iterative reward model's refresh,
-    grpo.training.rm_refresh), whose state travels in the loop's checkpoints."""
+    grpo.training.loops.rm_refresh), whose state travels in the loop's checkpoints."""
 
     def after_step(self, step: int, table: pd.DataFrame) -> dict[str, float]:
         """The step's samples, every process's (`prompt`, `completion`, `reward`, `reward/<name>`, in groups of
@@ -112,22 +107,8 @@ class GRPOTrainer:
                  step_verifiers: Mapping[str, StepVerifier] | None = None,
                  distributed: DistributedConfig | None = None, hooks: Sequence[StepHook] = (),
                  coefficients: Callable[[object], torch.Tensor] | None = None):
-        if "prompt" not in prompts.columns:
-            raise ValueError(f"GRPO prompts need a 'prompt' column; found {list(prompts.columns)}")
-        if len(prompts) < cfg.prompts_per_step:
-            raise ValueError(f"{len(prompts)} prompts cannot fill a step of prompts_per_step={cfg.prompts_per_step}")
-        # the rule rewards by name, plus any the caller brings (a reward model's scorer, say)
-        self.reward_functions = dict(REWARD_FUNCTIONS if reward_functions is None else reward_functions)
-        unknown = sorted(set(cfg.rewards) - set(self.reward_functions))
-        if unknown:  # fail now, not after the first rollout
-            raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(self.reward_functions)}")
-        # the registry's own rewards read columns the rows must have (one the caller brings reads what it likes)
-        own = [name for name in cfg.rewards if self.reward_functions[name] is REWARD_FUNCTIONS.get(name)]
-        check_reward_columns(own, prompts.columns, "the GRPO prompts")
-        if self.reward_functions.get("code") is code_reward and "code" in cfg.rewards:
-            settings = cfg.code.model_dump()
-            check_sandbox(code_limits(settings))  # refuses here, before any sampling, where it cannot sandbox
-            self.reward_functions["code"] = make_code_reward(settings)
+        check_prompts(prompts, cfg.prompts_per_step, "GRPO")
+        self.reward_functions = reward_registry(cfg, prompts, reward_functions)
         # process supervision: the step verifier by name, or one the caller brings (a process reward model)
         self.step_verifier = None
         if cfg.supervision == "process":
@@ -135,7 +116,7 @@ class GRPOTrainer:
             if cfg.step_verifier not in verifiers:
                 raise ValueError(f"step_verifier {cfg.step_verifier!r} is not available here (known: "
                                  f"{sorted(verifiers)}); 'prm' needs a process reward model passed in "
-                                 f"step_verifiers (grpo.training.prm.prm_step_verifier)")
+                                 f"step_verifiers (grpo.training.loops.prm.prm_step_verifier)")
             self.step_verifier = verifiers[cfg.step_verifier]
         if cfg.loss_type not in AGGREGATORS:
             raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
@@ -152,43 +133,20 @@ class GRPOTrainer:
         self.acc = make_accelerator(cfg.mixed_precision)
         self.strategy = make_strategy(self.acc, distributed)  # how the processes hold the policy
         check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)  # whole groups per process
-        model = model.to(self.acc.device)
-        if cfg.lora is not None:  # only the adapters train; the reference is the base with them off
-            model = add_lora(model, cfg.lora)
-        if cfg.weights_dtype == "float32":  # a model loaded in another dtype trains in fp32 all the same
-            cast_parameters(model, torch.float32)
-        # built before the cast to bf16, so fp32 master weights start from the weights' full precision
-        optimizer = make_optimizer(model, cfg.learning_rate, cfg.weight_decay, eight_bit=cfg.optimizer == "adamw_8bit",
-                                   master_weights=cfg.weights_dtype == "bfloat16")
-        if cfg.weights_dtype == "bfloat16":
-            cast_parameters(model, torch.bfloat16)
+        model, optimizer = trainable(model, cfg, self.acc.device, cfg.learning_rate, lora=cfg.lora is not None)
         self.master_weights = optimizer if isinstance(optimizer, MasterWeights) else None
-        # the reference is a frozen copy of the starting policy; with beta = 0 it is never built, and with LoRA it
-        # is the policy itself with its adapters off. It stays whole under fsdp too: forward only, no gradients or
-        # optimizer state (2 bytes a parameter in bf16 on a GPU), and a whole model's forward needs no collective,
-        # so each process scores its own rows at its own pace
-        self.ref_model = None
-        if cfg.beta != 0 and cfg.lora is None:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-            if reference_dtype(cfg, self.acc) == torch.bfloat16:
-                cast_parameters(self.ref_model, torch.bfloat16)
+        self.ref_model = frozen_reference(model, cfg, self.acc)  # None with beta = 0, or with LoRA (adapters off)
         self.checkpointing = checkpointing_on(cfg, self.acc)
-        scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                                   num_training_steps=cfg.max_steps * cfg.num_iterations)
-        self.model, self.optimizer, self.scheduler = self.strategy.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer, self.scheduler = prepared(self.strategy, model, optimizer, cfg)
         # the stage's engine (grpo.sampling.engines) on the policy's whole weights (the policy itself, or under fsdp
         # a copy gathered after every step), sampling in the loop's precision
         dtype = sampling_dtype(self.acc.mixed_precision)
         self.engine = engine or build_engine(generation or GenerationConfig(), self.strategy.sampler_model(dtype),
                                              tokenizer, dtype=dtype, who="GRPO")
+        self.cells = self.prompts["prompt"].tolist()
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
-        # fp32 on a CPU: the faster GEMM library of each of a linear's GEMMs, measured at a micro-batch's tokens
-        rendered = render_prompts(tokenizer, self.prompts["prompt"][:16].tolist())
-        prompt_tokens = max(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered)
-        self.gemm = shared_gemm_plan(self.acc, cfg.fp32_gemm, self.acc.unwrap_model(self.model),
-                                     cfg.micro_batch_size * (prompt_tokens + cfg.sampling.max_new_tokens),
-                                     self.output_dir)
-        self.completions_per_prompt = cfg.num_generations  # G; PPO's trainer samples one per prompt
+        self.gemm = gemm_plan(self.acc, cfg, tokenizer, self.prompts, self.acc.unwrap_model(self.model),
+                              self.output_dir)
         # each sample's coefficient [N] from the step's scores in place of group advantages (grpo.training.rft)
         self.coefficients = coefficients
 
@@ -196,25 +154,12 @@ class GRPOTrainer:
 
     def sample(self, idx: list[int]) -> Rollout:
         # the sampler's log-probs only where the loss reads them (truncated importance sampling)
-        rollout = self.engine.generate([self.prompts["prompt"][i] for i in idx], self.completions_per_prompt,
-                                       self.cfg.sampling, logprobs=self.cfg.tis_cap is not None)
-        return require_tokens(rollout, "GRPO")
-
-    def row_columns(self, idx: list[int]) -> dict[str, list]:
-        """The dataset columns of the prompts `idx`, one row a completion (G rows a prompt)."""
-        G = self.completions_per_prompt
-        columns = {k: [v[i] for i in idx for _ in range(G)] for k, v in self.columns.items()}
-        # TRL's name for the prompts: a reward model reads the question, not only the answer
-        columns["prompts"] = [self.prompts["prompt"][i] for i in idx for _ in range(G)]
-        return columns
+        return sample_rollout(self.engine, [self.cells[i] for i in idx], self.cfg.num_generations, self.cfg.sampling,
+                              logprobs=self.cfg.tis_cap is not None, who="GRPO")
 
     def score(self, rollout: Rollout, idx: list[int]):
-        columns = self.row_columns(idx)
-        lengths = rollout.completion_mask.sum(-1).tolist()
-        return score_completions(rollout.texts, self.cfg.rewards,
-                                 {**columns, "completion_lengths": lengths,
-                                  "max_completion_length": [self.cfg.sampling.max_new_tokens] * len(lengths)},
-                                 registry=self.reward_functions)
+        columns = row_columns(self.columns, self.cells, idx, self.cfg.num_generations)
+        return score_rollout(rollout, columns, self.cfg, self.reward_functions)
 
     def collect(self, step: int) -> tuple[Rollout, list[int], object, dict[str, float]]:
         """Sample and score one step's groups (refilling dropped ones when dynamic sampling is on)."""
@@ -251,7 +196,7 @@ class GRPOTrainer:
         then, rather than a run of outcome GRPO under another name.
         """
         chars = token_char_ends(self.tokenizer, rollout.completion_ids, rollout.completion_mask, rollout.texts)
-        steps = score_steps(self.step_verifier, rollout.texts, self.row_columns(idx), outcome, chars,
+        steps = score_steps(self.step_verifier, rollout.texts, row_columns(self.columns, self.cells, idx, self.cfg.num_generations), outcome, chars,
                             name=self.cfg.step_verifier)
         if first and not any(steps.checked):
             raise ValueError(f"step_verifier {self.cfg.step_verifier!r} found no step in any of the first "
@@ -294,15 +239,8 @@ class GRPOTrainer:
                      advantages.to(self.acc.device), sampler_logps)
 
     def _scored(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
-        """Log-probs [N, C] of the completions under `model`, without gradients, in micro-batches. As many passes
-        on every process (`matched_chunks`): a sharded model's forward is a collective."""
-        parts = []
-        with torch.no_grad(), self.acc.autocast():
-            for s, counts in matched_chunks(self.acc, _chunks(input_ids.size(0), self.cfg.micro_batch_size)):
-                logps = token_logps(model, input_ids[s], attention_mask[s], C, self.cfg.sampling.temperature)[0]
-                if counts:
-                    parts.append(logps)
-        return torch.cat(parts)
+        return scored_logps(self.acc, model, input_ids, attention_mask, C, self.cfg.micro_batch_size,
+                            self.cfg.sampling.temperature)  # [N, C]
 
     def sync_sampler(self) -> None:
         """Make the next rollout sample the policy's current weights: gather them into the sampler's copy where
@@ -318,7 +256,7 @@ class GRPOTrainer:
         self.model.train()
         # this process's loss as a share of the global batch's (1.0 in one process); DDP averages the gradients
         weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
-        chunks = matched_chunks(self.acc, _chunks(N, cfg.micro_batch_size))
+        chunks = matched_chunks(self.acc, micro_batches(N, cfg.micro_batch_size))
         for i, (s, counts) in enumerate(chunks):
             with self.strategy.no_sync(self.model, last=i == len(chunks) - 1):
                 with self.acc.autocast():
@@ -358,18 +296,13 @@ class GRPOTrainer:
               fp32_gemm(self.ref_model, self.gemm), activation_checkpointing(core, self.checkpointing)):
             self._loop(start, bar, ckpt_root)
         bar.close()
-        model_dir = self.output_dir / "model"
-        if self.master_weights is not None:  # bf16 weights: save the fp32 masters the optimizer stepped
-            self.master_weights.export_weights()
-        whole = self.strategy.whole_model(self.model)  # the whole weights, on the main process
-        with main_only(self.acc) as main:
-            if main:  # with LoRA: merged weights (what the next stage loads) and the adapter alone beside them
-                save_merged(whole, model_dir, self.output_dir / "adapter")
-                self.tokenizer.save_pretrained(model_dir)
-                for hook in self.hooks:
-                    hook.finish(self.output_dir)
-                shutil.rmtree(ckpt_root, ignore_errors=True)
+        model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,
+                                self.output_dir, also=self._finish_hooks)
         return GRPOResult(model_dir, cfg.max_steps)
+
+    def _finish_hooks(self) -> None:
+        for hook in self.hooks:
+            hook.finish(self.output_dir)
 
     def _loop(self, start: int, bar, ckpt_root: Path) -> None:
         cfg = self.cfg
@@ -402,52 +335,23 @@ class GRPOTrainer:
                     metrics.update(hook.after_step(done, table))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/total']:.3f}")
-            main = self.acc.is_main_process  # the one that reports; the others join the reductions
-            if done % cfg.log_every == 0 or done == cfg.max_steps:
-                metrics = reduce_metrics(self.acc, metrics)  # the global batch's figures
-                if self.on_metrics and main:
-                    self.on_metrics(done, metrics)
-            wants_samples = self.on_samples is not None or self.acc.num_processes > 1  # the same on every process
-            if wants_samples and cfg.samples_every and (done % cfg.samples_every == 0 or done == 1):
-                table = gather_table(self.acc, self._samples_table(rollout, idx, scores))
-                if self.on_samples and main:
-                    self.on_samples(done, table)
+            report_step(self.acc, cfg, done, metrics, lambda: self._samples_table(rollout, idx, scores),
+                        self.on_metrics, self.on_samples)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
-        G = self.completions_per_prompt
-        total = torch.tensor(scores.total)  # [N]
-        lengths = rollout.completion_mask.sum(-1).float()  # [N]
-        m = {f"reward/{name}": _mean_scored(vals) for name, vals in scores.per_function.items()}
-        m.update({f"reward_failures/{name}": float(n) for name, n in scores.failures.items()})
-        # a reward that does not apply to some rows (accuracy without a reference, say): how many it sat out
-        m.update({f"reward_skipped/{name}": float(n) for name, n in scores.skipped.items() if n})
-        groups = total.view(-1, G)  # [B, G]
-        m.update({
-            "reward/total": total.mean().item(),
-            "reward/std": groups.std(-1).mean().item() if G > 1 else 0.0,
-            "reward/zero_std_groups": (groups.max(-1).values == groups.min(-1).values).float().mean().item(),
-            "completion_length": lengths.mean().item(),
-            "completion_truncated": rollout.truncated.float().mean().item(),
-            "tokens_per_s": lengths.sum().item() / elapsed,
-            "time/step_s": elapsed,
-            "time/generation_s": t_gen,  # sampling and scoring
-            "time/reference_s": t_ref,  # reference (and pi_old) log-probs
-            "time/optimise_s": elapsed - t_gen - t_ref,  # policy forward, backward and optimizer step(s)
-            "learning_rate": self.scheduler.get_last_lr()[0],
-        })
+        G = self.cfg.num_generations
+        m = rollout_metrics(rollout, scores, elapsed, t_gen, t_ref, self.scheduler.get_last_lr()[0])
+        groups = torch.tensor(scores.total).view(-1, G)  # [B, G]
+        m["reward/std"] = groups.std(-1).mean().item() if G > 1 else 0.0
+        m["reward/zero_std_groups"] = (groups.max(-1).values == groups.min(-1).values).float().mean().item()
         m.update(opt)
         return m
 
     def _samples_table(self, rollout: Rollout, idx: list[int], scores) -> pd.DataFrame:
-        G = self.completions_per_prompt
-        rows = {"prompt": [str(self.prompts["prompt"][idx[i // G]]) for i in range(len(rollout.texts))],
-                "completion": rollout.texts, "reward": scores.total}
-        for name, vals in scores.per_function.items():
-            rows[f"reward/{name}"] = vals
-        return pd.DataFrame(rows)
+        return samples_table(self.cells, rollout, idx, scores, self.cfg.num_generations)
 
     def _save(self, root: Path, step: int) -> None:
         # two: a damaged newest one falls back to the one before
@@ -469,27 +373,3 @@ class GRPOTrainer:
         if step:
             self.sync_sampler()  # loaded in place: the sampler's copies (if any) must see the checkpoint's weights
         return step
-
-
-def checkpointing_on(cfg: GRPOConfig, acc) -> bool:
-    """Activation checkpointing as configured; `auto` is on a GPU (memory is what it lacks) and off on a CPU (which
-    has RAM to spare and no time for the extra forward)."""
-    return acc.device.type == "cuda" if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing
-
-
-def reference_dtype(cfg: GRPOConfig, acc) -> torch.dtype | None:
-    """The frozen reference's dtype, when it differs from the policy's: bf16 on a GPU whose loop runs in bf16 under
-    `auto` (it only ever runs forward, under the same autocast), or what the config names."""
-    if cfg.reference_dtype == "bfloat16" or (cfg.reference_dtype == "auto" and acc.device.type == "cuda"
-                                              and acc.mixed_precision == "bf16"):
-        return torch.bfloat16
-    return None
-
-
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def _mean_scored(values: list[float | None]) -> float:
-    scored = [v for v in values if v is not None]
-    return sum(scored) / len(scored) if scored else math.nan

@@ -10,9 +10,10 @@ One step, as InstructGPT's third step (and TRL's PPOTrainer, OpenRLHF) run it:
      GAE (gamma, lambda) gives advantages and returns; advantages are whitened over the batch's tokens;
   5. `num_iterations` passes of the clipped policy loss plus vf_coef x the clipped value loss, each one optimizer
      step of the policy and one of the critic.
-Sampling, scoring, the loop, metrics, checkpoints and the saved model are GRPOTrainer's: this class inherits them
-and replaces what PPO does differently (collect, build_batch, optimise), so the two are measured on the same code.
-The critic is not saved with the model (the next stage needs the policy only); it is in the resumable checkpoints.
+Sampling, scoring, the policy and its reference, the step's figures, checkpoints and the saved model are built from
+the same parts as GRPO's loop (grpo.training.policy), so the two are measured on the same code; the step loop is
+PPO's own, written out here. The critic is not saved with the model (the next stage needs the policy only); it is in
+the resumable checkpoints.
 
 Across processes (`distributed`, ddp or fsdp) the critic is held as the policy is: the strategy prepares it after the
 policy, with its own optimizer, and its checkpoints hold both. Each process samples its share of the step's
@@ -25,29 +26,41 @@ Must not depend on Prefect or MLflow: metrics go to callbacks.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import GRPOConfig
+from grpo.checks import check_fsdp_settings
+from grpo.config import GenerationConfig, GRPOConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.ppo_config import PPOConfig, check_ppo_settings
-from grpo.sampling.engines import Rollout
-from grpo.training.optimizers import cast_parameters, make_optimizer, optimizer_step
-from grpo.training.distributed import matched_chunks, process_share, process_weight
-from grpo.training.batches import prompt_order
-from grpo.training.grpo_trainer import GRPOTrainer, checkpointing_on
+from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
+from grpo.training.accelerator import make_accelerator
+from grpo.training.batches import micro_batches, prompt_order
+from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
+from grpo.training.distributed import (check_split, matched_chunks, process_share, process_weight,
+                                       sampling_seed)
 from grpo.training.logprobs import token_logps
-from grpo.training.loss import batch_share, k3_kl
+from grpo.training.loss import AGGREGATORS, batch_share, k3_kl
+from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
+from grpo.training.policy import (MetricsCallback, SamplesCallback, check_prompts, checkpointing_on,
+                                  frozen_reference, gemm_plan, prepared, report_step, reward_registry,
+                                  rollout_metrics, row_columns, sample_rollout, samples_table, save_policy,
+                                  score_rollout, scored_logps, trainable)
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
-from grpo.training.schedules import make_scheduler
+from grpo.training.strategy import make_strategy
 from grpo.training.value import ValueModel
+
+SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
 
 
 class PPOBatch(NamedTuple):
@@ -64,31 +77,64 @@ class PPOBatch(NamedTuple):
     stats: dict[str, float]  # rollout figures (kl, value/explained_variance, ...), logged with the step's
 
 
-class PPOTrainer(GRPOTrainer):
-    """GRPOTrainer's policy, reference, sampling and loop, with a critic and its own optimizer beside them."""
+class PPOResult(NamedTuple):
+    model_dir: Path  # final policy, loadable with from_pretrained
+    steps: int  # optimizer steps taken in total
+
+
+class PPOTrainer:
+    """Holds the policy, the reference, the critic, their optimizers and the data; `train()` runs the loop."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
-                 cfg: GRPOConfig, output_dir: str | Path, *, ppo: PPOConfig | None = None, **kwargs):
+                 cfg: GRPOConfig, output_dir: str | Path, *, ppo: PPOConfig | None = None,
+                 engine: Engine | None = None, generation: GenerationConfig | None = None,
+                 on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
+                 reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
+                 distributed: DistributedConfig | None = None):
         self.ppo = ppo or PPOConfig()
-        check_ppo_settings(cfg, len(prompts), "the data")
+        check_ppo_settings(cfg, len(prompts), "the data")  # no groups, LoRA or process supervision; enough prompts
         # copied before the policy is moved or cast: the critic starts from the checkpoint's full-precision weights
         critic = ValueModel.from_policy(model, cfg.seed)
-        super().__init__(model, tokenizer, prompts, cfg, output_dir, **kwargs)
-        self.completions_per_prompt = 1
-        critic = critic.to(self.acc.device)
-        if cfg.weights_dtype == "float32":
-            cast_parameters(critic, torch.float32)
-        optimizer = make_optimizer(critic, self.ppo.value_learning_rate or cfg.learning_rate, cfg.weight_decay,
-                                   eight_bit=cfg.optimizer == "adamw_8bit",
-                                   master_weights=cfg.weights_dtype == "bfloat16")
-        if cfg.weights_dtype == "bfloat16":
-            cast_parameters(critic, torch.bfloat16)
-        scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                                   num_training_steps=cfg.max_steps * cfg.num_iterations)
-        # prepared after the policy, as the policy is (DDP or sharded): the checkpoints hold both, in this order
-        self.critic, self.critic_optimizer, self.critic_scheduler = self.strategy.prepare(critic, optimizer, scheduler)
+        check_prompts(prompts, cfg.prompts_per_step, "PPO")
+        self.reward_functions = reward_registry(cfg, prompts, reward_functions)
+        if cfg.loss_type not in AGGREGATORS:
+            raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
+        if cfg.optimizer == "adamw_8bit":  # optional extras: say what is missing before any work
+            require_bitsandbytes()
+        distributed = distributed or DistributedConfig()
+        check_fsdp_settings(distributed, weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer)
+        self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
+        self.output_dir = Path(output_dir)
+        self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
+        self.acc = make_accelerator(cfg.mixed_precision)
+        self.strategy = make_strategy(self.acc, distributed)  # how the processes hold the policy and the critic
+        check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)
+        model, optimizer = trainable(model, cfg, self.acc.device, cfg.learning_rate)
+        self.master_weights = optimizer if isinstance(optimizer, MasterWeights) else None
+        self.ref_model = frozen_reference(model, cfg, self.acc)  # None with beta = 0
+        self.checkpointing = checkpointing_on(cfg, self.acc)
+        self.model, self.optimizer, self.scheduler = prepared(self.strategy, model, optimizer, cfg)
+        # the stage's engine on the policy's whole weights, sampling in the loop's precision
+        dtype = sampling_dtype(self.acc.mixed_precision)
+        self.engine = engine or build_engine(generation or GenerationConfig(), self.strategy.sampler_model(dtype),
+                                             tokenizer, dtype=dtype, who="PPO")
+        self.cells = self.prompts["prompt"].tolist()
+        self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
+        self.gemm = gemm_plan(self.acc, cfg, tokenizer, self.prompts, self.acc.unwrap_model(self.model),
+                              self.output_dir)
+        # the critic with its own optimizer, prepared after the policy as the policy is (DDP or sharded): the
+        # checkpoints hold both, in this order
+        critic, optimizer = trainable(critic, cfg, self.acc.device, self.ppo.value_learning_rate or cfg.learning_rate)
+        self.critic, self.critic_optimizer, self.critic_scheduler = prepared(self.strategy, critic, optimizer, cfg)
 
     # -- one step ----------------------------------------------------------------------------------------------
+
+    def sample(self, idx: list[int]) -> Rollout:
+        return sample_rollout(self.engine, [self.cells[i] for i in idx], 1, self.cfg.sampling,
+                              logprobs=self.cfg.tis_cap is not None, who="PPO")
+
+    def score(self, rollout: Rollout, idx: list[int]):
+        return score_rollout(rollout, row_columns(self.columns, self.cells, idx, 1), self.cfg, self.reward_functions)
 
     def collect(self, step: int) -> tuple[Rollout, list[int], object, dict[str, float]]:
         """Sample and score one completion for each of the step's prompts_per_step x num_generations prompts (this
@@ -99,9 +145,9 @@ class PPOTrainer(GRPOTrainer):
         rollout = self.sample(idx)
         return rollout, idx, self.score(rollout, idx), {}
 
-    def build_batch(self, rollout: Rollout, rewards: list[float], steps=None) -> PPOBatch:
-        # `steps` (process supervision's step rewards) is never given: the recipe refuses `supervision: process`
-        # with ppo, whose reward is the outcome at each completion's last token
+    def build_batch(self, rollout: Rollout, rewards: list[float]) -> PPOBatch:
+        """The step's batch: per-token rewards (the outcome at the last token, the KL on each), the critic's values,
+        GAE advantages whitened over the global batch's tokens, and the critic's targets."""
         cfg, ppo = self.cfg, self.ppo
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
@@ -110,14 +156,16 @@ class PPOTrainer(GRPOTrainer):
 
         ref_logps = old_logps = None
         if cfg.beta != 0:
-            ref_logps = self._scored(self.ref_model, input_ids, attention_mask, C)  # [N, C] (no LoRA in PPO)
+            ref_logps = scored_logps(self.acc, self.ref_model, input_ids, attention_mask, C, cfg.micro_batch_size,
+                                     cfg.sampling.temperature)  # [N, C] (no LoRA in PPO)
         # pi_old's log-probs: the KL reward's logp, and the ratio's denominator when mu > 1 (recomputed, not the
         # sampler's, as GRPO does: top-p, bf16 or another engine would bias them)
         if kl_reward or cfg.num_iterations > 1:
-            old_logps = self._scored(self.model, input_ids, attention_mask, C)  # [N, C]
+            old_logps = scored_logps(self.acc, self.model, input_ids, attention_mask, C, cfg.micro_batch_size,
+                                     cfg.sampling.temperature)  # [N, C]
         parts = []
         with torch.no_grad(), self.acc.autocast():  # as many passes on every process: a sharded forward is a collective
-            for s, counts in matched_chunks(self.acc, _chunks(N, cfg.micro_batch_size)):
+            for s, counts in matched_chunks(self.acc, micro_batches(N, cfg.micro_batch_size)):
                 values = self.critic(input_ids[s], attention_mask[s], C)  # [n, C]
                 if counts:
                     parts.append(values)
@@ -159,7 +207,7 @@ class PPOTrainer(GRPOTrainer):
         self.critic.train()
         # this process's loss as a share of the global batch's (1.0 in one process), as GRPO's
         weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
-        chunks = matched_chunks(self.acc, _chunks(N, cfg.micro_batch_size))
+        chunks = matched_chunks(self.acc, micro_batches(N, cfg.micro_batch_size))
         for i, (s, counts) in enumerate(chunks):
             last = i == len(chunks) - 1  # both models' gradients sync in the last micro-batch only
             with self.strategy.no_sync(self.model, last), self.strategy.no_sync(self.critic, last):
@@ -195,24 +243,72 @@ class PPOTrainer(GRPOTrainer):
             sums[k] = sums.get(k, 0.0) + v * share
         return sums
 
-    # -- the loop: GRPOTrainer's, with the critic on the same fast paths as the policy ---------------------------
+    def sync_sampler(self) -> None:
+        """Make the next rollout sample the policy's current weights (see GRPOTrainer.sync_sampler)."""
+        self.strategy.sync_sampler()
+        self.engine.sync_weights()
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def train(self) -> PPOResult:
+        cfg = self.cfg
+        ckpt_root = self.output_dir / "checkpoints"
+        start = self._resume(ckpt_root)
+        bar = tqdm(total=cfg.max_steps, initial=start, desc="ppo", mininterval=2.0,
+                   disable=not self.progress or not self.acc.is_main_process)
+        core = self.acc.unwrap_model(self.model)
+        critic = self.acc.unwrap_model(self.critic)
+        with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
+              fp32_gemm(self.ref_model, self.gemm), activation_checkpointing(core, self.checkpointing),
+              # the critic on the same fast paths as the policy
+              cpu_attention(critic.trunk), compact_mlp(critic.trunk), fp32_gemm(critic, self.gemm),
+              activation_checkpointing(critic.trunk, self.checkpointing)):
+            self._loop(start, bar, ckpt_root)
+        bar.close()
+        model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,
+                                self.output_dir)
+        return PPOResult(model_dir, cfg.max_steps)
 
     def _loop(self, start: int, bar, ckpt_root: Path) -> None:
-        trunk = self.acc.unwrap_model(self.critic).trunk
-        with (cpu_attention(trunk), compact_mlp(trunk), fp32_gemm(self.acc.unwrap_model(self.critic), self.gemm),
-              activation_checkpointing(trunk, checkpointing_on(self.cfg, self.acc))):
-            super()._loop(start, bar, ckpt_root)
+        cfg = self.cfg
+        for step in range(start, cfg.max_steps):
+            # a resumed run samples what it would have sampled; each process draws its own completions
+            torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
+            t0 = time.perf_counter()
+            rollout, idx, scores, metrics = self.collect(step)
+            t_gen = time.perf_counter() - t0
+            batch = self.build_batch(rollout, scores.total)
+            # the sampler's copy against the policy on a few of the rows it sampled
+            k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))
+            metrics.update(self.strategy.check_sampler(batch.input_ids[:k], batch.attention_mask[:k],
+                                                       rollout.completion_mask[:k].to(self.acc.device),
+                                                       cfg.sampling.temperature))
+            t_ref = time.perf_counter() - t0 - t_gen
+            for _ in range(cfg.num_iterations):
+                opt_stats = self.optimise(batch)
+            elapsed = time.perf_counter() - t0
+            done = step + 1
+            metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen, t_ref))
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/total']:.3f}")
+            report_step(self.acc, cfg, done, metrics, lambda: samples_table(self.cells, rollout, idx, scores, 1),
+                        self.on_metrics, self.on_samples)
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+                # two: a damaged newest one falls back to the one before
+                save_checkpoint(self.acc, ckpt_root, done, keep=2, save_state=lambda f: self.strategy.save_state(Path(f)))
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
-        m = super()._step_metrics(rollout, scores, opt, elapsed, t_gen, t_ref)
-        del m["reward/zero_std_groups"]  # no groups here: each prompt has one completion
+        m = rollout_metrics(rollout, scores, elapsed, t_gen, t_ref, self.scheduler.get_last_lr()[0])
         total = torch.tensor(scores.total, device=self.acc.device)  # [N]
         if self.acc.num_processes > 1:  # every process's rows (each calls this once a step)
             total = self.acc.gather(total)
         m["reward/std"] = total.std().item() if total.numel() > 1 else 0.0  # over the global batch
+        m.update(opt)
         return m
 
-
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    def _resume(self, root: Path) -> int:
+        step = load_newest_checkpoint(self.acc, root, lambda f: self.strategy.load_state(Path(f)))
+        if step:
+            self.sync_sampler()  # loaded in place: the sampler's copies (if any) must see the checkpoint's weights
+        return step

@@ -6,7 +6,7 @@ the K rollouts reaches the reference answer, else bad (0). No person labels a st
 cannot be reached is a wrong one. `label_steps` makes them; `label_worked_solutions` makes the labels a perfect
 roller-out would give on the synthetic task (a corrupted step and the ones after it are bad), for tests.
 
-The model is the alignment reward model's (grpo.training.reward_model) with one output per token instead of one
+The model is the alignment reward model's (grpo.training.loops.reward_model) with one output per token instead of one
 per sequence: a causal LM backbone with a one-output linear head (`AutoModelForTokenClassification`), read at the
 token each step ends in and trained with binary cross-entropy on the step labels, with the same settings
 (`RewardModelConfig`) and loop. As a step verifier (`prm_step_verifier`) it finds the steps with a rule segmenter

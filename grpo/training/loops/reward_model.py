@@ -14,7 +14,7 @@ synthetic pairs in grpo.data.preferences teach. The loop has no resumable checkp
 Run it alone:
     from grpo.data.preferences import preference_pairs
     from grpo.reward_config import RewardModelConfig
-    from grpo.training.reward_model import train_reward_model
+    from grpo.training.loops.reward_model import train_reward_model
     result = train_reward_model(preference_pairs(1000), RewardModelConfig(), "out/rm",
                                 heldout=preference_pairs(200, split="heldout"))
 
