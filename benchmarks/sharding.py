@@ -90,8 +90,8 @@ def worker_step(strategy: str, steps: int) -> None:
     import torch
 
     from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
-    from grpo.models import load_model_and_tokenizer
     from grpo.distributed_config import DistributedConfig
+    from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer
 
     torch.manual_seed(0)

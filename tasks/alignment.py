@@ -9,11 +9,11 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.config import ModelConfig
-from grpo.recipe import AlignmentGRPOConfig
-from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
-from grpo.training.loops.reward_model import RewardModelResult, train_reward_model
+from grpo.data.tables import load_rl_data, read_table, validate_rows
+from grpo.recipe import AlignmentGRPOConfig
 from grpo.training.launchers import launch
+from grpo.training.loops.reward_model import RewardModelResult, train_reward_model
 from tasks import cluster, tracking
 from tasks.data import DataURIs, report_dropped
 from tasks.durable import durable_resume

@@ -8,16 +8,16 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.config import GenerationConfig, GRPOConfig, ModelConfig
-from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
-from grpo.ppo_config import PPOConfig
 from grpo.distributed_config import DistributedConfig
+from grpo.ppo_config import PPOConfig
+from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.rft_config import OnlineRFTConfig
 from grpo.training.launchers import launch
 from grpo.training.launchers.worker import build_rl_trainer
 from tasks import cluster, tracking
 from tasks.data import read_frame
-from tasks.progress import TrainingProgress
 from tasks.durable import durable_resume
+from tasks.progress import TrainingProgress
 from tasks.stage import log_gemm_plan, resolve_model, resolve_precision, work_dir
 
 

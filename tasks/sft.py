@@ -10,14 +10,14 @@ from prefect.logging import get_run_logger
 
 from grpo.config import ModelConfig, SFTConfig
 from grpo.data.tables import validate_rows
-from grpo.models import load_model_and_tokenizer
 from grpo.distributed_config import DistributedConfig
-from grpo.training.loops.sft_trainer import train_sft
+from grpo.models import load_model_and_tokenizer
 from grpo.training.launchers import launch
+from grpo.training.loops.sft_trainer import train_sft
 from tasks import cluster, tracking
 from tasks.data import read_frame
-from tasks.progress import TrainingProgress
 from tasks.durable import durable_resume
+from tasks.progress import TrainingProgress
 from tasks.stage import log_gemm_plan, resolve_precision, work_dir
 
 

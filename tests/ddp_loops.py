@@ -27,15 +27,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ppo_config import PPOConfig
-from grpo.distributed_config import DistributedConfig
 from grpo.reward_config import RewardModelConfig
 from grpo.sampling.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator
 from grpo.training.distributed import process_share
-from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.ppo_trainer import PPOTrainer
 from grpo.training.loops.reward_model import train_reward_model
 from grpo.training.loops.sft_trainer import train_sft

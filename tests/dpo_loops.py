@@ -18,9 +18,9 @@ import torch
 
 from grpo.config import ModelConfig, TinyModelConfig
 from grpo.data.preferences import preference_pairs
+from grpo.distributed_config import DistributedConfig
 from grpo.dpo_config import DPOConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.distributed_config import DistributedConfig
 from grpo.training.loops.dpo import train_dpo
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -13,9 +13,9 @@ import grpo.training.policy as policy
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.training.optimizers import MasterWeights, cast_parameters, make_adamw
-from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
+from grpo.training.loops.grpo_trainer import GRPOTrainer
+from grpo.training.optimizers import MasterWeights, cast_parameters, make_adamw
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
 

@@ -13,15 +13,9 @@ from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ppo_config import PPOConfig
 from grpo.rewards import REWARD_FUNCTIONS
-from grpo.training.ppo import (
-    clipped_value_loss,
-    explained_variance,
-    gae_advantages,
-    masked_whiten,
-    ppo_loss,
-    token_rewards,
-)
 from grpo.training.loops.ppo_trainer import PPOTrainer
+from grpo.training.ppo import (clipped_value_loss, explained_variance, gae_advantages, masked_whiten, ppo_loss,
+                               token_rewards)
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
-from grpo.reward_config import RewardModelConfig
 from grpo.data.preferences import general_prompts, preference_pairs
 from grpo.models import load_model_and_tokenizer
+from grpo.reward_config import RewardModelConfig
 from grpo.training.loops.grpo_trainer import GRPOTrainer
-from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
 from grpo.training.loops.rm_refresh import RewardModelRefresh, policy_pairs
+from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))

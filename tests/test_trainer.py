@@ -11,10 +11,10 @@ from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import activation_checkpointing, is_checkpointing, load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.sampling.cpu_decoder import lean_decode_supported
-from grpo.training.optimizers import make_adamw
-from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loss import grpo_loss
+from grpo.training.optimizers import make_adamw
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
 

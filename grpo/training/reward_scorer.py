@@ -19,12 +19,8 @@ from typing import Callable, NamedTuple, Sequence
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from transformers import (
-    AutoModelForSequenceClassification,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Qwen2ForSequenceClassification,
-)
+from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
+                          Qwen2ForSequenceClassification)
 
 from grpo.config import TINY, ModelConfig
 from grpo.data.tables import DataError

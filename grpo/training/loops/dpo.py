@@ -57,23 +57,23 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo.data.preferences import split_by_prompt
 from grpo.data.tables import DataError
+from grpo.distributed_config import DistributedConfig
 from grpo.dpo_config import DPOConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.distributed_config import DistributedConfig
 from grpo.rewards import completion_text
 from grpo.sampling.backend import render_prompts, response_text
 from grpo.training.accelerator import make_accelerator
-from grpo.training.optimizers import make_adamw, optimizer_step
+from grpo.training.batches import batch_indices
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
-from grpo.data.preferences import split_by_prompt
+from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.schedules import make_scheduler
-from grpo.training.batches import batch_indices
 from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]

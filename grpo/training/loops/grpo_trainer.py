@@ -30,27 +30,26 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.checks import check_fsdp_settings
 from grpo.config import GenerationConfig, GRPOConfig
+from grpo.distributed_config import DistributedConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.distributed_config import DistributedConfig
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.training.accelerator import make_accelerator
-from grpo.training.batches import micro_batches, prompt_order
-from grpo.training.optimizers import (MasterWeights, optimizer_step,
-                                      require_bitsandbytes)
 from grpo.training.advantages import group_advantages
+from grpo.training.batches import micro_batches, prompt_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
+from grpo.training.distributed import (check_split, gather_table, matched_chunks, process_share, process_weight,
+                                       sampling_seed)
 from grpo.training.dynamic import concat_groups, spread_groups
-from grpo.training.distributed import (check_split, gather_table, matched_chunks, process_share,
-                                       process_weight, sampling_seed)
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
 from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
-from grpo.training.policy import (check_prompts, checkpointing_on, frozen_reference, gemm_plan, prepared,
-                                  report_step, reward_registry, rollout_metrics, row_columns, sample_rollout, samples_table,
+from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
+from grpo.training.policy import (check_prompts, checkpointing_on, frozen_reference, gemm_plan, prepared, report_step,
+                                  reward_registry, rollout_metrics, row_columns, sample_rollout, samples_table,
                                   save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
 from grpo.training.strategy import make_strategy

@@ -47,15 +47,13 @@ from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import micro_batches, prompt_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
-from grpo.training.distributed import (check_split, matched_chunks, process_share, process_weight,
-                                       sampling_seed)
+from grpo.training.distributed import check_split, matched_chunks, process_share, process_weight, sampling_seed
 from grpo.training.logprobs import token_logps
 from grpo.training.loss import AGGREGATORS, batch_share, k3_kl
 from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
-from grpo.training.policy import (MetricsCallback, SamplesCallback, check_prompts, checkpointing_on,
-                                  frozen_reference, gemm_plan, prepared, report_step, reward_registry,
-                                  rollout_metrics, row_columns, sample_rollout, samples_table, save_policy,
-                                  score_rollout, scored_logps, trainable)
+from grpo.training.policy import (MetricsCallback, SamplesCallback, check_prompts, checkpointing_on, frozen_reference,
+                                  gemm_plan, prepared, report_step, reward_registry, rollout_metrics, row_columns,
+                                  sample_rollout, samples_table, save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
 from grpo.training.strategy import make_strategy
 from grpo.training.value import ValueModel

@@ -34,16 +34,16 @@ import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import TINY, ModelConfig, SamplingConfig
-from grpo.reward_config import RewardModelConfig
 from grpo.data.arithmetic import Problem, format_response
 from grpo.models import _DTYPES, check_model_config, load_tokenizer
+from grpo.reward_config import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, Steps, StepVerifier
 from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator
-from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.batches import batch_indices, pad_right
+from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 

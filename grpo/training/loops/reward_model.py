@@ -33,18 +33,18 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from grpo.reward_config import RewardModelConfig
 from grpo.data.preferences import split_by_prompt
 from grpo.data.tables import DataError
-from grpo.models import activation_checkpointing
 from grpo.distributed_config import DistributedConfig
+from grpo.models import activation_checkpointing
+from grpo.reward_config import RewardModelConfig
 from grpo.training.accelerator import make_accelerator
-from grpo.training.optimizers import make_adamw, optimizer_step
-from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
-from grpo.training.schedules import make_scheduler
 from grpo.training.batches import batch_indices, pad_right
+from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
+from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, build_reward_model, encode_pairs,
                                          evaluate_pairs, pair_metrics)
+from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]

@@ -40,8 +40,8 @@ import torch
 
 from grpo.config import REWARD_MODEL
 from grpo.reward_config import RewardModelConfig
-from grpo.training.optimizers import make_adamw
 from grpo.training.batches import pad_right
+from grpo.training.optimizers import make_adamw
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, encode_pairs, evaluate_pairs,
                                          pair_metrics)
 

@@ -25,17 +25,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import SFTConfig
 from grpo.data.tables import DataError
+from grpo.distributed_config import DistributedConfig
 from grpo.kernels.attention import cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.distributed_config import DistributedConfig
 from grpo.sampling.backend import render_prompts, response_text
 from grpo.training.accelerator import make_accelerator, shared_gemm_plan
 from grpo.training.batches import batch_indices
-from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, main_only, process_share, reduce_sum
+from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 
