@@ -141,31 +141,35 @@ def onednn_problem() -> str | None:
 # -- the autograd function ----------------------------------------------------------------------------------------------
 
 class PlannedLinear(torch.autograd.Function):
-    """F.linear with each of its three GEMMs on the library the plan names."""
+    """F.linear of a [M, K] input with each of its three GEMMs on the library the plan names.
+
+    2-D in, 2-D out: the caller reshapes around it, so the output is not a view made inside the Function (autograd
+    forbids modifying such a view in place, and a logits hook does: `logits[..., ids] = -inf`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemmPlan):
         ctx.save_for_backward(x, weight)
         ctx.plan, ctx.has_bias = plan, bias is not None
-        x2 = x.reshape(-1, x.size(-1))  # [M, K]
-        y = _onednn_linear(x2, weight, bias) if plan.forward == "onednn" else F.linear(x2, weight, bias)
-        return y.view(*x.shape[:-1], weight.size(0))
+        return _onednn_linear(x, weight, bias) if plan.forward == "onednn" else F.linear(x, weight, bias)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors  # [M, K], [N, K]
         plan = ctx.plan
-        g = grad.reshape(-1, grad.size(-1))  # [M, N]
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gx = _onednn_linear(g, weight.t(), None) if plan.input_grad == "onednn" else g @ weight  # [M, K]
-            grad_x = gx.view(x.shape)
+            grad_x = _onednn_linear(grad, weight.t(), None) if plan.input_grad == "onednn" else grad @ weight  # [M, K]
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.size(-1))  # [M, K]
-            grad_w = _onednn_linear(g.t(), x2.t(), None) if plan.weight_grad == "onednn" else g.t() @ x2  # [N, K]
+            grad_w = _onednn_linear(grad.t(), x.t(), None) if plan.weight_grad == "onednn" else grad.t() @ x  # [N, K]
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0)  # [N]
+            grad_b = grad.sum(0)  # [N]
         return grad_x, grad_w, grad_b, None
+
+
+def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemmPlan) -> torch.Tensor:
+    """F.linear(x, weight, bias) for an input of any leading shape, its GEMMs where `plan` says."""
+    y = PlannedLinear.apply(x.reshape(-1, x.size(-1)), weight, bias, plan)  # [M, N]
+    return y.view(*x.shape[:-1], weight.size(0))
 
 
 def _plain_fp32(module: torch.nn.Module) -> bool:
@@ -179,7 +183,7 @@ def _planned_forward(module: torch.nn.Linear, plan: GemmPlan):
         if (x.dtype != torch.float32 or torch.is_autocast_enabled("cpu") or not isinstance(w, torch.Tensor)
                 or type(w).__name__ == "DTensor"):
             return F.linear(x, w, module.bias)  # autocast's bf16 is oneDNN's already; a sharded weight is FSDP's
-        return PlannedLinear.apply(x, w, module.bias, plan)
+        return planned_linear(x, w, module.bias, plan)
 
     return forward
 
