@@ -11,7 +11,9 @@ KeyboardInterrupt, so a run cancelled by a worker or killed by a scheduler is KI
 
 Some calls must not stop halfway: a write to a SQLite tracking store stopped inside its transaction leaves the
 database locked for the rest of the process, so the run could not even be ended KILLED. Inside
-`signals_deferred` the main thread's stop waits for the block's end (a single database call: milliseconds).
+`signals_deferred` the main thread's stop waits for the block's end (a single database call: milliseconds), and so
+does a SIGALRM handler someone set: Prefect's time limit on a flow run (a stage's `resources.timeout_s`) raises
+from one, and an attempt past its limit that was stopped inside a write left every later write "database is locked".
 """
 
 from __future__ import annotations
@@ -67,19 +69,45 @@ def interrupt_threads() -> int:
 @contextmanager
 def signals_deferred() -> Iterator[None]:
     """In the main thread, a stop signal that arrives within the block raises its KeyboardInterrupt at the block's
-    end instead of inside it (elsewhere signals do not land, and nothing changes). For short calls only."""
+    end instead of inside it, and a SIGALRM handler (a flow run's time limit) runs there too (elsewhere signals do
+    not land, and nothing changes). For short calls only."""
     global _deferring
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _deferring += 1
+    alarm = _hold_alarm() if _deferring == 1 else None
     try:
         yield
     finally:
         _deferring -= 1
+        rang = _release_alarm(alarm)
         if not _deferring and _deferred:
             _deferred.clear()
             raise KeyboardInterrupt
+        if rang is not None:
+            alarm[0](*rang)  # the time limit's handler, now the call is whole: it raises its own error
+
+
+def _hold_alarm():
+    """(the SIGALRM handler, the arrivals held) while a handler someone set is replaced by one that holds them."""
+    if not hasattr(signal, "SIGALRM"):
+        return None
+    handler = signal.getsignal(signal.SIGALRM)
+    if not callable(handler):  # none set (SIG_DFL, SIG_IGN): nothing of Python's to run halfway
+        return None
+    held: list[tuple] = []
+    signal.signal(signal.SIGALRM, lambda signum, frame: held.append((signum, frame)))
+    return handler, held
+
+
+def _release_alarm(alarm) -> tuple | None:
+    """Put the SIGALRM handler back; the first arrival held, if one came."""
+    if alarm is None:
+        return None
+    handler, held = alarm
+    signal.signal(signal.SIGALRM, handler)
+    return held[0] if held else None
 
 
 @contextmanager

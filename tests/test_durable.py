@@ -167,3 +167,20 @@ def test_a_stage_output_cut_short_in_the_store_is_one_line_and_a_cut_local_copy_
         tracking.download(uri)
     with pytest.raises(Fault, match="is damaged"):
         tracking.download(uri, tmp_path / "elsewhere")
+
+
+def test_two_runs_that_finish_the_same_work_both_delete_its_copy(tmp_path, key):
+    # two pipelines that resumed one stage's work at once both finish it, and each deletes the copy it resumed
+    # from: the second finds the mark already gone, which is what it wanted (it failed the second run)
+    from tasks.durable import _delete_copy
+
+    run = tracking.start_run("copied", tags={})
+    out = tmp_path / "a" / key
+    uploader = _Uploader(run, out, after_step=0)
+    checkpoint(out, 2, b"two")
+    uploader.sync()
+    assert marked_copies(key) == [(run, 2)]
+    _delete_copy(run, key)
+    _delete_copy(run, key)  # the other pipeline, a moment later
+    assert marked_copies(key) == []
+    tracking.end_run(run)

@@ -315,8 +315,9 @@ def _shards(r1_home: Path) -> dict[Path, tuple[int, int]]:
 
 @pytest.mark.timeout(240)
 def test_the_stage_over_two_servers_survives_one_killed_midway(prefect_harness, r1_home, checkpoint, prompts_file,
-                                                                two_servers):
+                                                                two_servers, monkeypatch):
     from flows.rejection_sampling import rejection_sampling
+    from grpo.rejection import shards
     from tasks import rejection as rejection_tasks
     from tasks.data import read_frame
 
@@ -324,21 +325,22 @@ def test_the_stage_over_two_servers_survives_one_killed_midway(prefect_harness, 
     cfg = _stage_config(prompts_file, [survivor_url, victim_url])
     before = set(_shards(r1_home))
     at_kill: dict[Path, tuple[int, int]] = {}
+    lock = threading.Lock()
+    write_shard = shards.write_shard
 
-    def kill_after_the_first_shard() -> None:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            written = {p: s for p, s in _shards(r1_home).items() if p not in before}
-            if written:
+    def kill_after_the_first_shard(result, out_dir, index):
+        # the victim dies as the first shard lands, in the writer itself: on a busy machine a watching thread could
+        # wake only after every shard was written, and the kill would not be midway
+        path = write_shard(result, out_dir, index)
+        with lock:
+            if not at_kill:
+                at_kill.update({p: s for p, s in _shards(r1_home).items() if p not in before})
                 victim.send_signal(signal.SIGKILL)
-                at_kill.update(written)
-                return
-            time.sleep(0.01)
+        return path
 
-    watcher = threading.Thread(target=kill_after_the_first_shard, daemon=True)
-    watcher.start()
+    monkeypatch.setattr(shards, "write_shard", kill_after_the_first_shard)  # tasks.rejection calls shards.write_shard
     result = rejection_sampling(checkpoint, cfg)
-    watcher.join(timeout=5)
+    monkeypatch.setattr(shards, "write_shard", write_shard)
 
     n_shards, total = len(PROMPTS) // 3, len(PROMPTS) * 2
     after = {p: s for p, s in _shards(r1_home).items() if p not in before}

@@ -191,3 +191,29 @@ def test_sigterm_to_r1_alone_stops_a_loop_launched_on_two_processes(r1, tmp_path
     took, family = run.stop(signal.SIGTERM, whole_group=False)  # `kill <pid>`: nothing else gets the signal
     assert_stopped_cleanly(run, took, family, ["cold_start_sft"])
     assert all(w in family for w in workers)
+
+
+def test_a_time_limit_that_rings_inside_a_store_call_lands_when_the_call_ends():
+    # Prefect's flow-run time limit raises from a SIGALRM handler; one raised inside a SQLite commit left every later
+    # write of the process "database is locked" (an attempt past its limit under load, test_stage_retry)
+    from grpo.interrupts import signals_deferred
+
+    class Rang(Exception):
+        pass
+
+    def limit(signum, frame):
+        raise Rang
+
+    previous = signal.signal(signal.SIGALRM, limit)
+    finished = []
+    try:
+        with pytest.raises(Rang):
+            with signals_deferred():
+                signal.setitimer(signal.ITIMER_REAL, 0.01)
+                time.sleep(0.2)  # the limit rings here, and waits
+                finished.append(True)
+        assert finished == [True]
+        assert signal.getsignal(signal.SIGALRM) is limit  # the handler is back in place
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
