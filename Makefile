@@ -21,9 +21,13 @@ demo: $(CORE)
 # (R1_CPU_BF16), so no verdict depends on which kind CI got
 OTHER_BF16 := $(shell grep -qwsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo 0 || echo 1)
 
+# Two test files at a time (pytest-xdist; a file's tests stay together, so its module fixtures are made once): the
+# suite's servers, clusters and subprocesses spend much of their time waiting, and two workers fill the 2 cores
+TESTS := -n 2 --dist loadfile
+
 test: $(DEV) browser sandbox
-	$(PY) -m pytest -q --durations=15
-	R1_CPU_BF16=$(OTHER_BF16) $(PY) -m pytest -q -m precision
+	$(PY) -m pytest -q $(TESTS) --durations=15
+	R1_CPU_BF16=$(OTHER_BF16) $(PY) -m pytest -q $(TESTS) -m precision
 
 install: $(DEV)
 

@@ -28,6 +28,20 @@ os.environ["HF_DATASETS_CACHE"] = str(_HOME / "hf-datasets")  # what load_datase
 import prefect.main  # noqa: E402,F401  (runs setup_logging)
 
 
+# `make test` runs two files at a time (pytest-xdist, `--dist loadfile`: a file's tests stay in one worker, so its
+# module fixtures, a Ray cluster or two-process runs, are made once). A worker takes the next file when it is free,
+# in the order collected: these, the files that take a minute or more (measured with --durations), come first, so
+# the two workers end together instead of one running the longest file alone at the end.
+LONGEST_FIRST = ["test_pipeline_resume", "test_placement", "test_signals", "test_fsdp", "test_stage_retry",
+                 "test_ray_training", "test_distributed", "test_disk_full", "test_deployments", "test_flows",
+                 "test_tracking_outage", "test_ray_rejection", "test_ui", "test_stack"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def r1_home() -> Path:
     return _HOME
