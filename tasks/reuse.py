@@ -56,7 +56,9 @@ def _local_files(values) -> dict[str, list]:
     """(size, mtime) of the local files and folders named among `values`: a path's content may change, its name not."""
     found = {}
     for value in values:
-        if not isinstance(value, str) or "://" in value or value.startswith(("runs:", "models:")):
+        # an empty setting (`generation.model: ""`, say) names no file: read as a path it was the working folder, and
+        # every file under it (a virtualenv's too) went into the key, which any write there then changed
+        if not isinstance(value, str) or not value.strip() or "://" in value or value.startswith(("runs:", "models:")):
             continue
         path = Path(value).expanduser()
         if path.is_file():

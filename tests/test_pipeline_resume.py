@@ -376,3 +376,22 @@ def test_two_runs_at_once_against_a_prefect_server_and_an_mlflow_server(deployed
         _check_nothing_crossed(MlflowClient(tracking_uri=tracking_uri), outputs)
     finally:
         stack.stop_process(mlflow)
+
+
+def test_a_stage_key_reads_the_files_its_settings_name_and_no_others(tmp_path, monkeypatch):
+    # an empty setting (`generation.model: ""`) was read as the working folder: every file under it went into the
+    # key (1.6 s of stat calls a stage in this checkout, its virtualenv included), and any write there, a second
+    # pytest worker's or R1_HOME's own under it, kept a finished stage from being reused
+    from grpo.recipe import ColdStartSFTConfig
+    from tasks.reuse import stage_key
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    cfg = ColdStartSFTConfig.model_validate({**COLD, "data": {**COLD["data"], "source": str(data)}})
+    assert cfg.generation.model == ""  # the empty setting is there
+    key = stage_key("cold_start_sft", cfg, {})
+    (tmp_path / "unrelated.log").write_text("written by something else")
+    assert stage_key("cold_start_sft", cfg, {}) == key
+    data.write_text('{"prompt": "a", "response": "c"}\n{"prompt": "d", "response": "e"}\n')  # the data changed
+    assert stage_key("cold_start_sft", cfg, {}) != key
