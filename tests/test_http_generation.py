@@ -160,7 +160,8 @@ def test_a_sample_is_the_same_whichever_endpoint_draws_it_and_as_the_local_backe
 
 
 class _Stub(BaseHTTPRequestHandler):
-    """A server that lists the model and answers every completion with `status` (counting them in `hits`)."""
+    """A server that lists the model and answers every completion with `status` (counting them in `hits`); status 0:
+    a reply cut off, as a server killed while writing it leaves one."""
 
     status, hits = 503, 0
 
@@ -170,6 +171,13 @@ class _Stub(BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         type(self).hits += 1
+        if self.status == 0:
+            self.send_response(200)
+            self.send_header("Content-Length", "320")
+            self.end_headers()
+            self.wfile.write(b'{"id": "cmpl-')  # and no more: the connection closes with 300 bytes to come
+            self.close_connection = True
+            return
         self._reply(self.status, {"error": {"message": f"stub says {self.status}"}})
 
     def _reply(self, code, body):
@@ -206,6 +214,22 @@ def test_an_endpoint_that_keeps_failing_is_given_up_and_its_samples_go_to_the_ot
             backend.close()
     assert len(out.texts) == 8
     assert stats[broken] == {"answered": 0, "in_flight": 0, "dead": "HTTP 503 stub says 503"}
+    assert stats[server.url]["answered"] == 8 and handler.hits >= 2
+
+
+def test_a_reply_cut_off_midway_is_a_failure_of_its_endpoint_and_the_sample_goes_to_the_other(in_thread):
+    # a server killed while it writes a reply: urllib raises http.client.IncompleteRead, which escaped the backend
+    # and failed the whole shard, which its task's retry then sampled again (one shard's samples answered twice)
+    (server, _), _, tok = in_thread
+    with _stub(0) as (cut, handler):
+        backend = _backend([cut, server.url], tok, max_failures=2)
+        try:
+            out = backend.generate(PROMPTS[:4], 2, SAMPLING, seed=1)
+            stats = backend.stats()
+        finally:
+            backend.close()
+    assert len(out.texts) == 8
+    assert stats[cut] == {"answered": 0, "in_flight": 0, "dead": "the reply was cut off (IncompleteRead)"}
     assert stats[server.url]["answered"] == 8 and handler.hits >= 2
 
 

@@ -12,6 +12,7 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -89,6 +90,8 @@ class OpenAIEndpoint:
                             refused=isinstance(e.reason, ConnectionRefusedError)) from None
         except (TimeoutError, ConnectionError) as e:  # a timeout or reset while reading the reply
             raise Retryable(describe(e, self.timeout_s)) from None
+        except http.client.HTTPException as e:  # the server went away mid-reply (IncompleteRead, a bad status line)
+            raise Retryable(f"the reply was cut off ({type(e).__name__})") from None
         try:
             return json.loads(raw)
         except ValueError:
