@@ -12,8 +12,9 @@ import torch
 
 from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.config import SFTConfig
-from grpo.kernels.gemm import (KINDS, ONEDNN_MARGIN, PLAN_FILE, GemmPlan, PlannedLinear, cpu_model, fp32_gemm,
-                               gemm_plan, load_plan, onednn_problem, planned_linear)
+from benchmarks.bytes_alive import BytesAlive
+from grpo.kernels.gemm import (KINDS, ONEDNN_MARGIN, PLAN_FILE, PROBE_ELEMENTS, GemmPlan, PlannedLinear, cpu_model,
+                               fp32_gemm, gemm_plan, load_plan, measure, onednn_problem, planned_linear, probe_shape)
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import CARRIED_FILES, write_manifest
 from grpo.training.loops.grpo_trainer import GRPOTrainer
@@ -56,6 +57,42 @@ def test_the_planned_linear_s_output_can_be_changed_in_place():
     y[..., 0] = -1e4
     y.sum().backward()
     assert torch.equal(w.grad[0], torch.zeros(24)) and w.grad[1:].abs().sum() > 0  # the masked column has no gradient
+
+
+def test_measuring_a_wide_head_costs_a_few_cut_operands_not_the_whole_gemm():
+    # Qwen2.5's head at a micro-batch of 1,024 tokens: uncut, its output gradient alone is 1024 x 151936 x 4 bytes
+    # (622 MB), and the probe peaked at 2.4 GB over the GRPO step it planned (the wide-vocabulary bench)
+    wide = (1024, 896, 151936)
+    assert probe_shape(*wide) == (1024, 896, PROBE_ELEMENTS // 1024)
+    assert probe_shape(64, 256, 688) == (64, 256, 688)  # the tiny model's layers are measured whole
+    with BytesAlive() as alive:
+        rates = measure([wide], reps=1)
+    assert alive.largest <= 4 * PROBE_ELEMENTS  # no operand past the cap (fp32: 4 bytes an element)
+    assert alive.peak <= 4 * 4 * PROBE_ELEMENTS  # x, W, g and one product at a time
+    assert sorted(rates) == sorted(f"{k}/{lib}" for k in KINDS for lib in ("mkl", "onednn"))
+    assert all(rate > 0 for rate in rates.values())
+
+
+def test_a_planned_output_head_still_gives_its_log_probs_chunk_by_chunk():
+    # the plan's forward on the head made `selective_head` refuse it, so a CPU whose plan took oneDNN computed the
+    # whole [N, C, V] logits: 6.2 GB against 1.75 GB for the wide-vocabulary GRPO bench on a Zen 5
+    from grpo.training.logprobs import selective_head, token_logps
+
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64,
+                                                                         num_hidden_layers=1, num_attention_heads=2,
+                                                                         num_key_value_heads=1)))
+    model.float()
+    ids = torch.randint(3, model.config.vocab_size, (4, 12))
+    mask = torch.ones_like(ids)
+    want, _ = token_logps(model, ids, mask, 8, 1.0)
+    V = model.config.vocab_size
+    with fp32_gemm(model, ONEDNN):
+        assert selective_head(model) is model.lm_head
+        with BytesAlive() as alive:  # chunks of 4 tokens, not the 32 x V logits
+            got, _ = token_logps(model, ids, mask, 8, 1.0, plain_max_bytes=0, chunk_tokens=4)
+    assert alive.largest < 4 * 8 * V * 4
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_forced_setting_is_kept_and_auto_measures_each_gemm():

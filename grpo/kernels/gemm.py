@@ -45,6 +45,11 @@ PLAN_FILE = "gemm.json"
 # oneDNN's rate over MKL's that `auto` needs to take oneDNN for a GEMM: 2.4x where MKL runs AVX2 kernels on an
 # AVX-512 CPU; 0.7-1.1x on an AVX2-only or an Intel CPU, where runs of one machine vary by ~10% with its load
 ONEDNN_MARGIN = 1.15
+# the most elements of any operand the measurement makes (16 MiB in fp32): a GEMM larger than that is timed on a cut
+# of it (fewer rows, fewer outputs), whose rate a library reaches on the whole as well. Timing Qwen2.5's
+# 151,936-wide head whole made [tokens, 151936] operands, 2.4 GB more than the step it planned (whose chunked head
+# never makes one)
+PROBE_ELEMENTS = 2**22
 
 
 class GemmPlan(NamedTuple):
@@ -185,7 +190,14 @@ def _planned_forward(module: torch.nn.Linear, plan: GemmPlan):
             return F.linear(x, w, module.bias)  # autocast's bf16 is oneDNN's already; a sharded weight is FSDP's
         return planned_linear(x, w, module.bias, plan)
 
+    forward.gemm_plan = plan  # what `is_planned` reads: the layer is still a plain linear, on another library
     return forward
+
+
+def is_planned(module: torch.nn.Module) -> bool:
+    """Whether the module's own forward is `fp32_gemm`'s: F.linear on the planned library, no other change (so an
+    output head under it is still one whose log-probs may be computed chunk by chunk from the hidden states)."""
+    return getattr(vars(module).get("forward"), "gemm_plan", None) is not None
 
 
 @contextlib.contextmanager
@@ -222,12 +234,20 @@ def _time(fn, reps: int) -> float:
     return best
 
 
+def probe_shape(M: int, K: int, N: int) -> tuple[int, int, int]:
+    """(M, K, N) cut so that no operand of its three GEMMs (x [M, K], W [N, K], g [M, N]) passes PROBE_ELEMENTS."""
+    n = max(1, min(N, PROBE_ELEMENTS // K, PROBE_ELEMENTS // M))
+    m = max(1, min(M, PROBE_ELEMENTS // K, PROBE_ELEMENTS // n))
+    return m, K, n
+
+
 def measure(shapes: Sequence[tuple[int, int, int]], reps: int = 3) -> dict[str, float]:
-    """GFLOP/s of each GEMM kind on each library over `shapes` (the best of `reps` runs, summed over the shapes)."""
+    """GFLOP/s of each GEMM kind on each library over `shapes`, each cut to `probe_shape` (the best of `reps` runs,
+    summed over the shapes)."""
     seconds = {f"{kind}/{lib}": 0.0 for kind in KINDS for lib in LIBRARIES}
     flops = 0.0
     gen = torch.Generator().manual_seed(0)
-    for M, K, N in shapes:
+    for M, K, N in sorted({probe_shape(*shape) for shape in shapes}):
         x, w, g = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen), torch.randn(M, N, generator=gen)
         runs = {"forward/mkl": lambda: F.linear(x, w), "forward/onednn": lambda: _onednn_linear(x, w, None),
                 "input_grad/mkl": lambda: g @ w, "input_grad/onednn": lambda: _onednn_linear(g, w.t(), None),
