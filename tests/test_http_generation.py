@@ -203,9 +203,13 @@ def _stub(status: int):
         srv.server_close()
 
 
-def test_an_endpoint_that_keeps_failing_is_given_up_and_its_samples_go_to_the_other(in_thread):
+# status 0: a server killed while it writes a reply, where urllib raises http.client.IncompleteRead; that escaped the
+# backend and failed the whole shard, which its task's retry then sampled again (one shard's samples answered twice)
+@pytest.mark.parametrize("status, why", [(503, "HTTP 503 stub says 503"),
+                                         (0, "the reply was cut off (IncompleteRead)")], ids=["failing", "cut-off"])
+def test_an_endpoint_that_keeps_failing_is_given_up_and_its_samples_go_to_the_other(in_thread, status, why):
     (server, _), _, tok = in_thread
-    with _stub(503) as (broken, handler):
+    with _stub(status) as (broken, handler):
         backend = _backend([broken, server.url], tok, max_failures=2)
         try:
             out = backend.generate(PROMPTS[:4], 2, SAMPLING, seed=1)
@@ -213,23 +217,7 @@ def test_an_endpoint_that_keeps_failing_is_given_up_and_its_samples_go_to_the_ot
         finally:
             backend.close()
     assert len(out.texts) == 8
-    assert stats[broken] == {"answered": 0, "in_flight": 0, "dead": "HTTP 503 stub says 503"}
-    assert stats[server.url]["answered"] == 8 and handler.hits >= 2
-
-
-def test_a_reply_cut_off_midway_is_a_failure_of_its_endpoint_and_the_sample_goes_to_the_other(in_thread):
-    # a server killed while it writes a reply: urllib raises http.client.IncompleteRead, which escaped the backend
-    # and failed the whole shard, which its task's retry then sampled again (one shard's samples answered twice)
-    (server, _), _, tok = in_thread
-    with _stub(0) as (cut, handler):
-        backend = _backend([cut, server.url], tok, max_failures=2)
-        try:
-            out = backend.generate(PROMPTS[:4], 2, SAMPLING, seed=1)
-            stats = backend.stats()
-        finally:
-            backend.close()
-    assert len(out.texts) == 8
-    assert stats[cut] == {"answered": 0, "in_flight": 0, "dead": "the reply was cut off (IncompleteRead)"}
+    assert stats[broken] == {"answered": 0, "in_flight": 0, "dead": why}
     assert stats[server.url]["answered"] == 8 and handler.hits >= 2
 
 

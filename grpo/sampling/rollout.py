@@ -39,8 +39,7 @@ class Rollout(NamedTuple):
 
 
 def cat_padded(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """[n_i, C_i] tensors stacked into one [sum n_i, max C_i], each padded on the right with `value` (token lists
-    into a padded batch: grpo.training.batches.pad_right)."""
+    """[n_i, C_i] tensors stacked into one [sum n_i, max C_i], each padded on the right with `value`."""
     width = max(t.size(1) for t in tensors)
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
 

@@ -46,8 +46,8 @@ def check_prompts(prompts: pd.DataFrame, per_step: int, who: str) -> None:
         raise ValueError(f"{len(prompts)} prompts cannot fill a step of prompts_per_step={per_step}")
 
 
-def reward_registry(cfg: GRPOConfig, prompts: pd.DataFrame,
-                    reward_functions: Mapping[str, Callable] | None) -> dict[str, Callable]:
+def reward_registry(cfg: GRPOConfig, prompts: pd.DataFrame, reward_functions: Mapping[str, Callable] | None,
+                    who: str) -> dict[str, Callable]:
     """The reward functions by name (the rule rewards, plus any the caller brings: a reward model's scorer, say),
     each of `cfg.rewards` checked now, not after the first rollout: known, its columns present, the code reward's
     sandbox available."""
@@ -57,7 +57,7 @@ def reward_registry(cfg: GRPOConfig, prompts: pd.DataFrame,
         raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(registry)}")
     # the registry's own rewards read columns the rows must have (one the caller brings reads what it likes)
     own = [name for name in cfg.rewards if registry[name] is REWARD_FUNCTIONS.get(name)]
-    check_reward_columns(own, prompts.columns, "the GRPO prompts")
+    check_reward_columns(own, prompts.columns, f"the {who} prompts")
     if registry.get("code") is code_reward and "code" in cfg.rewards:
         settings = cfg.code.model_dump()
         check_sandbox(code_limits(settings))  # refuses here, before any sampling, where it cannot sandbox
@@ -126,8 +126,8 @@ def gemm_plan(acc, cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, model: tor
     """fp32 on a CPU: the faster GEMM library of each of a linear's GEMMs, measured at a micro-batch's tokens."""
     rendered = render_prompts(tokenizer, prompts["prompt"][:16].tolist())
     prompt_tokens = max(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered)
-    return shared_gemm_plan(acc, cfg.fp32_gemm, model, cfg.micro_batch_size * (prompt_tokens + cfg.sampling.max_new_tokens),
-                            output_dir)
+    tokens = cfg.micro_batch_size * (prompt_tokens + cfg.sampling.max_new_tokens)  # a micro-batch's rows
+    return shared_gemm_plan(acc, cfg.fp32_gemm, model, tokens, output_dir)
 
 
 # -- a step's rollout --------------------------------------------------------------------------------------------

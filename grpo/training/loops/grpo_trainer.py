@@ -107,7 +107,7 @@ class GRPOTrainer:
                  distributed: DistributedConfig | None = None, hooks: Sequence[StepHook] = (),
                  coefficients: Callable[[object], torch.Tensor] | None = None):
         check_prompts(prompts, cfg.prompts_per_step, "GRPO")
-        self.reward_functions = reward_registry(cfg, prompts, reward_functions)
+        self.reward_functions = reward_registry(cfg, prompts, reward_functions, "GRPO")
         # process supervision: the step verifier by name, or one the caller brings (a process reward model)
         self.step_verifier = None
         if cfg.supervision == "process":
@@ -195,8 +195,8 @@ class GRPOTrainer:
         then, rather than a run of outcome GRPO under another name.
         """
         chars = token_char_ends(self.tokenizer, rollout.completion_ids, rollout.completion_mask, rollout.texts)
-        steps = score_steps(self.step_verifier, rollout.texts, row_columns(self.columns, self.cells, idx, self.cfg.num_generations), outcome, chars,
-                            name=self.cfg.step_verifier)
+        columns = row_columns(self.columns, self.cells, idx, self.cfg.num_generations)
+        steps = score_steps(self.step_verifier, rollout.texts, columns, outcome, chars, name=self.cfg.step_verifier)
         if first and not any(steps.checked):
             raise ValueError(f"step_verifier {self.cfg.step_verifier!r} found no step in any of the first "
                              f"{len(rollout.texts)} completions (one reads {rollout.texts[0][:200]!r}); choose a "

@@ -94,7 +94,7 @@ class PPOTrainer:
         # copied before the policy is moved or cast: the critic starts from the checkpoint's full-precision weights
         critic = ValueModel.from_policy(model, cfg.seed)
         check_prompts(prompts, cfg.prompts_per_step, "PPO")
-        self.reward_functions = reward_registry(cfg, prompts, reward_functions)
+        self.reward_functions = reward_registry(cfg, prompts, reward_functions, "PPO")
         if cfg.loss_type not in AGGREGATORS:
             raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
         if cfg.optimizer == "adamw_8bit":  # optional extras: say what is missing before any work
@@ -293,7 +293,8 @@ class PPOTrainer:
                         self.on_metrics, self.on_samples)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 # two: a damaged newest one falls back to the one before
-                save_checkpoint(self.acc, ckpt_root, done, keep=2, save_state=lambda f: self.strategy.save_state(Path(f)))
+                save_checkpoint(self.acc, ckpt_root, done, keep=2,
+                                save_state=lambda folder: self.strategy.save_state(Path(folder)))
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
