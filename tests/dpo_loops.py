@@ -48,4 +48,7 @@ def run_all(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from grpo.training.distributed import end_process_group
+
     run_all(Path(sys.argv[1]))
+    end_process_group()
