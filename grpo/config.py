@@ -202,6 +202,9 @@ class SFTConfig(BaseModel):
     # faster of each GEMM (grpo.kernels.gemm); "mkl" or "onednn" forces one
     fp32_gemm: Literal["auto", "mkl", "onednn"] = "auto"
     gradient_checkpointing: bool = False  # trade compute for memory on real models
+    # each micro-batch's rows as one row without padding (grpo.training.packing), the same loss: "auto" where the
+    # model's attention takes packed rows exactly (Qwen2/Llama on SDPA or eager, any model on flash attention)
+    packing: bool | Literal["auto"] = "auto"
     checkpoint_every: int = Field(100, ge=0)  # steps between resumable checkpoints (0 = only at the end)
     keep_checkpoints: int = Field(2, ge=1)  # resumable checkpoints kept on disk (two: a damaged newest falls back)
     log_every: int = Field(10, ge=1)  # steps between metric callbacks
@@ -270,6 +273,11 @@ class GRPOConfig(BaseModel):
     mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
     max_refill_rounds: int = Field(3, ge=0)  # extra sampling rounds per step when dynamic sampling
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
+    # each micro-batch's rows as one row without padding (grpo.training.packing), the same numbers: "auto" where the
+    # model's attention takes packed rows exactly (Qwen2/Llama on SDPA or eager, any model on flash attention)
+    packing: bool | Literal["auto"] = "auto"
+    # packed micro-batches filled with whole rows to this many tokens (prompt + completion); None = micro_batch_size rows
+    max_tokens_per_microbatch: int | None = Field(None, ge=1)
     # recompute each layer in the backward: less memory, one more forward; "auto": on a GPU, off on a CPU
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
@@ -301,6 +309,9 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _process_needs_steps(self) -> "GRPOConfig":
+        if self.max_tokens_per_microbatch is not None and self.packing is False:
+            raise ValueError("max_tokens_per_microbatch fills packed micro-batches; it needs packing: true or auto "
+                             "(or leave it out: micro_batch_size rows a micro-batch)")
         if self.supervision == "process" and "code" in self.rewards:  # before asking for a verifier: none would do
             raise ValueError("supervision 'process' cannot be used with the code reward (rewards names code): its "
                              "step verifiers check reasoning steps, and none checks code; set supervision: outcome, "

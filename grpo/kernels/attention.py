@@ -138,14 +138,16 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     a block-diagonal mask over the whole row, and a completion reads its group's prompt where it shares one.
 
     query [1, Hq, T, D], key/value [1, Hkv, T, D]; the sequences come from `packed_segments` (passed through the
-    model's forward), else from `position_ids`. With a padding mask (an ordinary padded batch) it is
-    `grouped_attention`. Returns [1, T, Hq, D].
+    model's forward), else from `position_ids`. Any other call is `grouped_attention`: with its padding mask, or
+    causal (rows without padding, a cached step), so a model may keep this attention for every pass of a loop.
+    Returns [B, L, Hq, D].
     """
     if attention_mask is not None:
         return grouped_attention(module, query, key, value, attention_mask, dropout, scaling)
-    if query.size(2) != key.size(2) or query.size(0) != 1:
-        raise ValueError(f"{PACKED} attends within one packed row [1, T] without a cache; got query "
-                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+    L, S = query.size(2), key.size(2)
+    if L != S or (query.size(0) != 1 and packed_segments is None):  # unpadded rows, or a cached step: causal
+        causal = PackedSegments([]).mask(S - L, L, query.dtype, query.device)  # [1, 1, L, S] the last L see back
+        return grouped_attention(module, query, key, value, causal, dropout, scaling)
     if packed_segments is None:
         positions = kwargs.get("position_ids")
         if positions is None:
@@ -188,12 +190,14 @@ def packed_attention_supported(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def attending_packed(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, `model` attends with `packed_attention` (check `packed_attention_supported` first)."""
-    impl = model.config._attn_implementation
-    if impl == PACKED:
+def attending_packed(model: torch.nn.Module | None, on: bool = True) -> Iterator[None]:
+    """Within the block, `model` attends with `packed_attention` where it is `on` and supported (a loop holds it for
+    its whole run: a checkpointed layer recomputed in the backward must find the attention its forward had)."""
+    if model is None or not on or not packed_attention_supported(model) or \
+            model.config._attn_implementation == PACKED:
         yield
         return
+    impl = model.config._attn_implementation
     model.set_attn_implementation(PACKED)
     try:
         yield

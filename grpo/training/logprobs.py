@@ -20,11 +20,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers import DynamicCache, PreTrainedModel
 
+from grpo.kernels.attention import PACKED, packed_attention_supported
 from grpo.kernels.gemm import is_planned
 from grpo.kernels.logprobs import logps_from_logits, selective_logps
 from grpo.models import cached, is_checkpointing
 from grpo.sampling.backend import distinct_rows
 from grpo.training.lora import causal_lm
+from grpo.training.packing import pack_completions
 
 # Full float32 logits up to this size are made as they are: the plain path then costs at most a few times this in
 # memory, and keeps today's numbers bit for bit for small vocabularies (the tiny recipe, 2 MiB for the CPU bench's
@@ -38,25 +40,33 @@ _PLAIN_HEAD_MODELS = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"
 
 
 def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                temperature: float, with_entropy: bool = False, *, plain_max_bytes: int | None = None,
-                chunk_tokens: int | None = None, _inside: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                temperature: float, with_entropy: bool = False, *, packed: bool = False,
+                plain_max_bytes: int | None = None, chunk_tokens: int | None = None,
+                _inside: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last `n_completion` tokens of each row under `model` (and their entropy if asked).
 
-    Returns logps [N, C] float32 and entropy [N, C] (no gradient) or None. `plain_max_bytes` (default
-    `PLAIN_LOGITS_MAX_BYTES`) and `chunk_tokens` choose the path and the chunk size; the defaults suit training.
+    Returns logps [N, C] float32 and entropy [N, C] (no gradient) or None. `packed`: the rows go through the model
+    as one row without padding (`grpo.training.packing`); the real tokens' numbers are the padded path's to float
+    rounding, and the padding positions hold 0 (the padded path leaves whatever the model gave there; both are
+    masked out of every loss). `plain_max_bytes` (default `PLAIN_LOGITS_MAX_BYTES`) and `chunk_tokens` choose the
+    head's path and the chunk size; the defaults suit training.
     """
     if plain_max_bytes is None:
         plain_max_bytes = PLAIN_LOGITS_MAX_BYTES
 
     def inside(module: torch.nn.Module):
         return lambda ids, mask: token_logps(module, ids, mask, n_completion, temperature, with_entropy,
-                                             plain_max_bytes=plain_max_bytes, chunk_tokens=chunk_tokens, _inside=True)
+                                             packed=packed, plain_max_bytes=plain_max_bytes,
+                                             chunk_tokens=chunk_tokens, _inside=True)
 
     if not _inside and isinstance(model, DistributedDataParallel) and not _hooked(model.module):
         return _inside_forward(model, model.module, inside(model.module), input_ids, attention_mask)
     if not _inside and isinstance(model, FSDPModule):  # the sharded root: its hooks gather its own weights
         return _inside_forward(model, model, inside(model), input_ids, attention_mask)
     model = causal_lm(model)  # a LoRA model's inner transformers model: its forward computes the same
+    if packed:
+        return _packed_logps(model, input_ids, attention_mask, n_completion, temperature, with_entropy,
+                             plain_max_bytes, chunk_tokens, root_hooks_ran=_inside)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L] left padding is skipped
     targets = input_ids[:, -n_completion:]  # [N, C]
     head = selective_head(model, root_hooks_ran=_inside)
@@ -67,6 +77,53 @@ def token_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask:
                                  hidden_states=True)  # [N, C, H]
     return selective_logps(hidden, head.weight, head.bias, targets, temperature, chunk_tokens=chunk_tokens,
                            with_entropy=with_entropy)
+
+
+def packing_on(setting: bool | str, model: torch.nn.Module) -> bool:
+    """Whether a loop packs its rows: `auto` where packed rows are exact and cheap: Qwen2/Llama on SDPA or eager
+    attention on CPU (`packed_attention`, which the loop holds with `attending_packed`), any model on flash
+    attention (varlen sequences from its position ids); true elsewhere too (`packed_attention` where supported,
+    else transformers' own packed-sequence mask from the position ids)."""
+    if setting != "auto":
+        return bool(setting)
+    model = causal_lm(model)
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())  # a GPU without flash: SDPA's padded kernels
+    return (packed_attention_supported(model) and on_cpu) or "flash" in impl
+
+
+def _packed_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                  temperature: float, with_entropy: bool, plain_max_bytes: int, chunk_tokens: int | None,
+                  root_hooks_ran: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logps` on the rows packed into one row [1, T]: only real tokens go through the model and the head.
+
+    With `packed_attention` (Qwen2/Llama on SDPA or eager attention, any device) a group's prompt is packed once and
+    its completions read it, as the padded path shares it; a model on flash attention gets one sequence a row and
+    its position ids (transformers cuts the varlen sequences from them); any other model gets transformers' own
+    packed-sequence mask from the position ids (no padding mask).
+    """
+    N, C = input_ids.size(0), n_completion
+    own_kernel = model.config._attn_implementation == PACKED  # the loop holds it (`attending_packed`)
+    rows = pack_completions(input_ids, attention_mask, C, share_prompts=own_kernel and _can_share_prompts(model,
+                                                                                                          packed=True))
+    targets = input_ids[:, -C:][rows.valid]  # [M] the real completion tokens, row-major
+    head = selective_head(model, root_hooks_ran=root_hooks_ran)
+    # no cache: transformers reads packed sequences from the position ids only without one
+    inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids, "use_cache": False}
+    if own_kernel:
+        inputs["packed_segments"] = rows.segments
+    if head is None or targets.numel() * head.out_features * 4 <= plain_max_bytes:
+        # the model's own logits, at the predicting positions only (transformers' 1-D logits_to_keep)
+        logits = model(**inputs, logits_to_keep=rows.predictors).logits  # [1, M, V]
+        logps, entropy = logps_from_logits(logits, targets[None], temperature, with_entropy)  # [1, M]
+    else:
+        hidden = model.base_model(**inputs).last_hidden_state[0, rows.predictors]  # [M, H]
+        logps, entropy = selective_logps(hidden[None], head.weight, head.bias, targets[None], temperature,
+                                         chunk_tokens=chunk_tokens, with_entropy=with_entropy)  # [1, M]
+    out = logps.new_zeros(N, C).masked_scatter(rows.valid, logps[0])  # [N, C] 0 on padding
+    if entropy is not None:
+        entropy = entropy.new_zeros(N, C).masked_scatter(rows.valid, entropy[0])  # [N, C]
+    return out, entropy
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -174,16 +231,18 @@ def _completion_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
     return torch.cat([head[inverse], tail], 1)  # [N, C, V|H]
 
 
-def _can_share_prompts(model: torch.nn.Module) -> bool:
-    """Whether two forward passes over a shared cache give what one plain pass would.
+def _can_share_prompts(model: torch.nn.Module, packed: bool = False) -> bool:
+    """Whether two forward passes over a shared cache give what one plain pass would (`packed`: whether a packed
+    row may hold a group's prompt once).
 
     Not for wrapped models (DDP and friends expect one forward per backward; under DDP `token_logps` runs the
     inner model's two passes within one DDP forward), nor under gradient checkpointing
-    (which turns the cache off), nor with active dropout (rows of a group would share the prompt's noise).
+    (which turns the cache off; a packed row is one pass, which checkpointing leaves alone), nor with active
+    dropout (rows of a group would share the prompt's noise).
     """
     if not isinstance(model, PreTrainedModel):
         return False
-    if is_checkpointing(model):
+    if is_checkpointing(model) and not packed:
         return False
     if model.training:
         cfg = model.config

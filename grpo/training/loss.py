@@ -105,6 +105,27 @@ def batch_share(loss_type: str, part_mask: Tensor, whole_mask: Tensor) -> float:
     return BATCH_SHARES[loss_type](part_mask, whole_mask)
 
 
+# Part shares map (some rows' mask [b', T], their micro-batch's mask [b, T]) -> the weight of those rows' loss in the
+# micro-batch's: exact, as each aggregator is a mean over rows (grpo; dr_grpo, whose divisor is rows x the batch's
+# width) or over tokens (bnpo, dapo). Packed micro-batches filled to a token budget hold other rows than the
+# `micro_batch_size` ones; their loss is read part by part in those, so that bnpo keeps its value too.
+PART_SHARES: dict[str, Callable[[Tensor, Tensor], float]] = {
+    "grpo": _row_share,
+    "bnpo": _token_share,
+    "dapo": _token_share,
+    "dr_grpo": _row_share,
+}
+
+
+def part_share(loss_type: str, part_mask: Tensor, micro_mask: Tensor) -> float:
+    """The weight of some rows' `grpo_loss` (mask `part_mask`) in the loss of their micro-batch (`micro_mask`).
+
+    >>> part_share("bnpo", torch.tensor([[1., 1., 0.]]), torch.tensor([[1., 1., 0.], [1., 1., 0.]]))  # 2 of 4 tokens
+    0.5
+    """
+    return PART_SHARES[loss_type](part_mask, micro_mask)
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
     """Token mean of ``x`` [B, T] over ``mask`` as a python float (0.0 if no tokens)."""
     return ((x * mask).sum() / mask.sum().clamp(min=1)).item()

@@ -24,6 +24,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from grpo.kernels.attention import PackedSegments, Segment
+from grpo.training.batches import micro_batches
 
 
 class PackedRows(NamedTuple):
@@ -105,6 +106,33 @@ def pack_completions(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_co
     valid = attention_mask[:, P:].bool()  # [N, C] real completion tokens, a prefix of each row
     return PackedRows(torch.cat(pieces)[None].to(device), torch.cat(positions)[None].to(device),
                       PackedSegments(segments), torch.cat(predictors).to(device), valid)
+
+
+def pack_examples(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> dict:
+    """SFT's rows (token ids and labels, -100 where no loss) as one row [1, T]: the model's inputs.
+
+    Each sequence's first label is -100, so the shifted loss never predicts one sequence's first token from the
+    last of the one before it; the loss then counts the padded batch's tokens, and its token mean is theirs.
+    """
+    ids = [torch.tensor(list(x), dtype=torch.long) for x in input_ids]
+    segments, start = [], 0
+    for x in ids:
+        segments.append(Segment(start, start + x.numel()))
+        start += x.numel()
+    packed_labels = [torch.tensor([-100] + list(y[1:]), dtype=torch.long) for y in labels]
+    return {"input_ids": torch.cat(ids)[None],  # [1, T]
+            "position_ids": torch.cat([torch.arange(x.numel()) for x in ids])[None],  # [1, T]
+            "labels": torch.cat(packed_labels)[None],  # [1, T]
+            "packed_segments": PackedSegments(segments), "use_cache": False}
+
+
+def micro_batch_rows(attention_mask: torch.Tensor, micro_batch_size: int,
+                     max_tokens: int | None) -> list[slice] | list[list[int]]:
+    """A batch's micro-batches: `micro_batch_size` rows each (slices) without a token budget, else whole rows in
+    order up to `max_tokens` real tokens each (`pack_in_order`)."""
+    if max_tokens is None:
+        return micro_batches(attention_mask.size(0), micro_batch_size)
+    return pack_in_order(row_tokens(attention_mask), max_tokens)
 
 
 def row_tokens(attention_mask: torch.Tensor) -> list[int]:

@@ -27,11 +27,11 @@ from grpo.rewards.sandbox import check_sandbox
 from grpo.sampling.backend import render_prompts
 from grpo.sampling.engines import Engine, Rollout, require_tokens
 from grpo.training.accelerator import shared_gemm_plan
-from grpo.training.batches import micro_batches
 from grpo.training.distributed import gather_table, main_only, matched_chunks, reduce_metrics
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import add_lora, save_merged
 from grpo.training.optimizers import cast_parameters, make_optimizer
+from grpo.training.packing import micro_batch_rows
 from grpo.training.schedules import make_scheduler
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -157,16 +157,33 @@ def score_rollout(rollout: Rollout, columns: dict[str, list], cfg: GRPOConfig, r
 
 
 def scored_logps(acc, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int, micro_batch_size: int,
-                 temperature: float) -> torch.Tensor:
-    """Log-probs [N, C] of the completions under `model`, without gradients, in micro-batches. As many passes on
-    every process (`matched_chunks`): a sharded model's forward is a collective."""
+                 temperature: float, *, packed: bool = False, max_tokens: int | None = None) -> torch.Tensor:
+    """Log-probs [N, C] of the completions under `model`, without gradients, in micro-batches (`micro_batch_rows`;
+    `packed`: each one row without padding). As many passes on every process (`matched_chunks`): a sharded model's
+    forward is a collective."""
     parts = []
     with torch.no_grad(), acc.autocast():
-        for s, counts in matched_chunks(acc, micro_batches(input_ids.size(0), micro_batch_size)):
-            logps = token_logps(model, input_ids[s], attention_mask[s], C, temperature)[0]
+        for s, counts in matched_chunks(acc, micro_batch_rows(attention_mask, micro_batch_size, max_tokens)):
+            logps = token_logps(model, input_ids[s], attention_mask[s], C, temperature, packed=packed)[0]
             if counts:
                 parts.append(logps)
-    return torch.cat(parts)
+    return torch.cat(parts)  # [N, C] the micro-batches are runs of rows in order
+
+
+def check_token_budget(cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, who: str) -> None:
+    """A token budget must hold the longest row a step can make (its prompt and a whole completion): else an error
+    naming the prompt, before any sampling."""
+    budget = cfg.max_tokens_per_microbatch
+    if budget is None:
+        return
+    rendered = render_prompts(tokenizer, prompts["prompt"].tolist())
+    lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + cfg.sampling.max_new_tokens > budget:
+        raise ValueError(f"{who}: max_tokens_per_microbatch={budget} cannot hold prompt row {longest} "
+                         f"({lengths[longest]} tokens) with a whole completion (sampling.max_new_tokens="
+                         f"{cfg.sampling.max_new_tokens}); raise it to at least "
+                         f"{lengths[longest] + cfg.sampling.max_new_tokens}")
 
 
 # -- what a step reports -----------------------------------------------------------------------------------------

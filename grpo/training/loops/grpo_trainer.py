@@ -31,7 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.checks import check_fsdp_settings
 from grpo.config import GenerationConfig, GRPOConfig
 from grpo.distributed_config import DistributedConfig
-from grpo.kernels.attention import cpu_attention
+from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
@@ -39,16 +39,17 @@ from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.training.accelerator import make_accelerator
 from grpo.training.advantages import group_advantages
-from grpo.training.batches import micro_batches, prompt_order
+from grpo.training.batches import prompt_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (check_split, gather_table, matched_chunks, process_share, process_weight,
                                        sampling_seed)
 from grpo.training.dynamic import concat_groups, spread_groups
-from grpo.training.logprobs import token_logps
+from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
-from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss
+from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss, part_share
 from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
-from grpo.training.policy import (check_prompts, checkpointing_on, frozen_reference, gemm_plan, prepared, report_step,
+from grpo.training.packing import micro_batch_rows, reference_parts
+from grpo.training.policy import (check_prompts, check_token_budget, checkpointing_on, frozen_reference, gemm_plan, prepared, report_step,
                                   reward_registry, rollout_metrics, row_columns, sample_rollout, samples_table,
                                   save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
@@ -107,6 +108,7 @@ class GRPOTrainer:
                  distributed: DistributedConfig | None = None, hooks: Sequence[StepHook] = (),
                  coefficients: Callable[[object], torch.Tensor] | None = None):
         check_prompts(prompts, cfg.prompts_per_step, "GRPO")
+        check_token_budget(cfg, tokenizer, prompts, "GRPO")  # the longest row a step can make fits the budget
         self.reward_functions = reward_registry(cfg, prompts, reward_functions, "GRPO")
         # process supervision: the step verifier by name, or one the caller brings (a process reward model)
         self.step_verifier = None
@@ -137,6 +139,8 @@ class GRPOTrainer:
         self.ref_model = frozen_reference(model, cfg, self.acc)  # None with beta = 0, or with LoRA (adapters off)
         self.checkpointing = checkpointing_on(cfg, self.acc)
         self.model, self.optimizer, self.scheduler = prepared(self.strategy, model, optimizer, cfg)
+        # micro-batches as rows without padding (policy, pi_old and reference passes alike), where it is exact
+        self.packed = packing_on(cfg.packing, self.acc.unwrap_model(self.model))
         # the stage's engine (grpo.sampling.engines) on the policy's whole weights (the policy itself, or under fsdp
         # a copy gathered after every step), sampling in the loop's precision
         dtype = sampling_dtype(self.acc.mixed_precision)
@@ -239,7 +243,8 @@ class GRPOTrainer:
 
     def _scored(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
         return scored_logps(self.acc, model, input_ids, attention_mask, C, self.cfg.micro_batch_size,
-                            self.cfg.sampling.temperature)  # [N, C]
+                            self.cfg.sampling.temperature, packed=self.packed,
+                            max_tokens=self.cfg.max_tokens_per_microbatch)  # [N, C]
 
     def sync_sampler(self) -> None:
         """Make the next rollout sample the policy's current weights: gather them into the sampler's copy where
@@ -249,37 +254,52 @@ class GRPOTrainer:
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""
-        cfg, N = self.cfg, batch.input_ids.size(0)
-        C = batch.completion_mask.size(1)
+        cfg, C = self.cfg, batch.completion_mask.size(1)
         sums: dict[str, float] = {}
         self.model.train()
         # this process's loss as a share of the global batch's (1.0 in one process); DDP averages the gradients
         weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
-        chunks = matched_chunks(self.acc, micro_batches(N, cfg.micro_batch_size))
-        for i, (s, counts) in enumerate(chunks):
+        chunks = matched_chunks(self.acc, micro_batch_rows(batch.attention_mask, cfg.micro_batch_size,
+                                                           cfg.max_tokens_per_microbatch))
+        for i, (rows, counts) in enumerate(chunks):
             with self.strategy.no_sync(self.model, last=i == len(chunks) - 1):
                 with self.acc.autocast():
-                    logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
-                                                 cfg.sampling.temperature, with_entropy=True)
-                loss, stats = grpo_loss(logps, None if batch.old_logps is None else batch.old_logps[s],
-                                        None if batch.ref_logps is None else batch.ref_logps[s],
-                                        batch.advantages[s], batch.completion_mask[s], epsilon=cfg.epsilon,
-                                        epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                        importance_sampling_level=cfg.importance_sampling_level,
-                                        sampler_logps=None if batch.sampler_logps is None else batch.sampler_logps[s],
-                                        tis_cap=cfg.tis_cap)
-                share = (batch_share(cfg.loss_type, batch.completion_mask[s], batch.completion_mask) * weight
-                         * float(counts))
-                self.acc.backward(loss * share)
-                mask = batch.completion_mask[s]
-                stats["train/loss"] = loss.item()
-                stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-                for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
-                    sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
+                    logps, entropy = token_logps(self.model, batch.input_ids[rows], batch.attention_mask[rows], C,
+                                                 cfg.sampling.temperature, with_entropy=True, packed=self.packed)
+                total = 0.0
+                for local, share in self._loss_parts(batch, rows, weight * float(counts)):
+                    part = rows if local is None else [rows[j] for j in local]  # the batch's rows of this part
+                    lp, ent = (logps, entropy) if local is None else (logps[local], entropy[local])  # [b, C]
+                    loss, stats = grpo_loss(lp, None if batch.old_logps is None else batch.old_logps[part],
+                                            None if batch.ref_logps is None else batch.ref_logps[part],
+                                            batch.advantages[part], batch.completion_mask[part], epsilon=cfg.epsilon,
+                                            epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                                            importance_sampling_level=cfg.importance_sampling_level,
+                                            sampler_logps=None if batch.sampler_logps is None
+                                            else batch.sampler_logps[part], tis_cap=cfg.tis_cap)
+                    total = total + loss * share
+                    mask = batch.completion_mask[part]
+                    stats["train/loss"] = loss.item()
+                    stats["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
+                    for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
+                        sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
+                self.acc.backward(total)
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
         self.sync_sampler()  # the next rollout samples the stepped weights
         sums["grad_norm"] = float(grad_norm)
         return sums
+
+    def _loss_parts(self, batch: Batch, rows: slice | list[int], weight: float) -> list[tuple[list[int] | None, float]]:
+        """A micro-batch's loss in parts, each (its positions among `rows`, or None for all; its weight in the step's
+        loss). A micro-batch of `micro_batch_size` rows is one part weighted as always (`batch_share`); a packed one
+        filled to a token budget is read in the row-count micro-batches its rows come from, so that every
+        loss_type (bnpo's token mean per micro-batch too) keeps the value it has without a budget."""
+        cfg, mask = self.cfg, batch.completion_mask  # [N, C]
+        if isinstance(rows, slice):
+            return [(None, batch_share(cfg.loss_type, mask[rows], mask) * weight)]
+        return [(local, batch_share(cfg.loss_type, mask[ref], mask)
+                 * part_share(cfg.loss_type, mask[[rows[j] for j in local]], mask[ref]) * weight)
+                for local, ref in reference_parts(rows, cfg.micro_batch_size)]
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -292,7 +312,8 @@ class GRPOTrainer:
         policy = self.acc.unwrap_model(self.model)
         core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
         with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
-              fp32_gemm(self.ref_model, self.gemm), activation_checkpointing(core, self.checkpointing)):
+              fp32_gemm(self.ref_model, self.gemm), attending_packed(core, self.packed),
+              attending_packed(self.ref_model, self.packed), activation_checkpointing(core, self.checkpointing)):
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,

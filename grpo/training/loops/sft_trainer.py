@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import SFTConfig
 from grpo.data.tables import DataError
 from grpo.distributed_config import DistributedConfig
-from grpo.kernels.attention import cpu_attention
+from grpo.kernels.attention import PACKED, attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
@@ -35,7 +35,9 @@ from grpo.training.accelerator import make_accelerator, shared_gemm_plan
 from grpo.training.batches import batch_indices
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, main_only, process_share, reduce_sum
+from grpo.training.logprobs import packing_on
 from grpo.training.optimizers import make_adamw, optimizer_step
+from grpo.training.packing import pack_examples
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 
@@ -117,21 +119,27 @@ def train_sft(
     gemm = shared_gemm_plan(acc, cfg.fp32_gemm, acc.unwrap_model(model),
                             max(1, round(row_tokens * cfg.batch_size / acc.num_processes)), output_dir)
 
+    unwrapped = acc.unwrap_model(model)
+    # each micro-batch as one row without padding, where the model's attention takes it exactly
+    packed = packing_on(cfg.packing, unwrapped)
     model.train()
     window: list[float] = []
     last_loss = math.nan
     bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", disable=not progress or not acc.is_main_process,
                mininterval=2.0)
     # faster attention on CPU and one tensor less per MLP kept for the backward; the same numbers
-    unwrapped = acc.unwrap_model(model)
     with (cpu_attention(unwrapped), compact_mlp(unwrapped), fp32_gemm(unwrapped, gemm),
-          activation_checkpointing(unwrapped, cfg.gradient_checkpointing)):
+          attending_packed(unwrapped, packed), activation_checkpointing(unwrapped, cfg.gradient_checkpointing)):
         for step in range(start, cfg.max_steps):
             for micro in range(cfg.grad_accum_steps):
                 idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
                 mine = process_share(acc, idx)  # all of idx in one process
-                collated = collate([examples[i] for i in mine], tokenizer.pad_token_id)
-                batch = {k: v.to(acc.device) for k, v in collated.items()}
+                rows = [examples[i] for i in mine]
+                collated = (pack_examples([e.input_ids for e in rows], [e.labels for e in rows]) if packed
+                            else collate(rows, tokenizer.pad_token_id))
+                if packed and unwrapped.config._attn_implementation != PACKED:  # sequences from the position ids
+                    collated.pop("packed_segments")
+                batch = {k: v.to(acc.device) if torch.is_tensor(v) else v for k, v in collated.items()}
                 # this process's share of the batch's response tokens: 1.0 in one process
                 share = sum(label_tokens[i] for i in mine) / sum(label_tokens[i] for i in idx)
                 with strategy.accumulate(model):
