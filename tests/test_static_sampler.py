@@ -6,94 +6,13 @@ import math
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling import static_sampler
-from grpo.sampling.static_sampler import StaticSampler, choose_tokens, prompt_bucket, unsupported_reason
-
-V, PAD, EOS = 96, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 12 end ids in 96: rows end after ~8 tokens
-KINDS = ["qwen2", "llama", "qwen3", "mistral"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # fixed reduction order: the comparisons below are at 1e-5 of the values compared or token for token
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def fp32_gap(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest difference relative to the largest value: fp32 rounding scales with the values, and another GEMM
-    blocking (another CPU kind) rounds apart by a few 1e-6 of them (1.03e-5 absolute on logits of ~4 on a Zen 4)."""
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def make_model(kind: str = "qwen2", vocab: int = V, seed: int = 0, head_scale: float = 20.0):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=PAD, tie_word_embeddings=False)
-    model = {"qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common)),
-             "llama": lambda: LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True)),
-             "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)),
-             "mistral": lambda: MistralForCausalLM(MistralConfig(**common, sliding_window=None))}[kind]()
-    with torch.no_grad():
-        for p in model.parameters():  # biases and norm weights start at 0 and 1: make them matter
-            p.add_(torch.randn_like(p) * 0.05)
-        model.lm_head.weight.mul_(head_scale)  # peakier next-token distributions than a random init's near-uniform
-    return model.float().eval()
-
-
-def left_padded(lengths: list[int], seed: int = 1, repeat: int = 1, vocab: int = V) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts of the given lengths, left-padded; each repeated `repeat` times (a group shares a prompt)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n :] = torch.randint(len(EOS) + 1, vocab, (n,), generator=g)
-        mask[i, width - n :] = 1
-    return ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0)  # [B, P] each
-
-
-def forward_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The model's own logits at every position of left-padded sequences: [B, T, V]."""
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-
-
-def reference_loop(model, ids, mask, s: SamplingConfig, uniforms: torch.Tensor):
-    """Naive sampling: a full forward over the whole sequence for every token, the same choice rule and uniforms."""
-    B = ids.size(0)
-    done = torch.zeros(B, dtype=torch.bool)
-    toks, lps, alive = [], [], []
-    for k in range(s.max_new_tokens):
-        full_ids = torch.cat([ids, *[t[:, None] for t in toks]], 1)
-        full_mask = torch.cat([mask, *[a[:, None].long() for a in alive]], 1)
-        logits = forward_logits(model, full_ids, full_mask)[:, -1]  # [B, V]
-        tok, lp = choose_tokens(logits, uniforms[:, k], s)
-        alive.append(~done)
-        toks.append(tok.masked_fill(done, PAD))
-        lps.append(lp.masked_fill(done, 0.0))
-        done = done | torch.isin(tok, torch.tensor(EOS))
-        if done.all():
-            break
-    return torch.stack(toks, 1), torch.stack(alive, 1).long(), torch.stack(lps, 1), ~done
-
-
-def recorded_logits(monkeypatch) -> list:
-    """The logits [B, V] of each of the sampler's choices (the prefill's, then each step's), in float32, in order."""
-    seen = []
-    choose = static_sampler.choose_tokens
-    monkeypatch.setattr(static_sampler, "choose_tokens", lambda logits, *a: seen.append(logits.float().clone()) or
-                        choose(logits, *a))
-    return seen
-
+from grpo.sampling.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
+from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model,  # noqa: F401
+                           one_thread, recorded_logits, reference_loop)
 
 @pytest.mark.parametrize("full_cache", [True, False])
 @pytest.mark.parametrize("kind", KINDS)

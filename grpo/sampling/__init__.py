@@ -5,7 +5,9 @@
 | `engines` | the one place that picks a stage's engine (`build_engine`) from its `generation` section |
 | `rollout` | what every engine returns (`Rollout`, token ids where it has them, text always) and offers (`Engine`) |
 | `backend` | the local engine (`TransformersBackend`): the model in this process, static sampler or decode loop |
-| `static_sampler` | the sampler for Llama-family decoders: static KV cache, in-step sampling, CUDA graphs on a GPU |
+| `static_sampler` | the sampler for Llama-family decoders: rows streamed through slots of a static KV cache, in-step sampling, CUDA graphs on a GPU |
+| `slots` | continuous batching (`SlotBatch`): which row each slot holds, the waiting rows, refills, rows handed back as they end |
+| `decode_step` | the decode step itself: the slots' state, each slot at its own position, captured per slot-count bucket |
 | `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (its fused, packed linears serve the static sampler) |
 | `http_backend` | the http engine (`HTTPGenerationBackend`): `/v1/completions` servers, spread over, failed over |
 | `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |

@@ -185,6 +185,10 @@ class TransformersBackend:
         if self.sampler is not None:
             self.sampler.sync_weights(self.model)
 
+    def _streams(self, total_len: int) -> bool:
+        """Whether rows go through the static sampler's slots (else the decode loop, a batch at a time)."""
+        return self.sampler is not None and self.sampler.unsupported_reason(total_len) is None
+
     def generate(self, prompts: list, n: int, sampling: SamplingConfig, *, logprobs: bool = False) -> Rollout:
         """`n` completions of each prompt; with `logprobs`, each sampled token's log-prob under the sampler."""
         return self.generate_from_text(render_prompts(self.tokenizer, prompts), n, sampling, logprobs=logprobs)
@@ -208,9 +212,16 @@ class TransformersBackend:
         self.model.eval()
         parts = []
         try:
-            for i in range(0, prompt_ids.size(0), sampling.batch_size):
-                sl = slice(i, i + sampling.batch_size)
-                parts.append(self.sample_ids(prompt_ids[sl], prompt_mask[sl], sampling, logprobs=logprobs))
+            if self._streams(prompt_ids.size(1) + sampling.max_new_tokens):
+                # continuous batching: every row streams through batch_size slots, a slot taking the next row as
+                # soon as its own ends, instead of each batch decoding until its longest row ends
+                parts.append(tuple(self.sampler.sample(prompt_ids, prompt_mask, sampling, self.eos_ids,
+                                                       tok.pad_token_id, return_logprobs=logprobs,
+                                                       slots=sampling.batch_size)))
+            else:
+                for i in range(0, prompt_ids.size(0), sampling.batch_size):
+                    sl = slice(i, i + sampling.batch_size)
+                    parts.append(self.sample_ids(prompt_ids[sl], prompt_mask[sl], sampling, logprobs=logprobs))
         finally:
             self.model.train(was_training)
         completion_ids = cat_padded([p[0] for p in parts], tok.pad_token_id)  # [N, C]

@@ -1,52 +1,58 @@
 """The static-cache sampler: every decode step the same shapes, its state on the device, so a GPU can replay it.
 
 For Llama-family decoders (Qwen2, Qwen3, Llama, Mistral: RMSNorm, rotary, grouped-query attention, SwiGLU MLP).
-One call samples a batch of left-padded prompts:
+One call samples a set of left-padded prompt rows by continuous batching:
 
-- the prompts are left-padded further to a length bucket (`prompt_bucket`: a multiple of 32 up to 256, of 128
-  beyond), so a handful of shapes cover every batch and a captured step is reused from call to call (where steps
-  are captured; eager steps gain nothing from a bucket and skip it);
-- the distinct prompts are prefilled once by the model's own forward (the G samples of a prompt share its prefill)
-  and their keys and values copied into a KV cache allocated once for prompt + `max_new_tokens`, one
-  [B, kv_heads, T, head_dim] tensor per layer and for keys and values;
-- each decode step reads the weights straight from the model (`cpu_decoder`'s fused and packed linears), writes
-  its K/V at a slot given by a device counter, attends over the whole cache under a validity mask (left padding
-  and not-yet-written slots masked), then samples inside the step: temperature, top-k and top-p, and the
-  inverse CDF at a uniform read from a table drawn up front (tests inject it), so the random state, the step
-  counter and the done flags all live on the device;
-- the host asks "has every row ended?" only every `check_every` steps on CUDA (each ask is a sync); on CPU asking
-  costs nothing, so it asks every step and also attends over the written part of the cache only;
-- on CUDA the step is captured once per shape as a `torch.cuda.CUDAGraph` and replayed; captures are kept for the
-  next calls, and their weights are refreshed in place by `sync_weights`.
+- the rows stream through a fixed number of slots (`slots`: the stage's `sampling.batch_size`, fewer where the KV
+  cache budget holds fewer): a slot whose row ends takes the next waiting row before the next step, so no decode
+  step is spent on a row that has ended (`grpo.sampling.slots.SlotBatch`); once no row waits, the live slots move
+  to the front and steps compute them alone;
+- the prompts are left-padded to a length bucket (`prompt_bucket`: a multiple of 32 up to 256, of 128 beyond)
+  where steps are captured, so a handful of shapes cover every call and a capture is reused from call to call
+  (eager steps gain nothing from a bucket and skip it);
+- each distinct prompt is prefilled once by the model's own forward (the G samples of a prompt share it), in
+  chunks as its rows come up, and its keys and values copied into the slot each row takes;
+- each decode step (`grpo.sampling.decode_step`) reads the weights straight from the model, each slot at its own
+  position, and samples inside the step from a table of uniforms drawn up front, one row of them per sample (tests
+  inject it): a row's tokens depend on its prompt and its uniforms, not on its slot or its neighbours, so rows come
+  out the same however many slots decode them;
+- the host looks at the slots every step on CPU (it costs nothing there) and every `check_every` steps on CUDA (a
+  look is a sync); on CUDA the step is captured as a `torch.cuda.CUDAGraph` per slot-count bucket and replayed;
+  captures are kept for the next calls, and their weights are refreshed in place by `sync_weights`.
+
+`sample` returns the rows in their order; `stream` hands out each group of G rows as its last row ends, for a
+consumer that scores while the rest decode. `counts` says how many slot-steps the decode steps computed.
 
 It samples in the model's own dtype or from a copy in another (bf16 where the recipe trains under bf16 autocast),
 refreshed by `sync_weights(model)`, which the engine's `sync_weights` calls (a trainer: after each optimizer step).
 A peft LoRA model samples the same way: the step reads its base weights and adds each adapter's (x A^T) B^T, the
 adapters of a fused projection in one pair of small matmuls (`cpu_decoder._Linear`), so LoRA costs no merged copy of
-the weights and stays on the captured path. A KV cache over `memory_budget` bytes is split: rows are sampled in
-parts that fit. A model it does not compute exactly (DoRA, quantized projections, hooks) gets `unsupported_reason`
-(a sentence) and the caller decodes another way. Must not depend on Prefect or MLflow.
+the weights and stays on the captured path. A model it does not compute exactly (DoRA, quantized projections,
+hooks) gets `unsupported_reason` (a sentence) and the caller decodes another way. Must not depend on Prefect or
+MLflow.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from grpo.config import SamplingConfig
-from grpo.models import cached
-from grpo.sampling.cpu_decoder import (_COPY_MAX_BYTES, _STATIC_ROPE, _lean_layer, _LeanLayer, _Linear, _rms_norm,
-                                       lora_reason)
+from grpo.sampling.cpu_decoder import _STATIC_ROPE, lora_reason
+from grpo.sampling.decode_step import (CDF_BLOCK, F, _Capture, _read_weights, _State, _step, _Weights,
+                                       _weight_tensors, choose_tokens, decoder, distinct_rows, inverse_cdf)
+from grpo.sampling.slots import SlotBatch
 
-F = torch.nn.functional
+__all__ = ["CDF_BLOCK", "Group", "Sampled", "SlotBatch", "StaticSampler", "choose_tokens", "decoder", "distinct_rows",
+           "inverse_cdf", "prompt_bucket", "unsupported_reason"]
 
 _ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}
 _MAX_CAPTURES = 8  # shapes kept captured at once; each holds its KV cache, so a few, not one per batch ever seen
-# entries per block of `inverse_cdf`: ~150 blocks and one block's cumsum for Qwen's 151,936, not a cumsum of them all
-CDF_BLOCK = 1024
 
 
 def prompt_bucket(length: int) -> int:
@@ -57,12 +63,6 @@ def prompt_bucket(length: int) -> int:
     """
     step = 32 if length <= 256 else 128
     return max(step, -(-length // step) * step)
-
-
-def decoder(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers model the step reads: inside a peft LoRA model, its base model (the adapters injected into
-    its projections, which `_Linear` computes); any other model is itself."""
-    return model.get_base_model() if type(model).__module__.startswith("peft.") else model
 
 
 def unsupported_reason(model: PreTrainedModel, total_len: int = 0) -> str | None:
@@ -96,157 +96,6 @@ def unsupported_reason(model: PreTrainedModel, total_len: int = 0) -> str | None
     return None
 
 
-def choose_tokens(logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig,
-                  want_logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The token of each row picked by the inverse CDF at its uniform `u`, and its log-prob when asked.
-
-    logits [B, V], u [B] in [0, 1). Greedy at temperature 0; otherwise temperature, then top-k, then top-p (the
-    smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`. The log-prob is the logit
-    less the log-sum-exp: no second full-vocabulary tensor. No host sync: it runs inside a captured step.
-    """
-    logits = logits.float()  # [B, V]
-    if s.temperature == 0:
-        tok = logits.argmax(-1)  # [B]
-    else:
-        if s.temperature != 1.0:
-            logits = logits / s.temperature
-        if s.top_k:
-            kth = torch.topk(logits, min(s.top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [B, 1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if s.top_p < 1.0:
-            sorted_logits, order = logits.sort(-1, descending=True)  # [B, V] each
-            p = sorted_logits.softmax(-1)
-            drop = p.cumsum(-1) - p > s.top_p
-            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        tok = inverse_cdf(logits.softmax(-1), u)  # [B]
-    if not want_logprobs:
-        return tok, None
-    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [B], [B]
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
-    """The first index of each row whose cumulative probability reaches (1 - u) of the row's total: [B].
-
-    probs [B, V] (need not sum to 1), u [B] in [0, 1). The target lies in (0, total], so that index exists and
-    never has zero probability (top-k/top-p cut-offs). Two levels instead of a float64 cumsum over the whole
-    vocabulary each step: the sums of blocks of `block` entries (float32 sums of a block's own entries, so a tail
-    of tiny probabilities keeps its mass), their float64 cumsum, the block that holds the target, then the float64
-    cumsum inside that block only. Fixed shapes, no host sync.
-    """
-    B, V = probs.shape
-    block = min(block, V)
-    full = V // block * block
-    sums = probs[:, :full].view(B, -1, block).sum(-1)  # [B, V // block]
-    if full < V:
-        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)  # [B, nb] the last block is short
-    ends = sums.double().cumsum(-1)  # [B, nb] the CDF at each block's end
-    target = (1 - u.double())[:, None] * ends[:, -1:]  # [B, 1]
-    b = torch.searchsorted(ends, target).clamp(max=ends.size(1) - 1)  # [B, 1] the block holding the target
-    start = ends.gather(1, (b - 1).clamp(min=0)).masked_fill(b == 0, 0.0)  # [B, 1] the CDF before it
-    offsets = torch.arange(block, device=probs.device)  # [block]
-    idx = b * block + offsets  # [B, block]
-    inside = probs.gather(1, idx.clamp(max=V - 1)).masked_fill(idx >= V, 0.0)  # [B, block]
-    cdf = inside.double().cumsum(-1)  # [B, block] from the block's start: no mass lost to the total before it
-    rest = target - start  # [B, 1] > 0
-    # the block's sum and its cumsum may round apart: a target past the cumsum's end takes its last increase
-    at = torch.searchsorted(cdf, torch.minimum(rest, cdf[:, -1:]))  # [B, 1]
-    return (b * block + at).squeeze(-1)  # [B]
-
-
-class _Weights(NamedTuple):
-    """The decoder's weights as the step reads them (references to the model's, or fused/packed copies)."""
-
-    embed: torch.Tensor  # [V, H]
-    norm: torch.Tensor  # [H] final RMSNorm
-    head: _Linear  # [H] -> [V]
-    layers: list[_LeanLayer]
-    qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None]  # Qwen3's per-head q/k RMSNorm weights, [D] each
-
-
-def _read_weights(model: PreTrainedModel, rows: int, pack: bool = True) -> _Weights:
-    """The step's weights; pack=False leaves out MKL's packed copies, which cannot be refreshed in place."""
-    model = decoder(model)
-    core = model.model
-    copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= _COPY_MAX_BYTES
-    norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
-             if hasattr(layer.self_attn, "q_norm") else None for layer in core.layers]
-    w = _Weights(core.embed_tokens.weight, core.norm.weight, _Linear([model.lm_head], rows, copies),
-                 [_lean_layer(layer, rows, copies) for layer in core.layers], norms)
-    if not pack:
-        for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
-            lin.packed = None
-    return w
-
-
-def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
-    """Every tensor the step reads, in a fixed order (to refresh a captured step's copies in place)."""
-    out = [w.embed, w.norm]
-    for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
-        out += [t for pair in lin.parts for t in pair if t is not None] if lin.parts else \
-            [t for t in (lin.weight, lin.bias) if t is not None]
-        out += [t for t in (lin.lora_a, lin.lora_b) if t is not None]
-    out += [t for layer in w.layers for t in (layer.ln1, layer.ln2)]
-    out += [t for pair in w.qk_norms if pair for t in pair]
-    return out
-
-
-class _State:
-    """Everything one decode step reads and writes, allocated once per shape (B rows, prompt bucket P, budget C)."""
-
-    def __init__(self, model: PreTrainedModel, B: int, P: int, C: int, dtype: torch.dtype, device: torch.device):
-        model = decoder(model)
-        cfg, attn = model.config, model.model.layers[0].self_attn
-        T = P + C
-        self.n_kv, self.head_dim, self.scale = cfg.num_key_value_heads, attn.head_dim, attn.scaling
-        self.k = [torch.zeros(B, self.n_kv, T, self.head_dim, dtype=dtype, device=device)
-                  for _ in model.model.layers]  # [B, Hkv, T, D] each
-        self.v = [torch.zeros_like(k) for k in self.k]
-        self.bias = torch.zeros(B, 1, 1, T, dtype=dtype, device=device)  # 0 where a key may be read, min elsewhere
-        self.next_pos = torch.zeros(B, dtype=torch.long, device=device)  # [B] position of the first new token
-        self.uniforms = torch.zeros(B, C, dtype=torch.float64, device=device)  # [B, C] one per row and token
-        self.n = torch.zeros((), dtype=torch.long, device=device)  # tokens chosen so far
-        self.tok = torch.zeros(B, dtype=torch.long, device=device)  # [B] the last chosen token
-        self.done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
-        self.ids = torch.zeros(B, C, dtype=torch.long, device=device)  # [B, C]
-        self.alive = torch.zeros(B, C, dtype=torch.bool, device=device)  # [B, C]
-        self.logprobs = torch.zeros(B, C, dtype=torch.float32, device=device)  # [B, C]
-        positions = torch.arange(T, device=device)[None]  # [1, T]: every position a row can reach is below T
-        embed = model.model.embed_tokens.weight
-        cos, sin = model.model.rotary_emb(embed[:1].to(dtype), position_ids=positions)  # [1, T, D] each, HF's
-        half = self.head_dim // 2
-        # rotate_half(x) * sin == flip_halves(x) * sin_signed: the halves swapped and the first half negated
-        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)  # [T, D] each
-        self.P, self.C, self.T = P, C, T
-
-
-class _Capture:
-    """One shape's state, its decode step and, on CUDA, the step captured as a graph."""
-
-    def __init__(self, state: _State, step, graph: bool):
-        self.state, self.step, self.graph = state, step, None
-        if not graph:
-            return
-        st = state
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture: lazy inits and autotuning happen here
-            for _ in range(2):
-                st.n.fill_(1)  # warm-up steps write slot P and read uniform 1: inside the buffers
-                step(st.T)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        st.n.fill_(1)
-        with torch.cuda.graph(self.graph):
-            step(st.T)
-
-    def run(self, kv_len: int) -> None:
-        """One decode step: replayed when captured (over the whole cache), else run eagerly over kv_len slots."""
-        if self.graph is None:
-            self.step(kv_len)
-        else:
-            self.graph.replay()
-
-
 class Sampled(NamedTuple):
     """One batch's completions (on the CPU), as `backend.sample_batch` returns them."""
 
@@ -254,6 +103,26 @@ class Sampled(NamedTuple):
     completion_mask: torch.Tensor  # [B, C] 1 up to and including the end token
     logprobs: torch.Tensor | None  # [B, C] the chosen tokens' log-probs (0 on padding); None unless asked
     truncated: torch.Tensor  # [B] True when the budget ran out before an end token
+
+
+class Group(NamedTuple):
+    """One prompt's completions as `StaticSampler.stream` hands them out, when the last of them ends."""
+
+    rows: range  # the rows of the call they are
+    sampled: Sampled  # [G, C_g]: as wide as the group's longest completion
+
+
+class DecodeCounts:
+    """What the sampler's decode steps computed, summed over its calls (`StaticSampler.counts`; reset by making a
+    new one). A sample's first token comes from its prompt's prefill and each later one from one decode step, so
+    of `rows_computed`, `tokens - samples` went to live rows and the rest to finished or free slots."""
+
+    def __init__(self):
+        self.steps = 0  # decode steps run
+        self.rows_computed = 0  # slots those steps computed, summed over the steps
+
+    def __repr__(self) -> str:
+        return f"DecodeCounts(steps={self.steps}, rows_computed={self.rows_computed})"
 
 
 GPU_FREE_SHARE = 0.5  # of a GPU's free memory, the KV cache's budget where the recipe sets none (kv_cache_mb)
@@ -294,6 +163,7 @@ class StaticSampler:
         self._weights: _Weights | None = None  # kept while captures read them (refreshed in place)
         self._captures: dict[tuple, _Capture] = {}
         self._seen = None  # the policy's parameters (addresses and versions) at the last sync
+        self.counts = DecodeCounts()
 
     def unsupported_reason(self, total_len: int = 0) -> str | None:
         return unsupported_reason(self.model, total_len)
@@ -337,18 +207,15 @@ class StaticSampler:
                 self._copy = copy.deepcopy(self.model, made).eval()
         return self._copy
 
-    @torch.inference_mode()
-    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, eos_ids: list[int],
-               pad_id: int, *, return_logprobs: bool = True, uniforms: torch.Tensor | None = None) -> Sampled:
-        """Sample `s.max_new_tokens` at most for each left-padded prompt row.
-
-        uniforms: [B, max_new_tokens] in [0, 1), the draw of each row's each token (None: drawn here from torch's
-        generator on the model's device); the same uniforms give the same tokens however the rows are split.
-        """
+    def _prepare(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, pad_id: int,
+                 uniforms: torch.Tensor | None, slots: int | None) -> tuple[torch.Tensor, ...]:
+        """The prompts left-padded to their bucket on the device, each row's uniforms, and the slot count."""
         # a step since the last sync that bumped the parameters' versions: sync now (a fused optimizer's step does
         # not bump them, so whoever steps the model also calls sync_weights, as the trainers do)
         if self._seen != _fingerprint(self.model):
             self.sync_weights()
+        if slots is not None and slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
         B, C = prompt_ids.size(0), s.max_new_tokens
         longest = max(1, int(prompt_mask.sum(1).max()))
         P = prompt_bucket(longest) if self.buckets else longest
@@ -358,20 +225,66 @@ class StaticSampler:
         if uniforms is None and s.temperature == 0:  # greedy reads none: leave the generator as it is
             uniforms = torch.zeros(B, C, dtype=torch.float64, device=self.device)  # [B, C]
         elif uniforms is None:
-            # column k is what the decode loop in `backend` draws at step k, so a seed samples the same tokens
+            # column k is what the decode loop in `backend` draws at step k for a batch of `slots` rows, so a seed
+            # samples the same tokens whether rows are decoded a batch at a time or streamed through slots
             # (the generator ends up advanced by the whole budget, where that loop stops at the last row's end)
-            uniforms = torch.rand(C, B, dtype=torch.float64, device=self.device).T  # [B, C]
-        rows = self._rows_per_part(B, P + C)
-        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)  # [E]
-        parts = [self._sample_part(ids[i : i + rows], mask[i : i + rows], uniforms[i : i + rows].to(self.device),
-                                   s, eos, pad_id, return_logprobs) for i in range(0, B, rows)]
-        width = max(p[0].size(1) for p in parts)
+            per = slots or B
+            uniforms = torch.cat([torch.rand(C, min(per, B - i), dtype=torch.float64, device=self.device).T
+                                  for i in range(0, B, per)])  # [B, C]
+        S = min(B, slots or B, self._rows_per_part(B, P + C))
+        return ids, mask, uniforms.to(self.device, torch.float64), S
 
-        def cat(i: int, value) -> torch.Tensor:
-            return torch.cat([F.pad(p[i], (0, width - p[i].size(1)), value=value) for p in parts]).cpu()
+    @torch.inference_mode()
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, eos_ids: list[int],
+               pad_id: int, *, return_logprobs: bool = True, uniforms: torch.Tensor | None = None,
+               slots: int | None = None) -> Sampled:
+        """Sample `s.max_new_tokens` at most for each left-padded prompt row, the rows streamed through `slots`
+        decode slots (None: one per row, or as many as the memory budget holds).
 
-        return Sampled(cat(0, pad_id), cat(1, 0).long(), cat(2, 0.0) if return_logprobs else None,
-                       torch.cat([p[3] for p in parts]).cpu())
+        uniforms: [B, max_new_tokens] in [0, 1), the draw of each row's each token (None: drawn here from torch's
+        generator on the model's device); the same uniforms give the same tokens however many slots decode them.
+        """
+        ids, mask, uniforms, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, uniforms, slots)
+        B, C = ids.size(0), s.max_new_tokens
+        out_ids = torch.full((B, C), pad_id, dtype=torch.long, device=self.device)  # [B, C]
+        out_alive = torch.zeros(B, C, dtype=torch.bool, device=self.device)  # [B, C]
+        out_lp = torch.zeros(B, C, dtype=torch.float32, device=self.device)  # [B, C]
+        out_trunc = torch.zeros(B, dtype=torch.bool, device=self.device)  # [B]
+        for rows, got_ids, got_alive, got_lp, got_trunc in self._run(ids, mask, uniforms, s, eos_ids, pad_id,
+                                                                     return_logprobs, S):
+            out_ids[rows], out_alive[rows], out_trunc[rows] = got_ids, got_alive, got_trunc
+            if return_logprobs:
+                out_lp[rows] = got_lp
+        used = int(out_alive.sum(1).max())  # columns past every row's end are dropped, as if decoding had stopped
+        return Sampled(out_ids[:, :used].cpu(), out_alive[:, :used].long().cpu(),
+                       out_lp[:, :used].cpu() if return_logprobs else None, out_trunc.cpu())
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, eos_ids: list[int],
+               pad_id: int, *, group_size: int = 1, return_logprobs: bool = True,
+               uniforms: torch.Tensor | None = None, slots: int | None = None) -> Iterator[Group]:
+        """`sample`, handed out a group at a time as each group's last row ends (rows [g*group_size,
+        (g+1)*group_size) are group g): a consumer can score and train on the first groups while the slots decode
+        the rest. Each group's tensors are as wide as its own longest completion."""
+        B = prompt_ids.size(0)
+        if group_size < 1 or B % group_size:
+            raise ValueError(f"group_size must divide the {B} rows, got {group_size}")
+        ids, mask, uniforms, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, uniforms, slots)
+        got: dict[int, dict[int, tuple]] = {}
+        for rows, *parts in self._run(ids, mask, uniforms, s, eos_ids, pad_id, return_logprobs, S):
+            for j, row in enumerate(rows):
+                g = row // group_size
+                got.setdefault(g, {})[row] = tuple(p[j] if p is not None else None for p in parts)
+                if len(got[g]) < group_size:
+                    continue
+                members = [got[g][r] for r in range(g * group_size, (g + 1) * group_size)]
+                del got[g]
+                alive = torch.stack([x[1] for x in members])  # [G, C]
+                used = int(alive.sum(1).max())
+                yield Group(range(g * group_size, (g + 1) * group_size), Sampled(
+                    torch.stack([x[0] for x in members])[:, :used].cpu(), alive[:, :used].long().cpu(),
+                    torch.stack([x[2] for x in members])[:, :used].cpu() if return_logprobs else None,
+                    torch.stack([x[3] for x in members]).cpu()))
 
     def _rows_per_part(self, B: int, T: int) -> int:
         budget = self.memory_budget
@@ -391,117 +304,49 @@ class StaticSampler:
                              f"takes {per_row} bytes; raise generation.kv_cache_mb or shorten max_new_tokens")
         return min(B, budget // per_row)
 
-    def _sample_part(self, ids: torch.Tensor, mask: torch.Tensor, uniforms: torch.Tensor, s: SamplingConfig,
-                     eos: torch.Tensor, pad_id: int, want_logprobs: bool) -> tuple[torch.Tensor, ...]:
-        model = decoder(self._sampling_model())  # inside a LoRA model its base, the adapters injected
-        (B, P), C = ids.shape, s.max_new_tokens
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] positions that ignore left padding
+    def _run(self, ids: torch.Tensor, mask: torch.Tensor, uniforms: torch.Tensor, s: SamplingConfig,
+             eos_ids: list[int], pad_id: int, want_logprobs: bool, S: int) -> Iterator[tuple]:
+        """The B rows streamed through S slots (`SlotBatch`). Yields (rows, ids [r, C], alive [r, C], logprobs
+        [r, C] or None, truncated [r]) for the rows that ended since the last yield, on the device."""
+        batch = SlotBatch(self, S, ids.size(1), s, eos_ids, pad_id, want_logprobs)
         inverse, first = distinct_rows(torch.cat([ids, mask.to(ids.dtype)], 1))  # [B], [U]
-        cache = DynamicCache()
-        logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
-                       **cached(cache), logits_to_keep=1).logits[:, -1]  # [U, V]
-        cap = self._capture(model, B, P, s, eos, pad_id, want_logprobs)
-        st = cap.state
-        for i, layer in enumerate(cache.layers):  # [U, Hkv, P, D] -> the rows' prompt slots
-            st.k[i][:, :, :P] = layer.keys[inverse]
-            st.v[i][:, :, :P] = layer.values[inverse]
-        # additive, which SDPA on CPU runs faster than a bool mask; completion slots open as they are written
-        st.bias.fill_(torch.finfo(st.bias.dtype).min)
-        st.bias[:, 0, 0, :P].masked_fill_(mask.bool(), 0.0)
-        st.next_pos.copy_(pos[:, -1] + 1)
-        st.uniforms.copy_(uniforms)
-        for t in (st.n, st.done, st.alive, st.logprobs):
-            t.zero_()
-        st.ids.fill_(pad_id)
-        _choose(st, logits[inverse], s, eos, pad_id, want_logprobs)  # the first token, from the prefill
-        every = self.check_every if self.device.type == "cuda" else 1  # a check is a sync only on a device
-        for k in range(1, C):  # k tokens chosen; the step feeds token k-1 and chooses token k
-            if (k == 1 or k % every == 0) and bool(st.done.all()):
-                break
-            cap.run(st.T if self.full_cache_attention else P + k)
-        used = int(st.alive.sum(1).max())  # columns past every row's end are dropped, as if decoding had stopped
-        return st.ids[:, :used].clone(), st.alive[:, :used].clone(), st.logprobs[:, :used].clone(), ~st.done
+        rows_of = collections.defaultdict(list)
+        for row, u in enumerate(inverse.tolist()):
+            rows_of[u].append(row)
+        for u in sorted(rows_of, key=lambda u: rows_of[u][0]):  # prompts in the order their first row comes
+            rows = rows_of[u]
+            head = int(first[u])
+            batch.submit(ids[head], mask[head], uniforms[rows], keys=rows)
+        while batch.busy:
+            ended = batch.step()
+            if ended:
+                yield ([e.key for e in ended], torch.stack([e.ids for e in ended]),
+                       torch.stack([e.alive for e in ended]),
+                       torch.stack([e.logprobs for e in ended]) if want_logprobs else None,
+                       torch.tensor([e.truncated for e in ended], device=ids.device))
 
-    def _capture(self, model: PreTrainedModel, B: int, P: int, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
+    def _capture(self, model: PreTrainedModel, S: int, P: int, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
                  want_logprobs: bool) -> _Capture:
         """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
         if not self.keep_captures:
-            st = _State(model, B, P, C, self.dtype, self.device)
-            w = _read_weights(model, B)
-            return _Capture(st, lambda kv_len: _step(st, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
-                            graph=False)
-        key = (B, P, C, s.temperature, s.top_k, s.top_p, tuple(eos.tolist()), pad_id, want_logprobs)
+            st = _State(model, S, P, C, self.dtype, self.device)
+            w = _read_weights(model, S)
+            return _Capture(st, lambda view, kv_len: _step(view, w, model.config, s, eos, pad_id, want_logprobs,
+                                                           kv_len), graph=False)
+        key = (S, P, C, s.temperature, s.top_k, s.top_p, tuple(eos.tolist()), pad_id, want_logprobs)
         if key not in self._captures:
             if self._weights is None:
-                self._weights = _read_weights(model, B, pack=False)
+                self._weights = _read_weights(model, S, pack=False)
             while len(self._captures) >= _MAX_CAPTURES:
                 self._captures.pop(next(iter(self._captures)))  # the oldest shape first
-            st, w, eos = _State(model, B, P, C, self.dtype, self.device), self._weights, eos.clone()
+            st, w, eos = _State(model, S, P, C, self.dtype, self.device), self._weights, eos.clone()
             self._captures[key] = _Capture(
-                st, lambda kv_len: _step(st, w, model.config, s, eos, pad_id, want_logprobs, kv_len), self.graphs)
+                st, lambda view, kv_len: _step(view, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
+                self.graphs)
         return self._captures[key]
 
 
 def _fingerprint(model: PreTrainedModel) -> list[tuple[int, int]]:
     """Each parameter's address and version: an in-place optimizer step bumps the version, a cast the address."""
     return [(p.data_ptr(), p._version) for p in model.parameters()]
-
-
-def _choose(st: _State, logits: torch.Tensor, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
-            want_logprobs: bool) -> None:
-    """Choose token number st.n of every row from `logits` [B, V]; rows that have ended get the pad id."""
-    n = st.n.view(1)
-    tok, lp = choose_tokens(logits, st.uniforms.index_select(1, n).squeeze(1), s, want_logprobs)  # [B], [B]
-    ended = st.done.clone()  # [B]
-    tok = tok.masked_fill(ended, pad_id)
-    st.ids.index_copy_(1, n, tok[:, None])
-    st.alive.index_copy_(1, n, ~ended[:, None])
-    if lp is not None:
-        st.logprobs.index_copy_(1, n, lp.masked_fill(ended, 0.0)[:, None])
-    st.done |= (tok[:, None] == eos[None]).any(-1)
-    st.tok.copy_(tok)
-    st.n.add_(1)
-
-
-def _step(st: _State, w: _Weights, cfg, s: SamplingConfig, eos: torch.Tensor, pad_id: int, want_logprobs: bool,
-          kv_len: int) -> None:
-    """Feed the last chosen token, then choose the next: fixed shapes when kv_len is the cache's length."""
-    _choose(st, _decode(st, w, cfg, kv_len), s, eos, pad_id, want_logprobs)
-
-
-def _decode(st: _State, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
-    """The logits [B, V] after the last chosen token, which goes into cache slot P + n - 1."""
-    B, D, Hkv, Hq, eps = st.tok.size(0), st.head_dim, st.n_kv, cfg.num_attention_heads, cfg.rms_norm_eps
-    slot = (st.n + (st.P - 1)).view(1)  # [1]
-    pos = st.next_pos + (st.n - 1)  # [B]
-    cos, sin = st.cos.index_select(0, pos)[:, None], st.sin.index_select(0, pos)[:, None]  # [B, 1, D]
-    st.bias.index_fill_(-1, slot, 0.0)  # the new token's slot opens for every row
-    bias = st.bias[..., :kv_len]  # [B, 1, 1, kv_len]
-    x = F.embedding(st.tok, w.embed)  # [B, H]
-    for i, (layer, qk_norm) in enumerate(zip(w.layers, w.qk_norms)):
-        h = _rms_norm(x, layer.ln1, eps)  # [B, H]
-        qkv = layer.qkv(h)  # [B, (Hq+2Hkv) D]
-        qk = qkv[:, : (Hq + Hkv) * D].view(B, Hq + Hkv, D)  # rotary goes on q and k together
-        if qk_norm is not None:  # Qwen3 normalises each head before the rotary
-            qk = torch.cat([_rms_norm(qk[:, :Hq], qk_norm[0], eps), _rms_norm(qk[:, Hq:], qk_norm[1], eps)], 1)
-        qk = qk * cos + qk.view(B, Hq + Hkv, 2, D // 2).flip(2).view(B, Hq + Hkv, D) * sin
-        st.k[i].index_copy_(2, slot, qk[:, Hq:, None])  # [B, Hkv, 1, D] into [B, Hkv, T, D]
-        st.v[i].index_copy_(2, slot, qkv[:, (Hq + Hkv) * D :].view(B, Hkv, 1, D))
-        q = qk[:, :Hq].reshape(B, Hkv, Hq // Hkv, D)  # query head h reads KV head h // (Hq/Hkv)
-        o = F.scaled_dot_product_attention(q, st.k[i][:, :, :kv_len], st.v[i][:, :, :kv_len], attn_mask=bias,
-                                           scale=st.scale)  # [B, Hkv, Hq/Hkv, D]
-        x = x + layer.o(o.reshape(B, Hq * D))
-        h = _rms_norm(x, layer.ln2, eps)
-        gate, up = layer.gate_up(h).chunk(2, -1)  # [B, I] each
-        x = x + layer.down(F.silu(gate) * up)
-    return w.head(_rms_norm(x, w.norm, eps))  # [B, V]
-
-
-def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a [B, W] tensor: (inverse [B], first [U]) with rows[first][inverse] == rows and rows[first] distinct."""
-    _, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [B]
-    n_unique = int(inverse.max()) + 1
-    order = torch.arange(rows.size(0), device=rows.device)  # [B]
-    first = torch.full((n_unique,), rows.size(0), device=rows.device).scatter_reduce(0, inverse, order, "amin")
-    return inverse, first  # [B], [U]

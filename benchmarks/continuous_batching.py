@@ -1,0 +1,193 @@
+"""Sampling a long-tailed workload: the engine as it is, the engine at an earlier commit, and transformers' own
+continuous batching (`generate_batch`), on the same model and prompts, one after another in one run.
+
+usage: python benchmarks/continuous_batching.py [--before REV] [--prompts 128] [--samples 4] [--slots 64]
+                                                [--budget 256] [--repeats 1] [--threads 2]
+
+The workload (the same for every way):
+- the embedded recipe's model shape (Qwen2, hidden 256, 4 layers, 2.97M parameters, its 1,024-entry BPE tokenizer),
+  freshly initialised with seed 0 (`grpo.tiny.build_tiny_model`), with the end token's output row scaled by
+  `--eos-scale` (10): the chance of ending then depends on the context, so completions end anywhere from the first
+  token to the budget. At the defaults, measured on the engine (seeded, so the same each run): lengths 1 to 256,
+  p10 4, p25 9, median ~37, p75 ~205, and about 22% reach the 256-token budget;
+- `--prompts` prompts `What is {a} + {b}?` through the tokenizer's chat template, `--samples` completions each, at
+  temperature 1, no top-k or top-p, at most `--budget` new tokens, `--slots` sequences decoded together (the
+  engine's `sampling.batch_size`; the peer's `max_requests_per_batch`).
+
+Each way runs in a process of its own (after one warm-up call on 8 prompts) and prints one JSON line: completion
+tokens per second, the length percentiles it sampled, and for the engine the decode row-steps: rows the decode
+steps computed, summed over the steps, and the share of them spent on rows that had already ended. A row's first
+token comes from its prefill and each later one from one decode step, so the share is 1 - (tokens - rows) /
+rows computed. `--before REV` (default: the commit before continuous batching) is checked out into a temporary
+folder with `git worktree` and its engine run by the same code here. The last line compares them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BEFORE = "5fcd545"  # main before the sampler streamed rows through slots
+
+
+def workload(args):
+    import torch
+
+    from grpo.config import TinyModelConfig
+    from grpo.tiny import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), tok).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= args.eos_scale  # tied: the embedding row too (never an input)
+    prompts = [[{"role": "user", "content": f"What is {10 + i % 90} + {20 + (7 * i) % 70}?"}]
+               for i in range(args.prompts)]
+    return model, tok, prompts
+
+
+def percentiles(lengths: list[int], budget: int) -> dict[str, float]:
+    import torch
+
+    q = torch.quantile(torch.tensor(lengths, dtype=torch.float64), torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9],
+                                                                                dtype=torch.float64))
+    out = {f"p{int(p * 100)}": round(float(v), 1) for p, v in zip((0.1, 0.25, 0.5, 0.75, 0.9), q)}
+    out["at_budget"] = round(sum(n >= budget for n in lengths) / len(lengths), 3)
+    return out
+
+
+def run_engine(args, label: str) -> dict:
+    """The project's local engine as the GRPO trainer builds it, decode steps counted where they are computed."""
+    import torch
+
+    from grpo.config import GenerationConfig, SamplingConfig
+    from grpo.sampling.engines import build_engine
+
+    try:  # where the step lives (before continuous batching it was the sampler's own module)
+        from grpo.sampling import decode_step as step_module
+    except ImportError:
+        from grpo.sampling import static_sampler as step_module
+
+    model, tok, prompts = workload(args)
+    rows_computed = [0]
+    decode = step_module._decode
+
+    def counted(st, *a):
+        rows_computed[0] += st.tok.size(0)
+        return decode(st, *a)
+
+    step_module._decode = counted
+    engine = build_engine(GenerationConfig(), model, tok)
+    sampling = SamplingConfig(max_new_tokens=args.budget, temperature=1.0, batch_size=args.slots)
+    torch.manual_seed(1)
+    engine.generate(prompts[:8], args.samples, sampling)  # warm-up
+    best = None
+    for _ in range(args.repeats):
+        rows_computed[0] = 0
+        torch.manual_seed(0)
+        t = time.perf_counter()
+        rollout = engine.generate(prompts, args.samples, sampling)
+        wall = time.perf_counter() - t
+        if best is None or wall < best[0]:
+            best = wall, rollout, rows_computed[0]
+    wall, rollout, computed = best
+    lengths = rollout.completion_tokens.tolist()
+    tokens, rows = sum(lengths), len(lengths)
+    return {"way": label, "tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "row_steps": computed, "finished_row_steps_share": round(1 - (tokens - rows) / computed, 4),
+            "lengths": percentiles(lengths, args.budget)}
+
+
+def run_peer(args) -> dict:
+    """transformers' continuous batching on the same model (paged attention over SDPA), the same prompts."""
+    import logging
+
+    import torch
+    from transformers import GenerationConfig as HFGenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    model, tok, prompts = workload(args)
+    model.set_attn_implementation("paged|sdpa")
+    texts = tok.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    inputs = [x for x in ids for _ in range(args.samples)]
+    gen = HFGenerationConfig(max_new_tokens=args.budget, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=args.slots)
+    torch.manual_seed(1)
+    model.generate_batch(inputs=inputs[:8 * args.samples], generation_config=gen, continuous_batching_config=cb)
+    best = None
+    for _ in range(args.repeats):
+        torch.manual_seed(0)
+        t = time.perf_counter()
+        out = model.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=cb)
+        wall = time.perf_counter() - t
+        if best is None or wall < best[0]:
+            best = wall, out
+    wall, out = best
+    lengths = [len(o.generated_tokens) for o in out.values()]
+    tokens = sum(lengths)
+    return {"way": "transformers generate_batch", "tokens": tokens, "seconds": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 1), "lengths": percentiles(lengths, args.budget)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", default=BEFORE, help="the commit to compare against ('' to skip)")
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--eos-scale", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--way", choices=["engine", "peer"], help=argparse.SUPPRESS)  # one way, in this process
+    ap.add_argument("--label", default="engine", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.way:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print(json.dumps(run_engine(args, args.label) if args.way == "engine" else run_peer(args)), flush=True)
+        return
+
+    passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+              if k in ("prompts", "samples", "slots", "budget", "eos_scale", "repeats", "threads")]
+
+    def one(way: str, label: str, code: Path) -> dict:
+        env = dict(os.environ, PYTHONPATH=str(code))
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--way", way, "--label", label,
+                              *passed], env=env, cwd=code, check=True, capture_output=True, text=True)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps(row), flush=True)
+        return row
+
+    rows = {}
+    if args.before:
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp) / "before"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.before],
+                           check=True, capture_output=True)
+            try:
+                rows["before"] = one("engine", f"engine at {args.before}", tree)
+            finally:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                               capture_output=True)
+    rows["now"] = one("engine", "engine now", ROOT)
+    if not args.no_peer:
+        rows["peer"] = one("peer", "peer", ROOT)
+    now = rows["now"]["tokens_per_s"]
+    summary = {f"now/{k}": round(now / r["tokens_per_s"], 2) for k, r in rows.items() if k != "now"}
+    print(json.dumps({"tokens_per_s_ratio": summary}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""The static sampler's decode step: S slots of a static KV cache, each at its own point, one step for them all.
+
+For Llama-family decoders (Qwen2, Qwen3, Llama, Mistral: RMSNorm, rotary, grouped-query attention, SwiGLU MLP).
+The state (`_State`) is allocated once per shape (S slots, prompt bucket P, budget C): one [S, kv_heads, P + C,
+head_dim] tensor per layer for keys and for values, and per slot its token count, its prompt's next position, its
+row's uniforms, limit and done flag, its chosen tokens and their log-probs. A step (`_decode` then `_choose`):
+
+- reads the weights straight from the model (`cpu_decoder`'s fused and packed linears);
+- feeds each slot's last token, writes its K/V at the slot's own cache position P + n - 1 (a scatter: the slots are
+  at different points) and opens it in the slot's validity mask, attends over the cache under that mask (left
+  padding and not-yet-written positions masked), then samples inside the step: temperature, top-k and top-p, and
+  the inverse CDF at the slot's uniform for that token, so the random state, the counters and the done flags all
+  live on the device and a slot's tokens depend on its own row alone;
+- runs over the first m slots (`_State.rows(m)`, views of the same storage), so the scheduler (`slots.SlotBatch`),
+  which keeps live slots at the front, computes no ended row eagerly; on CUDA the step is captured as a
+  `torch.cuda.CUDAGraph` for each of `row_buckets(S)` and replayed, and a slot that ended between the host's checks
+  writes a dump column and stays as it was.
+
+Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple
+
+import torch
+from transformers import PreTrainedModel
+
+from grpo.config import SamplingConfig
+from grpo.sampling.cpu_decoder import _COPY_MAX_BYTES, _lean_layer, _LeanLayer, _Linear, _rms_norm
+
+F = torch.nn.functional
+
+# entries per block of `inverse_cdf`: ~150 blocks and one block's cumsum for Qwen's 151,936, not a cumsum of them all
+CDF_BLOCK = 1024
+
+
+def decoder(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model the step reads: inside a peft LoRA model, its base model (the adapters injected into
+    its projections, which `_Linear` computes); any other model is itself."""
+    return model.get_base_model() if type(model).__module__.startswith("peft.") else model
+
+
+def choose_tokens(logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig,
+                  want_logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token of each row picked by the inverse CDF at its uniform `u`, and its log-prob when asked.
+
+    logits [B, V], u [B] in [0, 1). Greedy at temperature 0; otherwise temperature, then top-k, then top-p (the
+    smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`. The log-prob is the logit
+    less the log-sum-exp: no second full-vocabulary tensor. No host sync: it runs inside a captured step.
+    """
+    logits = logits.float()  # [B, V]
+    if s.temperature == 0:
+        tok = logits.argmax(-1)  # [B]
+    else:
+        if s.temperature != 1.0:
+            logits = logits / s.temperature
+        if s.top_k:
+            kth = torch.topk(logits, min(s.top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [B, 1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if s.top_p < 1.0:
+            sorted_logits, order = logits.sort(-1, descending=True)  # [B, V] each
+            p = sorted_logits.softmax(-1)
+            drop = p.cumsum(-1) - p > s.top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        tok = inverse_cdf(logits.softmax(-1), u)  # [B]
+    if not want_logprobs:
+        return tok, None
+    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [B], [B]
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """The first index of each row whose cumulative probability reaches (1 - u) of the row's total: [B].
+
+    probs [B, V] (need not sum to 1), u [B] in [0, 1). The target lies in (0, total], so that index exists and
+    never has zero probability (top-k/top-p cut-offs). Two levels instead of a float64 cumsum over the whole
+    vocabulary each step: the sums of blocks of `block` entries (float32 sums of a block's own entries, so a tail
+    of tiny probabilities keeps its mass), their float64 cumsum, the block that holds the target, then the float64
+    cumsum inside that block only. Fixed shapes, no host sync.
+    """
+    B, V = probs.shape
+    block = min(block, V)
+    full = V // block * block
+    sums = probs[:, :full].view(B, -1, block).sum(-1)  # [B, V // block]
+    if full < V:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)  # [B, nb] the last block is short
+    ends = sums.double().cumsum(-1)  # [B, nb] the CDF at each block's end
+    target = (1 - u.double())[:, None] * ends[:, -1:]  # [B, 1]
+    b = torch.searchsorted(ends, target).clamp(max=ends.size(1) - 1)  # [B, 1] the block holding the target
+    start = ends.gather(1, (b - 1).clamp(min=0)).masked_fill(b == 0, 0.0)  # [B, 1] the CDF before it
+    offsets = torch.arange(block, device=probs.device)  # [block]
+    idx = b * block + offsets  # [B, block]
+    inside = probs.gather(1, idx.clamp(max=V - 1)).masked_fill(idx >= V, 0.0)  # [B, block]
+    cdf = inside.double().cumsum(-1)  # [B, block] from the block's start: no mass lost to the total before it
+    rest = target - start  # [B, 1] > 0
+    # the block's sum and its cumsum may round apart: a target past the cumsum's end takes its last increase
+    at = torch.searchsorted(cdf, torch.minimum(rest, cdf[:, -1:]))  # [B, 1]
+    return (b * block + at).squeeze(-1)  # [B]
+
+
+class _Weights(NamedTuple):
+    """The decoder's weights as the step reads them (references to the model's, or fused/packed copies)."""
+
+    embed: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H] final RMSNorm
+    head: _Linear  # [H] -> [V]
+    layers: list[_LeanLayer]
+    qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None]  # Qwen3's per-head q/k RMSNorm weights, [D] each
+
+
+def _read_weights(model: PreTrainedModel, rows: int, pack: bool = True) -> _Weights:
+    """The step's weights; pack=False leaves out MKL's packed copies, which cannot be refreshed in place."""
+    model = decoder(model)
+    core = model.model
+    copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= _COPY_MAX_BYTES
+    norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
+             if hasattr(layer.self_attn, "q_norm") else None for layer in core.layers]
+    w = _Weights(core.embed_tokens.weight, core.norm.weight, _Linear([model.lm_head], rows, copies),
+                 [_lean_layer(layer, rows, copies) for layer in core.layers], norms)
+    if not pack:
+        for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+            lin.packed = None
+    return w
+
+
+def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
+    """Every tensor the step reads, in a fixed order (to refresh a captured step's copies in place)."""
+    out = [w.embed, w.norm]
+    for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+        out += [t for pair in lin.parts for t in pair if t is not None] if lin.parts else \
+            [t for t in (lin.weight, lin.bias) if t is not None]
+        out += [t for t in (lin.lora_a, lin.lora_b) if t is not None]
+    out += [t for layer in w.layers for t in (layer.ln1, layer.ln2)]
+    out += [t for pair in w.qk_norms if pair for t in pair]
+    return out
+
+
+class _State:
+    """Everything one decode step reads and writes for S slots, allocated once per shape (S slots, prompt bucket P,
+    budget C). Each slot holds one sample at its own point: `n` tokens chosen, its prompt's positions, its uniforms.
+    Slots are kept packed at the front (`rows(m)` is the first m of every tensor, views of the same storage), so a
+    step over the live slots is a step over a prefix."""
+
+    def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device):
+        model = decoder(model)
+        cfg, attn = model.config, model.model.layers[0].self_attn
+        T = P + C
+        self.n_kv, self.head_dim, self.scale = cfg.num_key_value_heads, attn.head_dim, attn.scaling
+        self.k = [torch.zeros(S, self.n_kv, T, self.head_dim, dtype=dtype, device=device)
+                  for _ in model.model.layers]  # [S, Hkv, T, D] each
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.bias = torch.zeros(S, 1, 1, T, dtype=dtype, device=device)  # 0 where a key may be read, min elsewhere
+        self.next_pos = torch.zeros(S, dtype=torch.long, device=device)  # [S] position of the first new token
+        self.uniforms = torch.zeros(S, C, dtype=torch.float64, device=device)  # [S, C] the slot's sample's draws
+        self.n = torch.zeros(S, dtype=torch.long, device=device)  # [S] tokens chosen so far, per slot
+        self.limit = torch.full((S,), C, dtype=torch.long, device=device)  # [S] the slot's row's budget (<= C)
+        self.tok = torch.zeros(S, dtype=torch.long, device=device)  # [S] the last chosen token
+        self.done = torch.ones(S, dtype=torch.bool, device=device)  # [S] ended (an end token), or the slot is free
+        # column C of these is a dump: a finished slot that a captured step still computes writes there
+        self.ids = torch.zeros(S, C + 1, dtype=torch.long, device=device)  # [S, C+1]
+        self.alive = torch.zeros(S, C + 1, dtype=torch.bool, device=device)  # [S, C+1]
+        self.logprobs = torch.zeros(S, C + 1, dtype=torch.float32, device=device)  # [S, C+1]
+        positions = torch.arange(T, device=device)[None]  # [1, T]: every position a row can reach is below T
+        embed = model.model.embed_tokens.weight
+        cos, sin = model.model.rotary_emb(embed[:1].to(dtype), position_ids=positions)  # [1, T, D] each, HF's
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == flip_halves(x) * sin_signed: the halves swapped and the first half negated
+        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)  # [T, D] each
+        self.S, self.P, self.C, self.T = S, P, C, T
+        self._views: dict[int, _State] = {}
+
+    _PER_SLOT = ("bias", "next_pos", "uniforms", "n", "limit", "tok", "done", "ids", "alive", "logprobs")
+
+    def rows(self, m: int) -> "_State":
+        """The first m slots: the same object's tensors cut to their first m rows (views, so steps write through)."""
+        if m == self.S:
+            return self
+        if m not in self._views:
+            view = copy.copy(self)
+            view.k, view.v = [k[:m] for k in self.k], [v[:m] for v in self.v]
+            for name in self._PER_SLOT:
+                setattr(view, name, getattr(self, name)[:m])
+            view.S, view._views = m, {}
+            self._views[m] = view
+        return self._views[m]
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot `src`'s sample into slot `dst` (which is free); `src` is left free."""
+        for t in self.k + self.v:
+            t[dst] = t[src]
+        for name in self._PER_SLOT:
+            t = getattr(self, name)
+            t[dst] = t[src]
+        self.done[src] = True
+
+
+def row_buckets(S: int) -> list[int]:
+    """The row counts a captured step is made for: S, then halves down to 8 (or S itself when smaller). Once no
+    sample waits, slots empty and a call runs the smallest bucket that holds its live slots, so at most half of a
+    replayed step's rows (and never fewer than 8) can be finished ones."""
+    out = [S]
+    while out[-1] > 8 and out[-1] % 2 == 0:
+        out.append(out[-1] // 2)
+    return out
+
+
+class _Capture:
+    """One shape's state and its decode step over the first m slots; on CUDA, the step captured as a graph for each
+    of `row_buckets(S)` (views of one state: the graphs share its memory)."""
+
+    def __init__(self, state: _State, step, graph: bool):
+        self.state, self.step, self.graphs = state, step, {}
+        if not graph:
+            return
+        st = state
+        for m in row_buckets(st.S):  # all up front: a warm-up writes the state, so none is made mid-call
+            view = st.rows(m)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture: lazy inits and autotuning happen here
+                for _ in range(2):
+                    st.n.fill_(1)  # warm-up steps write slot P and read uniform 1: inside the buffers
+                    step(view, st.T)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graphs[m] = torch.cuda.CUDAGraph()
+            st.n.fill_(1)
+            with torch.cuda.graph(self.graphs[m]):
+                step(view, st.T)
+        st.done.fill_(True)
+        st.n.zero_()
+
+    def rows_run(self, m: int) -> int:
+        """How many slots a step over the first m live ones computes: m eagerly, its bucket when replayed."""
+        return m if not self.graphs else min(b for b in self.graphs if b >= m)
+
+    def run(self, m: int, kv_len: int) -> None:
+        """One decode step over the first m slots: replayed when captured (its bucket's graph, over the whole cache),
+        else run eagerly over kv_len cache slots."""
+        if not self.graphs:
+            self.step(self.state.rows(m), kv_len)
+        else:
+            self.graphs[self.rows_run(m)].replay()
+
+
+def _choose(st: _State, logits: torch.Tensor, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
+            want_logprobs: bool) -> None:
+    """Choose token number st.n[i] of every slot i from `logits` [S, V], each slot at its own count; a slot that
+    has ended (an end token, the budget, or free) gets the pad id, written to the dump column, and stays as it is."""
+    C = st.C
+    ended = st.done | (st.n >= st.limit)  # [S]
+    u = st.uniforms.gather(1, st.n.clamp(max=C - 1)[:, None]).squeeze(1)  # [S] each slot's draw for its token
+    tok, lp = choose_tokens(logits, u, s, want_logprobs)  # [S], [S]
+    tok = tok.masked_fill(ended, pad_id)
+    col = st.n.masked_fill(ended, C)[:, None]  # [S, 1]
+    st.ids.scatter_(1, col, tok[:, None])
+    st.alive.scatter_(1, col, ~ended[:, None])
+    if lp is not None:
+        st.logprobs.scatter_(1, col, lp.masked_fill(ended, 0.0)[:, None])
+    st.done |= ~ended & (tok[:, None] == eos[None]).any(-1)
+    st.tok.copy_(tok)
+    st.n.add_((~ended).long())
+
+
+def _step(st: _State, w: _Weights, cfg, s: SamplingConfig, eos: torch.Tensor, pad_id: int, want_logprobs: bool,
+          kv_len: int) -> None:
+    """Feed each slot's last chosen token, then choose its next: fixed shapes when kv_len is the cache's length."""
+    _choose(st, _decode(st, w, cfg, kv_len), s, eos, pad_id, want_logprobs)
+
+
+def _decode(st: _State, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
+    """The logits [S, V] after each slot's last chosen token, which goes into its cache slot P + n - 1."""
+    S, D, Hkv, Hq, eps = st.tok.size(0), st.head_dim, st.n_kv, cfg.num_attention_heads, cfg.rms_norm_eps
+    slot = (st.n + (st.P - 1)).view(S, 1, 1, 1)  # [S, 1, 1, 1] each slot at its own place
+    pos = (st.next_pos + (st.n - 1)).clamp(min=0)  # [S] (a free slot's count may be 0)
+    cos, sin = st.cos.index_select(0, pos)[:, None], st.sin.index_select(0, pos)[:, None]  # [S, 1, D]
+    st.bias.scatter_(-1, slot, 0.0)  # the new token's cache slot opens, in each slot's own row
+    bias = st.bias[..., :kv_len]  # [S, 1, 1, kv_len]
+    at = slot.expand(S, Hkv, 1, D)  # [S, Hkv, 1, D]
+    x = F.embedding(st.tok, w.embed)  # [S, H]
+    for i, (layer, qk_norm) in enumerate(zip(w.layers, w.qk_norms)):
+        h = _rms_norm(x, layer.ln1, eps)  # [S, H]
+        qkv = layer.qkv(h)  # [S, (Hq+2Hkv) D]
+        qk = qkv[:, : (Hq + Hkv) * D].view(S, Hq + Hkv, D)  # rotary goes on q and k together
+        if qk_norm is not None:  # Qwen3 normalises each head before the rotary
+            qk = torch.cat([_rms_norm(qk[:, :Hq], qk_norm[0], eps), _rms_norm(qk[:, Hq:], qk_norm[1], eps)], 1)
+        qk = qk * cos + qk.view(S, Hq + Hkv, 2, D // 2).flip(2).view(S, Hq + Hkv, D) * sin
+        st.k[i].scatter_(2, at, qk[:, Hq:, None])  # [S, Hkv, 1, D] into [S, Hkv, T, D]
+        st.v[i].scatter_(2, at, qkv[:, (Hq + Hkv) * D :].view(S, Hkv, 1, D))
+        q = qk[:, :Hq].reshape(S, Hkv, Hq // Hkv, D)  # query head h reads KV head h // (Hq/Hkv)
+        o = F.scaled_dot_product_attention(q, st.k[i][:, :, :kv_len], st.v[i][:, :, :kv_len], attn_mask=bias,
+                                           scale=st.scale)  # [S, Hkv, Hq/Hkv, D]
+        x = x + layer.o(o.reshape(S, Hq * D))
+        h = _rms_norm(x, layer.ln2, eps)
+        gate, up = layer.gate_up(h).chunk(2, -1)  # [S, I] each
+        x = x + layer.down(F.silu(gate) * up)
+    return w.head(_rms_norm(x, w.norm, eps))  # [S, V]
+
+
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a [B, W] tensor: (inverse [B], first [U]) with rows[first][inverse] == rows and rows[first] distinct."""
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [B]
+    n_unique = int(inverse.max()) + 1
+    order = torch.arange(rows.size(0), device=rows.device)  # [B]
+    first = torch.full((n_unique,), rows.size(0), device=rows.device).scatter_reduce(0, inverse, order, "amin")
+    return inverse, first  # [B], [U]
