@@ -140,3 +140,31 @@ def test_a_slot_batch_takes_rows_while_it_decodes_and_streams_their_tokens():
         assert streamed[key] == ended[key].ids[:len(streamed[key])].tolist() and len(streamed[key]) >= k - 1
     with pytest.raises(ValueError, match="limit"):
         batch.submit(ids[0], mask[0], limit=41)
+
+
+def test_the_engine_streams_each_prompts_group_as_generate_samples_it():
+    from grpo.config import TinyModelConfig
+    from grpo.sampling.backend import TransformersBackend
+    from grpo.tiny import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_tiny_model(TinyModelConfig(num_hidden_layers=1), tok).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 12  # tied: completions end anywhere from 1 token to the budget
+    engine = TransformersBackend(model, tok)
+    prompts = [f"What is {a} + {a + 7}?" for a in range(6)]
+    s = SamplingConfig(max_new_tokens=48, temperature=1.0, batch_size=4)
+    torch.manual_seed(3)
+    whole = engine.generate(prompts, 3, s, logprobs=True)
+    torch.manual_seed(3)
+    got = list(engine.stream(prompts, 3, s, logprobs=True))
+    assert sorted(i for i, _ in got) == list(range(6)) and [i for i, _ in got] != list(range(6))  # out of order
+    lengths = whole.completion_tokens
+    assert lengths.min() < 8 and lengths.max() > 24
+    for i, part in got:
+        rows = slice(3 * i, 3 * i + 3)
+        k = part.completion_ids.size(1)
+        assert part.texts == whole.texts[rows] and torch.equal(part.truncated, whole.truncated[rows])
+        assert torch.equal(part.completion_ids, whole.completion_ids[rows, :k])
+        assert torch.equal(part.prompt_ids, whole.prompt_ids[rows])
+        assert fp32_gap(part.logprobs, whole.logprobs[rows, :k]) <= 1e-5

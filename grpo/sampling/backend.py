@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -231,6 +232,37 @@ class TransformersBackend:
         texts = tok.batch_decode(completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id),
                                  skip_special_tokens=True)
         return Rollout(texts, truncated, prompt_ids, prompt_mask, completion_ids, completion_mask, token_logps)
+
+
+    def stream(self, prompts: list, n: int, sampling: SamplingConfig, *,
+               logprobs: bool = False) -> Iterator[tuple[int, Rollout]]:
+        """`generate`, a prompt at a time: (the prompt's index, its `n` completions) as soon as the last of them ends,
+        in the order groups complete, so a consumer scores and trains on the first groups while the slots decode
+        the rest. The same seed gives each group what `generate` gives it. A model the static sampler does not
+        compute is sampled whole by the decode loop, then handed out prompt by prompt."""
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        enc = tok(render_prompts(tok, prompts), padding=True, return_tensors="pt", add_special_tokens=False)
+        prompt_ids = enc["input_ids"].repeat_interleave(n, 0)  # [N, P]
+        prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, P]
+        if not self._streams(prompt_ids.size(1) + sampling.max_new_tokens):
+            whole = self.generate(prompts, n, sampling, logprobs=logprobs)
+            for i in range(len(prompts)):
+                rows = slice(i * n, (i + 1) * n)
+                yield i, Rollout(whole.texts[rows], *(None if t is None else t[rows] for t in whole[1:]))
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for group in self.sampler.stream(prompt_ids, prompt_mask, sampling, self.eos_ids, tok.pad_token_id,
+                                             group_size=n, return_logprobs=logprobs, slots=sampling.batch_size):
+                out, rows = group.sampled, slice(group.rows.start, group.rows.stop)
+                texts = tok.batch_decode(out.completion_ids.masked_fill(out.completion_mask == 0, tok.pad_token_id),
+                                         skip_special_tokens=True)
+                yield group.rows.start // n, Rollout(texts, out.truncated, prompt_ids[rows], prompt_mask[rows],
+                                                     out.completion_ids, out.completion_mask, out.logprobs)
+        finally:
+            self.model.train(was_training)
 
 
 def _extra_eos(model: PreTrainedModel) -> list[int]:
