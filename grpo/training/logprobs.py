@@ -26,7 +26,7 @@ from grpo.kernels.logprobs import logps_from_logits, selective_logps
 from grpo.models import cached, is_checkpointing
 from grpo.sampling.backend import distinct_rows
 from grpo.training.lora import causal_lm
-from grpo.training.packing import pack_completions
+from grpo.training.packing import PackedRows, pack_completions
 
 # Full float32 logits up to this size are made as they are: the plain path then costs at most a few times this in
 # memory, and keeps today's numbers bit for bit for small vocabularies (the tiny recipe, 2 MiB for the CPU bench's
@@ -103,15 +103,9 @@ def _packed_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     packed-sequence mask from the position ids (no padding mask).
     """
     N, C = input_ids.size(0), n_completion
-    own_kernel = model.config._attn_implementation == PACKED  # the loop holds it (`attending_packed`)
-    rows = pack_completions(input_ids, attention_mask, C, share_prompts=own_kernel and _can_share_prompts(model,
-                                                                                                          packed=True))
+    rows, inputs = packed_inputs(model, input_ids, attention_mask, C)
     targets = input_ids[:, -C:][rows.valid]  # [M] the real completion tokens, row-major
     head = selective_head(model, root_hooks_ran=root_hooks_ran)
-    # no cache: transformers reads packed sequences from the position ids only without one
-    inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids, "use_cache": False}
-    if own_kernel:
-        inputs["packed_segments"] = rows.segments
     if head is None or targets.numel() * head.out_features * 4 <= plain_max_bytes:
         # the model's own logits, at the predicting positions only (transformers' 1-D logits_to_keep)
         logits = model(**inputs, logits_to_keep=rows.predictors).logits  # [1, M, V]
@@ -124,6 +118,23 @@ def _packed_logps(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     if entropy is not None:
         entropy = entropy.new_zeros(N, C).masked_scatter(rows.valid, entropy[0])  # [N, C]
     return out, entropy
+
+
+def packed_inputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  n_completion: int) -> tuple[PackedRows, dict]:
+    """Rows [N, P+C] packed for `model` (`pack_completions`) and the keyword arguments of its forward on them.
+
+    With `packed_attention` held (`attending_packed`) a group's prompt is packed once where sharing is exact
+    (`_can_share_prompts`) and the sequences travel as `packed_segments`; otherwise one sequence a row, read from
+    the position ids (flash attention, or transformers' packed-sequence mask)."""
+    own_kernel = model.config._attn_implementation == PACKED  # the loop holds it (`attending_packed`)
+    rows = pack_completions(input_ids, attention_mask, n_completion,
+                            share_prompts=own_kernel and _can_share_prompts(model, packed=True))
+    # no cache: transformers reads packed sequences from the position ids only without one
+    inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids, "use_cache": False}
+    if own_kernel:
+        inputs["packed_segments"] = rows.segments
+    return rows, inputs
 
 
 def _hooked(module: torch.nn.Module) -> bool:

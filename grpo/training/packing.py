@@ -25,6 +25,7 @@ import torch
 
 from grpo.kernels.attention import PackedSegments, Segment
 from grpo.training.batches import micro_batches
+from grpo.training.loss import batch_share, part_share
 
 
 class PackedRows(NamedTuple):
@@ -182,3 +183,18 @@ def reference_parts(rows: Sequence[int], micro_batch_size: int) -> list[tuple[li
     for j, r in enumerate(rows):
         parts.setdefault(r // micro_batch_size, []).append(j)
     return [(js, slice(k * micro_batch_size, (k + 1) * micro_batch_size)) for k, js in parts.items()]
+
+
+def loss_parts(loss_type: str, mask: torch.Tensor, rows: slice | Sequence[int], micro_batch_size: int,
+               weight: float) -> list[tuple[list[int] | None, float]]:
+    """A micro-batch's loss in parts, each (its positions among `rows`, or None for all; its weight in the step's
+    loss), for a loss aggregated by `loss_type` over the batch's completion `mask` [N, C].
+
+    A micro-batch of `micro_batch_size` rows (a slice) is one part weighted as always (`batch_share`); a packed one
+    filled to a token budget is read in the row-count micro-batches its rows come from (`reference_parts`), so that
+    every loss_type (bnpo's token mean per micro-batch too) keeps the value it has without a budget."""
+    if isinstance(rows, slice):
+        return [(None, batch_share(loss_type, mask[rows], mask) * weight)]
+    return [(local, batch_share(loss_type, mask[ref], mask)
+             * part_share(loss_type, mask[[rows[j] for j in local]], mask[ref]) * weight)
+            for local, ref in reference_parts(rows, micro_batch_size)]

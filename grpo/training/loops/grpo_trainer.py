@@ -46,12 +46,12 @@ from grpo.training.distributed import (check_split, gather_table, matched_chunks
 from grpo.training.dynamic import concat_groups, spread_groups
 from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
-from grpo.training.loss import AGGREGATORS, batch_share, grpo_loss, part_share
+from grpo.training.loss import AGGREGATORS, grpo_loss
 from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
-from grpo.training.packing import micro_batch_rows, reference_parts
-from grpo.training.policy import (check_prompts, check_token_budget, checkpointing_on, frozen_reference, gemm_plan, prepared, report_step,
-                                  reward_registry, rollout_metrics, row_columns, sample_rollout, samples_table,
-                                  save_policy, score_rollout, scored_logps, trainable)
+from grpo.training.packing import loss_parts, micro_batch_rows
+from grpo.training.policy import (check_prompts, check_token_budget, checkpointing_on, frozen_reference, gemm_plan,
+                                  prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
+                                  samples_table, save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
 from grpo.training.strategy import make_strategy
 
@@ -267,7 +267,10 @@ class GRPOTrainer:
                     logps, entropy = token_logps(self.model, batch.input_ids[rows], batch.attention_mask[rows], C,
                                                  cfg.sampling.temperature, with_entropy=True, packed=self.packed)
                 total = 0.0
-                for local, share in self._loss_parts(batch, rows, weight * float(counts)):
+                # each part weighted in the step's loss as its rows are in the row-count micro-batches
+                parts = loss_parts(cfg.loss_type, batch.completion_mask, rows, cfg.micro_batch_size,
+                                   weight * float(counts))
+                for local, share in parts:
                     part = rows if local is None else [rows[j] for j in local]  # the batch's rows of this part
                     lp, ent = (logps, entropy) if local is None else (logps[local], entropy[local])  # [b, C]
                     loss, stats = grpo_loss(lp, None if batch.old_logps is None else batch.old_logps[part],
@@ -288,18 +291,6 @@ class GRPOTrainer:
         self.sync_sampler()  # the next rollout samples the stepped weights
         sums["grad_norm"] = float(grad_norm)
         return sums
-
-    def _loss_parts(self, batch: Batch, rows: slice | list[int], weight: float) -> list[tuple[list[int] | None, float]]:
-        """A micro-batch's loss in parts, each (its positions among `rows`, or None for all; its weight in the step's
-        loss). A micro-batch of `micro_batch_size` rows is one part weighted as always (`batch_share`); a packed one
-        filled to a token budget is read in the row-count micro-batches its rows come from, so that every
-        loss_type (bnpo's token mean per micro-batch too) keeps the value it has without a budget."""
-        cfg, mask = self.cfg, batch.completion_mask  # [N, C]
-        if isinstance(rows, slice):
-            return [(None, batch_share(cfg.loss_type, mask[rows], mask) * weight)]
-        return [(local, batch_share(cfg.loss_type, mask[ref], mask)
-                 * part_share(cfg.loss_type, mask[[rows[j] for j in local]], mask[ref]) * weight)
-                for local, ref in reference_parts(rows, cfg.micro_batch_size)]
 
     # -- the loop ----------------------------------------------------------------------------------------------
 

@@ -12,8 +12,10 @@ One step, as InstructGPT's third step (and TRL's PPOTrainer, OpenRLHF) run it:
      step of the policy and one of the critic.
 Sampling, scoring, the policy and its reference, the step's figures, checkpoints and the saved model are built from
 the same parts as GRPO's loop (grpo.training.policy), so the two are measured on the same code; the step loop is
-PPO's own, written out here. The critic is not saved with the model (the next stage needs the policy only); it is in
-the resumable checkpoints.
+PPO's own, written out here. Packed rows (`grpo.config.GRPOConfig.packing`, `max_tokens_per_microbatch`) are
+GRPO's: the policy, pi_old, reference and critic passes each run a micro-batch as one row without padding, and a
+budgeted micro-batch's loss is read in the row-count parts its rows come from. The critic is not saved with the
+model (the next stage needs the policy only); it is in the resumable checkpoints.
 
 Across processes (`distributed`, ddp or fsdp) the critic is held as the policy is: the strategy prepares it after the
 policy, with its own optimizer, and its checkpoints hold both. Each process samples its share of the step's
@@ -38,22 +40,24 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.checks import check_fsdp_settings
 from grpo.config import GenerationConfig, GRPOConfig
 from grpo.distributed_config import DistributedConfig
-from grpo.kernels.attention import cpu_attention
+from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.ppo_config import PPOConfig, check_ppo_settings
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.training.accelerator import make_accelerator
-from grpo.training.batches import micro_batches, prompt_order
+from grpo.training.batches import prompt_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, matched_chunks, process_share, process_weight, sampling_seed
-from grpo.training.logprobs import token_logps
-from grpo.training.loss import AGGREGATORS, batch_share, k3_kl
+from grpo.training.logprobs import packing_on, token_logps
+from grpo.training.loss import AGGREGATORS, k3_kl
 from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
-from grpo.training.policy import (MetricsCallback, SamplesCallback, check_prompts, checkpointing_on, frozen_reference,
-                                  gemm_plan, prepared, report_step, reward_registry, rollout_metrics, row_columns,
-                                  sample_rollout, samples_table, save_policy, score_rollout, scored_logps, trainable)
+from grpo.training.packing import loss_parts, micro_batch_rows
+from grpo.training.policy import (MetricsCallback, SamplesCallback, check_prompts, check_token_budget,
+                                  checkpointing_on, frozen_reference, gemm_plan, prepared, report_step,
+                                  reward_registry, rollout_metrics, row_columns, sample_rollout, samples_table,
+                                  save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
 from grpo.training.strategy import make_strategy
 from grpo.training.value import ValueModel
@@ -94,6 +98,7 @@ class PPOTrainer:
         # copied before the policy is moved or cast: the critic starts from the checkpoint's full-precision weights
         critic = ValueModel.from_policy(model, cfg.seed)
         check_prompts(prompts, cfg.prompts_per_step, "PPO")
+        check_token_budget(cfg, tokenizer, prompts, "PPO")  # the longest row a step can make fits the budget
         self.reward_functions = reward_registry(cfg, prompts, reward_functions, "PPO")
         if cfg.loss_type not in AGGREGATORS:
             raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
@@ -112,6 +117,9 @@ class PPOTrainer:
         self.ref_model = frozen_reference(model, cfg, self.acc)  # None with beta = 0
         self.checkpointing = checkpointing_on(cfg, self.acc)
         self.model, self.optimizer, self.scheduler = prepared(self.strategy, model, optimizer, cfg)
+        # micro-batches as rows without padding (policy, pi_old, reference and critic passes alike), where it is
+        # exact; the critic is a copy of the policy's decoder, so what holds for one holds for the other
+        self.packed = packing_on(cfg.packing, self.acc.unwrap_model(self.model))
         # the stage's engine on the policy's whole weights, sampling in the loop's precision
         dtype = sampling_dtype(self.acc.mixed_precision)
         self.engine = engine or build_engine(generation or GenerationConfig(), self.strategy.sampler_model(dtype),
@@ -154,20 +162,18 @@ class PPOTrainer:
 
         ref_logps = old_logps = None
         if cfg.beta != 0:
-            ref_logps = scored_logps(self.acc, self.ref_model, input_ids, attention_mask, C, cfg.micro_batch_size,
-                                     cfg.sampling.temperature)  # [N, C] (no LoRA in PPO)
+            ref_logps = self._scored(self.ref_model, input_ids, attention_mask, C)  # [N, C] (no LoRA in PPO)
         # pi_old's log-probs: the KL reward's logp, and the ratio's denominator when mu > 1 (recomputed, not the
         # sampler's, as GRPO does: top-p, bf16 or another engine would bias them)
         if kl_reward or cfg.num_iterations > 1:
-            old_logps = scored_logps(self.acc, self.model, input_ids, attention_mask, C, cfg.micro_batch_size,
-                                     cfg.sampling.temperature)  # [N, C]
+            old_logps = self._scored(self.model, input_ids, attention_mask, C)  # [N, C]
         parts = []
         with torch.no_grad(), self.acc.autocast():  # as many passes on every process: a sharded forward is a collective
-            for s, counts in matched_chunks(self.acc, micro_batches(N, cfg.micro_batch_size)):
-                values = self.critic(input_ids[s], attention_mask[s], C)  # [n, C]
+            for s, counts in matched_chunks(self.acc, self._micro_batches(attention_mask)):
+                values = self.critic(input_ids[s], attention_mask[s], C, packed=self.packed)  # [n, C]
                 if counts:
                     parts.append(values)
-        old_values = torch.cat(parts)  # [N, C]
+        old_values = torch.cat(parts)  # [N, C] the micro-batches are runs of rows in order
         token_mask = rollout.completion_mask.float().to(self.acc.device)  # [N, C] every sampled token
         loss_mask = token_mask
         if cfg.mask_truncated_completions:  # in the returns, but no gradient of their own
@@ -192,20 +198,28 @@ class PPOTrainer:
                         masked_whiten(advantages, loss_mask, total=total),  # over the global batch's tokens
                         returns, old_values, stats)
 
+    def _scored(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
+        return scored_logps(self.acc, model, input_ids, attention_mask, C, self.cfg.micro_batch_size,
+                            self.cfg.sampling.temperature, packed=self.packed,
+                            max_tokens=self.cfg.max_tokens_per_microbatch)  # [N, C]
+
+    def _micro_batches(self, attention_mask: torch.Tensor) -> list[slice] | list[list[int]]:
+        """`micro_batch_size` rows each, or whole rows in order to the token budget."""
+        return micro_batch_rows(attention_mask, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch)
+
     def _total(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the processes (itself in one process)."""
         return x if self.acc.num_processes == 1 else self.acc.reduce(x, "sum")
 
     def optimise(self, batch: PPOBatch) -> dict[str, float]:
         """One optimizer step of the policy and one of the critic, over the batch in micro-batches."""
-        cfg, N = self.cfg, batch.input_ids.size(0)
-        C = batch.completion_mask.size(1)
+        cfg, C = self.cfg, batch.completion_mask.size(1)
         sums: dict[str, float] = {}
         self.model.train()
         self.critic.train()
         # this process's loss as a share of the global batch's (1.0 in one process), as GRPO's
         weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
-        chunks = matched_chunks(self.acc, micro_batches(N, cfg.micro_batch_size))
+        chunks = matched_chunks(self.acc, self._micro_batches(batch.attention_mask))
         for i, (s, counts) in enumerate(chunks):
             last = i == len(chunks) - 1  # both models' gradients sync in the last micro-batch only
             with self.strategy.no_sync(self.model, last), self.strategy.no_sync(self.critic, last):
@@ -217,28 +231,34 @@ class PPOTrainer:
                                                        self.critic_scheduler, cfg.max_grad_norm))
         return {**sums, **batch.stats}  # with the KL in the rewards, the rollout's kl, not the loss's 0
 
-    def _micro_batch(self, batch: PPOBatch, s: slice, C: int, weight: float,
+    def _micro_batch(self, batch: PPOBatch, rows: slice | list[int], C: int, weight: float,
                      sums: dict[str, float]) -> dict[str, float]:
         """One micro-batch's forward and backward through both models; its stats added to `sums`, weighted by
-        their share of the global batch."""
+        their share of the global batch. A micro-batch filled to a token budget is read in the row-count parts its
+        rows come from (`loss_parts`), so every loss_type keeps its value."""
         cfg, ppo = self.cfg, self.ppo
         with self.acc.autocast():
-            logps, entropy = token_logps(self.model, batch.input_ids[s], batch.attention_mask[s], C,
-                                         cfg.sampling.temperature, with_entropy=True)
-            values = self.critic(batch.input_ids[s], batch.attention_mask[s], C)  # [n, C]
-        mask = batch.completion_mask[s]
-        loss, stats = ppo_loss(
-            logps, None if batch.old_logps is None else batch.old_logps[s],
-            None if batch.ref_logps is None else batch.ref_logps[s], batch.advantages[s], values,
-            batch.old_values[s], batch.returns[s], mask, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-            cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
-            beta=cfg.beta if ppo.kl_in == "loss" else 0.0, loss_type=cfg.loss_type)
-        share = batch_share(cfg.loss_type, mask, batch.completion_mask) * weight
-        self.acc.backward(loss * share)  # one backward through both models' graphs
-        stats["train/loss"] = loss.item()
-        stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-        for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + v * share
+            logps, entropy = token_logps(self.model, batch.input_ids[rows], batch.attention_mask[rows], C,
+                                         cfg.sampling.temperature, with_entropy=True, packed=self.packed)
+            values = self.critic(batch.input_ids[rows], batch.attention_mask[rows], C, packed=self.packed)  # [n, C]
+        total = 0.0
+        for local, share in loss_parts(cfg.loss_type, batch.completion_mask, rows, cfg.micro_batch_size, weight):
+            part = rows if local is None else [rows[j] for j in local]  # the batch's rows of this part
+            lp, ent, vals = (logps, entropy, values) if local is None else (logps[local], entropy[local],
+                                                                            values[local])  # [b, C]
+            mask = batch.completion_mask[part]
+            loss, stats = ppo_loss(
+                lp, None if batch.old_logps is None else batch.old_logps[part],
+                None if batch.ref_logps is None else batch.ref_logps[part], batch.advantages[part], vals,
+                batch.old_values[part], batch.returns[part], mask, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
+                beta=cfg.beta if ppo.kl_in == "loss" else 0.0, loss_type=cfg.loss_type)
+            total = total + loss * share
+            stats["train/loss"] = loss.item()
+            stats["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v * share
+        self.acc.backward(total)  # one backward through both models' graphs
         return sums
 
     def sync_sampler(self) -> None:
@@ -260,7 +280,10 @@ class PPOTrainer:
               fp32_gemm(self.ref_model, self.gemm), activation_checkpointing(core, self.checkpointing),
               # the critic on the same fast paths as the policy
               cpu_attention(critic.trunk), compact_mlp(critic.trunk), fp32_gemm(critic, self.gemm),
-              activation_checkpointing(critic.trunk, self.checkpointing)):
+              activation_checkpointing(critic.trunk, self.checkpointing),
+              # packed rows attend sequence by sequence, held for the run (a recomputed layer finds it too)
+              attending_packed(core, self.packed), attending_packed(self.ref_model, self.packed),
+              attending_packed(critic.trunk, self.packed)):
             self._loop(start, bar, ckpt_root)
         bar.close()
         model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,
