@@ -40,6 +40,9 @@ class DPOConfig(BaseModel):
     max_seq_len: int = Field(256, ge=2)  # prompt + response tokens; a longer pair fails before training
     mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
     gradient_checkpointing: bool = False  # trade compute for memory on real models
+    # each micro-batch's pairs as one row without padding (grpo.training.packing), the same numbers: "auto" where the
+    # model's attention takes packed rows exactly (Qwen2/Llama on SDPA or eager on CPU, any model on flash attention)
+    packing: bool | Literal["auto"] = "auto"
     lora: LoRAConfig | None = None  # train LoRA adapters (needs peft); the reference is then the adapters off
     eval_fraction: float = Field(0.1, ge=0, lt=1)  # share of prompts held out when the pairs come without held-out
     eval_batch_size: int = Field(32, ge=1)  # pairs per held-out scoring batch

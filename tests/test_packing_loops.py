@@ -162,3 +162,102 @@ def test_a_ppo_token_budget_that_cannot_hold_a_row_fails_before_sampling(tmp_pat
     with pytest.raises(ValueError, match=r"PPO: max_tokens_per_microbatch=20 cannot hold prompt row 7"):
         make_ppo(tmp_path, max_tokens_per_microbatch=20)
 
+
+# -- the reward model ------------------------------------------------------------------------------------------------
+
+def reward_model(seed: int = 0):
+    from grpo.training.reward_scorer import build_reward_model
+
+    model, tok = build_reward_model(SMALL, seed)
+    with torch.no_grad():  # a fresh head scores near 0 everywhere: make the scores differ
+        model.score.weight.mul_(20.0)
+    return model.float().train(), tok
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_packed_reward_scores_and_gradients_equal_the_padded_ones(kernel):
+    """Sequences of uneven lengths (one of one token) scored packed, through the packed kernel or transformers'
+    mask from the position ids: each its padded score, at its own last token, and the same gradients."""
+    from grpo.training.reward_scorer import sequence_scores
+
+    model, tok = reward_model()
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (9, 1, 14, 5, 11, 3)]
+    weights = torch.randn(len(seqs), generator=g)
+    out = {}
+    for packed in (False, True):
+        model.zero_grad()
+        with attending_packed(model, packed and kernel):
+            scores = sequence_scores(model, seqs, tok.pad_token_id, torch.device("cpu"),
+                                     packed_for=model if packed else None)  # [B]
+        (scores * weights).sum().backward()
+        out[packed] = scores, [p.grad.clone() for p in model.parameters()]
+    assert out[False][0].std() > 0.1  # scores that differ, so a shifted read would show
+    assert close(out[True][0], out[False][0])
+    assert all(close(a, b, 1e-4) for a, b in zip(out[True][1], out[False][1]))
+
+
+def test_packing_true_on_a_reward_model_without_a_score_head_is_an_error():
+    from grpo.training.reward_scorer import packs
+
+    with pytest.raises(ValueError, match="packing: true needs a reward model whose scores come from"):
+        packs(True, make_model())
+    assert packs("auto", make_model()) is False and packs("auto", reward_model()[0]) is True
+
+
+def test_a_short_reward_model_run_packed_matches_the_padded_one(tmp_path):
+    """Three steps: the same losses, accuracies, held-out figures and weights as the padded run."""
+    from transformers import AutoModelForSequenceClassification
+
+    from grpo.data.preferences import preference_pairs
+    from grpo.reward_config import RewardModelConfig
+    from grpo.training.loops.reward_model import train_reward_model
+
+    runs = {}
+    for packing in (False, True):
+        cfg = RewardModelConfig(model=SMALL, max_steps=3, batch_size=6, learning_rate=1e-3, warmup_steps=0,
+                                log_every=1, mixed_precision="no", packing=packing)
+        seen = {}
+        result = train_reward_model(preference_pairs(40), cfg, tmp_path / str(packing),
+                                    lambda s, m: seen.setdefault(s, {}).update(m),
+                                    heldout=preference_pairs(12, split="heldout"), progress=False)
+        runs[packing] = seen, AutoModelForSequenceClassification.from_pretrained(result.model_dir).state_dict()
+    (padded, w_padded), (packed, w_packed) = runs[False], runs[True]
+    for step in (1, 2, 3):
+        for key in ("rm/loss", "rm/margin", "rm/accuracy", "rm/grad_norm"):
+            assert packed[step][key] == pytest.approx(padded[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert packed[3]["rm/heldout_margin"] == pytest.approx(padded[3]["rm/heldout_margin"], rel=1e-4, abs=1e-6)
+    # AdamW divides each gradient by its own size, so a rounding-sized difference in a near-zero gradient moves its
+    # weight by a share of the learning rate (1e-3), not of the gradient: at most 2% of it
+    assert all((w_packed[n] - w).abs().max() <= 2e-5 for n, w in w_padded.items())
+
+
+# -- DPO -------------------------------------------------------------------------------------------------------------
+
+def test_a_short_dpo_run_packed_matches_the_padded_one(tmp_path):
+    """Three steps of DPO (policy and reference packed, a pair's prompt once): the same losses, margins, held-out
+    figures and weights as the padded run."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.data.preferences import preference_pairs
+    from grpo.dpo_config import DPOConfig
+    from grpo.training.loops.dpo import train_dpo
+
+    runs = {}
+    for packing in (False, True):
+        model, tok = load_model_and_tokenizer(SMALL)
+        cfg = DPOConfig(max_steps=3, batch_size=4, learning_rate=1e-3, warmup_steps=0, log_every=1,
+                        checkpoint_every=0, mixed_precision="no", packing=packing)
+        seen = {}
+        result = train_dpo(model, tok, preference_pairs(16), cfg, tmp_path / str(packing),
+                           lambda s, m: seen.setdefault(s, {}).update(m),
+                           heldout=preference_pairs(8, split="heldout"), progress=False)
+        runs[packing] = seen, AutoModelForCausalLM.from_pretrained(result.model_dir).state_dict()
+    (padded, w_padded), (packed, w_packed) = runs[False], runs[True]
+    assert abs(padded[3]["dpo/margin"]) > 1e-4  # the policy has moved from its reference
+    for step in (1, 2, 3):
+        for key in ("dpo/loss", "dpo/margin", "dpo/chosen_reward", "dpo/grad_norm"):
+            assert packed[step][key] == pytest.approx(padded[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert packed[3]["dpo/heldout_margin"] == pytest.approx(padded[3]["dpo/heldout_margin"], rel=1e-4, abs=1e-6)
+    assert all(close(w_packed[n], w, 1e-5) for n, w in w_padded.items())
+

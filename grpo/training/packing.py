@@ -109,22 +109,34 @@ def pack_completions(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_co
                       PackedSegments(segments), torch.cat(predictors).to(device), valid)
 
 
+def pack_sequences(input_ids: Sequence[Sequence[int]]) -> dict:
+    """Whole sequences (a reward model's prompt + response, SFT's rows) as one row [1, T]: the model's inputs, each
+    sequence from position 0 and attending to itself alone; `ends` [B] holds each one's last position."""
+    ids = [torch.tensor(list(x), dtype=torch.long) for x in input_ids]
+    if not ids or any(x.numel() == 0 for x in ids):
+        raise ValueError(f"packing needs at least one sequence and a token in each; got lengths "
+                         f"{[x.numel() for x in ids]}")
+    segments, start = [], 0
+    for x in ids:
+        segments.append(Segment(start, start + x.numel()))
+        start += x.numel()
+    return {"input_ids": torch.cat(ids)[None],  # [1, T]
+            "position_ids": torch.cat([torch.arange(x.numel()) for x in ids])[None],  # [1, T]
+            "packed_segments": PackedSegments(segments), "use_cache": False,
+            "ends": torch.tensor([s.end - 1 for s in segments])}  # [B]
+
+
 def pack_examples(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> dict:
     """SFT's rows (token ids and labels, -100 where no loss) as one row [1, T]: the model's inputs.
 
     Each sequence's first label is -100, so the shifted loss never predicts one sequence's first token from the
     last of the one before it; the loss then counts the padded batch's tokens, and its token mean is theirs.
     """
-    ids = [torch.tensor(list(x), dtype=torch.long) for x in input_ids]
-    segments, start = [], 0
-    for x in ids:
-        segments.append(Segment(start, start + x.numel()))
-        start += x.numel()
+    packed = pack_sequences(input_ids)
+    packed.pop("ends")
     packed_labels = [torch.tensor([-100] + list(y[1:]), dtype=torch.long) for y in labels]
-    return {"input_ids": torch.cat(ids)[None],  # [1, T]
-            "position_ids": torch.cat([torch.arange(x.numel()) for x in ids])[None],  # [1, T]
-            "labels": torch.cat(packed_labels)[None],  # [1, T]
-            "packed_segments": PackedSegments(segments), "use_cache": False}
+    packed["labels"] = torch.cat(packed_labels)[None]  # [1, T]
+    return packed
 
 
 def micro_batch_rows(attention_mask: torch.Tensor, micro_batch_size: int,

@@ -8,6 +8,10 @@ rejection sampling score with it. The model is a causal LM backbone with a one-o
 response; `sigmoid(r_a - r_b)` is the modelled probability that a person prefers response a to b (InstructGPT,
 Ouyang et al. 2022, eq. 1).
 
+Packed rows (`sequence_scores` with the model's `score` head): the sequences of a batch one after another in one
+row without padding, each from position 0 and attending to itself alone, each score read from the head's output at
+the sequence's own last token (the model's own pooling reads only the row's last).
+
 Must not depend on Prefect or MLflow.
 """
 
@@ -24,11 +28,14 @@ from transformers import (AutoModelForSequenceClassification, PreTrainedModel, P
 
 from grpo.config import TINY, ModelConfig
 from grpo.data.tables import DataError
+from grpo.kernels.attention import PACKED, attending_packed
 from grpo.models import _DTYPES, check_model_config, load_tokenizer
 from grpo.rewards import completion_text
 from grpo.sampling.backend import render_prompts, response_text
 from grpo.tiny import build_tiny_model
 from grpo.training.batches import pad_right
+from grpo.training.logprobs import packing_on
+from grpo.training.packing import pack_sequences
 
 
 class PairExample(NamedTuple):
@@ -119,6 +126,47 @@ def encode_pairs(pairs: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_se
 # ----------------------------------------------------------------------------------------------------------------
 # Scoring
 
+def packs(setting: bool | str, model: torch.nn.Module) -> bool:
+    """Whether the reward model's rows are packed: `packing_on`'s rule (`auto` where packed rows are exact and
+    cheap), for a model whose scores come from a per-position linear head `score` (transformers' sequence
+    classifiers); `packing: true` on one without it is an error, raised before any training."""
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        if setting is True:
+            raise ValueError(f"packing: true needs a reward model whose scores come from a per-position linear head "
+                             f"`score` (transformers' sequence classifiers); {type(model).__name__} has none: "
+                             f"set packing: auto or false")
+        return False
+    return packing_on(setting, model)
+
+
+def sequence_scores(model: torch.nn.Module, seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device, *,
+                    packed_for: PreTrainedModel | None = None) -> torch.Tensor:
+    """The reward model's scores [B] of token sequences (with gradients where they are on); `model` may be wrapped
+    (DDP, FSDP): it is called through its own forward.
+
+    Padded (`packed_for` None): rows right-padded, each scored at its own last token by the model's pooling.
+    Packed (`packed_for`: the unwrapped model, see `packs`): one row [1, T] without padding, each sequence's score
+    read from its `score` head's per-position output at the sequence's last token; the same numbers to float
+    rounding. Its sequences travel as `packed_segments` where the model attends with `packed_attention`
+    (`attending_packed`), else as position ids alone.
+    """
+    if packed_for is None:
+        ids, mask = pad_right([list(s) for s in seqs], pad_id)
+        return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]  # [B]
+    inputs = pack_sequences(seqs)
+    ends = inputs.pop("ends").to(device)  # [B]
+    if packed_for.config._attn_implementation != PACKED:
+        inputs.pop("packed_segments")
+    outputs: list[torch.Tensor] = []
+    # the model pools the row's last token only: the head's whole output [1, T, 1] is read instead
+    handle = packed_for.score.register_forward_hook(lambda module, args, out: outputs.append(out))
+    try:
+        model(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()})
+    finally:
+        handle.remove()
+    return outputs[0][0, ends, 0]  # [B]
+
+
 class RewardModelScorer:
     """Scores (prompt, completion) pairs with a reward model: batched, without gradients, right-padded.
 
@@ -129,12 +177,13 @@ class RewardModelScorer:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 64,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, packing: bool | str = False):
         if model.config.pad_token_id is None:
             raise ValueError("the reward model's config has no pad_token_id: it could not find each row's last token")
         self.model = model.eval()  # no_grad below; parameters stay trainable for a caller that goes on training
         self.tokenizer, self.batch_size = tokenizer, batch_size
         self.max_seq_len = max_seq_len or getattr(model.config, "max_position_embeddings", None) or 4096
+        self.packed = packs(packing, model)  # each batch as one row without padding (`sequence_scores`)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, batch_size: int = 64, dtype: str = "float32") -> RewardModelScorer:
@@ -146,12 +195,13 @@ class RewardModelScorer:
         seqs = [s[-self.max_seq_len:] for s in seqs]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # like lengths together: less padding
         scores = [0.0] * len(seqs)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            ids, mask = pad_right([seqs[i] for i in chunk], self.model.config.pad_token_id)
-            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]  # [B]
-            for i, s in zip(chunk, out.float().tolist()):
-                scores[i] = s
+        with attending_packed(self.model, self.packed):
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                out = sequence_scores(self.model, [seqs[i] for i in chunk], self.model.config.pad_token_id, device,
+                                      packed_for=self.model if self.packed else None)  # [B]
+                for i, s in zip(chunk, out.float().tolist()):
+                    scores[i] = s
         return scores
 
     def score(self, prompts: Sequence, completions: Sequence) -> list[float]:

@@ -26,7 +26,9 @@ made once for both), the reference's log-probs computed without gradients in the
 copy, or with LoRA the policy with its adapters off), resumable checkpoints every `checkpoint_every` steps, and the
 model held through the distributed strategy (`grpo.training.strategy`: ddp or fsdp, the loop never asks which). Under
 `accelerate launch --num_processes N` each process takes 1/N of every micro-batch's pairs; every pair weighs the same,
-so DDP's mean over processes is the one-process gradient.
+so DDP's mean over processes is the one-process gradient. Where `packing` allows, a micro-batch's rows go through
+the policy and the reference as one row without padding (`token_logps(packed=True)`), the padded numbers to float
+rounding.
 
 Run it alone:
     from grpo.config import ModelConfig
@@ -61,7 +63,7 @@ from grpo.data.preferences import split_by_prompt
 from grpo.data.tables import DataError
 from grpo.distributed_config import DistributedConfig
 from grpo.dpo_config import DPOConfig
-from grpo.kernels.attention import cpu_attention
+from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.rewards import completion_text
@@ -70,7 +72,7 @@ from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import batch_indices
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
-from grpo.training.logprobs import token_logps
+from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, add_lora, causal_lm, require_peft, save_merged
 from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.schedules import make_scheduler
@@ -187,10 +189,12 @@ def pair_batch(pairs: list[PairTokens], pad_id: int) -> PairBatch:
     return PairBatch(ids, mask, mask[:, P:].float())
 
 
-def sequence_logps(model: torch.nn.Module, batch: PairBatch) -> torch.Tensor:
-    """log π(response | prompt) of every row [2B]: the response tokens' log-probs summed (temperature 1)."""
+def sequence_logps(model: torch.nn.Module, batch: PairBatch, packed: bool = False) -> torch.Tensor:
+    """log π(response | prompt) of every row [2B]: the response tokens' log-probs summed (temperature 1).
+    `packed`: the rows go through the model as one row without padding, a pair's prompt once where the model
+    attends with `packed_attention` (`token_logps`)."""
     C = batch.response_mask.size(1)
-    logps, _ = token_logps(model, batch.input_ids, batch.attention_mask, C, 1.0)  # [2B, C]
+    logps, _ = token_logps(model, batch.input_ids, batch.attention_mask, C, 1.0, packed=packed)  # [2B, C]
     return (logps * batch.response_mask).sum(-1)  # [2B]
 
 
@@ -245,12 +249,14 @@ def train_dpo(
     scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
+    # each micro-batch's pairs as one row without padding (policy and reference alike), where it is exact
+    packed = packing_on(cfg.packing, acc.unwrap_model(model))
     start = load_newest_checkpoint(acc, ckpt_root, strategy.load_state)  # 0: no checkpoint to trust, it starts over
 
     def reference_logps(batch: PairBatch) -> torch.Tensor:  # [2B], no gradient
         reference = ref_model if ref_model is not None else acc.unwrap_model(model)
         with torch.no_grad(), adapters_off(reference), acc.autocast():
-            return sequence_logps(reference, batch)
+            return sequence_logps(reference, batch, packed)
 
     def evaluate() -> dict[str, float]:
         """Held-out pair accuracy (margin > 0) and mean β·margin; every process scores all held-out pairs in the
@@ -264,7 +270,7 @@ def train_dpo(
                 chunk = held[s : s + cfg.eval_batch_size]
                 batch = _to(pair_batch(chunk, tokenizer.pad_token_id), acc.device)
                 with acc.autocast():
-                    h = sequence_logps(model, batch) - reference_logps(batch)  # [2B]
+                    h = sequence_logps(model, batch, packed) - reference_logps(batch)  # [2B]
                 margins.append(h[: len(chunk)] - h[len(chunk) :])  # [B]
         model.train()
         m = torch.cat(margins)
@@ -277,9 +283,10 @@ def train_dpo(
     start_time = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=start, desc="dpo", disable=not progress or not acc.is_main_process,
                mininterval=2.0)
-    # faster attention on CPU and one tensor less per MLP kept for the backward; the same numbers
-    with (cpu_attention(policy, ref_model), compact_mlp(policy),
-          activation_checkpointing(policy, cfg.gradient_checkpointing)):
+    # faster attention on CPU and one tensor less per MLP kept for the backward; the same numbers; packed rows attend
+    # sequence by sequence, held for the run (a recomputed layer finds it too)
+    with (cpu_attention(policy, ref_model), compact_mlp(policy), attending_packed(policy, packed),
+          attending_packed(ref_model, packed), activation_checkpointing(policy, cfg.gradient_checkpointing)):
         model.train()
         for step in range(start, cfg.max_steps):
             for micro in range(cfg.grad_accum_steps):
@@ -290,7 +297,7 @@ def train_dpo(
                 ref = reference_logps(batch)  # [2B]
                 with strategy.accumulate(model):
                     with acc.autocast():
-                        logps = sequence_logps(model, batch)  # [2B]
+                        logps = sequence_logps(model, batch, packed)  # [2B]
                     loss, stats = dpo_loss(logps[:B], logps[B:], ref[:B], ref[B:], beta=cfg.beta,
                                            loss_type=cfg.loss_type)
                     acc.backward(loss)  # every pair weighs the same: DDP's mean over processes is exact

@@ -11,6 +11,10 @@ How this differs from the paper: R1 scores helpfulness on the final summary only
 response, with two models; here one model reads the whole response (`<think>` included), which is what the
 synthetic pairs in grpo.data.preferences teach. The loop has no resumable checkpoints: it is short next to SFT and GRPO.
 
+A micro-batch's 2B sequences go through the model as one row without padding where `packing` allows
+(grpo.training.reward_scorer.sequence_scores: each scored at its own last token), the padded batch's scores to
+float rounding.
+
 Run it alone:
     from grpo.data.preferences import preference_pairs
     from grpo.reward_config import RewardModelConfig
@@ -36,14 +40,15 @@ from tqdm.auto import tqdm
 from grpo.data.preferences import split_by_prompt
 from grpo.data.tables import DataError
 from grpo.distributed_config import DistributedConfig
+from grpo.kernels.attention import attending_packed
 from grpo.models import activation_checkpointing
 from grpo.reward_config import RewardModelConfig
 from grpo.training.accelerator import make_accelerator
-from grpo.training.batches import batch_indices, pad_right
+from grpo.training.batches import batch_indices
 from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics
 from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, build_reward_model, encode_pairs,
-                                         evaluate_pairs, pair_metrics)
+                                         evaluate_pairs, pair_metrics, packs, sequence_scores)
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 
@@ -95,6 +100,9 @@ def train_reward_model(
     scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                num_training_steps=cfg.max_steps)
     model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
+    unwrapped = acc.unwrap_model(model)
+    # each micro-batch's sequences as one row without padding, where the model's attention takes it exactly
+    packed = packs(cfg.packing, unwrapped)
 
     def evaluate() -> dict[str, float]:
         if heldout is None:
@@ -103,12 +111,13 @@ def train_reward_model(
         # collective; under ddp the others would only wait for the main one
         model.eval()  # the mode a scorer loaded from the saved folder runs in: the same figures
         with acc.autocast():
-            metrics = evaluate_pairs(RewardModelScorer(acc.unwrap_model(model), tok, cfg.eval_batch_size), heldout)
+            metrics = evaluate_pairs(RewardModelScorer(unwrapped, tok, cfg.eval_batch_size, packing=packed), heldout)
         model.train()
         return metrics
 
     before = evaluate()["rm/heldout_accuracy"]
-    with checkpointing:
+    # packed rows attend sequence by sequence, held for the run (a recomputed layer finds it too)
+    with checkpointing, attending_packed(unwrapped, packed):
         model.train()
         window: dict[str, list[float]] = {"rm/loss": [], "rm/accuracy": [], "rm/margin": []}
         last_loss = math.nan
@@ -121,11 +130,10 @@ def train_reward_model(
                 batch = [examples[i] for i in process_share(acc, idx)]  # pairs are equal shares: DDP's mean is exact
                 B = len(batch)
                 # chosen and rejected in one forward: rows [0, B) are chosen, [B, 2B) their rejected partners
-                ids, mask = pad_right([e.chosen_ids for e in batch] + [e.rejected_ids for e in batch],
-                                      tok.pad_token_id)
+                seqs = [e.chosen_ids for e in batch] + [e.rejected_ids for e in batch]
                 with strategy.accumulate(model):
-                    rewards = model(input_ids=ids.to(acc.device),
-                                    attention_mask=mask.to(acc.device)).logits[:, 0]  # [2B]
+                    rewards = sequence_scores(model, seqs, tok.pad_token_id, acc.device,
+                                              packed_for=unwrapped if packed else None)  # [2B]
                     loss = bradley_terry_loss(rewards[:B], rewards[B:])
                     acc.backward(loss)
                     grad_norm = optimizer_step(acc, model, optimizer, scheduler, cfg.max_grad_norm)
