@@ -205,10 +205,20 @@ class SFTConfig(BaseModel):
     # each micro-batch's rows as one row without padding (grpo.training.packing), the same loss: "auto" where the
     # model's attention takes packed rows exactly (Qwen2/Llama on SDPA or eager, any model on flash attention)
     packing: bool | Literal["auto"] = "auto"
+    # a memory bound: each micro-batch's rows go through the model in packed pieces of at most this many tokens
+    # (whole rows in order), the loss still the token mean over the micro-batch; None = one forward a micro-batch
+    max_tokens_per_microbatch: int | None = Field(None, ge=1)
     checkpoint_every: int = Field(100, ge=0)  # steps between resumable checkpoints (0 = only at the end)
     keep_checkpoints: int = Field(2, ge=1)  # resumable checkpoints kept on disk (two: a damaged newest falls back)
     log_every: int = Field(10, ge=1)  # steps between metric callbacks
     seed: int = 0  # data order and dropout
+
+    @model_validator(mode="after")
+    def _budget_needs_packing(self) -> "SFTConfig":
+        if self.max_tokens_per_microbatch is not None and self.packing is False:
+            raise ValueError("max_tokens_per_microbatch splits micro-batches into packed pieces; it needs packing: "
+                             "true or auto (or leave it out: one forward a micro-batch)")
+        return self
 
 
 class CodeConfig(BaseModel):

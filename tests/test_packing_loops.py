@@ -261,3 +261,50 @@ def test_a_short_dpo_run_packed_matches_the_padded_one(tmp_path):
     assert packed[3]["dpo/heldout_margin"] == pytest.approx(padded[3]["dpo/heldout_margin"], rel=1e-4, abs=1e-6)
     assert all(close(w_packed[n], w, 1e-5) for n, w in w_padded.items())
 
+
+# -- SFT's token budget ----------------------------------------------------------------------------------------------
+
+def sft_rows() -> pd.DataFrame:
+    return pd.DataFrame({"prompt": [f"What is {i} + 1?{' ' * i}" for i in range(8)],
+                         "response": [f"{i + 1}" + " and so on" * (i % 4) for i in range(8)]})
+
+
+def test_sft_micro_batches_split_to_a_token_budget_match_whole_padded_ones(tmp_path):
+    """Three steps of 2 micro-batches of 4 rows: padded whole, and packed in pieces of at most a budget a little over
+    the longest row (several pieces a micro-batch): the same losses and weights, the step's loss the token mean."""
+    from grpo.config import SFTConfig
+    from grpo.training.loops.sft_trainer import row_pieces, tokenize_rows, train_sft
+
+    model, tok = load_model_and_tokenizer(SMALL)
+    examples = tokenize_rows(sft_rows(), tok, 384)
+    budget = max(len(e.input_ids) for e in examples) + 8
+    assert len(row_pieces(examples[:4], budget)) > 1  # a micro-batch is split
+    runs = {}
+    for packing, max_tokens in ((False, None), (True, budget)):
+        model, tok = load_model_and_tokenizer(SMALL)
+        cfg = SFTConfig(max_steps=3, batch_size=4, grad_accum_steps=2, learning_rate=1e-3, warmup_steps=0,
+                        log_every=1, checkpoint_every=0, mixed_precision="no", fp32_gemm="mkl", packing=packing,
+                        max_tokens_per_microbatch=max_tokens)
+        seen = {}
+        result = train_sft(model, tok, sft_rows(), cfg, tmp_path / str(packing), lambda s, m: seen.__setitem__(s, m),
+                           progress=False)
+        runs[packing] = seen, type(model).from_pretrained(result.model_dir).state_dict()
+    (padded, w_padded), (packed, w_packed) = runs[False], runs[True]
+    for step in (1, 2, 3):
+        for key in ("train/loss", "train/grad_norm"):
+            assert packed[step][key] == pytest.approx(padded[step][key], rel=1e-5), (step, key)
+    # AdamW's per-weight normalisation: a rounding-sized gradient difference moves a weight by a share of the rate
+    assert all((w_packed[n] - w).abs().max() <= 2e-5 for n, w in w_padded.items())
+
+
+def test_an_sft_token_budget_that_cannot_hold_a_row_fails_before_training(tmp_path):
+    from grpo.config import SFTConfig
+    from grpo.data.tables import DataError
+    from grpo.training.loops.sft_trainer import train_sft
+
+    model, tok = load_model_and_tokenizer(SMALL)
+    with pytest.raises(DataError, match=r"dataset: row 7 is \d+ tokens, more than max_tokens_per_microbatch=10"):
+        train_sft(model, tok, sft_rows(), SFTConfig(max_steps=1, batch_size=4, max_tokens_per_microbatch=10),
+                  tmp_path, progress=False)
+    with pytest.raises(ValueError, match="needs packing"):
+        SFTConfig(packing=False, max_tokens_per_microbatch=100)

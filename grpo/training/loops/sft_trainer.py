@@ -4,8 +4,11 @@ The loop is plain and visible: tokenize every row up front (so a row that cannot
 draw batches by step number (so a resumed run sees exactly the batches it would have seen), and step through
 Hugging Face Accelerate, which handles device placement, mixed precision, gradient accumulation and multi-GPU
 launches (under `accelerate launch --num_processes N` each process takes 1/N of every batch's rows and the loss
-stays the token mean over the whole batch: `grpo.training.distributed`). Every `checkpoint_every` steps the model, optimizer, scheduler and RNG state are saved; a run that finds
-a checkpoint in its output folder resumes from it and loses at most the steps since.
+stays the token mean over the whole batch: `grpo.training.distributed`). A micro-batch goes through the model as one
+row without padding where `packing` allows, and in pieces of whole rows up to `max_tokens_per_microbatch` tokens where
+the recipe sets one (a memory bound: each piece's loss weighted by its share of the micro-batch's response tokens, so
+the step's loss and gradient are the same). Every `checkpoint_every` steps the model, optimizer, scheduler and RNG
+state are saved; a run that finds a checkpoint in its output folder resumes from it and loses at most the steps since.
 
 Must not depend on Prefect or MLflow: metrics go to a callback.
 """
@@ -34,10 +37,10 @@ from grpo.sampling.backend import render_prompts, response_text
 from grpo.training.accelerator import make_accelerator, shared_gemm_plan
 from grpo.training.batches import batch_indices
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
-from grpo.training.distributed import check_split, main_only, process_share, reduce_sum
+from grpo.training.distributed import check_split, main_only, matched_chunks, process_share, reduce_sum
 from grpo.training.logprobs import packing_on
 from grpo.training.optimizers import make_adamw, optimizer_step
-from grpo.training.packing import pack_examples
+from grpo.training.packing import pack_examples, pack_in_order
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 
@@ -82,6 +85,35 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def check_row_budget(examples: list[Example], max_tokens: int | None, source: str) -> None:
+    """A token budget must hold every row: else an error naming the longest, before any training."""
+    if max_tokens is None:
+        return
+    longest = max(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    if len(examples[longest].input_ids) > max_tokens:
+        raise DataError(f"{source}: row {longest} is {len(examples[longest].input_ids)} tokens, more than "
+                        f"max_tokens_per_microbatch={max_tokens}; raise it to at least that (or to max_seq_len)")
+
+
+def row_pieces(rows: list[Example], max_tokens: int | None) -> list[list[int]]:
+    """A micro-batch's rows in pieces of whole rows, in order, of at most `max_tokens` tokens each (`pack_in_order`),
+    or one piece of all of them without a budget."""
+    if max_tokens is None:
+        return [list(range(len(rows)))]
+    return pack_in_order([len(e.input_ids) for e in rows], max_tokens)
+
+
+def model_inputs(rows: list[Example], packed: bool, model: PreTrainedModel, pad_id: int,
+                 device: torch.device) -> dict:
+    """The model's inputs for some rows: one packed row (its sequences as `packed_segments` where the model attends
+    with `packed_attention`, else read from the position ids) or a right-padded batch."""
+    collated = (pack_examples([e.input_ids for e in rows], [e.labels for e in rows]) if packed
+                else collate(rows, pad_id))
+    if packed and model.config._attn_implementation != PACKED:  # sequences from the position ids
+        collated.pop("packed_segments")
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in collated.items()}
+
+
 def train_sft(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -100,6 +132,7 @@ def train_sft(
     output_dir = Path(output_dir)
     ckpt_root = output_dir / "checkpoints"
     examples = tokenize_rows(rows, tokenizer, cfg.max_seq_len, source)  # fails before any training
+    check_row_budget(examples, cfg.max_tokens_per_microbatch, source)  # so does a row past the token budget
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
@@ -135,19 +168,25 @@ def train_sft(
                 idx = batch_indices(len(examples), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
                 mine = process_share(acc, idx)  # all of idx in one process
                 rows = [examples[i] for i in mine]
-                collated = (pack_examples([e.input_ids for e in rows], [e.labels for e in rows]) if packed
-                            else collate(rows, tokenizer.pad_token_id))
-                if packed and unwrapped.config._attn_implementation != PACKED:  # sequences from the position ids
-                    collated.pop("packed_segments")
-                batch = {k: v.to(acc.device) if torch.is_tensor(v) else v for k, v in collated.items()}
-                # this process's share of the batch's response tokens: 1.0 in one process
-                share = sum(label_tokens[i] for i in mine) / sum(label_tokens[i] for i in idx)
+                # this process's rows in pieces of at most the token budget (all of them without one), as many on
+                # every process (a piece that does not count weighs 0); each piece's loss is its token mean
+                pieces = matched_chunks(acc, row_pieces(rows, cfg.max_tokens_per_microbatch))
+                batch_tokens = sum(label_tokens[i] for i in idx)
+                loss_sum = 0.0
                 with strategy.accumulate(model):
-                    loss = model(**batch).loss  # mean over this process's response tokens (labels -100 elsewhere)
-                    # DDP averages over processes: x N x share makes it the token mean over the whole batch
-                    acc.backward(loss * (acc.num_processes * share))
+                    for j, (piece, counts) in enumerate(pieces):
+                        part = [rows[k] for k in piece]
+                        # the piece's share of the batch's response tokens: 1.0 for a whole batch in one process
+                        share = sum(label_tokens[mine[k]] for k in piece) / batch_tokens * float(counts)
+                        # gradients sync in the step's last micro-batch, at its last piece
+                        with strategy.no_sync(model, last=acc.sync_gradients and j == len(pieces) - 1):
+                            loss = model(**model_inputs(part, packed, unwrapped, tokenizer.pad_token_id,
+                                                        acc.device)).loss  # mean over the piece's response tokens
+                            # DDP averages over processes: x N x share makes it the token mean over the whole batch
+                            acc.backward(loss * (acc.num_processes * share))
+                        loss_sum += loss.item() * share
                     grad_norm = optimizer_step(acc, model, optimizer, scheduler, cfg.max_grad_norm)
-                window.append(loss.item() * share)
+                window.append(loss_sum)
             bar.update(1)
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
