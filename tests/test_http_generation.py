@@ -56,13 +56,10 @@ def checkpoint(answering_checkpoint) -> str:
 
 @pytest.fixture(scope="module")
 def in_thread(checkpoint):
-    """Two servers of the checkpoint in this process's threads, and its tokenizer.
-
-    They share one lock: torch's RNG is process-wide, and a seeded request must not interleave with another's.
-    """
+    """Two servers of the checkpoint in this process's threads, and its tokenizer (a seeded request draws from a
+    generator of its own, so the two never share torch's)."""
     model, tok = load_checkpoint(checkpoint, device="cpu")
     servers = [make_server(model, tok, "127.0.0.1", 0, model_name="policy") for _ in range(2)]
-    servers[1].lock = servers[0].lock
     for srv in servers:
         threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield servers, model, tok

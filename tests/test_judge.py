@@ -202,7 +202,8 @@ def test_the_server_speaks_the_openai_chat_schema(server):
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, 400, "messages[1].content"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "10"}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, 400, "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
 ])
 def test_a_bad_request_gets_an_openai_error_naming_the_field(server, body, status, param):
@@ -218,6 +219,8 @@ def test_the_server_refuses_non_json_unknown_routes_and_missing_keys(server):
     r = httpx.post(f"{server.url}/chat/completions", content=b"{not json", headers=auth, timeout=30)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.get(f"{server.url}/completions", headers=auth, timeout=30)
+    assert r.status_code == 405 and "/v1/chat/completions" in r.json()["error"]["message"]  # a POST route
+    r = httpx.get(f"{server.url}/nowhere", headers=auth, timeout=30)
     assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
     r = httpx.get(f"{server.url}/models", timeout=30)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

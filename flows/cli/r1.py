@@ -108,7 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         generation = GenerationConfig(sampler=args.sampler, kv_cache_mb=args.kv_cache_mb)
         server = make_server(model, tokenizer, args.host, args.port, model_name=args.model_name or args.checkpoint,
-                             api_key=api_key, generation=generation)
+                             api_key=api_key, generation=generation, slots=args.slots,
+                             max_waiting=args.max_waiting)
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     name = server.model_name
@@ -173,6 +174,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="the static sampler's KV cache budget in MiB (default: half the GPU's free memory)")
     serve.add_argument("--api-key-env", default=None,
                        help="NAME of an env var holding a key every request must send as a Bearer token")
+    serve.add_argument("--slots", type=_positive_int, default=64,
+                       help="rows decoded at once, across requests (default: 64; fewer where the KV budget holds fewer)")
+    serve.add_argument("--max-waiting", type=_positive_int, default=256,
+                       help="requests that may wait for a slot; one more is answered 429 (default: 256)")
     plan = sub.add_parser("plan", parents=[common], help="size a recipe's rejection sampling (prompts, samples, "
                                                          "shards, tokens, rows kept, time) without running it")
     plan.add_argument("--recipe", default="tiny")

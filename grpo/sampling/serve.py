@@ -1,365 +1,397 @@
-"""A checkpoint behind a small OpenAI-compatible HTTP API, so any stage (or any OpenAI client) can ask it questions.
+"""A checkpoint behind an OpenAI-compatible HTTP API (`r1 serve`), so any stage (or any OpenAI client) can ask it
+questions, its concurrent requests decoded together.
 
     GET  /v1/models             the one model served
-    POST /v1/chat/completions   non-streaming chat: messages -> chat template -> generate -> choices[0].message
-    POST /v1/completions        non-streaming completion of text as given (a prompt or a list), n choices each
+    POST /v1/chat/completions   chat: messages -> chat template -> one choice (stream: chat.completion.chunk events)
+    POST /v1/completions        completion of text as given (a prompt or a list), n choices each (stream too)
     GET  /health                200 when up
 
 It exists so the pipeline's judge and rejection sampling's generation can be a model this project trained, reached
-the same way as a vLLM or hosted endpoint (`HTTPJudge`, `HTTPGenerationBackend`). It is the standard library's
-threading HTTP server around the local engine (`grpo.sampling.engines`): one model, one generation at a time (a
-lock), no streaming, no batching across requests (a /v1/completions request's prompts x n are decoded together). For
-throughput serve the checkpoint folder with vLLM instead; the API is the same. Differences from vLLM: no stop
-strings, `logprobs` only 0 (the sampled token's log-prob, under the distribution sampled from: after temperature and
-top-p), an over-long `max_tokens` trimmed to the model's length rather than refused.
+the same way as a vLLM or hosted endpoint (`HTTPJudge`, `HTTPGenerationBackend`). FastAPI on uvicorn; every
+request's rows go through one engine thread that batches them continuously (`grpo.sampling.serve_engine`: the
+batching rules, seeds, stop strings), and the handlers wait on it in asyncio. Streaming is OpenAI's: server-sent
+`data: {...}` chunks, then `data: [DONE]`. `stop` strings end the text before them (finish_reason "stop"), the row's
+slot freed at once; a client that goes away has its request cancelled; past `max_waiting` requests waiting for a
+slot, 429. Differences from vLLM: `logprobs` only 0 (the sampled token's log-prob, under the distribution sampled
+from: after temperature and top-p) and not with streaming, an over-long `max_tokens` trimmed to the model's length
+rather than refused.
 
-Standard library HTTP server; must not depend on Prefect or MLflow.
+Beside it, the alignment stage registers the final model in MLflow's registry (`tasks.promotion.register_model`,
+a pyfunc that takes OpenAI-style chat messages), so `mlflow models serve -m models:/<name>@champion --env-manager
+local` also serves it: MLflow's generic scoring server, POST /invocations, one request at a time through the
+logged model, for MLflow's deployment tooling (its Docker images, SageMaker, Azure ML) and for checking what was
+registered (tests/test_promotion.py). `r1 serve` is the one to generate with: the OpenAI API that the judge, the
+HTTP backend and other clients speak, batched across requests, streaming, stop strings.
+
+FastAPI and uvicorn; must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
-import math
+import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+import uvicorn
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import GenerationConfig, ModelConfig, SamplingConfig
+from grpo.config import GenerationConfig, ModelConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.backend import render_prompts
 from grpo.sampling.engines import build_engine
+from grpo.sampling.serve_engine import BatchingEngine, Delta, Failed, Finished, QueueFull, Started
+from grpo.sampling.serve_requests import Request, RequestError, parse_chat, parse_completion
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 256  # a request that names no max_tokens gets this many (vLLM: 16 for /v1/completions)
 MAX_BODY_BYTES = 8 * 2**20  # larger bodies are refused before they are read
-MAX_CHOICES = 1024  # prompts x n in one /v1/completions request
-DECODE_BATCH = 64  # sequences of one /v1/completions request decoded together
-ROLES = ("system", "user", "assistant")
+SLOTS = 64  # rows decoded at once (fewer where the KV cache budget holds fewer)
+MAX_WAITING = 256  # requests waiting for a slot; one more is answered 429
+_GONE = object()  # what a request's event queue gets when its client disconnects
 
 
-class RequestError(Exception):
-    """A request the server will not run: the HTTP status, the message, and the offending field (OpenAI `param`)."""
+class ChatServer:
+    """One model behind the API, bound to its address at once (port 0: a free one, read back from `url`).
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-class ChatServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer that holds one model; handlers reach it as `self.server`."""
-
-    daemon_threads = True  # a hung client never keeps the process alive
+    `serve_forever()` answers until `shutdown()` (from another thread) or Ctrl-C; `start()` does it in a thread of
+    its own and `stop()` ends it and releases the port.
+    """
 
     def __init__(self, address: tuple[str, int], model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 model_name: str, api_key: str | None = None, generation: GenerationConfig | None = None):
-        super().__init__(address, _Handler)
+                 model_name: str, api_key: str | None = None, generation: GenerationConfig | None = None, *,
+                 slots: int = SLOTS, max_waiting: int = MAX_WAITING):
         self.model_name, self.api_key = model_name, api_key
-        self.engine = build_engine(generation or GenerationConfig(), model, tokenizer, who="r1 serve")
-        self.tokenizer = tokenizer
         # the longest prompt + completion the model was built for; None when its config does not say
         self.max_len: int | None = getattr(model.config, "max_position_embeddings", None)
-        self.lock = threading.Lock()  # one model: concurrent requests take turns
+        backend = build_engine(generation or GenerationConfig(), model, tokenizer, who="r1 serve")
+        self.engine = BatchingEngine(backend, slots=slots, max_waiting=max_waiting, max_len=self.max_len)
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.socket = socket.create_server(address, family=family)  # bound now: the url is known before serving
+        self.server_address = self.socket.getsockname()
+        config = uvicorn.Config(_AccessLog(build_app(self)), log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=10)
+        self._uvicorn = uvicorn.Server(config)
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}/v1"
 
+    def serve_forever(self, poll_interval: float | None = None) -> None:
+        """Answer requests until `shutdown()` or a signal (SIGINT, SIGTERM: in the main thread, uvicorn's handlers
+        let the requests in flight finish, then raise the signal again). `poll_interval` is ignored (the
+        socketserver argument, kept for callers of the server this one replaced)."""
+        self._stopped.clear()
+        self.engine.start()
+        try:
+            self._uvicorn.run(sockets=[self.socket])
+        finally:
+            self.engine.stop()
+            self._stopped.set()
+
+    def start(self) -> ChatServer:
+        """Serve in a daemon thread; returns once the server accepts connections."""
+        self._thread = threading.Thread(target=self.serve_forever, name="r1-serve-http", daemon=True)
+        self._thread.start()
+        while not self._uvicorn.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"r1 serve at {self.url} stopped as it started")
+            time.sleep(0.01)
+        return self
+
+    def shutdown(self) -> None:
+        """Stop serving (requests in flight finish first, for up to 10 s) and wait until it has stopped."""
+        if self._uvicorn.started or (self._thread is not None and self._thread.is_alive()):
+            self._uvicorn.should_exit = True
+            self._stopped.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def __enter__(self) -> ChatServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "r1-pipeline", "max_model_len": self.max_len}]}
 
-    def chat_completion(self, request: dict) -> dict:
-        """Run one validated chat request and return the OpenAI `chat.completion` object."""
-        messages, sampling, seed = self._parse(request)
-        # everything that touches the model or tokenizer under the lock: a fast tokenizer shared by threads
-        # raises "Already borrowed", and one model generates one request at a time anyway
-        with self.lock:
-            text = render_prompts(self.tokenizer, [messages])[0]
-            prompt_tokens = self._prompt_lengths([text], "messages")[0]
-            sampling = self._fit_budget(sampling, prompt_tokens)
-            if seed is not None:
-                torch.manual_seed(seed)
-            rollout = self.engine.generate([messages], 1, sampling)
-        completion_tokens = int(rollout.completion_mask[0].sum())
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": rollout.texts[0]},
-                         "logprobs": None, "finish_reason": "length" if bool(rollout.truncated[0]) else "stop"}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-        }
-
-    def completion(self, request: dict) -> dict:
-        """Run one validated /v1/completions request: `n` continuations of each prompt text, no chat template.
-
-        Choice `i * n + j` is prompt i's j-th sample, as vLLM numbers them; usage counts each prompt once.
-        """
-        prompts, n, sampling, seed, logprobs, add_special_tokens = self._parse_completion(request)
-        with self.lock:
-            lengths = self._prompt_lengths(prompts, "prompt", add_special_tokens)
-            sampling = self._fit_budget(sampling, max(lengths))
-            if seed is not None:
-                torch.manual_seed(seed)
-            rollout = self.engine.generate_from_text(prompts, n, sampling, add_special_tokens=add_special_tokens,
-                                                     logprobs=logprobs is not None)
-            per_token = self._token_logprobs(rollout) if logprobs is not None else None
-        counts = rollout.completion_tokens.tolist()
-        choices = [{"index": i, "text": text, "logprobs": per_token[i] if per_token else None,
-                    "finish_reason": "length" if bool(rollout.truncated[i]) else "stop"}
-                   for i, text in enumerate(rollout.texts)]
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": sum(lengths), "completion_tokens": sum(counts),
-                      "total_tokens": sum(lengths) + sum(counts)},
-        }
-
-    def _prompt_lengths(self, texts: list[str], field: str, add_special_tokens: bool = False) -> list[int]:
-        """Tokens per prompt text; RequestError when one leaves the model no room to generate."""
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
-        for i, length in enumerate(lengths):
-            where = field if len(texts) == 1 else f"{field}[{i}]"
-            if length == 0:
-                raise RequestError(400, f"{where} is empty: there is nothing to continue", field)
-            if self.max_len is not None and length >= self.max_len:
-                raise RequestError(400, f"{where} is {length} tokens; this model takes at most {self.max_len} "
-                                        f"tokens of prompt and completion together", field)
-        return lengths
-
-    def _fit_budget(self, sampling: SamplingConfig, prompt_tokens: int) -> SamplingConfig:
-        """An over-long budget is trimmed rather than refused (vLLM refuses); the reply then ends "length"."""
-        if self.max_len is None:
-            return sampling
-        return sampling.model_copy(update={"max_new_tokens": min(sampling.max_new_tokens,
-                                                                  self.max_len - prompt_tokens)})
-
-    def _token_logprobs(self, rollout) -> list[dict]:
-        """OpenAI completion logprobs per choice: each sampled token, its log-prob and its text offset."""
-        out = []
-        for ids, mask, lps in zip(rollout.completion_ids, rollout.completion_mask, rollout.logprobs):
-            n = int(mask.sum())
-            tokens = [self.tokenizer.decode([t]) for t in ids[:n].tolist()]
-            offsets = [sum(len(t) for t in tokens[:i]) for i in range(n)]
-            values = [round(v, 6) for v in lps[:n].tolist()]
-            out.append({"tokens": tokens, "token_logprobs": values, "text_offset": offsets,
-                        "top_logprobs": [{t: v} for t, v in zip(tokens, values)]})
-        return out
-
-    def _check_model(self, request) -> None:
-        if not isinstance(request, dict):
-            raise RequestError(400, f"the body must be a JSON object, got {type(request).__name__}")
-        model = request.get("model")
-        if model is not None and model != self.model_name:
-            raise RequestError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                               "model", "model_not_found")
-        if request.get("stream"):
-            raise RequestError(400, "stream=true is not supported; send stream=false or leave it out", "stream")
-        if request.get("stop") not in (None, [], ""):
-            raise RequestError(400, "stop sequences are not supported; generation ends at the end-of-turn token",
-                               "stop")
-
-    def _parse(self, request: dict) -> tuple[list[dict], SamplingConfig, int | None]:
-        """The chat request's messages, sampling settings and seed; RequestError naming the first bad field."""
-        self._check_model(request)
-        messages = _messages(request.get("messages"))
-        if request.get("n", 1) != 1:
-            raise RequestError(400, f"n must be 1 (one choice per request), got {request['n']!r}", "n")
-        sampling, seed = _sampling(request, batch_size=1)
-        return messages, sampling, seed
-
-    def _parse_completion(self, request: dict) -> tuple[list[str], int, SamplingConfig, int | None, int | None,
-                                                        bool]:
-        """(prompts, n, sampling, seed, logprobs, add_special_tokens) of a /v1/completions request."""
-        self._check_model(request)
-        prompt = request.get("prompt")
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise RequestError(400, "prompt must be a string or a non-empty list of strings (token ids are not "
-                                    "supported)", "prompt")
-        n = _number(request.get("n"), "n", int, 1, low=1)
-        if len(prompts) * n > MAX_CHOICES:
-            raise RequestError(400, f"{len(prompts)} prompts x n={n} is more than the {MAX_CHOICES} choices one "
-                                    f"request may ask for", "n")
-        best_of = request.get("best_of")
-        if best_of not in (None, n):
-            raise RequestError(400, f"best_of must equal n or be left out, got {best_of!r}", "best_of")
-        if request.get("echo"):
-            raise RequestError(400, "echo=true is not supported", "echo")
-        if request.get("suffix"):
-            raise RequestError(400, "suffix is not supported", "suffix")
-        logprobs = _number(request.get("logprobs"), "logprobs", int, None, low=0)
-        if logprobs:
-            raise RequestError(400, f"logprobs must be 0 (the sampled token's log-prob) or left out, got "
-                                    f"{logprobs}: alternatives are not computed", "logprobs")
-        add_special_tokens = request.get("add_special_tokens", True)
-        if not isinstance(add_special_tokens, bool):
-            raise RequestError(400, f"add_special_tokens must be true or false, got {add_special_tokens!r}",
-                               "add_special_tokens")
-        sampling, seed = _sampling(request, batch_size=DECODE_BATCH)
-        return prompts, n, sampling, seed, logprobs, add_special_tokens
-
-
-def _sampling(request: dict, batch_size: int) -> tuple[SamplingConfig, int | None]:
-    """The sampling fields both routes share: max_tokens, temperature, top_p, top_k (a vLLM extension), seed."""
-    max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
-    field = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
-    max_tokens = _number(max_tokens, field, int, DEFAULT_MAX_TOKENS, low=1)
-    temperature = _number(request.get("temperature"), "temperature", float, 1.0, low=0.0)
-    top_p = _number(request.get("top_p"), "top_p", float, 1.0, low=0.0)
-    if top_p == 0 or top_p > 1:
-        raise RequestError(400, f"top_p must be in (0, 1], got {top_p!r}", "top_p")
-    top_k = _number(request.get("top_k"), "top_k", int, 0, low=-1)  # vLLM: -1 (or 0) keeps every token
-    seed = _number(request.get("seed"), "seed", int, None)
-    if seed is not None and not -2**63 <= seed < 2**64:  # what torch.manual_seed takes
-        raise RequestError(400, f"seed must fit in 64 bits, got {seed}", "seed")
-    sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-                              batch_size=batch_size)
-    return sampling, seed
-
-
-def _messages(value) -> list[dict]:
-    """OpenAI chat messages as {role, content} dicts with string content (text parts joined)."""
-    if not isinstance(value, list) or not value:
-        raise RequestError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(400, f"{where} must be an object with role and content, got {type(m).__name__}", where)
-        if m.get("role") not in ROLES:
-            raise RequestError(400, f"{where}.role must be one of {list(ROLES)}, got {m.get('role')!r}",
-                               f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RequestError(400, f"{where}.content parts must all be {{'type': 'text', 'text': str}}; "
-                                        f"images and audio are not supported", f"{where}.content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(400, f"{where}.content must be a string, got {type(content).__name__}",
-                               f"{where}.content")
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def _number(value, field: str, kind: type, default, low: float | None = None):
-    """A JSON number field as `kind`, `default` when absent or null; RequestError when it is not a number in range."""
-    if value is None:
-        return default
-    # bool is an int in Python and 2.0 is a fine integer in JSON; "2" and 2.5 are not
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or (kind is int and value != int(value))):
-        raise RequestError(400, f"{field} must be {'an integer' if kind is int else 'a number'}, got {value!r}",
-                           field)
-    if low is not None and value < low:
-        raise RequestError(400, f"{field} must be at least {low:g}, got {value!r}", field)
-    return kind(value)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: ChatServer
-    protocol_version = "HTTP/1.1"  # keep-alive, so a judge's thread pool reuses its connections
-
-    def do_GET(self) -> None:
-        def handle() -> dict:
-            self._authorize()
-            route = self.path.rstrip("/")
-            if route == "/v1/models":
-                return self.server.models()
-            if route == "/health":
-                return {"status": "ok"}
-            raise self._no_route()
-
-        self._respond(handle)
-
-    def do_POST(self) -> None:
-        def handle() -> dict:
-            raw = self._read_body()  # first, so an early error never leaves a body unread on a kept-alive socket
-            self._authorize()
-            routes = {"/v1/chat/completions": self.server.chat_completion, "/v1/completions": self.server.completion}
-            route = routes.get(self.path.rstrip("/"))
-            if route is None:
-                raise self._no_route()
-            try:
-                request = json.loads(raw)
-            except ValueError as e:
-                raise RequestError(400, f"the body is not valid JSON: {e}") from None
-            return route(request)
-
-        self._respond(handle)
-
-    def _respond(self, handle) -> None:
-        try:
-            status, body = 200, handle()
-        except RequestError as e:
-            status, body = e.status, {"error": {"message": e.message, "type": e.kind, "param": e.param,
-                                                "code": None}}
-        except Exception as e:  # a bug or an out-of-memory: the client gets a 500, the server keeps serving
-            logger.exception("request %s %s failed", self.command, self.path)
-            status, body = 500, {"error": {"message": f"internal error: {type(e).__name__}: {e}",
-                                           "type": "server_error", "param": None, "code": None}}
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _authorize(self) -> None:
-        if self.server.api_key is None or self.path.rstrip("/") == "/health":
+    def authorize(self, request: HTTPRequest) -> None:
+        if self.api_key is None:
             return
-        sent = self.headers.get("Authorization", "")
-        expected = f"Bearer {self.server.api_key}"
+        sent = request.headers.get("authorization", "")
+        expected = f"Bearer {self.api_key}"
         if not hmac.compare_digest(sent.encode(), expected.encode()):  # constant time: no guessing by timing
             raise RequestError(401, "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
                                kind="authentication_error")
 
-    def _read_body(self) -> bytes:
+
+def build_app(server: ChatServer) -> FastAPI:
+    """The routes, each answering errors with OpenAI's error body."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: HTTPRequest, e: RequestError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return JSONResponse(e.body(), e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: HTTPRequest, e: HTTPException) -> JSONResponse:
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self.close_connection = True
-            raise RequestError(400, "Content-Length must be an integer") from None
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True  # the unread body would be taken for the next request
-            raise RequestError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are accepted")
-        return self.rfile.read(length)
+            server.authorize(request)  # an unknown route tells a client without the key nothing either
+        except RequestError as refusal:
+            return await refused(request, refusal)
+        return await refused(request, RequestError(
+            e.status_code, f"no route {request.method} {request.url.path}; this server has GET /v1/models, POST "
+                           f"/v1/chat/completions, POST /v1/completions and GET /health", kind="not_found_error"))
 
-    def _no_route(self) -> RequestError:
-        return RequestError(404, f"no route {self.command} {self.path}; this server has GET /v1/models, "
-                                 f"POST /v1/chat/completions, POST /v1/completions and GET /health",
-                            kind="not_found_error")
+    @app.exception_handler(Exception)
+    async def failed(request: HTTPRequest, e: Exception) -> JSONResponse:  # a bug: a 500, the server goes on
+        logger.error("request %s %s failed", request.method, request.url.path, exc_info=e)
+        return JSONResponse({"error": {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error",
+                                       "param": None, "code": None}}, 500)
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002  (the base class's name)
-        # the request line and status only: headers, and so API keys, are never logged
-        logger.info("%s %s", self.address_string(), format % args)
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest) -> dict:
+        server.authorize(request)
+        return server.models()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        body = await _read_json(server, request)
+        return await _answer(server, request, parse_chat(body, server.model_name))
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        body = await _read_json(server, request)
+        return await _answer(server, request, parse_completion(body, server.model_name))
+
+    return app
+
+
+async def _read_json(server: ChatServer, request: HTTPRequest):
+    """The body as JSON: 413 when it is too large (before it is read, or the key checked), 401 without the key."""
+    try:
+        length = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        raise RequestError(400, "Content-Length must be an integer") from None
+    if length > MAX_BODY_BYTES:
+        raise RequestError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are accepted")
+    server.authorize(request)
+    raw = bytearray()
+    async for part in request.stream():  # a chunked body names no length: counted as it comes
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise RequestError(413, f"the body is over {MAX_BODY_BYTES} bytes, the most accepted")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+
+
+async def _answer(server: ChatServer, request: HTTPRequest, req: Request):
+    """Hand the request to the engine thread and answer from its events (a stream, or one JSON reply)."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+    def emit(event) -> None:  # called from the engine thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop has closed (the server stopped): nobody is listening
+            pass
+
+    try:
+        job = server.engine.submit(req, emit)
+    except QueueFull as e:
+        raise RequestError(429, f"the server is busy: {e}; retry later", kind="requests",
+                           code="rate_limit_exceeded") from None
+    watcher = asyncio.ensure_future(_watch_disconnect(request, events))
+    finished = False
+    try:
+        first = await events.get()  # Started, or Failed: a prompt the model cannot take
+        if first is _GONE:
+            return None
+        if isinstance(first, Failed):
+            raise first.error
+        reply = _Reply(server.model_name, req, first.prompt_tokens)
+        if req.stream:
+            finished = True  # the stream owns the job (and the watcher) from here
+            return StreamingResponse(_stream(server, job, events, reply, watcher), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        while len(reply.done) < reply.choices:
+            event = await events.get()
+            if event is _GONE:
+                return None
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, Finished):
+                reply.done[event.choice] = event
+        finished = True
+        return reply.whole()
+    finally:
+        if not finished:
+            server.engine.cancel(job)
+        if not req.stream or not finished:
+            watcher.cancel()
+
+
+async def _watch_disconnect(request: HTTPRequest, events: asyncio.Queue) -> None:
+    """Put _GONE in `events` when the client disconnects (the body is read by then: only that message comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    events.put_nowait(_GONE)
+
+
+async def _stream(server: ChatServer, job, events: asyncio.Queue, reply: _Reply, watcher: asyncio.Future):
+    """Server-sent events: a first chunk, the text as it comes, each choice's last chunk, usage, [DONE]. A client
+    that goes away (the watcher, or Starlette cancelling this generator) has its request cancelled."""
+    ended = False
+    try:
+        for chunk in reply.opening():
+            yield _sse(chunk)
+        while len(reply.done) < reply.choices:
+            event = await events.get()
+            if event is _GONE:
+                return
+            if isinstance(event, Failed):
+                e = event.error
+                body = e.body() if isinstance(e, RequestError) else {"error": {
+                    "message": f"internal error: {type(e).__name__}: {e}", "type": "server_error", "param": None,
+                    "code": None}}
+                ended = True
+                yield _sse(body)
+                return
+            if isinstance(event, Delta):
+                yield _sse(reply.chunk(event.choice, event.text))
+            elif isinstance(event, Finished):
+                reply.done[event.choice] = event
+                if event.rest:
+                    yield _sse(reply.chunk(event.choice, event.rest))
+                yield _sse(reply.chunk(event.choice, None, event.finish_reason))
+        ended = True
+        if reply.req.include_usage:
+            yield _sse(reply.usage_chunk())
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        if not ended:
+            server.engine.cancel(job)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Reply:
+    """The OpenAI objects of one request: the whole reply, or its stream's chunks."""
+
+    def __init__(self, model_name: str, req: Request, prompt_tokens: list[int]):
+        self.model_name, self.req, self.prompt_tokens = model_name, req, prompt_tokens
+        self.choices = len(prompt_tokens) * req.n
+        self.done: dict[int, Finished] = {}
+        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
+
+    def usage(self) -> dict:
+        prompt, completion = sum(self.prompt_tokens), sum(len(f.token_ids) for f in self.done.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def whole(self) -> dict:
+        done = [self.done[i] for i in range(self.choices)]
+        if self.req.chat:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": done[0].text}, "logprobs": None,
+                        "finish_reason": done[0].finish_reason}]
+            return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
+        choices = [{"index": f.choice, "text": f.text, "logprobs": _token_logprobs(f) if self.req.logprobs else None,
+                    "finish_reason": f.finish_reason} for f in done]
+        return {**self._head("text_completion"), "choices": choices, "usage": self.usage()}
+
+    def opening(self) -> list[dict]:
+        """Chat's first chunk names the role; completions start with text."""
+        return [self.chunk(0, None, role=True)] if self.req.chat else []
+
+    def chunk(self, choice: int, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.req.chat:
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            entry = {"index": choice, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [entry]}
+        entry = {"index": choice, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [entry]}
+
+    def usage_chunk(self) -> dict:
+        kind = "chat.completion.chunk" if self.req.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": self.usage()}
+
+
+def _token_logprobs(f: Finished) -> dict:
+    """OpenAI completion logprobs of a choice: each sampled token, its log-prob and its text offset."""
+    offsets = [sum(len(t) for t in f.token_texts[:i]) for i in range(len(f.token_texts))]
+    values = [round(v, 6) for v in f.logprobs]
+    return {"tokens": f.token_texts, "token_logprobs": values, "text_offset": offsets,
+            "top_logprobs": [{t: v} for t, v in zip(f.token_texts, values)]}
+
+
+class _AccessLog:
+    """ASGI wrapper: one log line per request (client, method, path, status; never headers, so never a key), and a
+    trailing slash dropped from the path, as the server before this one took it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope["path"] = scope["path"].rstrip("/") or "/"
+        status = []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            logger.info('%s "%s %s" %s', client[0], scope["method"], scope["path"], status[0] if status else "-")
 
 
 def make_server(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, host: str = "127.0.0.1",
                 port: int = 8000, *, model_name: str = "model", api_key: str | None = None,
-                generation: GenerationConfig | None = None) -> ChatServer:
-    """A server bound to (host, port), not yet serving: call `serve_forever()` (port 0 picks a free port).
+                generation: GenerationConfig | None = None, slots: int = SLOTS,
+                max_waiting: int = MAX_WAITING) -> ChatServer:
+    """A server bound to (host, port), not yet serving: call `serve_forever()` or `start()` (port 0 picks a free
+    port).
 
     `api_key`, when given, must arrive as `Authorization: Bearer <key>` on every request but /health. `generation`:
-    the local engine's settings (sampler, KV cache budget).
+    the local engine's settings (sampler, KV cache budget). slots: rows decoded at once; max_waiting: requests that
+    may wait for a slot before the next is answered 429.
     """
     model.eval()
-    return ChatServer((host, port), model, tokenizer, model_name, api_key, generation)
+    return ChatServer((host, port), model, tokenizer, model_name, api_key, generation, slots=slots,
+                      max_waiting=max_waiting)
 
 
 def serve(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, host: str = "127.0.0.1", port: int = 8000,
@@ -371,7 +403,7 @@ def serve(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, host: str 
 
 
 def serve_until_interrupted(server: ChatServer) -> None:
-    """Answer requests until Ctrl-C, then release the port."""
+    """Answer requests until Ctrl-C (or SIGTERM), then release the port."""
     try:
         server.serve_forever()
     except KeyboardInterrupt:
