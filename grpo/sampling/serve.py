@@ -16,12 +16,12 @@ slot, 429. Differences from vLLM: `logprobs` only 0 (the sampled token's log-pro
 from: after temperature and top-p) and not with streaming, an over-long `max_tokens` trimmed to the model's length
 rather than refused.
 
-Beside it, the alignment stage registers the final model in MLflow's registry (`tasks.promotion.register_model`,
-a pyfunc that takes OpenAI-style chat messages), so `mlflow models serve -m models:/<name>@champion --env-manager
-local` also serves it: MLflow's generic scoring server, POST /invocations, one request at a time through the
-logged model, for MLflow's deployment tooling (its Docker images, SageMaker, Azure ML) and for checking what was
-registered (tests/test_promotion.py). `r1 serve` is the one to generate with: the OpenAI API that the judge, the
-HTTP backend and other clients speak, batched across requests, streaming, stop strings.
+Beside it, the alignment stage registers the final model in MLflow's registry (`tasks.promotion.register_model`:
+`mlflow.transformers.log_model`, task llm/v1/chat), so `mlflow models serve -m models:/<name>@champion
+--env-manager local` serves it too: MLflow's generic pyfunc scoring server, POST /invocations, one request at a
+time through the logged model, for MLflow's deployment tooling (its Docker images, SageMaker, Azure ML) and for
+checking what was registered (tests/test_promotion.py). `r1 serve` is the one to generate with: the OpenAI API
+that the judge, the HTTP backend and other clients speak, batched across requests, streamed, with stop strings.
 
 FastAPI and uvicorn; must not depend on Prefect or MLflow.
 """
