@@ -1,6 +1,7 @@
 """The iterative reward model (`reward_model.refresh_every`): pairs from the policy's groups ranked by the rules
 first and by the reward model elsewhere, a refresh that trains on the newest samples, its state resumed from GRPO's
-checkpoints, and the alignment stage run with it under Prefect and MLflow. Real tiny models, fp32 pinned."""
+checkpoints, a refresh packed against padded, and the alignment stage run with it under Prefect and MLflow. Real
+tiny models, fp32 pinned."""
 
 import math
 import shutil
@@ -16,6 +17,7 @@ from grpo.reward_config import RewardModelConfig
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.rm_refresh import RewardModelRefresh, policy_pairs
 from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
+from test_packing import close
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -141,6 +143,57 @@ def test_a_refresh_without_the_reward_model_among_the_rewards_is_refused_when_th
                                          "name 'reward_model'"):
         AlignmentGRPOConfig.model_validate({"reward_model": {"refresh_every": 2},
                                             "grpo": {"rewards": {"accuracy": 1.0}}})
+
+
+@pytest.fixture
+def one_thread():
+    """Where numbers are compared: one thread, so each sum is taken in one order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_packed_refresh_matches_the_padded_one(one_thread):
+    """One refresh (3 steps of 4 pairs, one a batch replayed) with each batch's sequences packed into one row, and
+    padded: the same gradients at every step (clipped, as the optimizer reads them), the same loss and accuracy,
+    and the same weights after, to fp32 rounding. Completions of uneven lengths, so the padded batches pad."""
+    samples = table([
+        [("Count to 3", "1 2 3", 3.0, 0.1), ("Count to 3", "one, then two", 0.0, 0.2),
+         ("Count to 3", "1", 1.0, 0.3), ("Count to 3", "12, 3, and on to 45 and 678", 8.0, 0.4)],
+        [("Say hi", "hi", None, 0.9), ("Say hi", "hello there, how are you today?", None, -0.4),
+         ("Say hi", "hey", None, 0.1), ("Say hi", "greetings", None, 0.2)],
+        [("Count to 2", "1 2", 2.0, None), ("Count to 2", "two", 0.0, None),
+         ("Count to 2", "1 and 2", 2.0, None), ("Count to 2", "a long way round to 1 then 2, then 3", 3.0, None)],
+    ])
+    cfg = REFRESH.model_copy(update={"refresh_every": 1, "learning_rate": 1e-3})
+    runs = {}
+    for packing in (False, True):
+        torch.manual_seed(0)
+        rm, tok = build_reward_model(SMALL)
+        with torch.no_grad():  # a fresh head scores near 0 everywhere: make the scores differ
+            rm.score.weight.mul_(20.0)
+        refresh = RewardModelRefresh(RewardModelScorer(rm, tok), cfg.model_copy(update={"packing": packing}),
+                                     WEIGHTS, 4, replay=preference_pairs(16))
+        assert refresh.packed is packing
+        before = {k: v.clone() for k, v in rm.state_dict().items()}
+        grads = []
+        refresh.optimizer.register_step_pre_hook(
+            lambda *_: grads.append([p.grad.clone() for p in rm.parameters()]))
+        metrics = refresh.after_step(1, samples)
+        runs[packing] = metrics, grads, {k: v.clone() for k, v in rm.state_dict().items()}
+    (padded, g_padded, w_padded), (packed, g_packed, w_packed) = runs[False], runs[True]
+    assert packed["rm/refresh_pairs"] == padded["rm/refresh_pairs"] == 3
+    assert packed["rm/refresh_loss"] == pytest.approx(padded["rm/refresh_loss"], rel=1e-5)
+    assert packed["rm/refresh_accuracy"] == padded["rm/refresh_accuracy"]
+    assert len(g_packed) == len(g_padded) == cfg.refresh_steps
+    for step, (a, b) in enumerate(zip(g_packed, g_padded)):
+        assert all(close(x, y, 1e-4) for x, y in zip(a, b)), step
+    # AdamW divides each gradient by its own size: a rounding-sized difference in a near-zero gradient moves its
+    # weight by a share of the learning rate (1e-3), not of the gradient: at most 2% of it
+    apart = {n: (w_packed[n] - w).abs().max().item() for n, w in w_padded.items()}
+    assert max(apart.values()) <= 2e-5, apart
+    assert all((w_padded[n] - w).abs().max() > 1e-4 for n, w in before.items())  # the refresh moved every weight
 
 
 @pytest.mark.parametrize("distributed", [{}, {"num_processes": 2}], ids=["one", "launched-2"])

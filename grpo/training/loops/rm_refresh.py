@@ -26,6 +26,10 @@ the same pairs and takes the same steps from the same seed. The refreshed model,
 yet used are in the GRPO checkpoints, so a resumed run scores as the whole run would have; when GRPO ends the
 refreshed model is saved beside the policy (`reward_model/`), and the stage logs it as `reward_model_refreshed`.
 
+A refresh batch's 2B sequences go through the model as one row without padding where `reward_model.packing` allows
+(as in the reward model's own loop: grpo.training.reward_scorer.sequence_scores), the padded batch's scores to float
+rounding.
+
 Must not depend on Prefect or MLflow.
 """
 
@@ -39,11 +43,11 @@ import pandas as pd
 import torch
 
 from grpo.config import REWARD_MODEL
+from grpo.kernels.attention import attending_packed
 from grpo.reward_config import RewardModelConfig
-from grpo.training.batches import pad_right
 from grpo.training.optimizers import make_adamw
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, encode_pairs, evaluate_pairs,
-                                         pair_metrics)
+                                         pair_metrics, packs, sequence_scores)
 
 STATE_FILE = "reward_model_refresh.pt"  # in each GRPO checkpoint folder
 OUTPUT_FOLDER = "reward_model"  # the refreshed reward model, beside GRPO's `model` when the loop ends
@@ -100,6 +104,9 @@ class RewardModelRefresh:
         self.replay = (encode_pairs(replay, scorer.tokenizer, cfg.max_seq_len, source)
                        if replay is not None and len(replay) and cfg.refresh_replay > 0 else [])
         self.optimizer = make_adamw(scorer.model, cfg.refresh_learning_rate or cfg.learning_rate, cfg.weight_decay)
+        # a refresh batch's sequences as one row without padding (`packing: true` on a model without a score head
+        # fails here, before any GRPO step)
+        self.packed = packs(cfg.packing, scorer.model)
         self.pending: list[pd.DataFrame] = []  # the samples since the last refresh, a table a step
         self.last_pairs = pd.DataFrame()  # the pairs of the latest refresh (what a test or a person can inspect)
         self.refreshes = 0
@@ -134,20 +141,22 @@ class RewardModelRefresh:
         losses, accuracies = [], []
         model.train()
         try:
-            for _ in range(cfg.refresh_steps):
-                batch = [fresh[i] for i in rng.integers(len(fresh), size=cfg.batch_size - n_replay)]
-                batch += [self.replay[i] for i in rng.integers(len(self.replay), size=n_replay)] if n_replay else []
-                B = len(batch)
-                ids, mask = pad_right([e.chosen_ids for e in batch] + [e.rejected_ids for e in batch],
-                                      model.config.pad_token_id)
-                rewards = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]  # [2B]
-                loss = bradley_terry_loss(rewards[:B], rewards[B:])
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-                accuracies.append(pair_metrics(rewards[:B], rewards[B:])["accuracy"])
+            with attending_packed(model, self.packed):  # packed rows attend sequence by sequence
+                for _ in range(cfg.refresh_steps):
+                    batch = [fresh[i] for i in rng.integers(len(fresh), size=cfg.batch_size - n_replay)]
+                    batch += [self.replay[i] for i in rng.integers(len(self.replay), size=n_replay)] if n_replay else []
+                    B = len(batch)
+                    # chosen and rejected in one forward: rows [0, B) are chosen, [B, 2B) their rejected partners
+                    rewards = sequence_scores(model, [e.chosen_ids for e in batch] + [e.rejected_ids for e in batch],
+                                              model.config.pad_token_id, device,
+                                              packed_for=model if self.packed else None)  # [2B]
+                    loss = bradley_terry_loss(rewards[:B], rewards[B:])
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    losses.append(loss.item())
+                    accuracies.append(pair_metrics(rewards[:B], rewards[B:])["accuracy"])
         finally:
             model.eval()
         return {"rm/refresh_loss": sum(losses) / len(losses), "rm/refresh_accuracy": sum(accuracies) / len(accuracies)}
