@@ -33,8 +33,9 @@ class RewardModelConfig(BaseModel):
     eval_batch_size: int = Field(64, ge=1)  # sequences per scoring batch
     mixed_precision: Precision = "auto"  # auto (bf16 where native, else fp32), bf16, fp16 (GPU) or no
     gradient_checkpointing: bool = False  # trade compute for memory on real models
-    # each micro-batch's sequences as one row without padding (grpo.training.packing), the same scores: "auto"
-    # where the model's attention takes packed rows exactly (Qwen2/Llama on SDPA or eager on CPU, any on flash)
+    # each micro-batch's sequences as one row without padding (grpo.training.packing), the same scores, in the reward
+    # model's loop, its refreshes and the PRM's: "auto" where the model's attention takes packed rows exactly
+    # (Qwen2/Llama on SDPA or eager on CPU, any on flash)
     packing: bool | Literal["auto"] = "auto"
     log_every: int = Field(10, ge=1)  # steps between metric callbacks
     seed: int = 0  # head initialisation and data order

@@ -28,10 +28,10 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.masking_utils import eager_mask
 
 NAME = "r1_cpu_grouped"
-# the language models, their decoders alone (PPO's critic is a copy of one) and their sequence classifiers (the
-# reward model: the same decoder under a one-output head)
+# the language models, their decoders alone (PPO's critic is a copy of one), their sequence classifiers (the
+# reward model: the same decoder under a one-output head) and token classifiers (the process reward model)
 _SUPPORTED = {"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen2Model", "LlamaModel", "Qwen2ForSequenceClassification",
-              "LlamaForSequenceClassification"}
+              "LlamaForSequenceClassification", "Qwen2ForTokenClassification", "LlamaForTokenClassification"}
 
 
 def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -12,6 +12,10 @@ token each step ends in and trained with binary cross-entropy on the step labels
 (`RewardModelConfig`) and loop. As a step verifier (`prm_step_verifier`) it finds the steps with a rule segmenter
 (the synthetic task's equations, or GSM8K's lines) and rewards each with its probability of being good.
 
+A micro-batch's rows go through the model as one row without padding where `packing` allows (as the reward model's
+do: each row from position 0, attending to itself alone, its step ends read at its own offset in the row), the
+padded batch's logits to float rounding.
+
 Run it alone:
     labels = label_steps(build_engine(GenerationConfig(), policy, tok), rows, completions, k=4,
                          sampling=SamplingConfig())
@@ -35,6 +39,7 @@ from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTr
 
 from grpo.config import TINY, ModelConfig, SamplingConfig
 from grpo.data.arithmetic import Problem, format_response
+from grpo.kernels.attention import PACKED, attending_packed
 from grpo.models import _DTYPES, check_model_config, load_tokenizer
 from grpo.reward_config import RewardModelConfig
 from grpo.rewards import accuracy_reward
@@ -44,6 +49,8 @@ from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import batch_indices, pad_right
 from grpo.training.optimizers import make_adamw, optimizer_step
+from grpo.training.packing import pack_sequences
+from grpo.training.reward_scorer import packs
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
 
@@ -152,17 +159,46 @@ def encode_steps(tok: PreTrainedTokenizerBase, prompts: Sequence, completions: S
     return out
 
 
+def step_logits(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[int]]], pad_id: int,
+                device: torch.device, *, packed_for: PreTrainedModel | None = None) -> torch.Tensor:
+    """The PRM's logits [S] at every step end of `rows` ((token ids, step-end positions) each), row by row, with
+    gradients where they are on; `model` may be wrapped (it is called through its own forward).
+
+    Padded (`packed_for` None): rows right-padded, so positions stay each row's own. Packed (`packed_for`: the
+    unwrapped model, see `packs`): one row [1, T] without padding, each row's step ends read at its offset in it;
+    the same numbers to float rounding. Its sequences travel as `packed_segments` where the model attends with
+    `packed_attention` (`attending_packed`), else as position ids alone.
+    """
+    if packed_for is None:
+        ids, mask = pad_right([r[0] for r in rows], pad_id)
+        b = torch.tensor([n for n, (_, positions) in enumerate(rows) for _ in positions], dtype=torch.long)  # [S]
+        t = torch.tensor([p for _, positions in rows for p in positions], dtype=torch.long)  # [S]
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[..., 0]  # [B, T]
+        return logits[b.to(logits.device), t.to(logits.device)].float()  # [S]
+    inputs = pack_sequences([r[0] for r in rows])
+    inputs.pop("ends")
+    starts = [seg.start for seg in inputs["packed_segments"].segments]  # [B] where each row begins in the packed one
+    at = torch.tensor([start + p for start, (_, positions) in zip(starts, rows) for p in positions],
+                      dtype=torch.long)  # [S]
+    if packed_for.config._attn_implementation != PACKED:
+        inputs.pop("packed_segments")
+    logits = model(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}).logits[0, :, 0]  # [T]
+    return logits[at.to(logits.device)].float()  # [S]
+
+
 @torch.no_grad()
 def score_step_positions(model: PreTrainedModel, pad_id: int, rows: list[tuple[list[int], list[int]]],
-                         batch_size: int = 64) -> list[list[float]]:
-    """The PRM's logit at every step end of every row (right-padded batches: positions stay each row's own)."""
+                         batch_size: int = 64, packed: bool = False) -> list[list[float]]:
+    """The PRM's logit at every step end of every row (`step_logits`, in batches; `packed`: each batch one row)."""
     device = next(model.parameters()).device
     scores: list[list[float]] = []
-    for s in range(0, len(rows), batch_size):
-        chunk = rows[s : s + batch_size]
-        ids, mask = pad_right([r[0] for r in chunk], pad_id)
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[..., 0].float()  # [B, T]
-        scores += [[logits[b, p].item() for p in positions] for b, (_, positions) in enumerate(chunk)]
+    with attending_packed(model, packed):
+        for s in range(0, len(rows), batch_size):
+            chunk = rows[s : s + batch_size]
+            flat = step_logits(model, chunk, pad_id, device, packed_for=model if packed else None).tolist()  # [S]
+            for _, positions in chunk:
+                scores.append(flat[: len(positions)])
+                flat = flat[len(positions):]
     return scores
 
 
@@ -177,9 +213,9 @@ def _auc(scores: list[float], labels: list[int]) -> float:
 
 
 def evaluate_prm(model: PreTrainedModel, tok: PreTrainedTokenizerBase, labelled: pd.DataFrame,
-                 batch_size: int = 64) -> dict[str, float]:
+                 batch_size: int = 64, packed: bool = False) -> dict[str, float]:
     rows = encode_steps(tok, labelled["prompt"].tolist(), labelled["completion"].tolist(), labelled["step_ends"])
-    scores = [x for r in score_step_positions(model.eval(), tok.pad_token_id, rows, batch_size) for x in r]
+    scores = [x for r in score_step_positions(model.eval(), tok.pad_token_id, rows, batch_size, packed) for x in r]
     labels = [int(y) for ys in labelled["labels"] for y in ys]
     return {"prm/heldout_auc": _auc(scores, labels),
             "prm/heldout_accuracy": sum((s > 0) == bool(y) for s, y in zip(scores, labels)) / len(labels),
@@ -212,31 +248,31 @@ def train_prm(labelled: pd.DataFrame, cfg: RewardModelConfig, output_dir: str | 
                                num_training_steps=cfg.max_steps)
     strategy = make_strategy(acc)  # one process (the PRM trains where the benchmark or test runs)
     model, optimizer, scheduler = strategy.prepare(model, optimizer, scheduler)
-    model.train()
+    unwrapped = acc.unwrap_model(model)
+    # each micro-batch's rows as one row without padding, where the model's attention takes it exactly
+    packed = packs(cfg.packing, unwrapped)
     window: list[float] = []
     last_loss = math.nan
-    for step in range(cfg.max_steps):
-        for micro in range(cfg.grad_accum_steps):
-            idx = batch_indices(len(rows), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
-            ids, mask = pad_right([rows[i][0] for i in idx], tok.pad_token_id)
-            b = torch.tensor([n for n, i in enumerate(idx) for _ in rows[i][1]])  # [S] the row of each step
-            t = torch.tensor([p for i in idx for p in rows[i][1]])  # [S] the token it ends in
-            y = torch.tensor([v for i in idx for v in labels[i]])  # [S]
-            with strategy.accumulate(model):
-                logits = model(input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device)).logits[..., 0]
-                picked = logits[b.to(logits.device), t.to(logits.device)].float()  # [B, T] -> [S]
-                loss = F.binary_cross_entropy_with_logits(picked, y.to(logits.device))
-                acc.backward(loss)
-                optimizer_step(acc, model, optimizer, scheduler, cfg.max_grad_norm)
-            window.append(loss.item())
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
-            last_loss = sum(window) / len(window)
-            window.clear()
-            if on_metrics:
-                on_metrics(done, {"prm/loss": last_loss, "prm/learning_rate": scheduler.get_last_lr()[0]})
-    unwrapped = acc.unwrap_model(model)
-    metrics = evaluate_prm(unwrapped, tok, heldout, cfg.eval_batch_size) if heldout is not None else {}
+    with attending_packed(unwrapped, packed):  # held for the run: packed rows attend sequence by sequence
+        model.train()
+        for step in range(cfg.max_steps):
+            for micro in range(cfg.grad_accum_steps):
+                idx = batch_indices(len(rows), cfg.batch_size, step * cfg.grad_accum_steps + micro, cfg.seed)
+                y = torch.tensor([v for i in idx for v in labels[i]])  # [S] each step end's label, row by row
+                with strategy.accumulate(model):
+                    picked = step_logits(model, [rows[i] for i in idx], tok.pad_token_id, acc.device,
+                                         packed_for=unwrapped if packed else None)  # [S]
+                    loss = F.binary_cross_entropy_with_logits(picked, y.to(picked.device))
+                    acc.backward(loss)
+                    optimizer_step(acc, model, optimizer, scheduler, cfg.max_grad_norm)
+                window.append(loss.item())
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                last_loss = sum(window) / len(window)
+                window.clear()
+                if on_metrics:
+                    on_metrics(done, {"prm/loss": last_loss, "prm/learning_rate": scheduler.get_last_lr()[0]})
+    metrics = evaluate_prm(unwrapped, tok, heldout, cfg.eval_batch_size, packed) if heldout is not None else {}
     if on_metrics and metrics:
         on_metrics(cfg.max_steps, metrics)
     model_dir = Path(output_dir) / "model"
