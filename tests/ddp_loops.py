@@ -46,14 +46,17 @@ SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, 
 SFT_ROWS = pd.DataFrame({"prompt": [f"What is {i} + {i % 3}?" for i in range(16)],
                          "response": [f"<think>{i} + {i % 3} = {i + i % 3}.</think><answer>{i + i % 3}</answer>"
                                       * (1 + 3 * (i % 2)) for i in range(16)]})  # uneven lengths: token means matter
-# global micro-batch 8 rows (4 per process), 2 micro-batches a step; a checkpoint at step 2 of 3
+# global micro-batch 8 rows (4 per process), 2 micro-batches a step; a checkpoint at step 2 of 3. The fp32 GEMMs
+# pinned to MKL: `auto` times MKL against oneDNN in each run, and where they are about even (an AVX2 EPYC) a run of one
+# process and a run of two could take different libraries, which round apart (then AdamW's step of a near-zero
+# gradient does not match to 2e-5 of the weights)
 SFT = SFTConfig(max_steps=3, batch_size=8, grad_accum_steps=2, learning_rate=3e-3, warmup_steps=0, log_every=1,
-                checkpoint_every=2, mixed_precision="no", seed=3)
+                checkpoint_every=2, mixed_precision="no", seed=3, fp32_gemm="mkl")
 GRPO_PROMPTS = pd.DataFrame({"prompt": [f"Count to {i}" for i in range(8)]})
 # 4 prompts x 4 completions a step (2 prompts per process), micro-batches of 4 rows; dapo's token mean and a KL term
 GRPO = GRPOConfig(max_steps=3, prompts_per_step=4, num_generations=4, micro_batch_size=4, learning_rate=1e-2,
                   warmup_steps=0, beta=0.04, loss_type="dapo", rewards={"digits": 1.0}, checkpoint_every=2,
-                  log_every=1, samples_every=1, mixed_precision="no",
+                  log_every=1, samples_every=1, mixed_precision="no", fp32_gemm="mkl",
                   sampling=SamplingConfig(max_new_tokens=10, temperature=1.0))
 # PPO: one completion for each of 2 x 4 = 8 prompts a step (4 per process), micro-batches of 2 rows; the KL in the
 # rewards (k1, so pi_old's log-probs are computed) and dapo's token mean over both models' losses
