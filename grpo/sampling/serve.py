@@ -47,7 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import GenerationConfig, ModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine
-from grpo.sampling.serve_engine import BatchingEngine, Delta, Failed, Finished, QueueFull, Started
+from grpo.sampling.serve_engine import BatchingEngine, Delta, Failed, Finished, QueueFull
 from grpo.sampling.serve_requests import Request, RequestError, parse_chat, parse_completion
 
 logger = logging.getLogger(__name__)
