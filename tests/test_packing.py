@@ -14,16 +14,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from grpo.kernels.attention import attending_packed
 from grpo.training.packing import pack_completions, pack_in_order, reference_parts, row_spans
+from tiny_decoders import one_thread  # noqa: F401  (autouse: one thread where numbers are compared)
 
 V, PAD = 64, 0
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_model(kind: str = "qwen2", seed: int = 0) -> torch.nn.Module:

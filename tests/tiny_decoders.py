@@ -16,7 +16,7 @@ KINDS = ["qwen2", "llama", "qwen3", "mistral"]
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    # fixed reduction order: the comparisons below are at 1e-5 of the values compared or token for token
+    # a fixed reduction order, for comparisons at 1e-5 of the values compared or token for token
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
