@@ -22,7 +22,8 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
     B, T = logps.shape
     seq_sums, seq_counts = [], []
     pg_sums = []
-    kl_sum = ratio_sum = gap_sum = gap_max = weight_sum = 0.0
+    kl_sum = ratio_sum = gap_sum = gap_max = weight_sum = mismatch_sum = 0.0
+    n_truncated = 0
     n_low = n_high = 0
     n_units = 0  # tokens, or non-empty sequences
     for b in range(B):
@@ -58,12 +59,16 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
                 term = unclipped_term
             token_loss = -term
             if sampler is not None:
-                gap = abs(old[b, t].item() - sampler[b, t].item())
+                d = old[b, t].item() - sampler[b, t].item()  # log π_train - log π_sampler
+                gap = abs(d)
                 gap_sum, gap_max = gap_sum + gap, max(gap_max, gap)
+                mismatch_sum += math.exp(d) - d - 1  # k3 of KL(π_sampler || π_train), a sampler's token
             if tis_cap is not None:
-                weight = min(math.exp(old[b, t].item() - sampler[b, t].item()), tis_cap)  # a constant
+                raw = math.exp(old[b, t].item() - sampler[b, t].item())
+                weight = min(raw, tis_cap)  # a constant
                 token_loss = token_loss * weight
                 weight_sum += weight
+                n_truncated += raw > tis_cap
             pg_sum = pg_sum + token_loss.item()
             if beta != 0:
                 d = ref[b, t].item() - logps[b, t]
@@ -98,8 +103,10 @@ def naive_grpo_loss(logps, old, ref, adv, mask, eps_low, eps_high, beta, loss_ty
     }
     if sampler is not None:
         stats["tis/logp_diff_mean"], stats["tis/logp_diff_max"] = gap_sum / n, gap_max
+        stats["tis/mismatch_kl"] = mismatch_sum / n
     if tis_cap is not None:
         stats["tis/weight_mean"] = weight_sum / n
+        stats["tis/truncated_share"] = n_truncated / n
     return loss, stats
 
 
@@ -389,6 +396,9 @@ def test_hand_worked_truncated_importance_sampling():
     #   token 1: π_train 0.2, π_sampler 0.8 -> weight min(0.25, 1.5) = 0.25 -> loss -0.25, d/dlogp = -0.25 / 2
     #   loss (-1.5 - 0.25) / 2 = -0.875; grads [-0.75, -0.125]
     #   |log π_train - log π_sampler| = [ln 2, ln 4]: mean 1.5 ln 2 = 1.0397, max ln 4 = 1.3863
+    #   k3 mismatch, d = log π_train - log π_sampler = [ln 2, -ln 4], exp(d) - d - 1:
+    #     token 0: 2 - ln 2 - 1 = 0.30685; token 1: 0.25 + ln 4 - 1 = 0.63629; mean (0.25 + ln 2) / 2 = 0.47157
+    #   truncated share: weights [2, 0.25] against the cap 1.5: 1 of 2 = 0.5
     logps = torch.tensor([[0.5, 0.2]]).log().requires_grad_()
     sampler = torch.tensor([[0.25, 0.8]]).log()
     loss, stats = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0,
@@ -399,11 +409,19 @@ def test_hand_worked_truncated_importance_sampling():
     assert stats["tis/logp_diff_mean"] == pytest.approx(1.5 * math.log(2), rel=1e-6)
     assert stats["tis/logp_diff_max"] == pytest.approx(math.log(4), rel=1e-6)
     assert stats["tis/weight_mean"] == pytest.approx(0.875, rel=1e-6)
+    assert stats["tis/mismatch_kl"] == pytest.approx((0.25 + math.log(2)) / 2, rel=1e-6)  # 0.471574
+    assert stats["tis/truncated_share"] == 0.5
     # without a cap the sampler's log-probs only feed the mismatch figures: the loss is plain GRPO's -A
     loss, stats = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0,
                             sampler_logps=sampler)
     assert loss.item() == pytest.approx(-1.0) and "tis/weight_mean" not in stats
     assert stats["tis/logp_diff_max"] == pytest.approx(math.log(4), rel=1e-6)
+    assert "tis/truncated_share" not in stats  # no cap, nothing truncated to count
+    assert stats["tis/mismatch_kl"] == pytest.approx((0.25 + math.log(2)) / 2, rel=1e-6)  # the cap does not change it
+    # a sampler that agrees with the trainer: no mismatch, nothing truncated
+    _, stats = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0,
+                         sampler_logps=logps.detach(), tis_cap=1.5)
+    assert stats["tis/mismatch_kl"] == 0.0 and stats["tis/truncated_share"] == 0.0 and stats["tis/weight_mean"] == 1.0
 
 
 def test_tis_cap_needs_sampler_logps_and_a_positive_cap():

@@ -229,6 +229,34 @@ def test_a_seed_samples_what_the_decode_loop_samples():
     assert torch.allclose(loop[2], static.logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("sampler", ["static", "loop"])
+def test_sampled_logprobs_are_the_trainers_under_temperature_and_top_p(sampler):
+    # An importance weight pi_train / pi_sampler (TIS, decoupled PPO's pi_prox / pi_behave) must be 1 where no
+    # weight changed. The trainer's policy is the tempered full distribution (token_logps at the temperature); the
+    # sampler draws from its top-p cut, renormalised, but records the token's log-prob before the cut. Recording
+    # the cut distribution's instead (TRL issue #7120) put log(kept mass) between the two on every token.
+    from grpo.sampling.backend import sample_batch
+    from grpo.training.logprobs import token_logps
+
+    model = make_model(head_scale=4.0)  # spread enough that top_p 0.8 cuts a real share of the mass
+    ids, mask = left_padded([5, 11, 3], repeat=3)
+    s = SamplingConfig(max_new_tokens=16, temperature=0.7, top_p=0.8)
+    torch.manual_seed(11)
+    if sampler == "static":
+        out = StaticSampler(model).sample(ids, mask, s, EOS, PAD)
+        got_ids, got_mask, got_lp = out.completion_ids, out.completion_mask, out.logprobs
+    else:
+        got_ids, got_mask, got_lp, _ = sample_batch(model, ids, mask, s, EOS, PAD)  # the decode loop's `_pick`
+    with torch.no_grad():
+        want, _ = token_logps(model, torch.cat([ids, got_ids], 1), torch.cat([mask, got_mask], 1),
+                              got_ids.size(1), s.temperature)  # [B, C] fp32, one thread
+    on = got_mask.bool()
+    assert on.sum() > 20  # enough tokens to mean something
+    torch.testing.assert_close(got_lp[on], want[on], atol=1e-5, rtol=1e-5)
+    assert ((want - got_lp)[on].exp() - 1).abs().max() < 1e-4  # the weight is 1 on every token
+    assert (got_lp[~on] == 0).all()
+
+
 @pytest.mark.parametrize("explicit_sync", [True, False])
 def test_kept_captures_see_an_optimizer_step(explicit_sync):
     # what CUDA runs, but for the graph: state and weights kept from call to call, refreshed in place on sync

@@ -2,12 +2,12 @@
 
 It returns what GRPO needs and `model.generate` does not hand back cheaply: the completion token ids, their mask,
 and the sampling policy's log-probability of every sampled token (what truncated importance sampling and `r1
-serve`'s logprobs read). Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through
-`grpo.sampling.static_sampler` (a static KV cache, CUDA graphs on a GPU, from a bf16 copy where the stage computes in
-bf16; LoRA adapters included); any other model, or one the static step cannot compute exactly (hooks, DoRA,
-quantized projections), through the decode loop below (`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models,
-the model's own forward otherwise), which stops as soon as every sequence has ended. Must not depend on Prefect or
-MLflow.
+serve`'s logprobs read: the tempered full distribution's, before top-k/top-p, as the trainer computes it; `_pick`).
+Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through `grpo.sampling.static_sampler` (a static KV
+cache, CUDA graphs on a GPU, from a bf16 copy where the stage computes in bf16; LoRA adapters included); any other
+model, or one the static step cannot compute exactly (hooks, DoRA, quantized projections), through the decode loop
+below (`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise), which stops as
+soon as every sequence has ended. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -50,7 +50,15 @@ def response_text(tokenizer: PreTrainedTokenizerBase, cell, prompt: str, respons
 
 
 def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose the next token of each row; return it and its log-prob under the distribution sampled from."""
+    """Choose the next token of each row; return it and its log-prob under the tempered full distribution.
+
+    The token is drawn from the distribution after temperature, top-k and top-p (as `choose_tokens`); its log-prob
+    is log softmax(logits / temperature) before the cut-offs (at temperature 0 the plain log softmax, the
+    argmax's), the number the trainer computes for it (`token_logps` at the sampling temperature), whose policy is
+    that distribution. The truncated distribution's own log-prob is that less log(kept mass): pi_train /
+    pi_sampler would be < 1 on every token, a biased importance weight (TRL issue #7120). The log-sum-exp is
+    taken before the cut-offs, and the chosen token's logit survives them: no extra full-vocabulary tensor.
+    """
     logits = logits.float()  # [B, V]
     if s.temperature == 0:
         logp = torch.log_softmax(logits, -1)
@@ -58,6 +66,7 @@ def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
     if s.temperature != 1.0:  # dividing by 1 changes nothing: skip the full-vocab pass
         logits = logits / s.temperature
+    lse = logits.logsumexp(-1)  # [B] the tempered full distribution's, before top-k/top-p
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -66,9 +75,9 @@ def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) > s.top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    logp = torch.log_softmax(logits, -1)  # [B, V]
-    tok = _draw(logp.exp())  # [B]
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    tok = _draw(torch.log_softmax(logits, -1).exp())  # [B] from the truncated distribution
+    # the chosen token survived the cut-offs, so its entry is still its tempered logit
+    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - lse
 
 
 def _draw(probs: torch.Tensor) -> torch.Tensor:

@@ -47,15 +47,29 @@ def choose_tokens(logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig,
     """The token of each row picked by the inverse CDF at its uniform `u`, and its log-prob when asked.
 
     logits [B, V], u [B] in [0, 1). Greedy at temperature 0; otherwise temperature, then top-k, then top-p (the
-    smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`. The log-prob is the logit
-    less the log-sum-exp: no second full-vocabulary tensor. No host sync: it runs inside a captured step.
+    smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`.
+
+    The log-prob is the chosen token's under the tempered full distribution, log softmax(logits / temperature),
+    before top-k/top-p (at temperature 0 the plain log softmax(logits), the argmax's): the number the trainer
+    computes for the token (`grpo.training.logprobs.token_logps` at the sampling temperature), whose policy is that
+    distribution. Not the log-prob under the truncated, renormalised distribution the token was drawn from: that is
+    the tempered one less log(kept mass), so pi_train / pi_sampler would be the kept mass (< 1) on every token,
+    and a truncated-importance-sampling or decoupled-PPO behaviour weight built on it biased even where no weight
+    changed (TRL issue #7120). The log-sum-exp is taken of the tempered logits before the cut-offs; the chosen
+    token's logit is one the cut-offs keep: no second full-vocabulary tensor. No host sync: it runs inside a
+    captured step.
     """
     logits = logits.float()  # [B, V]
+    lse = None
     if s.temperature == 0:
         tok = logits.argmax(-1)  # [B]
+        if want_logprobs:
+            lse = logits.logsumexp(-1)  # [B]
     else:
         if s.temperature != 1.0:
             logits = logits / s.temperature
+        if want_logprobs:
+            lse = logits.logsumexp(-1)  # [B] the tempered full distribution's, before top-k/top-p
         if s.top_k:
             kth = torch.topk(logits, min(s.top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [B, 1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -67,7 +81,8 @@ def choose_tokens(logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig,
         tok = inverse_cdf(logits.softmax(-1), u)  # [B]
     if not want_logprobs:
         return tok, None
-    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [B], [B]
+    # the chosen token survived the cut-offs, so its entry is still its tempered logit
+    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - lse  # [B], [B]
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:

@@ -12,9 +12,10 @@ request's rows go through one engine thread that batches them continuously (`grp
 batching rules, seeds, stop strings), and the handlers wait on it in asyncio. Streaming is OpenAI's: server-sent
 `data: {...}` chunks, then `data: [DONE]`. `stop` strings end the text before them (finish_reason "stop"), the row's
 slot freed at once; a client that goes away has its request cancelled; past `max_waiting` requests waiting for a
-slot, 429. Differences from vLLM: `logprobs` only 0 (the sampled token's log-prob, under the distribution sampled
-from: after temperature and top-p) and not with streaming, an over-long `max_tokens` trimmed to the model's length
-rather than refused.
+slot, 429. Differences from vLLM: `logprobs` only 0 (the sampled token's log-prob) and not with streaming, and that
+log-prob is the tempered full distribution's, log softmax(logits / temperature) before top-k/top-p (the raw log
+softmax at temperature 0), where vLLM's and OpenAI's default is the raw model's; an over-long `max_tokens` trimmed
+to the model's length rather than refused.
 
 Beside it, the alignment stage registers the final model in MLflow's registry (`tasks.promotion.register_model`:
 `mlflow.transformers.log_model`, task llm/v1/chat), so `mlflow models serve -m models:/<name>@champion
@@ -346,7 +347,13 @@ class _Reply:
 
 
 def _token_logprobs(f: Finished) -> dict:
-    """OpenAI completion logprobs of a choice: each sampled token, its log-prob and its text offset."""
+    """OpenAI completion logprobs of a choice: each sampled token, its log-prob and its text offset.
+
+    The log-prob is the token's under the tempered full distribution, log softmax(logits / temperature), before
+    top-k/top-p cut the distribution the token was drawn from (temperature 0: log softmax(logits)); OpenAI's and
+    vLLM's default is the raw model's, log softmax(logits), whatever the temperature. It is the number a GRPO
+    trainer computes for the token at that temperature, so an importance weight built on it is 1 where the
+    weights are the same (`grpo.sampling.decode_step.choose_tokens`)."""
     offsets = [sum(len(t) for t in f.token_texts[:i]) for i in range(len(f.token_texts))]
     values = [round(v, 6) for v in f.logprobs]
     return {"tokens": f.token_texts, "token_logprobs": values, "text_offset": offsets,

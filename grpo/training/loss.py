@@ -163,14 +163,18 @@ def grpo_loss(
     old_logps None means one update per rollout (μ=1): ratio 1, gradient -A.
     ref_logps may be None only when beta == 0; with beta == 0 no KL is computed.
     importance_sampling_level: "token" or "sequence" (GSPO), see ``IMPORTANCE_RATIOS``.
-    sampler_logps: [B, T] the sampler's log-prob of each chosen token; with them the stats add tis/logp_diff_mean
-    and tis/logp_diff_max (|old - sampler| over the mask), and with tis_cap (> 0) each token's policy-gradient
-    term is weighted by min(exp(old - sampler), tis_cap), a constant.
+    sampler_logps: [B, T] the sampler's log-prob of each chosen token (the tempered full distribution's, as old's);
+    with tis_cap (> 0) each token's policy-gradient term is weighted by min(exp(old - sampler), tis_cap), a
+    constant.
 
     Stats (python floats): kl (token mean over the mask), clip_ratio,
     clip_ratio/low, clip_ratio/high, ratio_mean (means over the ratios: the
     mask's tokens, or its non-empty sequences at the sequence level) and
-    pg_loss (the aggregated policy term without the KL).
+    pg_loss (the aggregated policy term without the KL). With sampler_logps, d = old - sampler per token:
+    tis/logp_diff_mean and tis/logp_diff_max (|d| over the mask), tis/mismatch_kl (the token mean over the mask
+    of exp(d) - d - 1, the k3 estimate of KL(π_sampler || π_train) from the sampler's tokens; 0 when the two
+    agree); with tis_cap also tis/weight_mean (the capped weights' token mean) and tis/truncated_share (the share
+    of the mask's tokens whose weight exp(d) exceeded the cap).
 
     Worked example: ρ = e^0.5 ≈ 1.65 > 1.2 with A = 1, so the clipped 1.2·A is
     selected (-1.2, no gradient); the second token has ρ = 1 (-1.0).
@@ -208,7 +212,8 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # [B, T] or [B, 1]
     pg_per_token = -torch.min(unclipped, clipped)  # [B, T] or [B, 1], broadcast over the tokens below
     if tis_cap is not None:
-        tis_weight = torch.exp(old - sampler_logps.detach()).clamp(max=tis_cap)  # [B, T], a constant
+        raw_weight = torch.exp(old - sampler_logps.detach())  # [B, T] π_train / π_sampler
+        tis_weight = raw_weight.clamp(max=tis_cap)  # [B, T], a constant
         pg_per_token = pg_per_token * tis_weight  # [B, T]
 
     per_token = pg_per_token  # [B, T] or [B, 1]
@@ -233,9 +238,14 @@ def grpo_loss(
             "pg_loss": aggregate(pg_per_token, mask).item(),
         }
         if sampler_logps is not None:  # how far the sampler's numbers are from the trainer's
-            gap = (old - sampler_logps.detach()).abs()  # [B, T]
+            d = old - sampler_logps.detach()  # [B, T] log π_train - log π_sampler
+            gap = d.abs()  # [B, T]
             stats["tis/logp_diff_mean"] = _masked_mean(gap, mask)
             stats["tis/logp_diff_max"] = gap.masked_fill(mask == 0, 0.0).max().item() if gap.numel() else 0.0
+            # k3 of KL(π_sampler || π_train) over the sampler's own tokens: E_sampler[r - 1 - log r], r = e^d
+            d_in = d.masked_fill(mask == 0, 0.0)  # [B, T] padding's numbers may be anything: exp must not overflow
+            stats["tis/mismatch_kl"] = _masked_mean(torch.exp(d_in) - d_in - 1, mask)
             if tis_cap is not None:
                 stats["tis/weight_mean"] = _masked_mean(tis_weight, mask)
+                stats["tis/truncated_share"] = _masked_mean((raw_weight > tis_cap).to(mask.dtype), mask)
     return loss, stats
