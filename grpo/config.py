@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from grpo.checks import Precision
 from grpo.rewards.code import CODE_LANGUAGES
 from grpo.rewards.language import LANGUAGE_TESTS
+from grpo.rollout_config import RolloutConfig
 from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 
 # The names the settings may use; the modules that implement them check that they agree (grpo.data.arithmetic,
@@ -306,6 +307,7 @@ class GRPOConfig(BaseModel):
     samples_every: int = Field(25, ge=0)  # steps between sample-completion tables (0 = none)
     checkpoint_every: int = Field(50, ge=0)  # steps between resumable checkpoints (0 = only the final model)
     seed: int = 0  # prompt order and sampling
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # sync, or async sampler workers (README)
 
     @field_validator("rewards")
     @classmethod
@@ -322,6 +324,9 @@ class GRPOConfig(BaseModel):
         if self.max_tokens_per_microbatch is not None and self.packing is False:
             raise ValueError("max_tokens_per_microbatch fills packed micro-batches; it needs packing: true or auto "
                              "(or leave it out: micro_batch_size rows a micro-batch)")
+        if self.rollout.asynchronous and self.dynamic_sampling:
+            raise ValueError("rollout.mode async samples each step's prompts once, in a worker, before it is scored: "
+                             "dynamic_sampling's refills need the scores first; turn one of them off")
         if self.supervision == "process" and "code" in self.rewards:  # before asking for a verifier: none would do
             raise ValueError("supervision 'process' cannot be used with the code reward (rewards names code): its "
                              "step verifiers check reasoning steps, and none checks code; set supervision: outcome, "

@@ -19,6 +19,7 @@ Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
@@ -30,7 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.checks import check_fsdp_settings
 from grpo.config import GenerationConfig, GRPOConfig
-from grpo.distributed_config import DistributedConfig
+from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
@@ -53,6 +54,7 @@ from grpo.training.policy import (check_prompts, check_token_budget, checkpointi
                                   prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
                                   samples_table, save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
+from grpo.training.rollout_workers import Plan, RolloutWorkers
 from grpo.training.strategy import make_strategy
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
@@ -152,13 +154,25 @@ class GRPOTrainer:
                               self.output_dir)
         # each sample's coefficient [N] from the step's scores in place of group advantages (grpo.training.rft)
         self.coefficients = coefficients
+        # rollout.mode async: sampler processes (started by `train`), the behaviour weight's cap, the weights' version
+        self.rollouts: RolloutWorkers | None = None
+        self.tis_cap = cfg.tis_cap
+        if cfg.rollout.asynchronous:
+            if self.acc.num_processes > 1:
+                raise ValueError(f"rollout.mode async runs one trainer process beside its sampler processes; this "
+                                 f"stage has {self.acc.num_processes} (distributed.num_processes): use one, or "
+                                 f"rollout.mode sync")
+            self.tis_cap = cfg.tis_cap or cfg.rollout.behaviour_cap  # decoupled PPO: pi_prox / pi_behave, capped
+        self.version = 0  # optimizer steps taken: the version of the weights pushed to the samplers
+        self.generation = generation or GenerationConfig()
+        self.push_s = 0.0
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
     def sample(self, idx: list[int]) -> Rollout:
         # the sampler's log-probs only where the loss reads them (truncated importance sampling)
         return sample_rollout(self.engine, [self.cells[i] for i in idx], self.cfg.num_generations, self.cfg.sampling,
-                              logprobs=self.cfg.tis_cap is not None, who="GRPO")
+                              logprobs=self.tis_cap is not None, who="GRPO")
 
     def score(self, rollout: Rollout, idx: list[int]):
         columns = row_columns(self.columns, self.cells, idx, self.cfg.num_generations)
@@ -169,6 +183,12 @@ class GRPOTrainer:
         G, want = self.cfg.num_generations, self.cfg.prompts_per_step // self.acc.num_processes
         # this process's share of the step's prompts (all of them in one process)
         idx = process_share(self.acc, prompt_order(len(self.prompts), step, self.cfg.prompts_per_step, self.cfg.seed))
+        if self.rollouts is not None:  # sampled by a worker, up to max_staleness optimizer steps ago
+            unit = self.rollouts.take(step)
+            scores = self.score(unit.rollout, idx)
+            stats = {**self.rollouts.figures(unit), "async/push_s": self.push_s}
+            self.push_s = 0.0
+            return unit.rollout, idx, scores, stats
         rollout = self.sample(idx)
         scores = self.score(rollout, idx)
         stats = {"dynamic/refill_rounds": 0.0}
@@ -248,9 +268,13 @@ class GRPOTrainer:
 
     def sync_sampler(self) -> None:
         """Make the next rollout sample the policy's current weights: gather them into the sampler's copy where
-        the strategy keeps one, then let the engine refresh what it holds (a bf16 copy, captured steps)."""
-        self.strategy.sync_sampler()
-        self.engine.sync_weights()
+        the strategy keeps one, then let the engine refresh what it holds (a bf16 copy, captured steps). With
+        asynchronous rollouts, every `rollout.sync_every` optimizer steps, push them to the sampler processes."""
+        if self.rollouts is None:
+            self.strategy.sync_sampler()
+            self.engine.sync_weights()
+        elif self.version % self.cfg.rollout.sync_every == 0:
+            self.push_s += self.rollouts.push(self.strategy.sampler_model(), self.version)
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""
@@ -279,7 +303,7 @@ class GRPOTrainer:
                                             epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
                                             importance_sampling_level=cfg.importance_sampling_level,
                                             sampler_logps=None if batch.sampler_logps is None
-                                            else batch.sampler_logps[part], tis_cap=cfg.tis_cap)
+                                            else batch.sampler_logps[part], tis_cap=self.tis_cap)
                     total = total + loss * share
                     mask = batch.completion_mask[part]
                     stats["train/loss"] = loss.item()
@@ -288,6 +312,7 @@ class GRPOTrainer:
                         sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
                 self.acc.backward(total)
         grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
+        self.version += 1
         self.sync_sampler()  # the next rollout samples the stepped weights
         sums["grad_norm"] = float(grad_norm)
         return sums
@@ -302,14 +327,37 @@ class GRPOTrainer:
                    disable=not self.progress or not self.acc.is_main_process)
         policy = self.acc.unwrap_model(self.model)
         core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
-        with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
-              fp32_gemm(self.ref_model, self.gemm), attending_packed(core, self.packed),
-              attending_packed(self.ref_model, self.packed), activation_checkpointing(core, self.checkpointing)):
-            self._loop(start, bar, ckpt_root)
+        if cfg.rollout.asynchronous:  # before the loop's patches: each worker makes the same ones to its copy
+            self.rollouts = self._start_workers(start)
+        try:
+            with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
+                  fp32_gemm(self.ref_model, self.gemm), attending_packed(core, self.packed),
+                  attending_packed(self.ref_model, self.packed), activation_checkpointing(core, self.checkpointing)):
+                self._loop(start, bar, ckpt_root)
+        finally:  # ended, failed or stopped: no sampler process outlives the loop
+            if self.rollouts is not None:
+                self.rollouts.close()
+                self.rollouts = None
         bar.close()
         model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,
                                 self.output_dir, also=self._finish_hooks)
         return GRPOResult(model_dir, cfg.max_steps)
+
+    def _start_workers(self, start: int) -> RolloutWorkers:
+        cfg = self.cfg
+        plan = Plan(self.cells, cfg.prompts_per_step, cfg.num_generations, cfg.sampling, self.generation, cfg.seed,
+                    cfg.num_iterations, cfg.rollout.max_staleness, cfg.max_steps,
+                    sampling_dtype(self.acc.mixed_precision), self.gemm, self.packed)
+        device = self.acc.device
+        devices = cfg.rollout.devices or tuple(
+            f"cuda:{(device.index or 0) + 1 + w}" if device.type == "cuda" and torch.cuda.device_count() > 1 + w
+            else str(device) for w in range(cfg.rollout.workers))
+        timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
+        self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
+        workers = RolloutWorkers(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer, first_step=start,
+                                 timeout_s=timeout, devices=devices)
+        workers.start(self.strategy.sampler_model(), self.version)
+        return workers
 
     def _finish_hooks(self) -> None:
         for hook in self.hooks:

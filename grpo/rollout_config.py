@@ -1,0 +1,57 @@
+"""Where a sampling stage's rollouts come from: the `rollout` section of reasoning and alignment GRPO and online RFT.
+
+`mode: sync` (the default) samples, scores and trains in turn in the stage's own process. `mode: async` samples in
+worker processes apart from the trainer (`grpo.training.rollout_workers`), up to `max_staleness` optimizer steps
+behind it, while the trainer trains (README: "Asynchronous rollouts").
+
+Plain pydantic: imports nothing of torch or of the modules that do the work.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RolloutConfig(BaseModel):
+    """Synchronous or asynchronous rollouts, and the asynchronous workers' settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["sync", "async"] = "sync"
+    # async: the most optimizer steps the policy that sampled a group may be behind the trainer when the group is
+    # trained. Kept at the producer (a worker samples a step's groups only with weights new enough) and checked
+    # at the consumer (a group past it stops the stage). 0 is the synchronous algorithm, sampled in another process.
+    max_staleness: int = Field(1, ge=0)
+    # async: optimizer steps between weight pushes to the workers; at most max_staleness + 1, or a worker would wait
+    # for weights that never come
+    sync_every: int = Field(1, ge=1)
+    workers: int = Field(1, ge=1)  # async: sampler processes on this machine
+    # async: each worker's device, one per worker ("cpu", "cuda:1"); None: the trainer's device on a CPU, on a GPU
+    # machine the GPUs after the trainer's, one a worker
+    devices: tuple[str, ...] | None = None
+    threads: int | None = Field(None, ge=1)  # async: torch threads a worker computes with; None: cores / (workers + 1)
+    # async: seconds a worker may go without a sign of life (a heartbeat every second, its samples) before it is
+    # named, killed and replaced; None: the collective timeout (distributed.collective_timeout_s)
+    timeout_s: float | None = Field(None, gt=0)
+    max_restarts: int = Field(3, ge=0)  # async: workers replaced in one run before the stage fails
+    # async: the cap C of the behaviour weight min(pi_prox / pi_behave, C) on each token's policy term, where the
+    # stage's tis_cap is unset (decoupled PPO; the truncated importance sampling paper's C = 2)
+    behaviour_cap: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _pushes_reach_the_bound(self) -> "RolloutConfig":
+        if self.mode == "async" and self.sync_every > self.max_staleness + 1:
+            raise ValueError(f"rollout.sync_every {self.sync_every} > max_staleness + 1 = {self.max_staleness + 1}: "
+                             f"between pushes the workers' weights fall {self.sync_every - 1} steps behind, past the "
+                             f"bound, and they would wait for weights that never come; push more often or raise "
+                             f"max_staleness")
+        if self.devices is not None and len(self.devices) != self.workers:
+            raise ValueError(f"rollout.devices names {len(self.devices)} devices for {self.workers} workers: one a "
+                             f"worker")
+        return self
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode == "async"

@@ -1,0 +1,361 @@
+"""Asynchronous rollouts: sampler processes apart from the trainer, at most `max_staleness` optimizer steps behind it.
+
+The GRPO loop (`grpo.training.loops.grpo_trainer`) with `rollout.mode: async` takes each step's groups from
+`RolloutWorkers` instead of sampling them itself:
+
+- **Workers.** `rollout.workers` processes on this machine (spawned; each on its device, with its own copy of the
+  policy and its own engine, `grpo.sampling.engines`). Worker w samples steps w, w + W, w + 2W, ... in order: each
+  step's prompts are the ones the synchronous loop would take (`prompt_order`), sampled under the same seed
+  (`sampling_seed`), so a worker draws the tokens the synchronous loop would draw from the same weights.
+- **Versions and the bound.** A version is the count of optimizer steps behind a set of weights. A step's groups
+  are trained at version step x num_iterations, so a worker samples step s only with weights of version at least
+  s x num_iterations - max_staleness (AReaL's capacity rule: nothing is generated that would break the bound); it
+  waits for a push otherwise. Every unit of groups carries the version that sampled it, and `take` checks the bound
+  again: a unit past it is a `RolloutError`, never trained, never dropped.
+- **Weights.** The trainer writes its whole weights into shared memory every `sync_every` optimizer steps: two
+  copies, written in turn, each with the version it holds (-1 while written). Sampler and trainer share the host,
+  so shared memory is the cheapest path and needs no collective: the trainer never waits on a worker to push,
+  so a stopped worker cannot hang a push. A worker takes the newest complete copy between two steps' batches,
+  never mid-completion: every token of a group is then sampled by one version, and its engine holds no KV cache
+  or prefill across calls (the next call prefills under the new weights; `engine.sync_weights` refreshes any
+  bf16 copy or captured step). A copy overwritten while a worker read it is read again.
+- **Faults.** Each worker beats a heartbeat every second from a thread. A worker that exits, or whose heartbeat is
+  older than `timeout_s` (stopped, hung), is named in one line, killed and replaced by a new one that takes the
+  newest weights and samples the steps its predecessor had not delivered; past `max_restarts` the stage fails with
+  one line. Workers die with the trainer's process (PR_SET_PDEATHSIG, and a check of the parent), and `close`
+  stops every one of them.
+
+Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from grpo.config import GenerationConfig, SamplingConfig
+from grpo.kernels.attention import attending_packed, cpu_attention
+from grpo.kernels.gemm import GemmPlan, fp32_gemm
+from grpo.kernels.mlp import compact_mlp
+from grpo.rollout_config import RolloutConfig
+from grpo.sampling.engines import Engine, Rollout, build_engine
+from grpo.training.batches import prompt_order
+from grpo.training.distributed import sampling_seed
+from grpo.training.lora import causal_lm
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # seconds between a worker's heartbeats
+POLL_S = 0.002  # seconds between a worker's looks for newer weights while it waits for them
+STARTUP_S = 120.0  # seconds a new worker may take to beat first (spawned: it imports torch and the model's code)
+
+
+class RolloutError(RuntimeError):
+    """The asynchronous rollout cannot go on (a bound broken, workers that keep dying): one line says why."""
+
+
+class Unit(NamedTuple):
+    """One step's groups, sampled by one worker with one version of the weights."""
+
+    step: int
+    version: int  # optimizer steps behind the weights that sampled every token of it
+    rollout: Rollout
+    worker: int
+    busy_s: float  # the worker's seconds sampling it
+    idle_s: float  # the worker's seconds waiting for weights new enough before it
+
+
+class Plan(NamedTuple):
+    """What every worker needs to sample the steps (picklable: it travels to each spawned process)."""
+
+    cells: list  # the stage's prompts
+    prompts_per_step: int
+    num_generations: int
+    sampling: SamplingConfig
+    generation: GenerationConfig
+    seed: int
+    num_iterations: int  # optimizer steps a GRPO step (a step s trains at version s x this)
+    max_staleness: int
+    max_steps: int
+    dtype: torch.dtype | None  # the engine's sampling dtype (a bf16 copy), None: the weights'
+    gemm: GemmPlan | None  # the trainer's fp32 GEMM plan, so a worker's prefill computes as the trainer's would
+    packed: bool  # whether the trainer's attention takes packed rows (its forward is patched so; the worker's too)
+    # wraps each worker's engine (a module-level function, so a spawned process can import it): one that records
+    # or slows its calls, in tests and benchmarks; None: the engine as built
+    engine_wrapper: Callable[[Engine], Engine] | None = None
+
+
+class SharedWeights:
+    """Two copies of a model's parameters in shared memory, each with the version it holds (-1 while written)."""
+
+    def __init__(self, model: torch.nn.Module, ctx):
+        self.names = [n for n, _ in model.named_parameters()]
+        self.copies = [{n: p.detach().to("cpu", copy=True).share_memory_() for n, p in model.named_parameters()}
+                       for _ in range(2)]
+        self.versions = ctx.Array("q", [-1, -1], lock=False)
+
+    def write(self, model: torch.nn.Module, version: int) -> None:
+        """Trainer side: the model's weights as `version`, into the copy not holding the newest."""
+        i = 0 if self.versions[0] < self.versions[1] else 1
+        self.versions[i] = -1
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                self.copies[i][n].copy_(p.detach())
+        self.versions[i] = version
+
+    def newest(self) -> int:
+        return max(self.versions[0], self.versions[1])
+
+    def read_into(self, model: torch.nn.Module) -> int:
+        """Worker side: the newest complete copy into `model`; its version (read again if overwritten meanwhile)."""
+        params = dict(model.named_parameters())
+        while True:
+            i = 0 if self.versions[0] > self.versions[1] else 1
+            version = self.versions[i]
+            if version < 0:
+                time.sleep(POLL_S)
+                continue
+            with torch.no_grad():
+                for n in self.names:
+                    params[n].copy_(self.copies[i][n])
+            if self.versions[i] == version:
+                return version
+
+
+def worker_steps(worker: int, workers: int, first: int, max_steps: int) -> range:
+    """The steps worker `worker` of `workers` samples from step `first` on."""
+    return range(first + (worker - first) % workers, max_steps, workers)
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: the kernel kills this process when the one that started it exits
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _heartbeat(beats, index: int, parent: int, stop: threading.Event) -> None:
+    while not stop.is_set():
+        beats[index] = time.time()
+        if os.getppid() != parent:  # the trainer is gone (where PR_SET_PDEATHSIG is not there)
+            os._exit(1)
+        stop.wait(HEARTBEAT_S)
+
+
+def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, tokenizer, shared: SharedWeights,
+                 beats, out: Connection, first: int, workers: int, device: str, threads: int, parent: int) -> None:
+    """One sampler process: its steps in order, each sampled once weights new enough are in."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the workers
+    torch.set_num_threads(threads)
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(beats, slot, parent, stop), daemon=True).start()
+    torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.serve_engine)
+    model = copy.deepcopy(skeleton).to(device).eval()  # its own weights: a push never changes them mid-step
+    del skeleton
+    engine = build_engine(plan.generation, model, tokenizer, dtype=plan.dtype, who="a rollout worker")
+    if plan.engine_wrapper is not None:
+        engine = plan.engine_wrapper(engine)
+    core = causal_lm(model)
+    version = -1
+    # units leave through a thread, so the next step samples while the trainer has not yet read the last one
+    outbox: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send, args=(outbox, out), daemon=True)
+    sender.start()
+    with (cpu_attention(core), compact_mlp(core), fp32_gemm(core, plan.gemm), attending_packed(core, plan.packed)):
+        for step in worker_steps(index, workers, first, plan.max_steps):
+            need = step * plan.num_iterations - plan.max_staleness  # the oldest weights that may sample the step
+            t0 = time.perf_counter()
+            while version < need or shared.newest() > version:  # the newest weights, between two steps' batches
+                if shared.newest() > version:
+                    version = shared.read_into(model)
+                    engine.sync_weights()
+                else:
+                    time.sleep(POLL_S)
+            idle = time.perf_counter() - t0
+            idx = prompt_order(len(plan.cells), step, plan.prompts_per_step, plan.seed)
+            torch.manual_seed(sampling_seed(plan.seed, step, 0))  # the synchronous loop's seed for the step
+            t1 = time.perf_counter()
+            rollout = engine.generate([plan.cells[i] for i in idx], plan.num_generations, plan.sampling,
+                                      logprobs=True)
+            unit = Unit(step, version, rollout, index, time.perf_counter() - t1, idle)
+            outbox.put(pickle.dumps(unit))  # by value: nothing of it depends on this process living on
+    outbox.put(None)
+    sender.join()
+    stop.set()
+
+
+def _send(outbox: queue.Queue, out: Connection) -> None:
+    while (item := outbox.get()) is not None:
+        out.send_bytes(item)
+    out.close()
+
+
+class _Worker(NamedTuple):
+    index: int
+    process: mp.process.BaseProcess
+    conn: Connection
+
+
+class RolloutWorkers:
+    """The stage's sampler processes and the buffer of units they deliver (the trainer's side)."""
+
+    def __init__(self, cfg: RolloutConfig, plan: Plan, model: torch.nn.Module, tokenizer, *, first_step: int,
+                 timeout_s: float, devices: Sequence[str]):
+        self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
+        self.timeout_s, self.devices = timeout_s, list(devices)
+        self.threads = cfg.threads or max(1, (os.cpu_count() or 1) // (cfg.workers + 1))
+        self.ctx = mp.get_context("spawn")
+        self.shared = SharedWeights(model, self.ctx)
+        # the module the workers copy: the model's structure on the CPU, its parameters the first shared copy's
+        memo = {id(p): torch.nn.Parameter(self.shared.copies[0][n], requires_grad=False)
+                for n, p in model.named_parameters()}
+        self.skeleton = copy.deepcopy(model, memo).to("cpu")
+        self.beats = self.ctx.Array("d", [0.0] * cfg.workers, lock=False)
+        self.received: dict[int, Unit] = {}
+        self.workers: list[_Worker | None] = [None] * cfg.workers
+        self.restarts = 0
+        self.first_step = first_step
+        self.next_step = first_step  # the step `take` hands out next
+        self.idle_s = 0.0  # the trainer's seconds waiting in `take` since the last `figures`
+        self.worker_busy_s = self.worker_idle_s = 0.0
+        self.consumed_staleness: list[int] = []
+
+    # -- the workers ---------------------------------------------------------------------------------------------
+
+    def start(self, model: torch.nn.Module, version: int) -> None:
+        """Push `version`'s weights and start every worker."""
+        self.push(model, version)
+        for w in range(self.cfg.workers):
+            self._start(w, self.first_step)
+
+    def _start(self, w: int, first: int) -> None:
+        reader, writer = self.ctx.Pipe(duplex=False)
+        self.beats[w] = -time.time()  # not yet started (negative): its imports may take longer than the timeout
+        p = self.ctx.Process(target=_worker_main, name=f"r1-rollout-{w}", daemon=True,
+                             args=(w, w, self.plan, self.skeleton, self.tokenizer, self.shared, self.beats, writer,
+                                   first, self.cfg.workers, self.devices[w], self.threads, os.getpid()))
+        p.start()
+        writer.close()
+        self.workers[w] = _Worker(w, p, reader)
+
+    def push(self, model: torch.nn.Module, version: int) -> float:
+        """The trainer's current weights to the workers as `version`; the seconds the copy took."""
+        t0 = time.perf_counter()
+        self.shared.write(model, version)
+        return time.perf_counter() - t0
+
+    def _replace(self, w: int, why: str) -> None:
+        worker = self.workers[w]
+        self._kill(worker)
+        self.restarts += 1
+        if self.restarts > self.cfg.max_restarts:
+            raise RolloutError(f"rollout worker {w} (pid {worker.process.pid}) {why}, and {self.cfg.max_restarts} "
+                               f"workers were already replaced in this run (rollout.max_restarts): stopping; the "
+                               f"same command resumes from the last checkpoint")
+        # its first step not yet delivered: the units it sent stay in the buffer, those in flight are sampled again
+        mine = worker_steps(w, self.cfg.workers, self.first_step, self.plan.max_steps)
+        first = next((s for s in mine if s >= self.next_step and s not in self.received), self.plan.max_steps)
+        log.warning("rollout worker %d (pid %d) %s; replaced by a new one with the newest weights (version %d), "
+                    "sampling again from step %d (restart %d of %d)", w, worker.process.pid, why,
+                    self.shared.newest(), first, self.restarts, self.cfg.max_restarts)
+        self._start(w, first)
+
+    def _check(self) -> None:
+        """Replace any worker that died or went silent for longer than the timeout."""
+        now = time.time()
+        for w, worker in enumerate(self.workers):
+            code = worker.process.exitcode
+            beat = self.beats[w]
+            silent = now - abs(beat)
+            if code is not None and code != 0:
+                name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else f"code {code}"
+                self._replace(w, f"died ({name})")
+            elif code is None and beat < 0 and silent > max(self.timeout_s, STARTUP_S):
+                self._replace(w, f"did not start within {silent:.0f} s")
+            elif code is None and beat > 0 and silent > self.timeout_s:
+                self._replace(w, f"gave no sign of life for {silent:.0f} s (rollout.timeout_s {self.timeout_s:g}: "
+                                 f"stopped or hung)")
+
+    def _drain(self, wait_s: float) -> None:
+        """Every unit the workers have sent, waiting up to `wait_s` for one."""
+        conns = [w.conn for w in self.workers if w is not None and not w.conn.closed]
+        while conns:
+            ready = mp.connection.wait(conns, timeout=wait_s)
+            if not ready:
+                return
+            for conn in ready:
+                try:
+                    unit: Unit = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):  # the worker ended (or died): `_check` sees which
+                    conn.close()
+                    conns.remove(conn)
+                    continue
+                self.received[unit.step] = unit
+            wait_s = 0.0  # then whatever else is ready, without waiting
+
+    # -- the trainer's side --------------------------------------------------------------------------------------
+
+    def take(self, step: int) -> Unit:
+        """Step `step`'s groups, waiting for them; a unit sampled past the bound is a `RolloutError`."""
+        t0 = time.perf_counter()
+        while step not in self.received:
+            self._drain(0.2)
+            if step not in self.received:
+                self._check()
+        self._drain(0.0)
+        self.idle_s += time.perf_counter() - t0
+        unit = self.received.pop(step)
+        self.next_step = step + 1
+        staleness = step * self.plan.num_iterations - unit.version
+        if not 0 <= staleness <= self.plan.max_staleness:
+            raise RolloutError(f"step {step}'s groups were sampled by weights of version {unit.version}, "
+                               f"{staleness} optimizer steps behind the trainer: outside rollout.max_staleness "
+                               f"{self.plan.max_staleness}; nothing of them was trained")
+        self.worker_busy_s += unit.busy_s
+        self.worker_idle_s += unit.idle_s
+        self.consumed_staleness.append(staleness)
+        return unit
+
+    def figures(self, unit: Unit) -> dict[str, float]:
+        """The step's rollout figures (and the trainer's wait since the last call, reset)."""
+        staleness = unit.step * self.plan.num_iterations - unit.version
+        m = {"async/staleness_mean": float(staleness), "async/staleness_max": float(staleness),
+             "async/buffer_depth": float(len(self.received)), "async/trainer_idle_s": self.idle_s,
+             "async/sampler_busy_s": unit.busy_s, "async/sampler_idle_s": unit.idle_s,
+             "async/restarts": float(self.restarts)}
+        self.idle_s = 0.0
+        return m
+
+    def close(self) -> None:
+        """Stop every worker (a moment to finish on its own, then SIGKILL), whatever state it is in."""
+        for worker in self.workers:
+            if worker is not None and worker.process.is_alive():
+                worker.process.terminate()
+        deadline = time.time() + 5.0
+        for worker in self.workers:
+            if worker is not None:
+                worker.process.join(max(0.0, deadline - time.time()))
+                self._kill(worker)
+        self.workers = [None] * len(self.workers)
+
+    @staticmethod
+    def _kill(worker: _Worker | None) -> None:
+        if worker is None:
+            return
+        if worker.process.is_alive():
+            worker.process.kill()  # SIGKILL: ends a stopped process too
+        worker.process.join(10.0)
+        worker.conn.close()

@@ -1,0 +1,244 @@
+"""Asynchronous GRPO (`rollout.mode: async`): sampler processes apart from the trainer, a bound on staleness kept at
+both ends, the synchronous algorithm at max_staleness 0, and workers that die or stop replaced.
+
+Real spawned processes, a real tiny model; fp32 and one thread a process wherever numbers are compared."""
+
+import copy
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from grpo.config import GenerationConfig, GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.rollout_config import RolloutConfig
+from grpo.sampling.engines import build_engine
+from grpo.training.batches import prompt_order
+from grpo.training.distributed import sampling_seed
+from grpo.training.loops.grpo_trainer import GRPOTrainer
+from grpo.training.rollout_workers import Plan, RolloutError, RolloutWorkers, Unit, worker_steps
+from tiny_decoders import one_thread  # noqa: F401  (autouse: one thread, as each worker has)
+
+SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
+
+
+def digits(completions, **_):
+    """A completion's reward is the digits it holds: a random model writes some, unevenly."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def run(tmp_path, steps=3, seen=None, on_metrics_hook=None, **overrides):
+    """A GRPO run of `steps` steps on the tiny model, fp32, MKL GEMMs; its trainer (trained)."""
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(SMALL)
+    cfg = GRPOConfig(**{"max_steps": steps, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
+                        "sampling": SamplingConfig(max_new_tokens=12, temperature=0.9, top_p=0.9),
+                        "rewards": {"digits": 1.0}, "learning_rate": 1e-2, "beta": 0.04, "mixed_precision": "no",
+                        "fp32_gemm": "mkl", **overrides})
+    seen = {} if seen is None else seen
+    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, reward_functions={"digits": digits}, progress=False,
+                          on_metrics=on_metrics_hook or (lambda step, m: seen.__setitem__(step, m)))
+    trainer.train()
+    return trainer
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.acc.unwrap_model(trainer.model).named_parameters()}
+
+
+def test_worker_steps_cover_every_step_once():
+    assert [list(worker_steps(w, 3, 4, 12)) for w in range(3)] == [[6, 9], [4, 7, 10], [5, 8, 11]]
+    assert sorted(s for w in range(3) for s in worker_steps(w, 3, 4, 12)) == list(range(4, 12))
+
+
+def test_max_staleness_0_trains_the_weights_the_synchronous_loop_trains(tmp_path):
+    """Same seeds: the sampler process draws the synchronous loop's tokens from the same weights, so after three
+    steps every weight is equal, bit for bit (the synchronous run with the behaviour weight's cap as its TIS)."""
+    seen_sync, seen_async = {}, {}
+    sync = run(tmp_path / "sync", seen=seen_sync, tis_cap=2.0)
+    asynchronous = run(tmp_path / "async", seen=seen_async,
+                       rollout=RolloutConfig(mode="async", max_staleness=0, threads=1))
+    a, b = weights(sync), weights(asynchronous)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    assert [seen_sync[s]["reward/total"] for s in (1, 2, 3)] == [seen_async[s]["reward/total"] for s in (1, 2, 3)]
+    assert all(seen_async[s]["async/staleness_max"] == 0 for s in (1, 2, 3))
+
+
+# -- the bound, kept by the producer and checked by the consumer ------------------------------------------------------
+
+class Slow:
+    """A worker's engine that waits a random while before each call: samplers of uneven speed."""
+
+    def __init__(self, engine):
+        self.engine, self.rng = engine, random.Random(os.getpid())
+
+    def generate(self, *args, **kwargs):
+        time.sleep(self.rng.uniform(0.0, 0.08))
+        return self.engine.generate(*args, **kwargs)
+
+    def sync_weights(self):
+        self.engine.sync_weights()
+
+
+def slow(engine):
+    return Slow(engine)
+
+
+def plan(max_staleness: int, steps: int, wrapper=None) -> Plan:
+    return Plan(PROMPTS["prompt"].tolist(), 2, 2, SamplingConfig(max_new_tokens=4, temperature=1.0),
+                GenerationConfig(), 0, 1, max_staleness, steps, None, None, False, wrapper)
+
+
+def workers_for(model, tok, max_staleness, steps, n=2, wrapper=None, **kw) -> RolloutWorkers:
+    cfg = RolloutConfig(mode="async", max_staleness=max_staleness, workers=n, threads=1, **kw)
+    return RolloutWorkers(cfg, plan(max_staleness, steps, wrapper), model, tok, first_step=0, timeout_s=60.0,
+                          devices=["cpu"] * n)
+
+
+def rollout_children() -> list:
+    return [p for p in mp.active_children() if p.name.startswith("r1-rollout")]
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_every_consumed_group_is_within_the_bound_under_random_delays(max_staleness):
+    """Two workers of random speed, a trainer of random speed pushing after every step: every unit taken was sampled
+    at most max_staleness steps before, and where the bound allows it the samplers did run ahead."""
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(SMALL)
+    rng, steps = random.Random(max_staleness), 10
+    workers = workers_for(model, tok, max_staleness, steps, wrapper=slow)
+    workers.start(model, 0)
+    try:
+        for step in range(steps):
+            unit = workers.take(step)
+            assert unit.step == step and 0 <= step - unit.version <= max_staleness
+            time.sleep(rng.uniform(0.0, 0.15))  # the trainer's step
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            workers.push(model, step + 1)
+    finally:
+        workers.close()
+    assert len(workers.consumed_staleness) == steps and max(workers.consumed_staleness) <= max_staleness
+    if max_staleness:
+        assert max(workers.consumed_staleness) >= 1, "the samplers should have run ahead of a slow trainer"
+    assert rollout_children() == []
+
+
+def test_a_unit_past_the_bound_is_a_stage_error_and_is_not_handed_out():
+    model, tok = load_model_and_tokenizer(SMALL)
+    workers = workers_for(model, tok, 1, 10, n=1)
+    stale = Unit(5, 3, None, 0, 0.0, 0.0)  # sampled by version 3, trained at version 5: two steps behind
+    workers.received[5] = stale
+    with pytest.raises(RolloutError, match=r"version 3, 2 optimizer steps behind .*max_staleness 1"):
+        workers.take(5)
+    assert workers.consumed_staleness == []
+
+
+def test_a_push_leaves_nothing_of_the_old_weights_in_use():
+    """A worker that sampled under version 0 samples under the pushed weights exactly what a fresh engine on them
+    samples with the same seed: no KV cache, prefill or bf16 copy of the old weights survives the push."""
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(SMALL)
+    workers = workers_for(model, tok, 0, 2, n=1)
+    workers.start(model, 0)
+    try:
+        workers.take(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        workers.push(model, 1)
+        unit = workers.take(1)
+    finally:
+        workers.close()
+    assert unit.version == 1
+    fresh = build_engine(GenerationConfig(), copy.deepcopy(model).eval(), tok)
+    p = plan(0, 2)
+    torch.manual_seed(sampling_seed(0, 1, 0))
+    want = fresh.generate([p.cells[i] for i in prompt_order(len(p.cells), 1, 2, 0)], 2, p.sampling, logprobs=True)
+    assert torch.equal(unit.rollout.completion_ids, want.completion_ids) and unit.rollout.texts == want.texts
+
+
+# -- faults -----------------------------------------------------------------------------------------------------------
+
+def kill_at_step_1(signum):
+    """A reward that, scoring step 1, sends `signum` to the rollout worker (and rewards digits)."""
+    calls = []
+
+    def reward(completions, **_):
+        calls.append(1)
+        if len(calls) == 2:
+            for p in rollout_children():
+                os.kill(p.pid, signum)
+        return digits(completions)
+    return reward
+
+
+@pytest.mark.parametrize("signum, timeout_s", [(signal.SIGKILL, 60.0), (signal.SIGSTOP, 3.0)])
+def test_a_killed_or_stopped_worker_is_named_and_replaced_and_the_stage_finishes(tmp_path, caplog, signum,
+                                                                                   timeout_s):
+    seen = {}
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(SMALL)
+    cfg = GRPOConfig(max_steps=4, prompts_per_step=2, num_generations=4, checkpoint_every=0,
+                     sampling=SamplingConfig(max_new_tokens=8), rewards={"digits": 1.0}, mixed_precision="no",
+                     rollout=RolloutConfig(mode="async", max_staleness=1, threads=1, timeout_s=timeout_s))
+    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, reward_functions={"digits": kill_at_step_1(signum)},
+                          progress=False, on_metrics=lambda step, m: seen.__setitem__(step, m))
+    t0 = time.time()
+    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
+    assert len(lines) == 1 and "replaced by a new one" in lines[0], lines
+    assert ("died (SIGKILL)" if signum == signal.SIGKILL else "gave no sign of life") in lines[0]
+    assert sorted(seen) == [1, 2, 3, 4] and seen[4]["async/restarts"] == 1
+    assert all(seen[s]["async/staleness_max"] <= 1 for s in seen)
+    if signum == signal.SIGSTOP:  # named in about the timeout, not after the collective timeout
+        assert time.time() - t0 < 60
+    assert rollout_children() == []
+
+
+def test_past_the_restart_limit_the_stage_fails_in_one_line_and_leaves_no_process(tmp_path):
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(SMALL)
+    cfg = GRPOConfig(max_steps=4, prompts_per_step=2, num_generations=4, checkpoint_every=0,
+                     sampling=SamplingConfig(max_new_tokens=8), rewards={"digits": 1.0}, mixed_precision="no",
+                     rollout=RolloutConfig(mode="async", max_staleness=1, threads=1, max_restarts=0))
+    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, progress=False,
+                          reward_functions={"digits": kill_at_step_1(signal.SIGKILL)})
+    with pytest.raises(RolloutError, match=r"^rollout worker 0 \(pid \d+\) died \(SIGKILL\), and 0 workers were "
+                                           r"already replaced .* the same command resumes"):
+        trainer.train()
+    assert rollout_children() == []
+
+
+def test_a_resumed_run_trains_each_step_once_with_its_versions_restored(tmp_path):
+    """Stopped after step 2 of 3 (its checkpoint at step 1), the same run resumes from step 1: the steps in flight
+    are sampled again under the checkpoint's version, none is trained twice, and the weights end as an
+    uninterrupted run's (max_staleness 0: the same tokens)."""
+    whole = run(tmp_path / "whole", rollout=RolloutConfig(mode="async", max_staleness=0, threads=1))
+    seen = {}
+
+    def stop_at_2(step, m):
+        seen[step] = m
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "resumed", seen={}, checkpoint_every=1,
+            rollout=RolloutConfig(mode="async", max_staleness=0, threads=1), on_metrics_hook=stop_at_2)
+    assert rollout_children() == []
+    resumed_seen = {}
+    resumed = run(tmp_path / "resumed", seen=resumed_seen, checkpoint_every=1,
+                  rollout=RolloutConfig(mode="async", max_staleness=0, threads=1))
+    assert sorted(resumed_seen) == [2, 3]  # step 1 from the checkpoint; steps 2 and 3 trained once each
+    assert all(resumed_seen[s]["async/staleness_max"] == 0 for s in (2, 3))
+    a, b = weights(whole), weights(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
