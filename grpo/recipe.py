@@ -37,6 +37,7 @@ from grpo.ppo_config import PPOConfig, check_ppo_settings
 from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.rewards.registry import REWARD_FUNCTIONS
 from grpo.rft_config import OnlineRFTConfig, check_rft_settings
+from grpo.rollout_config import check_async_rollout
 
 # Stage settings and the recipe
 
@@ -166,6 +167,8 @@ class ReasoningGRPOConfig(StageConfig):
             raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
                              "reward at each completion's last token: use supervision 'outcome' with ppo")
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
+        check_async_rollout(self.grpo.rollout, processes=self.distributed.num_processes,
+                            machines=self.distributed.num_machines, algorithm=self.algorithm, where="reasoning_grpo")
         self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
         return self
 
@@ -267,6 +270,8 @@ class AlignmentGRPOConfig(StageConfig):
         synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
         check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
+        check_async_rollout(self.grpo.rollout, processes=self.distributed.num_processes,
+                            machines=self.distributed.num_machines, algorithm=self.algorithm, where="alignment_grpo")
         if self.reward_model.refresh_every and REWARD_MODEL not in self.grpo.rewards:
             raise ValueError(f"alignment_grpo.reward_model.refresh_every trains the reward model further as GRPO "
                              f"runs, but grpo.rewards does not name {REWARD_MODEL!r} (it names "

@@ -69,6 +69,11 @@ def test_max_staleness_0_trains_the_weights_the_synchronous_loop_trains(tmp_path
     assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
     assert [seen_sync[s]["reward/total"] for s in (1, 2, 3)] == [seen_async[s]["reward/total"] for s in (1, 2, 3)]
     assert all(seen_async[s]["async/staleness_max"] == 0 for s in (1, 2, 3))
+    # no weights changed between sampling and training: the behaviour weight is 1 on every token, top-p on
+    # (the sampler records the tempered full distribution's log-prob, as the trainer computes it)
+    for s in (1, 2, 3):
+        assert seen_async[s]["tis/logp_diff_max"] < 1e-4 and seen_async[s]["tis/truncated_share"] == 0
+        assert seen_async[s]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
 # -- the bound, kept by the producer and checked by the consumer ------------------------------------------------------
@@ -242,3 +247,50 @@ def test_a_resumed_run_trains_each_step_once_with_its_versions_restored(tmp_path
     assert all(resumed_seen[s]["async/staleness_max"] == 0 for s in (2, 3))
     a, b = weights(whole), weights(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+# -- the recipe and the stage ------------------------------------------------------------------------------------------
+
+def test_the_recipe_refuses_what_asynchronous_rollouts_cannot_honour():
+    from pydantic import ValidationError
+
+    from grpo.recipe import AlignmentGRPOConfig, ReasoningGRPOConfig
+
+    on = {"mode": "async", "max_staleness": 1}
+    with pytest.raises(ValidationError, match=r"reasoning_grpo.grpo.rollout.mode async is for GRPO and online RFT: "
+                                              r"PPO's value model"):
+        ReasoningGRPOConfig(algorithm="ppo", grpo={"rollout": on})
+    with pytest.raises(ValidationError, match=r"alignment_grpo.grpo.rollout.mode async runs one trainer process .* "
+                                              r"2 process\(es\) on 1 machine"):
+        AlignmentGRPOConfig(grpo={"rollout": on}, distributed={"num_processes": 2})
+    with pytest.raises(ValidationError, match=r"rollout.sync_every 3 > max_staleness \+ 1 = 2"):
+        RolloutConfig(mode="async", max_staleness=1, sync_every=3)
+    with pytest.raises(ValidationError, match=r"dynamic_sampling's refills need the scores first"):
+        GRPOConfig(dynamic_sampling=True, rollout=on)
+    with pytest.raises(ValidationError, match=r"names 1 devices for 2 workers"):
+        RolloutConfig(mode="async", workers=2, devices=("cpu",))
+    ReasoningGRPOConfig(algorithm="online_rft", grpo={"rollout": on})  # online RFT samples as GRPO does
+
+
+def test_the_reasoning_stage_runs_asynchronously_through_its_flow(prefect_harness, mlflow_client, logged_checkpoint):
+    """The stage's task starts and ends the workers; their figures land in the stage's MLflow run."""
+    from conftest import LOGGED_TINY
+    from flows.reasoning_grpo import reasoning_grpo
+    from grpo.recipe import ReasoningGRPOConfig
+
+    config = ReasoningGRPOConfig.model_validate({
+        "model": {"tiny": LOGGED_TINY}, "data": {"num_train": 16, "num_heldout": 4},
+        "grpo": {"max_steps": 3, "prompts_per_step": 2, "num_generations": 2, "sampling": {"max_new_tokens": 8},
+                 "samples_every": 0, "checkpoint_every": 0, "mixed_precision": "no",
+                 "rollout": {"mode": "async", "max_staleness": 2, "threads": 1}},
+        "eval": {"num_prompts": 4, "num_samples": 0, "max_new_tokens": 8, "num_logged_samples": 2},
+        "eval_before": False})
+    result = reasoning_grpo(logged_checkpoint, config)
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["grpo.rollout.mode"] == "async"
+    staleness = mlflow_client.get_metric_history(result.run_id, "async/staleness_max")
+    assert [m.step for m in staleness] == [1, 2, 3] and all(0 <= m.value <= 2 for m in staleness)
+    for name in ("async/trainer_idle_s", "async/sampler_busy_s", "async/buffer_depth", "tis/weight_mean",
+                 "tis/truncated_share", "tis/mismatch_kl"):
+        assert len(mlflow_client.get_metric_history(result.run_id, name)) == 3, name
+    assert rollout_children() == []

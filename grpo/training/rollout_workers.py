@@ -134,6 +134,11 @@ class SharedWeights:
                 return version
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def worker_steps(worker: int, workers: int, first: int, max_steps: int) -> range:
     """The steps worker `worker` of `workers` samples from step `first` on."""
     return range(first + (worker - first) % workers, max_steps, workers)
@@ -216,7 +221,7 @@ class RolloutWorkers:
                  timeout_s: float, devices: Sequence[str]):
         self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
         self.timeout_s, self.devices = timeout_s, list(devices)
-        self.threads = cfg.threads or max(1, (os.cpu_count() or 1) // (cfg.workers + 1))
+        self.threads = cfg.threads or max(1, cpu_cores() // (cfg.workers + 1))
         self.ctx = mp.get_context("spawn")
         self.shared = SharedWeights(model, self.ctx)
         # the module the workers copy: the model's structure on the CPU, its parameters the first shared copy's

@@ -54,7 +54,7 @@ from grpo.training.policy import (check_prompts, check_token_budget, checkpointi
                                   prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
                                   samples_table, save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
-from grpo.training.rollout_workers import Plan, RolloutWorkers
+from grpo.training.rollout_workers import Plan, RolloutWorkers, cpu_cores
 from grpo.training.strategy import make_strategy
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
@@ -327,8 +327,11 @@ class GRPOTrainer:
                    disable=not self.progress or not self.acc.is_main_process)
         policy = self.acc.unwrap_model(self.model)
         core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
+        threads = torch.get_num_threads()
         if cfg.rollout.asynchronous:  # before the loop's patches: each worker makes the same ones to its copy
             self.rollouts = self._start_workers(start)
+            if all(d == "cpu" for d in self.rollouts.devices):  # the cores the workers do not compute on
+                torch.set_num_threads(min(threads, max(1, cpu_cores() - cfg.rollout.workers * self.rollouts.threads)))
         try:
             with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
                   fp32_gemm(self.ref_model, self.gemm), attending_packed(core, self.packed),
@@ -338,6 +341,7 @@ class GRPOTrainer:
             if self.rollouts is not None:
                 self.rollouts.close()
                 self.rollouts = None
+                torch.set_num_threads(threads)
         bar.close()
         model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,
                                 self.output_dir, also=self._finish_hooks)
