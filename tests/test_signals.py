@@ -217,3 +217,30 @@ def test_a_time_limit_that_rings_inside_a_store_call_lands_when_the_call_ends():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_sigterm_to_r1_alone_stops_an_asynchronous_stage_and_its_sampler_processes(r1, tmp_path, answering_checkpoint):
+    # a cancel from the Prefect UI or `kill <pid>`: the sampler processes get no signal of their own, and must end too
+    stage = {"model": {"tiny": SMALL.model_dump()}, "data": {"num_train": 16, "num_heldout": 4},
+             "grpo": {"max_steps": 100000, "prompts_per_step": 2, "num_generations": 2, "samples_every": 0,
+                      "checkpoint_every": 0, "mixed_precision": "no", "sampling": {"max_new_tokens": 8},
+                      "rollout": {"mode": "async", "max_staleness": 1, "threads": 1}},
+             "eval_before": False}
+    recipe = tmp_path / "async.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "signals-async", "reasoning_grpo": stage}))
+    run = r1("stage", "reasoning_grpo", "--recipe", str(recipe), "--checkpoint", answering_checkpoint)
+
+    def samplers() -> list[psutil.Process]:
+        try:
+            family = psutil.Process(run.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return [p for p in family if "multiprocessing.spawn" in " ".join(p.cmdline())]
+
+    run.wait_for("a training step", lambda: (r := stage_run(run, "reasoning_grpo")) and
+                 run.mlflow.get_metric_history(r.info.run_id, "async/staleness_max"))
+    workers = samplers()
+    assert workers, [p.cmdline() for p in psutil.Process(run.proc.pid).children(recursive=True)]
+    took, family = run.stop(signal.SIGTERM, whole_group=False)
+    assert_stopped_cleanly(run, took, family, ["reasoning_grpo"])
+    assert all(w in family for w in workers)
