@@ -167,8 +167,8 @@ class ReasoningGRPOConfig(StageConfig):
             raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
                              "reward at each completion's last token: use supervision 'outcome' with ppo")
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
-        check_async_rollout(self.grpo.rollout, processes=self.distributed.num_processes,
-                            machines=self.distributed.num_machines, algorithm=self.algorithm, where="reasoning_grpo")
+        check_async_rollout(self.grpo.rollout, engine=self.distributed.engine, algorithm=self.algorithm,
+                            where="reasoning_grpo")
         self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
         return self
 
@@ -270,8 +270,8 @@ class AlignmentGRPOConfig(StageConfig):
         synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
         check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
-        check_async_rollout(self.grpo.rollout, processes=self.distributed.num_processes,
-                            machines=self.distributed.num_machines, algorithm=self.algorithm, where="alignment_grpo")
+        check_async_rollout(self.grpo.rollout, engine=self.distributed.engine, algorithm=self.algorithm,
+                            where="alignment_grpo")
         if self.reward_model.refresh_every and REWARD_MODEL not in self.grpo.rewards:
             raise ValueError(f"alignment_grpo.reward_model.refresh_every trains the reward model further as GRPO "
                              f"runs, but grpo.rewards does not name {REWARD_MODEL!r} (it names "

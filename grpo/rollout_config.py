@@ -57,17 +57,16 @@ class RolloutConfig(BaseModel):
         return self.mode == "async"
 
 
-def check_async_rollout(rollout: RolloutConfig, *, processes: int | str, machines: int, algorithm: str,
-                        where: str) -> None:
+def check_async_rollout(rollout: RolloutConfig, *, engine: str, algorithm: str, where: str) -> None:
     """Raise, when the recipe is read, if asynchronous rollouts cannot run as the stage is set (`where`: its
-    section's name)."""
+    section's name; `engine`: what starts its training processes, distributed.engine)."""
     if not rollout.asynchronous:
         return
     if algorithm == "ppo":
         raise ValueError(f"{where}.grpo.rollout.mode async is for GRPO and online RFT: PPO's value model is fitted "
                          f"to the returns of the policy that sampled them and would learn stale values; use mode "
                          f"sync with algorithm ppo")
-    if processes != 1 or machines != 1:
-        raise ValueError(f"{where}.grpo.rollout.mode async runs one trainer process beside its sampler processes; "
-                         f"{where}.distributed asks for {processes} process(es) on {machines} machine(s): set "
-                         f"num_processes 1, or rollout.mode sync")
+    if engine == "ray":
+        raise ValueError(f"{where}.grpo.rollout.mode async starts its sampler processes beside each training process "
+                         f"it launches on this machine or the job's machines (distributed.engine local); not yet "
+                         f"under Ray Train workers: use engine local, or rollout.mode sync")

@@ -21,6 +21,7 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence, TypeVar
 
 import pandas as pd
@@ -40,12 +41,21 @@ def check_split(what: str, size: int, num_processes: int) -> None:
 
 def process_share(acc: Accelerator, items: Sequence[T]) -> list[T]:
     """This process's contiguous share of `items` (all of them in one process); the length must split evenly."""
-    n = acc.num_processes
+    return index_share(items, acc.process_index, acc.num_processes)
+
+
+def local_processes(acc: Accelerator) -> int:
+    """The training processes on this machine (torchrun's LOCAL_WORLD_SIZE; all of them where it is not set)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+
+
+def index_share(items: Sequence[T], index: int, n: int) -> list[T]:
+    """Process `index` of `n`'s contiguous share of `items` (`process_share`, for who knows the numbers only)."""
     if n == 1:
         return list(items)
     check_split("the batch", len(items), n)
     k = len(items) // n
-    return list(items[acc.process_index * k : (acc.process_index + 1) * k])
+    return list(items[index * k : (index + 1) * k])
 
 
 def sampling_seed(seed: int, step: int, process_index: int) -> int:

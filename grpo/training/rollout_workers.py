@@ -52,7 +52,7 @@ from grpo.kernels.mlp import compact_mlp
 from grpo.rollout_config import RolloutConfig
 from grpo.sampling.engines import Engine, Rollout, build_engine
 from grpo.training.batches import prompt_order
-from grpo.training.distributed import sampling_seed
+from grpo.training.distributed import index_share, sampling_seed
 from grpo.training.lora import causal_lm
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,11 @@ class Plan(NamedTuple):
     # wraps each worker's engine (a module-level function, so a spawned process can import it): one that records
     # or slows its calls, in tests and benchmarks; None: the engine as built
     engine_wrapper: Callable[[Engine], Engine] | None = None
+    process_index: int = 0  # the trainer process these workers serve (each samples its process's share)
+    num_processes: int = 1
+    # whether the trainer samples its policy itself, under the loop's kernels (cpu attention, the compact MLP, the
+    # GEMM plan), which the workers then use too; not where it samples a gathered copy (fsdp), which has none
+    policy_kernels: bool = True
 
 
 class SharedWeights:
@@ -173,7 +178,7 @@ def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, t
     engine = build_engine(plan.generation, model, tokenizer, dtype=plan.dtype, who="a rollout worker")
     if plan.engine_wrapper is not None:
         engine = plan.engine_wrapper(engine)
-    core = causal_lm(model)
+    core = causal_lm(model) if plan.policy_kernels else None
     version = -1
     # units leave through a thread, so the next step samples while the trainer has not yet read the last one
     outbox: queue.Queue = queue.Queue()
@@ -190,8 +195,9 @@ def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, t
                 else:
                     time.sleep(POLL_S)
             idle = time.perf_counter() - t0
-            idx = prompt_order(len(plan.cells), step, plan.prompts_per_step, plan.seed)
-            torch.manual_seed(sampling_seed(plan.seed, step, 0))  # the synchronous loop's seed for the step
+            idx = index_share(prompt_order(len(plan.cells), step, plan.prompts_per_step, plan.seed),
+                              plan.process_index, plan.num_processes)  # this trainer process's share
+            torch.manual_seed(sampling_seed(plan.seed, step, plan.process_index))  # the synchronous loop's seed
             t1 = time.perf_counter()
             rollout = engine.generate([plan.cells[i] for i in idx], plan.num_generations, plan.sampling,
                                       logprobs=True)
@@ -218,10 +224,11 @@ class RolloutWorkers:
     """The stage's sampler processes and the buffer of units they deliver (the trainer's side)."""
 
     def __init__(self, cfg: RolloutConfig, plan: Plan, model: torch.nn.Module, tokenizer, *, first_step: int,
-                 timeout_s: float, devices: Sequence[str]):
+                 timeout_s: float, devices: Sequence[str], trainers_here: int = 1):
         self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
         self.timeout_s, self.devices = timeout_s, list(devices)
-        self.threads = cfg.threads or max(1, cpu_cores() // (cfg.workers + 1))
+        # the host's cores split between its trainer processes and each one's workers
+        self.threads = cfg.threads or max(1, cpu_cores() // (trainers_here * (cfg.workers + 1)))
         self.ctx = mp.get_context("spawn")
         self.shared = SharedWeights(model, self.ctx)
         # the module the workers copy: the model's structure on the CPU, its parameters the first shared copy's
@@ -249,7 +256,7 @@ class RolloutWorkers:
     def _start(self, w: int, first: int) -> None:
         reader, writer = self.ctx.Pipe(duplex=False)
         self.beats[w] = -time.time()  # not yet started (negative): its imports may take longer than the timeout
-        p = self.ctx.Process(target=_worker_main, name=f"r1-rollout-{w}", daemon=True,
+        p = self.ctx.Process(target=_worker_main, name=f"r1-rollout-{self.plan.process_index}-{w}", daemon=True,
                              args=(w, w, self.plan, self.skeleton, self.tokenizer, self.shared, self.beats, writer,
                                    first, self.cfg.workers, self.devices[w], self.threads, os.getpid()))
         p.start()

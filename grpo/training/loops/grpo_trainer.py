@@ -42,8 +42,8 @@ from grpo.training.accelerator import make_accelerator
 from grpo.training.advantages import group_advantages
 from grpo.training.batches import prompt_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
-from grpo.training.distributed import (check_split, gather_table, matched_chunks, process_share, process_weight,
-                                       sampling_seed)
+from grpo.training.distributed import (check_split, gather_table, local_processes, matched_chunks, process_share,
+                                       process_weight, sampling_seed)
 from grpo.training.dynamic import concat_groups, spread_groups
 from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
@@ -158,10 +158,6 @@ class GRPOTrainer:
         self.rollouts: RolloutWorkers | None = None
         self.tis_cap = cfg.tis_cap
         if cfg.rollout.asynchronous:
-            if self.acc.num_processes > 1:
-                raise ValueError(f"rollout.mode async runs one trainer process beside its sampler processes; this "
-                                 f"stage has {self.acc.num_processes} (distributed.num_processes): use one, or "
-                                 f"rollout.mode sync")
             self.tis_cap = cfg.tis_cap or cfg.rollout.behaviour_cap  # decoupled PPO: pi_prox / pi_behave, capped
         self.version = 0  # optimizer steps taken: the version of the weights pushed to the samplers
         self.generation = generation or GenerationConfig()
@@ -274,7 +270,10 @@ class GRPOTrainer:
             self.strategy.sync_sampler()
             self.engine.sync_weights()
         elif self.version % self.cfg.rollout.sync_every == 0:
-            self.push_s += self.rollouts.push(self.strategy.sampler_model(), self.version)
+            t0 = time.perf_counter()
+            self.strategy.sync_sampler()  # under fsdp: the whole weights gathered, unit by unit (a collective)
+            self.rollouts.push(self.strategy.sampler_model(), self.version)
+            self.push_s += time.perf_counter() - t0
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""
@@ -331,7 +330,8 @@ class GRPOTrainer:
         if cfg.rollout.asynchronous:  # before the loop's patches: each worker makes the same ones to its copy
             self.rollouts = self._start_workers(start)
             if all(d == "cpu" for d in self.rollouts.devices):  # the cores the workers do not compute on
-                torch.set_num_threads(min(threads, max(1, cpu_cores() - cfg.rollout.workers * self.rollouts.threads)))
+                here = cpu_cores() // local_processes(self.acc)
+                torch.set_num_threads(min(threads, max(1, here - cfg.rollout.workers * self.rollouts.threads)))
         try:
             with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
                   fp32_gemm(self.ref_model, self.gemm), attending_packed(core, self.packed),
@@ -351,15 +351,20 @@ class GRPOTrainer:
         cfg = self.cfg
         plan = Plan(self.cells, cfg.prompts_per_step, cfg.num_generations, cfg.sampling, self.generation, cfg.seed,
                     cfg.num_iterations, cfg.rollout.max_staleness, cfg.max_steps,
-                    sampling_dtype(self.acc.mixed_precision), self.gemm, self.packed)
+                    sampling_dtype(self.acc.mixed_precision), self.gemm, self.packed,
+                    process_index=self.acc.process_index, num_processes=self.acc.num_processes,
+                    policy_kernels=self.strategy.sampler_model() is self.acc.unwrap_model(self.model))
         device = self.acc.device
+        # on a GPU machine, the GPUs after the trainer processes' own, in turn; else the trainer's device
+        spare = [f"cuda:{i}" for i in range(local_processes(self.acc), torch.cuda.device_count())]
+        first = self.acc.local_process_index * cfg.rollout.workers
         devices = cfg.rollout.devices or tuple(
-            f"cuda:{(device.index or 0) + 1 + w}" if device.type == "cuda" and torch.cuda.device_count() > 1 + w
-            else str(device) for w in range(cfg.rollout.workers))
+            spare[first + w] if device.type == "cuda" and first + w < len(spare) else str(device)
+            for w in range(cfg.rollout.workers))
         timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
         self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
         workers = RolloutWorkers(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer, first_step=start,
-                                 timeout_s=timeout, devices=devices)
+                                 timeout_s=timeout, devices=devices, trainers_here=local_processes(self.acc))
         workers.start(self.strategy.sampler_model(), self.version)
         return workers
 
@@ -383,9 +388,10 @@ class GRPOTrainer:
             # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
             # the policy itself has nothing to compare)
             k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))
-            metrics.update(self.strategy.check_sampler(batch.input_ids[:k], batch.attention_mask[:k],
-                                                       rollout.completion_mask[:k].to(self.acc.device),
-                                                       cfg.sampling.temperature))
+            if self.rollouts is None or self.version % cfg.rollout.sync_every == 0:  # async: at each push
+                metrics.update(self.strategy.check_sampler(batch.input_ids[:k], batch.attention_mask[:k],
+                                                           rollout.completion_mask[:k].to(self.acc.device),
+                                                           cfg.sampling.temperature))
             t_ref = time.perf_counter() - t0 - t_gen
             for _ in range(cfg.num_iterations):
                 opt_stats = self.optimise(batch)
