@@ -280,6 +280,12 @@ def test_the_recipe_refuses_what_asynchronous_rollouts_cannot_honour():
     ReasoningGRPOConfig(algorithm="online_rft", grpo={"rollout": on})  # online RFT samples as GRPO does
 
 
+def test_a_worker_device_the_machine_lacks_fails_before_any_worker_starts(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo.rollout.devices names 'cuda:7'; this machine has cpu and"):
+        run(tmp_path, rollout=RolloutConfig(mode="async", devices=("cuda:7",)))
+    assert rollout_children() == []
+
+
 def test_the_reasoning_stage_runs_asynchronously_through_its_flow(prefect_harness, mlflow_client, logged_checkpoint):
     """The stage's task starts and ends the workers; their figures land in the stage's MLflow run."""
     from conftest import LOGGED_TINY

@@ -361,6 +361,11 @@ class GRPOTrainer:
         devices = cfg.rollout.devices or tuple(
             spare[first + w] if device.type == "cuda" and first + w < len(spare) else str(device)
             for w in range(cfg.rollout.workers))
+        for d in devices:  # a device this machine lacks fails here, not as workers dying one after another
+            kind, _, index = d.partition(":")
+            if kind not in ("cpu", "cuda") or (kind == "cuda" and int(index or 0) >= torch.cuda.device_count()):
+                raise ValueError(f"grpo.rollout.devices names {d!r}; this machine has cpu and "
+                                 f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)")
         timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
         self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
         workers = RolloutWorkers(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer, first_step=start,
