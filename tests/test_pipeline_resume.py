@@ -211,8 +211,12 @@ def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_end
     # time (100 steps at a high rate: 2 s in fp32, which it is pinned to, as it is not what this test is about) and
     # room to write it, so groups' rewards spread. With 4 steps' cold start every reward was 0 and GRPO rightly
     # moved nothing under bf16; in fp32 it only seemed to, through Adam stepping on float noise.
+    # The fp32 GEMMs are pinned to MKL: the killed run (its own process) and the uninterrupted one (this process)
+    # would each time MKL against oneDNN under `auto`, and on an AVX2 CPU, where the two are about even, a busy
+    # machine now and then tips one of them to the other library, whose rounding differs (the resumed run keeps
+    # the killed run's plan, which is held in tests/test_gemm.py)
     grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 12, "checkpoint_every": 2, "seed": 12,
-                             "sampling": {"max_new_tokens": 48}, "mixed_precision": "auto"}}
+                             "sampling": {"max_new_tokens": 48}, "mixed_precision": "auto", "fp32_gemm": "mkl"}}
     cold = {**COLD, "train": {**COLD["train"], "seed": 12, "max_steps": 100, "learning_rate": 1e-2,
                               "warmup_steps": 0, "mixed_precision": "no"}}
     recipe = write_recipe(tmp_path / "killed.yaml", "resume-killed", cold_start_sft=cold, reasoning_grpo=grpo)
