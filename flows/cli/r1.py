@@ -38,6 +38,10 @@ def _where() -> str:
         lines.append(f"  browse it  : {tracking.ui_base(uri)}")
     api = os.environ.get("PREFECT_API_URL")
     home = os.environ.get('PREFECT_HOME', '~/.prefect')
+    from flows.cli.credentials import credentials_path
+
+    if credentials_path().exists():
+        lines.append(f"logins       : {credentials_path()}   (`r1 up`'s stack; mode 0600)")
     lines.append(f"Prefect      : {api or 'temporary local API, database under ' + home}")
     if not api:
         lines.append("  browse it  : prefect server start   (then http://127.0.0.1:4200)")
@@ -250,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from flows.cli import preflight
+    from flows.cli.credentials import use_stack_credentials
 
     preflight.check_state_folder()
+    warning = use_stack_credentials()  # the logins of the `r1 up` stack the environment names, before Prefect loads
+    if warning:
+        print("r1: " + warning, file=sys.stderr)
     import tasks  # noqa: F401  (embedded-default environment before Prefect loads)
 
     if args.command == "where":

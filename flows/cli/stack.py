@@ -8,6 +8,10 @@
 PREFECT_HOME, so earlier local runs stay visible) and MLflow its own at <R1_HOME>/mlflow.db with artifacts under
 <R1_HOME>/mlartifacts, served through the MLflow server (`--serve-artifacts`), so clients never need the folder.
 
+Both servers ask for credentials (flows.cli.credentials): made on the first `up`, kept under <R1_HOME>/auth with mode
+0600, sent by the worker, its flow runs and every `r1` command pointed at the stack; never printed, only where they
+are. An unauthenticated request to either API is refused (HTTP 401).
+
 Each process starts in its own session (process group): `down` signals that group, which also ends what the process
 started (a flow run under the worker, the MLflow server's workers), and checks the PID's start time first, so a PID
 the system has since reused for another program is left alone.
@@ -15,6 +19,7 @@ the system has since reused for another program is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -131,15 +136,19 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_prefect_server(home: Path, port: int, log_dir: Path) -> tuple[Started, str]:
-    """`prefect server start` with its own PREFECT_HOME and SQLite database; returns it and its API URL."""
+def start_prefect_server(home: Path, port: int, log_dir: Path, auth: dict[str, str] | None = None
+                         ) -> tuple[Started, str]:
+    """`prefect server start` with its own PREFECT_HOME and SQLite database, asking every API call for the
+    credential in `auth` (flows.cli.credentials) where given; returns it and its API URL."""
+    from flows.cli.credentials import prefect_server_env
+
     home.mkdir(parents=True, exist_ok=True)
     api = f"http://127.0.0.1:{port}/api"
     # the UI's pages call the API at this URL; left unset it is built from the default port (4200), whatever
     # --port says, and the UI on any other port cannot reach its own server
     env = base_env(PREFECT_HOME=str(home), PREFECT_SERVER_UI_API_URL=api,
                    PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-                   PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false")
+                   PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false", **(prefect_server_env(auth) if auth else {}))
     env.pop("PREFECT_API_URL", None)
     p = start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                                          "--port", str(port)], env, log_dir)
@@ -147,14 +156,20 @@ def start_prefect_server(home: Path, port: int, log_dir: Path) -> tuple[Started,
     return p, api
 
 
-def start_mlflow_server(db: Path, artifacts: Path, port: int, log_dir: Path) -> tuple[Started, str]:
-    """`mlflow server` on SQLite, serving artifacts from a local folder; returns it and its tracking URI."""
+def start_mlflow_server(db: Path, artifacts: Path, port: int, log_dir: Path, auth: dict[str, str] | None = None
+                        ) -> tuple[Started, str]:
+    """`mlflow server` on SQLite, serving artifacts from a local folder, behind its basic-auth app with the admin
+    login in `auth` (flows.cli.credentials) where given; returns it and its tracking URI."""
+    from flows.cli.credentials import mlflow_server_env
+
     artifacts.mkdir(parents=True, exist_ok=True)
+    login = ["--app-name", "basic-auth"] if auth else []
     p = start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
                                         "--artifacts-destination", str(artifacts), "--serve-artifacts",
-                                        "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                        "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *login],
                       # no job runner: its seven queue consumers serve GenAI features this project does not use
-                      base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"), log_dir)
+                      base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", **(mlflow_server_env(auth) if auth else {})),
+                      log_dir)
     uri = f"http://127.0.0.1:{port}"
     wait_http(f"{uri}/health", p)
     return p, uri
@@ -168,14 +183,27 @@ def start_worker(api_url: str, tracking_uri: str, log_dir: Path, pool: str = PRO
                          base_env(PREFECT_API_URL=api_url, MLFLOW_TRACKING_URI=tracking_uri, **env), log_dir)
 
 
-def create_work_pools(api_url: str) -> None:
+def create_work_pools(api_url: str, auth: dict[str, str] | None = None) -> None:
     """The process pool (Prefect's default process template) and the Kubernetes GPU pool (our template)."""
     import asyncio
 
-    asyncio.run(_create_work_pools(api_url))
+    asyncio.run(_create_work_pools(api_url, _auth_string(auth)))
 
 
-async def _create_work_pools(api_url: str) -> None:
+def _auth_string(auth: dict[str, str] | None) -> str | None:
+    return auth["PREFECT_API_AUTH_STRING"] if auth else None
+
+
+@contextlib.contextmanager
+def prefect_api(api_url: str, auth: dict[str, str] | None = None):
+    """Prefect's client settings for the server at `api_url` (with its credential), for the block."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: _auth_string(auth)}):
+        yield
+
+
+async def _create_work_pools(api_url: str, auth_string: str | None) -> None:
     from prefect.client.orchestration import PrefectClient
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.workers.process import ProcessWorker
@@ -183,7 +211,7 @@ async def _create_work_pools(api_url: str) -> None:
     pools = {PROCESS_POOL: ("process", ProcessWorker.get_default_base_job_template()),
              GPU_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text())),
              INFERENCE_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text()))}
-    async with PrefectClient(api_url) as client:
+    async with PrefectClient(api_url, auth_string=auth_string) as client:
         for name, (kind, template) in pools.items():
             await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template),
                                           overwrite=True)
@@ -192,7 +220,8 @@ async def _create_work_pools(api_url: str) -> None:
 ZOMBIE_AUTOMATION = "r1: crash flow runs whose heartbeat stopped"
 
 
-def create_zombie_automation(api_url: str, within_s: int = 3 * FLOW_HEARTBEAT_S) -> None:
+def create_zombie_automation(api_url: str, within_s: int = 3 * FLOW_HEARTBEAT_S,
+                             auth: dict[str, str] | None = None) -> None:
     """An automation on the server that marks Crashed a flow run whose heartbeats stopped (its pod preempted, its
     node lost, its worker killed), so it does not stay Running forever; the workers' flow runs send heartbeats."""
     from datetime import timedelta
@@ -202,9 +231,8 @@ def create_zombie_automation(api_url: str, within_s: int = 3 * FLOW_HEARTBEAT_S)
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api_url}):
+    with prefect_api(api_url, auth):
         while (old := read_automation(ZOMBIE_AUTOMATION)) is not None:  # made again, not twice
             old.delete()
         Automation(
@@ -231,25 +259,27 @@ def read_automation(name: str):
         return None
 
 
-def deploy_all(api_url: str, timeout: float = 300) -> str:
+def deploy_all(api_url: str, timeout: float = 300, auth: dict[str, str] | None = None) -> str:
     """`prefect deploy --all` with deployments/prefect.yaml (the pipeline's deployments), from the project root, then
     every stage's deployment on the process pool (`r1 deploy --pool r1-process`); returns what they printed."""
     proc = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
-                           str(DEPLOYMENTS_FILE)], cwd=PROJECT_ROOT, env=base_env(PREFECT_API_URL=api_url),
+                           str(DEPLOYMENTS_FILE)], cwd=PROJECT_ROOT,
+                          env=base_env(PREFECT_API_URL=api_url, **({"PREFECT_API_AUTH_STRING": _auth_string(auth)}
+                                                                   if auth else {})),
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout + "\n".join(f"deployed {name}" for name in deploy_stages_on(api_url, "tiny", PROCESS_POOL))
+    return proc.stdout + "\n".join(f"deployed {name}" for name in deploy_stages_on(api_url, "tiny", PROCESS_POOL,
+                                                                                   auth))
 
 
-def deploy_stages_on(api_url: str, recipe: str, pool: str | None = None) -> list[str]:
+def deploy_stages_on(api_url: str, recipe: str, pool: str | None = None, auth: dict[str, str] | None = None
+                     ) -> list[str]:
     """`r1 deploy --recipe <recipe> [--pool <pool>]` against the server at `api_url`."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.cli.deploy import deploy_stages
     from grpo.recipe import load_recipe
 
-    with temporary_settings({PREFECT_API_URL: api_url}):
+    with prefect_api(api_url, auth):
         return deploy_stages(load_recipe(recipe), pool)
 
 
@@ -278,10 +308,12 @@ def _processes(state: dict) -> list[Started]:
 
 
 def _port(port: int) -> int:
-    """`port`, or a free one for 0; fails before anything starts if `port` is taken."""
+    """`port`, or a free one for 0; fails before anything starts if `port` is taken (as the servers see it: a
+    port whose last connections wait out TIME_WAIT is free to them, as SO_REUSEADDR makes it)."""
     if port == 0:
         return free_port()
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -289,13 +321,14 @@ def _port(port: int) -> int:
     return port
 
 
-def _wait_for_worker(api_url: str, pool: str, worker: Started, timeout: float = 120) -> None:
+def _wait_for_worker(api_url: str, pool: str, worker: Started, timeout: float = 120,
+                     auth: dict[str, str] | None = None) -> None:
     import asyncio
 
     from prefect.client.orchestration import PrefectClient
 
     async def count() -> int:
-        async with PrefectClient(api_url) as client:
+        async with PrefectClient(api_url, auth_string=_auth_string(auth)) as client:
             return len(await client.read_workers_for_work_pool(pool))
 
     deadline = time.monotonic() + timeout
@@ -307,14 +340,21 @@ def _wait_for_worker(api_url: str, pool: str, worker: Started, timeout: float = 
 
 
 def summary(state: dict) -> str:
+    login = [f"logins     : in {state['auth']} (mode 0600; the Prefect UI asks for PREFECT_API_AUTH_STRING's "
+             "value, the MLflow UI for MLFLOW_TRACKING_USERNAME's and _PASSWORD's)"] if state.get("auth") else \
+        ["logins     : none (started by an older `r1 up`: `r1 down`, then `r1 up` adds them)"]
+    export = [f"  set -a; . {state['auth']}; set +a   # the logins, for your own code (`r1` reads them itself)"] \
+        if state.get("auth") else []
     return "\n".join([
         f"Prefect UI : {state['prefect_ui']}",
         f"MLflow UI  : {state['mlflow_ui']}",
+        *login,
         f"worker     : pool {PROCESS_POOL} (logs under {state_path().parent / 'logs'})",
         "",
         "point `r1` and your own code at this stack:",
         f"  export PREFECT_API_URL={state['prefect_api']}",
         f"  export MLFLOW_TRACKING_URI={state['mlflow_ui']}",
+        *export,
         "",
         "run a deployment:  prefect deployment run cold_start_sft/r1-process   (or from the UI: Deployments)",
         "stop everything :  r1 down",
@@ -325,37 +365,46 @@ def up(prefect_port: int = 4200, mlflow_port: int = 5000, out=print) -> int:
     """Start the stack, deploy every flow, record what was started; 0 on success."""
     from tasks.tracking import r1_home
 
+    from flows.cli.credentials import credentials_path, ensure_credentials
+
     state = read_state()
     if state and any(is_running(p) for p in _processes(state)):
-        out("r1: the stack is already up (`r1 down` stops it)\n\n" + summary(state))
+        if not state.get("auth"):
+            out("r1: the stack is already up, started without authentication by an older `r1 up`: anyone who "
+                "reaches its ports can use it; `r1 down`, then `r1 up` starts it again with logins (runs, "
+                "artifacts and deployments are kept)\n\n" + summary(state))
+        else:
+            out("r1: the stack is already up (`r1 down` stops it)\n\n" + summary(state))
         return 1
     home, logs = r1_home(), state_path().parent / "logs"
     state = {"processes": []}
     try:
         prefect_port, mlflow_port = _port(prefect_port), _port(mlflow_port)
+        auth = ensure_credentials()
+        state["auth"] = str(credentials_path())
         out(f"starting the Prefect server on port {prefect_port} ...")
         server, api = start_prefect_server(Path(os.environ.get("PREFECT_HOME") or home / "prefect"), prefect_port,
-                                           logs)
+                                           logs, auth)
         state["processes"].append(asdict(server))
         state.update(prefect_api=api, prefect_ui=api.removesuffix("/api"))
         _write_state(state)
 
         out(f"starting the MLflow server on port {mlflow_port} ...")
-        mlflow, tracking = start_mlflow_server(home / "mlflow.db", home / "mlartifacts", mlflow_port, logs)
+        mlflow, tracking = start_mlflow_server(home / "mlflow.db", home / "mlartifacts", mlflow_port, logs, auth)
         state["processes"].append(asdict(mlflow))
         state["mlflow_ui"] = tracking
         _write_state(state)
 
         out("creating work pools and deploying deployments/prefect.yaml ...")
-        create_work_pools(api)
-        create_zombie_automation(api)
-        (logs / "deploy.log").write_text(deploy_all(api))
+        create_work_pools(api, auth)
+        create_zombie_automation(api, auth=auth)
+        (logs / "deploy.log").write_text(deploy_all(api, auth=auth))
 
         out(f"starting a worker on {PROCESS_POOL} ...")
-        worker = start_worker(api, tracking, logs)
+        worker = start_worker(api, tracking, logs, **auth)  # its flow runs inherit the logins, never as parameters
         state["processes"].append(asdict(worker))
         _write_state(state)
-        _wait_for_worker(api, PROCESS_POOL, worker)
+        _wait_for_worker(api, PROCESS_POOL, worker, auth=auth)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         out(f"r1: up failed: {e}\nstopping what was started ...")
         down(out=out)
