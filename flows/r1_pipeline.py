@@ -68,12 +68,14 @@ def pipeline_run_name() -> str:
 @flow(name="r1_pipeline", flow_run_name=pipeline_run_name, log_prints=True)
 def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris: dict[str, str] | None = None,
                 from_run: str | None = None, fresh: bool = False, ray_address: str | None = None,
-                shard_store: str | None = None, overrides: dict[str, Any] | None = None) -> PipelineResult:
+                shard_store: str | None = None, overrides: dict[str, Any] | None = None,
+                sweep: dict[str, str] | None = None) -> PipelineResult:
     """Run the recipe's stages in order under one MLflow parent run; return each stage's result.
 
     A stage that finished before with the same config and inputs is reused, not run again, unless `fresh`.
     `ray_address` and `shard_store` (a deployment's cluster) override the recipe's `rejection_sampling.cluster`.
     `overrides` set any of the recipe's fields by dotted path, e.g. {"cold_start_sft.train.max_steps": 50}.
+    `sweep` is a sweep point's tags (flows/sweep.py): the parent run is nested under the sweep's run.
     """
     cfg = apply_overrides(load_recipe(recipe), overrides)  # a bad recipe or override fails here, before any run
     if ray_address or shard_store:
@@ -103,7 +105,7 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         parent = tracking.start_run(f"r1_pipeline:{cfg.name}", tags={"recipe": cfg.name, "stages": ",".join(stages),
                                                                       **({"from_run": from_run} if from_run else {}),
                                                                       **({FRESH: "true"} if fresh else {}),
-                                                                      **recorded, **prefect_tags()})
+                                                                      **recorded, **prefect_tags(), **(sweep or {})})
         tracking.log_params(parent, {"recipe": cfg.name, "stages": ",".join(stages),
                                      **({"from_run": from_run} if from_run else {}),
                                      **{f"from.{k}": v for k, v in uris.items()}, **recorded})

@@ -38,6 +38,7 @@ from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.rewards.registry import REWARD_FUNCTIONS
 from grpo.rft_config import OnlineRFTConfig, check_rft_settings
 from grpo.rollout_config import check_async_rollout
+from grpo.sweep_config import SweepConfig
 
 # Stage settings and the recipe
 
@@ -293,6 +294,7 @@ class Recipe(BaseModel):
     alignment_grpo: AlignmentGRPOConfig = Field(default_factory=AlignmentGRPOConfig)
     # the work pools stages may be placed on (a stage's resources.pool), each with what one flow run can be given
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    sweep: SweepConfig | None = None  # what `r1 sweep --recipe <this>` varies (grpo/sweep_config.py); `r1 run` ignores it
 
     def stage_configs(self) -> dict[str, StageConfig]:
         """Each stage's settings by name, in the recipe's order."""

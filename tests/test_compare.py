@@ -61,3 +61,24 @@ def test_compare_names_a_bad_run(capsys):
     child = stage_runs(a)["cold_start_sft"].info.run_id  # a stage run is not a pipeline run
     assert main(["compare", child, child]) == 2
     assert "pipeline runs" in capsys.readouterr().err
+
+
+def test_compare_takes_three_runs_or_a_sweep_run_for_its_points(capsys):
+    a, b, c = (make_pipeline(lr, acc) for lr, acc in (("0.001", 0.25), ("0.002", 0.5), ("0.003", 0.75)))
+    text = compare(a, b, c)
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[:3]] == ["A:", "B:", "C:"]
+    cold = [line.split() for line in text.split("== cold_start_sft")[1].split("==")[0].splitlines()]
+    assert ["train.learning_rate", "0.001", "0.002", "0.003"] in cold
+    assert ["eval/accuracy", "0.25", "0.5", "0.75"] in cold  # no B-A with three
+    assert "A and B and C compared" in text
+
+    # a sweep run (r1 sweep) stands for its finished points, in the sweep's order
+    sweep = tracking.start_run("r1_sweep:tiny", tags={"r1.sweep.key": "k", "r1.sweep.recipe": "tiny"})
+    for index, run_id in ((1, c), (0, a)):
+        tracking.set_tags(run_id, {"r1.sweep": sweep, "r1.sweep.index": str(index)})
+    assert compare(sweep) == compare(a, c)
+    assert main(["compare", sweep]) == 0 and capsys.readouterr().out.strip() == compare(a, c)
+    lonely = tracking.start_run("r1_sweep:tiny", tags={"r1.sweep.key": "k2"})
+    assert main(["compare", lonely]) == 2
+    assert "0 pipeline run(s) to compare; give two or more" in capsys.readouterr().err

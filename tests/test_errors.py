@@ -479,7 +479,7 @@ def test_a_reward_model_uri_of_an_unknown_run(ws, capsys):
 
 def test_compare_with_unknown_runs(ws, capsys):
     ws.client().search_experiments()
-    fails_cleanly(capsys, ws, ["compare", "aaa", "bbb"], "RUN_A: no MLflow run 'aaa'")
+    fails_cleanly(capsys, ws, ["compare", "aaa", "bbb"], "RUN 1: no MLflow run 'aaa'")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""`r1 compare RUN_A RUN_B`: two pipeline runs stage by stage: the params that differ, the metrics side by side,
-and the MLflow UI's pages for both and for their comparison.
+"""`r1 compare RUN_A RUN_B [RUN ...]`: pipeline runs stage by stage: the params that differ, the metrics side by
+side, and the MLflow UI's pages for each and for their comparison. A sweep run (`r1 sweep`) stands for its points.
 
 A pipeline run is an MLflow parent run; its stages are the child runs tagged `stage=<name>`. Upstream URIs
 (`input.*` params) differ between any two runs by construction, so they are left out of the diff.
@@ -39,45 +39,74 @@ def _fmt(value: float | str | None) -> str:
     return str(value)
 
 
-def diff_params(a: dict[str, str], b: dict[str, str]) -> list[tuple[str, str | None, str | None]]:
-    keys = sorted(k for k in set(a) | set(b) if not k.startswith(HIDDEN_PARAMS))
-    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
+def diff_params(*runs: dict[str, str]) -> list[tuple]:
+    """(key, value in each run) for the params whose values are not all the same."""
+    keys = sorted(k for k in set().union(*runs) if not k.startswith(HIDDEN_PARAMS))
+    return [(k, *(r.get(k) for r in runs)) for k in keys if len({r.get(k) for r in runs}) > 1]
 
 
-def side_by_side(a: dict[str, float], b: dict[str, float]) -> list[tuple[str, float | None, float | None]]:
-    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))]
+def side_by_side(*runs: dict[str, float]) -> list[tuple]:
+    return [(k, *(r.get(k) for r in runs)) for k in sorted(set().union(*runs))]
 
 
-def compare(run_a: str, run_b: str) -> str:
-    """The comparison as text (what `r1 compare` prints)."""
-    stages_a, stages_b = stage_runs(run_a), stage_runs(run_b)
-    if not stages_a and not stages_b:
-        raise ValueError(f"neither {run_a} nor {run_b} has stage runs (child runs tagged `stage`): "
-                         "are they pipeline runs?")
+def expand_runs(run_ids: list[str]) -> list[str]:
+    """The pipeline runs to compare: each id as given, a sweep run (flows/sweep.py) as its finished points in order."""
     client = tracking.client()
-    parent_a, parent_b = client.get_run(run_a), client.get_run(run_b)
-    width = max([28] + [len(k) + 2 for runs in (stages_a, stages_b) for r in runs.values()
-                        for k in (*r.data.params, *r.data.metrics)])
-    row = lambda name, x, y, extra="": f"    {name:<{width}} {_fmt(x):>14} {_fmt(y):>14}{extra}"  # noqa: E731
-    head = lambda title, extra="": f"  {title:<{width + 2}} {'A':>14} {'B':>14}{extra}"  # noqa: E731
-    lines = [f"A: {run_a}  {parent_a.info.run_name}  {parent_a.info.status}",
-             f"B: {run_b}  {parent_b.info.run_name}  {parent_b.info.status}"]
-    pipeline_diff = diff_params(parent_a.data.params, parent_b.data.params)
-    pipeline_diff = [d for d in pipeline_diff if not d[0].startswith("from.")]
+    out = []
+    for run_id in run_ids:
+        run = client.get_run(run_id)  # raises MlflowException for an unknown id
+        if "r1.sweep.key" in run.data.tags:
+            points = tracking.find_runs(f"tags.`r1.sweep` = '{run_id}' and attributes.status = 'FINISHED'")
+            points = sorted(points, key=lambda p: int(p.data.tags.get("r1.sweep.index", 0)))
+            out += list(dict.fromkeys(p.info.run_id for p in points))
+        else:
+            out.append(run_id)
+    return out
+
+
+def _letter(i: int) -> str:
+    return chr(ord("A") + i) if i < 26 else f"R{i + 1}"
+
+
+def compare(*run_ids: str) -> str:
+    """The comparison as text (what `r1 compare` prints): two pipeline runs or more (a sweep run stands for its
+    points), each a column; with two, B-A beside each metric."""
+    ids = expand_runs(list(run_ids))
+    if len(ids) < 2:
+        raise ValueError(f"{' '.join(run_ids)}: {len(ids)} pipeline run(s) to compare; give two or more (or a sweep "
+                         "run with two finished points or more)")
+    stages = [stage_runs(i) for i in ids]
+    if not any(stages):
+        raise ValueError(f"none of {', '.join(ids)} has stage runs (child runs tagged `stage`): are they pipeline "
+                         "runs?")
+    client = tracking.client()
+    parents = [client.get_run(i) for i in ids]
+    letters = [_letter(i) for i in range(len(ids))]
+    two = len(ids) == 2
+    width = max([28] + [len(k) + 2 for runs in stages for r in runs.values() for k in (*r.data.params,
+                                                                                       *r.data.metrics)])
+    row = lambda name, values, extra="": (f"    {name:<{width}} " + " ".join(f"{_fmt(v):>14}" for v in values)
+                                          + extra)  # noqa: E731
+    head = lambda title, extra="": (f"  {title:<{width + 2}} " + " ".join(f"{x:>14}" for x in letters)
+                                    + extra)  # noqa: E731
+    lines = [f"{x}: {p.info.run_id}  {p.info.run_name}  {p.info.status}" for x, p in zip(letters, parents)]
+    pipeline_diff = [d for d in diff_params(*(p.data.params for p in parents)) if not d[0].startswith("from.")]
     if pipeline_diff:
         lines += ["", head("pipeline params that differ")]
-        lines += [row(k, x, y) for k, x, y in pipeline_diff]
-    for stage in {**stages_a, **stages_b}:  # A's order, then stages only B ran
-        ra, rb = stages_a.get(stage), stages_b.get(stage)
-        ids = f"A {ra.info.run_id if ra else '(not run)'}, B {rb.info.run_id if rb else '(not run)'}"
-        lines += ["", f"== {stage}  ({ids})"]
-        params = diff_params(ra.data.params if ra else {}, rb.data.params if rb else {})
+        lines += [row(k, values) for k, *values in pipeline_diff]
+    order = {}
+    for runs in stages:  # the first run's order, then stages only later runs ran
+        order.update(dict.fromkeys(runs))
+    for stage in order:
+        these = [runs.get(stage) for runs in stages]
+        ran = ", ".join(f"{x} {r.info.run_id if r else '(not run)'}" for x, r in zip(letters, these))
+        lines += ["", f"== {stage}  ({ran})"]
+        params = diff_params(*(r.data.params if r else {} for r in these))
         lines.append(head("params that differ") if params else "  params that differ: none")
-        lines += [row(k, x, y) for k, x, y in params]
-        metrics = side_by_side(ra.data.metrics if ra else {}, rb.data.metrics if rb else {})
-        lines.append(head("metrics (last value)", "  B-A"))
-        for k, x, y in metrics:
-            delta = f"  {y - x:+.4g}" if x is not None and y is not None else ""
-            lines.append(row(k, x, y, delta))
-    lines += ["", tracking.ui_text({"A": run_a, "B": run_b})]
+        lines += [row(k, values) for k, *values in params]
+        lines.append(head("metrics (last value)", "  B-A" if two else ""))
+        for k, *values in side_by_side(*(r.data.metrics if r else {} for r in these)):
+            delta = f"  {values[1] - values[0]:+.4g}" if two and None not in values else ""
+            lines.append(row(k, values, delta))
+    lines += ["", tracking.ui_text(dict(zip(letters, ids)))]
     return "\n".join(lines)

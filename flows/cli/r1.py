@@ -11,7 +11,8 @@
     r1 up [--prefect-port 4200] [--mlflow-port 5000]   # a local team stack: servers, a worker, every deployment
     r1 down                       # stop what `r1 up` started
     r1 deploy [--recipe R] [--pool P]   # each stage's deployment <stage>/<pool>, on the pool its section names
-    r1 compare RUN_A RUN_B        # two pipeline runs stage by stage: params that differ, metrics side by side
+    r1 compare RUN_A RUN_B [...]  # pipeline runs (or a sweep's points) stage by stage: params that differ, metrics
+    r1 sweep [--recipe R] --grid PATH=V1,V2 [--grid ...] [--seeds N] [--stages ...]   # a grid of pipeline runs
 
 A mistake in what was asked for (recipe, data, model, run id, stage, endpoint, port, folder) is found before
 anything starts and told in one line, exit code 2; --debug adds the traceback.
@@ -204,10 +205,13 @@ def _parser() -> argparse.ArgumentParser:
                             help="make each stage's deployment <stage>/<pool> on the pool its recipe section names")
     deploy.add_argument("--recipe", default="tiny")
     deploy.add_argument("--pool", default=None, help="also deploy the stages that name no pool on this one")
+    from flows.cli import sweep as sweep_command
+
+    sweep_command.add_parser(sub, [common])
     compare = sub.add_parser("compare", parents=[common],
-                             help="compare two pipeline runs (MLflow parent run ids) stage by stage")
-    compare.add_argument("run_a")
-    compare.add_argument("run_b")
+                             help="compare pipeline runs (MLflow parent run ids; a sweep run: its points) stage by "
+                                  "stage")
+    compare.add_argument("runs", nargs="+", metavar="RUN", help="two pipeline runs or more, or a sweep run")
     return parser
 
 
@@ -275,6 +279,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         preflight.check_port("--prefect-port", args.prefect_port)
         preflight.check_port("--mlflow-port", args.mlflow_port)
         return stack.up(args.prefect_port, args.mlflow_port)
+    if args.command == "sweep":
+        from flows.cli import sweep as sweep_command
+
+        return sweep_command.run(args, _until_stopped)
     if args.command == "compare":
         from mlflow.exceptions import MlflowException
 
@@ -282,12 +290,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from flows.cli.compare import compare
 
         preflight.check_servers()
-        check_run("RUN_A", args.run_a)
-        check_run("RUN_B", args.run_b)
+        for i, run_id in enumerate(args.runs):
+            check_run(f"RUN {i + 1}", run_id)
         try:
-            print(compare(args.run_a, args.run_b))
+            print(compare(*args.runs))
         except (MlflowException, ValueError) as e:
-            raise preflight.UsageError(f"cannot compare {args.run_a} and {args.run_b}: {e}") from None
+            raise preflight.UsageError(f"cannot compare {' and '.join(args.runs)}: {e}") from None
         return 0
 
     from grpo.recipe import apply_overrides, load_recipe

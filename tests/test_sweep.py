@@ -1,0 +1,229 @@
+"""`r1 sweep` for real: a 2 x 2 grid of the shortened tiny recipe's reasoning GRPO, its shared cold start trained
+once, its table and plots in MLflow, the same command again training nothing, and bad input said in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from test_flows import TINY_GRPO, TINY_STAGE
+
+from flows.cli.r1 import main
+
+# a cold start no other test trains (its seed), so the sweep's first point trains it and no earlier run stands in
+COLD = {**TINY_STAGE, "data": {"num_train": 32, "num_heldout": 4}, "train": {**TINY_STAGE["train"], "seed": 41},
+        "eval": {**TINY_STAGE["eval"], "num_prompts": 4, "num_samples": 1}}
+GRPO = {**TINY_GRPO, "data": {"num_train": 16, "num_heldout": 4},
+        "eval": {**TINY_GRPO["eval"], "num_prompts": 4}}
+GRID = ["--grid", "reasoning_grpo.grpo.beta=0,0.04", "--grid", "reasoning_grpo.grpo.learning_rate=1e-5,1e-4"]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def stage_runs(client, pipeline_runs: list[str], stage: str) -> list:
+    runs = []
+    for run_id in pipeline_runs:
+        experiment = client.get_run(run_id).info.experiment_id
+        runs += client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run_id}' and tags.stage = '{stage}'")
+    return runs
+
+
+def trained(runs) -> list:
+    return [r for r in runs if "r1.reused_from" not in r.data.tags]
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": "sweep-test", "cold_start_sft": COLD, "reasoning_grpo": GRPO}))
+    return path
+
+
+def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(prefect_harness, mlflow_client,
+                                                                                 recipe, capsys):
+    args = ["sweep", "--recipe", str(recipe), *GRID, "--stages", "cold_start_sft,reasoning_grpo"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "4 points" in out and "4 run now, 0 finished before" in out
+    [sweep] = mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()],
+                                        "tags.`r1.sweep.recipe` = 'sweep-test'")
+    assert sweep.info.status == "FINISHED" and sweep.data.params["points"] == "4"
+    points = mlflow_client.search_runs([sweep.info.experiment_id], f"tags.`r1.sweep` = '{sweep.info.run_id}'")
+    assert len(points) == 4 and all(p.data.tags["mlflow.parentRunId"] == sweep.info.run_id for p in points)
+    pipeline_runs = [p.info.run_id for p in points]
+    # one cold start for the four points (the other three reuse it); a reasoning GRPO per point
+    assert len(trained(stage_runs(mlflow_client, pipeline_runs, "cold_start_sft"))) == 1
+    grpo = stage_runs(mlflow_client, pipeline_runs, "reasoning_grpo")
+    assert len(trained(grpo)) == 4
+    assert sorted((r.data.params["grpo.beta"], r.data.params["grpo.learning_rate"]) for r in grpo) == \
+        [("0.0", "0.0001"), ("0.0", "1e-05"), ("0.04", "0.0001"), ("0.04", "1e-05")]
+
+    # the table: four rows, each point's settings and its pipeline run's numbers
+    folder = Path(mlflow_client.download_artifacts(sweep.info.run_id, "sweep", str(recipe.parent / "got")))
+    table = pd.read_csv(folder / "points.csv")
+    assert len(table) == 4 and set(table["pipeline_run"]) == set(pipeline_runs)
+    assert sorted(zip(table["reasoning_grpo.grpo.beta"], table["reasoning_grpo.grpo.learning_rate"])) == \
+        [(0.0, 1e-5), (0.0, 1e-4), (0.04, 1e-5), (0.04, 1e-4)]
+    for _, row in table.iterrows():  # each row's numbers are its own pipeline run's
+        run = mlflow_client.get_run(row["pipeline_run"])
+        assert row["reasoning_grpo/eval/accuracy"] == pytest.approx(run.data.metrics["reasoning_grpo/eval/accuracy"])
+    summary = pd.read_csv(folder / "summary.csv")
+    assert len(summary) == 4 and (summary["seeds"] == 1).all()
+    assert "reasoning_grpo/eval/accuracy mean" in summary
+    # the plots: each final held-out number by each setting, and GRPO's curves overlaid (the cold start is shared)
+    plots = sorted(p.name for p in (folder / "plots").glob("*.png"))
+    assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.beta.png" in plots
+    assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.learning_rate.png" in plots
+    assert "curves--reasoning_grpo.png" in plots and "curves--cold_start_sft.png" not in plots
+    assert all(png_size(folder / "plots" / p) == (640, 400) for p in plots)
+    assert "sweep/points.json" in {a.path for a in mlflow_client.list_artifacts(sweep.info.run_id, "sweep")}
+    assert "compare-runs" in out and "eval/accuracy" in out  # the links, the table
+
+    # the same command again: every point finished before; nothing trains, no run is made but the sweep's reopening
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "0 run now, 4 finished before" in out
+    again = mlflow_client.search_runs([sweep.info.experiment_id], f"tags.`r1.sweep` = '{sweep.info.run_id}'")
+    assert len(again) == 4
+    assert len(stage_runs(mlflow_client, pipeline_runs, "cold_start_sft")) == 4
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--grid", "reasoning_grpo.grpo.betta=0,1"], "--grid reasoning_grpo.grpo.betta=0: override "
+                                                  "'reasoning_grpo.grpo.betta': reasoning_grpo.grpo has no field 'betta'"),
+    (["--grid", "reasoning_grpo.grpo.beta=0,-1"], "--grid reasoning_grpo.grpo.beta=-1: "),
+    (["--grid", "reasoning_grpo.grpo.beta=0,0"], "--grid reasoning_grpo.grpo.beta: 0 given twice"),
+    (["--grid", "reasoning_grpo.grpo.beta"], "--grid 'reasoning_grpo.grpo.beta': expected PATH=V1,V2"),
+    ([], "the sweep is empty"),
+    (["--grid", "reasoning_grpo.grpo.beta=0,1", "--seeds", "0"], "--seeds 0: expected 1 or more"),
+    (["--grid", "reasoning_grpo.grpo.beta=0,1", "--stages", "cold_start"], "unknown stage(s) ['cold_start']"),
+])
+def test_a_sweep_asked_wrongly_is_one_line_before_anything_runs(recipe, flags, said, capsys):
+    assert main(["sweep", "--recipe", str(recipe), *flags]) == 2
+    err = capsys.readouterr().err
+    [line] = err.strip().splitlines()
+    assert said in line and "Traceback" not in err, line
+
+
+def test_seeds_say_which_stages_they_reach(recipe):
+    from grpo.recipe import load_recipe
+    from grpo.sweep import expand, seeds_reach
+    from grpo.sweep_config import SweepConfig
+
+    r = load_recipe(recipe)
+    late = SweepConfig(grid={"reasoning_grpo.grpo.beta": [0, 0.04]}, seeds=2, seed_stages=["reasoning_grpo"],
+                       stages=["cold_start_sft", "reasoning_grpo"])
+    assert seeds_reach(r, late) == ("2 seeds reach reasoning_grpo: each seed trains its own reasoning_grpo and "
+                                    "everything after it; cold_start_sft shared by all seeds")
+    points = expand(r, late)
+    assert [(p.settings["reasoning_grpo.grpo.beta"], p.seed) for p in points] == [(0, 0), (0, 1), (0.04, 0), (0.04, 1)]
+    assert points[1].overrides == {"reasoning_grpo.grpo.beta": 0, "reasoning_grpo.grpo.seed": 1}  # GRPO's seed only
+    every = SweepConfig(seeds=3, stages=["cold_start_sft", "reasoning_grpo"])
+    assert "each seed trains its own cold_start_sft" in seeds_reach(r, every)
+    assert expand(r, every)[2].overrides == {"cold_start_sft.train.seed": 43, "reasoning_grpo.grpo.seed": 2}
+
+
+def test_a_sweep_killed_mid_point_goes_on_with_that_point_from_its_checkpoint(prefect_harness, mlflow_client,
+                                                                              tmp_path, request):
+    """kill -9 of `r1 sweep` while its first point's reasoning GRPO trains: the same command again goes on in the
+    same sweep run, that point's cold start reused and its GRPO resumed from the checkpoint it wrote, then the
+    second point; the dead process's runs are marked FAILED."""
+    from prefect.settings import PREFECT_API_URL
+    from test_pipeline_resume import ROOT, _kill_group, _wait_for
+
+    from grpo.training.checkpoints import latest_checkpoint
+    from tasks import tracking
+
+    grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 24, "checkpoint_every": 2, "seed": 5}}
+    recipe = tmp_path / "killed.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "sweep-killed", "cold_start_sft": {
+        **COLD, "train": {**COLD["train"], "seed": 42}}, "reasoning_grpo": grpo}))
+    flags = ["--recipe", str(recipe), "--grid", "reasoning_grpo.grpo.beta=0,0.04", "--stages",
+             "cold_start_sft,reasoning_grpo"]
+    # `r1 sweep` in a process of its own (and process group, as a terminal starts it), on the tests' Prefect API
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sweep", *flags], cwd=ROOT, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    request.addfinalizer(lambda: _kill_group(proc.pid))
+
+    def checkpoint():  # the first point's GRPO run, once it wrote a checkpoint
+        parents = {r.info.run_id for r in tracking.find_runs("tags.recipe = 'sweep-killed'")}
+        for run in tracking.find_runs("tags.stage = 'reasoning_grpo' and attributes.status = 'RUNNING'"):
+            if run.data.tags.get("mlflow.parentRunId") in parents and "r1.work_dir.reasoning_grpo" in run.data.tags:
+                found = latest_checkpoint(Path(run.data.tags["r1.work_dir.reasoning_grpo"]) / "checkpoints")
+                return (run, found) if found is not None else None
+        return None
+
+    try:
+        killed_grpo, _ = _wait_for("a GRPO checkpoint of the first point", checkpoint, proc, every=0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    [sweep] = tracking.find_runs("tags.`r1.sweep.recipe` = 'sweep-killed'")
+    assert sweep.info.status == "RUNNING"
+
+    assert main(["sweep", *flags]) == 0
+    assert tracking.client().get_run(sweep.info.run_id).info.status == "FINISHED"  # the same sweep run, finished
+    assert tracking.client().get_run(killed_grpo.info.run_id).info.status == "FAILED"
+    points = tracking.find_runs(f"tags.`r1.sweep` = '{sweep.info.run_id}' and attributes.status = 'FINISHED'")
+    assert sorted(p.data.tags["r1.sweep.index"] for p in points) == ["0", "1"]
+    [first] = [p for p in points if p.data.tags["r1.sweep.index"] == "0"]
+    runs = {r.data.tags["stage"]: r for r in tracking.find_runs(f"tags.mlflow.parentRunId = '{first.info.run_id}'")}
+    assert "r1.reused_from" in runs["cold_start_sft"].data.tags  # trained by the killed process, reused
+    resumed = runs["reasoning_grpo"]
+    step = int(resumed.data.tags["r1.resumed_from_step"])  # the checkpoint the killed process wrote
+    assert 2 <= step < 24
+    history = mlflow_client.get_metric_history(resumed.info.run_id, "reward/total")
+    assert sorted(m.step for m in history) == list(range(step + 1, 25))  # only the steps after the checkpoint
+
+
+def test_a_sweep_on_a_deployment_runs_its_points_on_a_pool_side_by_side(deployed_server, tmp_path_factory,
+                                                                        monkeypatch):
+    """`r1 sweep --deployment r1_pipeline/local --parallel 2` on a real Prefect server with a worker on its pool:
+    each point a flow run of the pipeline's deployment, logged to the same MLflow server; the second point starts
+    only once the first has trained the cold start they share, which it then reuses."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.cli import stack
+    from flows.sweep import r1_sweep
+    from tasks import tracking
+
+    root = tmp_path_factory.mktemp("sweep-pool")
+    started = []
+    try:
+        mlflow_server, uri = stack.start_mlflow_server(root / "mlflow.db", root / "mlartifacts", stack.free_port(),
+                                                       root / "logs")
+        started.append(mlflow_server)
+        worker = stack.start_worker(deployed_server["api"], uri, root / "logs", PREFECT_WORKER_QUERY_SECONDS="2",
+                                    OMP_NUM_THREADS="1")
+        started.append(worker)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        recipe = root / "pool.yaml"
+        recipe.write_text(yaml.safe_dump({"name": "sweep-pool", "cold_start_sft": COLD, "reasoning_grpo": GRPO}))
+        with temporary_settings({PREFECT_API_URL: deployed_server["api"]}):
+            result = r1_sweep(recipe=str(recipe), grid={"reasoning_grpo.grpo.beta": [0, 0.04]},
+                              stages=["cold_start_sft", "reasoning_grpo"], deployment="r1_pipeline/local", parallel=2)
+        assert sorted(result.ran) == [0, 1]
+        c = tracking.client()
+        runs = [c.get_run(result.points[i]) for i in (0, 1)]
+        assert all(r.info.status == "FINISHED" and r.data.tags["mlflow.parentRunId"] == result.run_id for r in runs)
+        assert all(r.data.tags.get("prefect.flow_run_id") for r in runs)  # each a flow run of its own, on the worker
+        cold = stage_runs(c, list(result.points.values()), "cold_start_sft")
+        [trained_once] = trained(cold)
+        second = c.get_run(result.points[1])
+        assert second.info.start_time >= trained_once.info.end_time  # it waited for the shared cold start
+        assert len(trained(stage_runs(c, list(result.points.values()), "reasoning_grpo"))) == 2
+    finally:
+        for p in reversed(started):
+            stack.stop_process(p)
