@@ -90,7 +90,8 @@ def disk_fault(e: BaseException, paths: list[str | Path], needed: int = MIN_FREE
                          f"to resume")
     for link in _chain(e):
         if isinstance(link, OSError) and link.errno in DISK_FULL:
-            where = link.filename or (paths[0] if paths else "a disk")
+            # a copy (shutil, an artifact upload) names its source first and the file it was writing second
+            where = link.filename2 or link.filename or (paths[0] if paths else "a disk")
             what = "a file size limit was reached" if link.errno == errno.EFBIG else os.strerror(link.errno)
             return Fault(f"writing {where} failed: {what}. Nothing saved was damaged: make room and run the same "
                          f"command again to resume")

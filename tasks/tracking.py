@@ -27,7 +27,7 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from pydantic import BaseModel
 
-from grpo.faults import Fault
+from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_full_line, free_bytes
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
 from tasks.env import PROJECT_ROOT
@@ -233,8 +233,12 @@ def _write_heartbeat(run_id: str, epoch_ms: str) -> None:
     client().set_tag(run_id, heartbeat.TAG, epoch_ms)
 
 
+SQLITE_FULL = "database or disk is full"  # SQLite's words for a write that found no room (SQLITE_FULL)
+
+
 def retry_locked(call, *args, tries: int = 8, **kwargs):
-    """A tracking call, again after a short pause while SQLite says the database is locked (see _RetryingClient)."""
+    """A tracking call, again after a short pause while SQLite says the database is locked (see _RetryingClient);
+    a `Fault` naming the store's disk where SQLite says it is full."""
     import random
     import time
 
@@ -248,6 +252,9 @@ def retry_locked(call, *args, tries: int = 8, **kwargs):
             with shield():
                 return call(*args, **kwargs)
         except MlflowException as e:
+            if SQLITE_FULL in str(e) and tracking_uri().startswith("sqlite:///"):  # in words, with no errno
+                store = Path(tracking_uri()[len("sqlite:///"):]).parent
+                raise Fault(disk_full_line(store, MIN_FREE, free_bytes(store))) from e
             if "database is locked" not in str(e) or attempt == tries - 1:
                 raise
             time.sleep(0.05 * 2 ** attempt * (1 + random.random()))  # apart, so the two do not meet again
@@ -283,6 +290,29 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
     heartbeat.stop_beating(run_id)
     outage.flush(run_id)  # its queued metrics first: a tracking server that did not answer may be back
     client().set_terminated(run_id, status=status)
+
+
+def end_run_if_room(run_id: str, status: str) -> bool:
+    """End a run that stops on an error, unless the store's disk has no room left for it: then it stays RUNNING
+    until the next start marks it FAILED (`end_dead_runs`, as for a killed process), and False is returned."""
+    try:
+        end_run(run_id, status)
+    except Exception as e:
+        if not _no_room(e):
+            raise
+        return False
+    return True
+
+
+def _no_room(e: BaseException) -> bool:
+    """Whether `e` comes from a write that found its disk full (SQLite's words, or a disk-full errno)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if SQLITE_FULL in str(e) or (isinstance(e, OSError) and e.errno in DISK_FULL):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class MetricsLogger:

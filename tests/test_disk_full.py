@@ -131,22 +131,31 @@ model, _ = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(hidden_size
 acc = make_accelerator("no", 1)
 model, optimizer = acc.prepare(model, make_adamw(model, 1e-3, 0.0))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write over the limit then fails (EFBIG) instead of killing us
-resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
+if sys.argv[2] != "unlimited":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
 try:
-    save_checkpoint(acc, __import__("pathlib").Path(sys.argv[1]), 2, keep=2)
+    print("SAVED", save_checkpoint(acc, __import__("pathlib").Path(sys.argv[1]), 2, keep=2))
 except Fault as e:
     print("FAULT", e)
 """
 
 
-def test_a_file_size_limit_met_during_a_save_is_one_line(tmp_path):
+def test_a_file_size_limit_met_during_a_save_is_one_line_and_raising_it_is_enough(tmp_path):
     root = tmp_path / "checkpoints"
-    out = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_FILE_SIZE_LIMIT, str(root)], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith(f"FAULT writing {root / '.tmp-step-2'} stopped at this process's file size limit "
-                                 "of 256.0 KiB (ulimit -f)"), out.stdout + out.stderr[-2000:]
+
+    def save(limit: str) -> str:
+        out = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_FILE_SIZE_LIMIT, str(root), limit],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout + out.stderr[-2000:]
+
+    out = save(str(256 * 1024))
+    assert out.startswith(f"FAULT writing {root / '.tmp-step-2'} stopped at this process's file size limit "
+                          "of 256.0 KiB (ulimit -f). Nothing saved was damaged: raise the limit and run the same "
+                          "command again to resume"), out
     assert not list(root.iterdir())  # nothing half-written left
+    assert save("unlimited").startswith("SAVED")  # the advice, followed: the limit raised, the same save again
+    assert verify_manifest(root / "step-2") is None
 
 
 def test_a_stage_on_a_full_disk_ends_failed_with_one_line_and_the_same_command_resumes(r1, tmp_path):
@@ -189,3 +198,4 @@ def test_a_stage_on_a_full_disk_ends_failed_with_one_line_and_the_same_command_r
         assert int(resumed.data.tags["r1.resumed_from_step"]) == step
     finally:
         subprocess.run(["umount", "-l", str(work)], check=False)
+
