@@ -31,6 +31,7 @@ from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_full_line, free_bytes
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
 from tasks.env import PROJECT_ROOT
+from tasks.home import reroot_embedded_store
 
 DEFAULT_EXPERIMENT = "r1-pipeline"
 # the experiment's kind, "Machine learning" (runs, metrics, models) rather than GenAI (traces), for the MLflow 3
@@ -47,8 +48,13 @@ def r1_home() -> Path:
     return home
 
 
+def embedded_uri() -> str:
+    """The embedded default's store, in R1_HOME."""
+    return f"sqlite:///{r1_home() / 'mlflow.db'}"
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{r1_home() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or embedded_uri()
 
 
 _ready: set[str] = set()  # SQLite stores this process has opened (and so created, if they were new)
@@ -88,6 +94,8 @@ def client() -> MlflowClient:
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{db}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if uri == embedded_uri():  # the embedded store, whose home may have moved (tasks.home)
+            reroot_embedded_store(db, r1_home())
         c = MlflowClient(tracking_uri=uri)
         c.search_experiments(max_results=1)  # creates the tracking tables
         c.search_registered_models(max_results=1)  # and the registry's
@@ -406,7 +414,8 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{uri!r} is neither a local path nor an MLflow artifact URI")
     client()
     if dst is None and uri.startswith("runs:/"):
-        key = hashlib.sha256(f"{tracking_uri()} {uri}".encode()).hexdigest()[:16]
+        store = "embedded" if tracking_uri() == embedded_uri() else tracking_uri()  # the same after a move
+        key = hashlib.sha256(f"{store} {uri}".encode()).hexdigest()[:16]
         cached = r1_home() / "downloads" / key
         done = cached / ".complete"
         if done.exists() and verify_manifest(cached / done.read_text(), checksums=False) not in (None, NO_MANIFEST):

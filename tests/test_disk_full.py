@@ -199,3 +199,96 @@ def test_a_stage_on_a_full_disk_ends_failed_with_one_line_and_the_same_command_r
     finally:
         subprocess.run(["umount", "-l", str(work)], check=False)
 
+
+def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_copy_of_the_home_resumes(
+        prefect_harness, tmp_path):
+    """`r1 run` with R1_HOME on a small disk that another job fills once reasoning GRPO has written a checkpoint:
+    whichever write meets it first (MLflow's SQLite, Prefect's results, a checkpoint), one line and no traceback.
+    The home, copied as it was to a roomy folder at another path, then resumes GRPO under the same command and ends
+    with the weights of a run that never met the fault."""
+    import shutil
+    import sqlite3
+
+    from safetensors.torch import load_file
+
+    from flows.reasoning_grpo import reasoning_grpo
+    from grpo.recipe import ReasoningGRPOConfig
+    from grpo.training.checkpoints import resumable_step
+    from test_flows import TINY_GRPO, TINY_STAGE
+    from test_signals import R1, stage_run
+
+    disk = tmp_path / "disk"
+    if not mount_tmpfs(disk, "100m"):  # room for each stage to start (grpo.faults.MIN_FREE), little more
+        pytest.skip("mounting a tmpfs needs root")
+    runs = []
+    try:
+        # fp32 on MKL's GEMMs, as the resume tests pin: the resumed and the reference run must round alike
+        # a cold start that writes the format about half the time, so GRPO's groups differ and it has something to
+        # learn (as in tests/test_pipeline_resume.py)
+        cold = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0},
+                "train": {**TINY_STAGE["train"], "seed": 46, "max_steps": 100, "learning_rate": 1e-2,
+                          "warmup_steps": 0, "fp32_gemm": "mkl"}}
+        grpo = {**TINY_GRPO, "data": {"num_train": 32, "num_heldout": 0},
+                "grpo": {**TINY_GRPO["grpo"], "max_steps": 12, "checkpoint_every": 2, "seed": 46, "fp32_gemm": "mkl",
+                         "sampling": {"max_new_tokens": 48}}}
+        recipe = tmp_path / "fills.yaml"
+        recipe.write_text(yaml.safe_dump({"name": "disk-fills", "cold_start_sft": cold, "reasoning_grpo": grpo}))
+        args = ["run", "--recipe", str(recipe), "--stages", "cold_start_sft,reasoning_grpo"]
+        home = disk / "home"
+        runs.append(run := R1(home, args, log_dir=tmp_path))  # its terminal on another disk
+        folder = Path(run.wait_for("reasoning GRPO", lambda: (r := stage_run(run, "reasoning_grpo")) and
+                                   r.data.tags.get("r1.work_dir.reasoning_grpo")))
+        run.wait_for("a GRPO checkpoint", lambda: resumable_step(folder), timeout=120)
+        fill(disk, leave=0)
+        assert run.proc.wait(120) == 1, run.output()[-3000:]
+        out = run.output()
+        assert "Traceback" not in out and "database or disk is full" not in out, out[-3000:]
+        lines = [line for line in out.splitlines() if line.startswith("r1:")]
+        assert len(lines) == 1 and lines[0].startswith(f"r1: the disk under {home} is full: "), out[-3000:]
+        assert lines[0].endswith("free some space (or point R1_HOME at a larger disk) and run the same command "
+                                 "again to resume")
+        status = {r.data.tags.get("stage", "pipeline"): r.info.status for r in run.runs()}
+        # FAILED where the store took the write; else still RUNNING, for the next start to mark
+        assert status["cold_start_sft"] == "FINISHED" and status["reasoning_grpo"] in ("FAILED", "RUNNING") \
+            and status["pipeline"] == status["reasoning_grpo"], status
+        killed = [r.info.run_id for r in run.runs() if r.info.status == "RUNNING"]
+        step = resumable_step(folder)
+
+        # the advice, followed: the home as it is, on a larger disk at another path, and the same command again
+        roomy = tmp_path / "larger disk" / "home"
+        shutil.copytree(home, roomy, symlinks=True)
+        for db in (roomy / "mlflow.db", roomy / "prefect" / "prefect.db"):  # nothing saved was damaged
+            with sqlite3.connect(db) as con:
+                assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",), db
+        moved_folder = roomy / folder.relative_to(home)
+        assert verify_manifest(latest_checkpoint(moved_folder / "checkpoints")) is None
+
+        runs.append(again := R1(roomy, args))
+        assert again.proc.wait(300) == 0, again.output()[-3000:]
+        out = again.output()
+        assert "Traceback" not in out and f"R1_HOME has moved from {home} to {roomy}: " in out, out[-3000:]
+        assert all(again.mlflow.get_run(r).info.status == "FAILED" for r in killed)  # marked at this start
+        done = {r.data.tags.get("stage", "pipeline"): r for r in again.runs() if r.info.status == "FINISHED"
+                and r.info.start_time > max(x.info.start_time for x in run.runs())}
+        assert set(done) == {"pipeline", "cold_start_sft", "reasoning_grpo"}, done
+        assert "r1.reused_from" in done["cold_start_sft"].data.tags
+        assert done["reasoning_grpo"].data.tags["r1.resumed_from_step"] == str(step)
+        assert done["reasoning_grpo"].data.tags["r1.work_dir.reasoning_grpo"] == str(moved_folder)
+
+        # the same GRPO uninterrupted, from the same cold start (a local copy: a fresh work folder, this session's
+        # store): the same weights
+        uris = done["pipeline"].data.tags
+        artifacts = lambda uri: roomy / "mlartifacts" / uri.split("/")[1] / "artifacts" / "checkpoint"  # noqa: E731
+        whole = reasoning_grpo(str(artifacts(uris["uri.cold_start_checkpoint"])),
+                               ReasoningGRPOConfig.model_validate(grpo))
+        from tasks.tracking import download
+
+        a = load_file(artifacts(uris["uri.reasoning_checkpoint"]) / "model.safetensors")
+        b = load_file(download(whole.uris["checkpoint"], tmp_path / "whole") / "model.safetensors")
+        start = load_file(artifacts(uris["uri.cold_start_checkpoint"]) / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert not all(torch.equal(a[k], start[k]) for k in a)  # GRPO did move the weights
+    finally:
+        for r in runs:
+            r.kill()
+        subprocess.run(["umount", "-l", str(disk)], check=False)
