@@ -449,8 +449,9 @@ def _verified(local: Path, uri: str, checksums: bool = True) -> Path:
     """`local`, once its files match the manifest it was logged with (outputs logged without one pass as they are)."""
     problem = verify_manifest(local, checksums=checksums) if local.is_dir() else None
     if problem not in (None, NO_MANIFEST):
+        # `r1 stage` alone would write it in a new run, but `r1 run` would still reuse the damaged one: --fresh
         raise Fault(f"{uri} is damaged: {problem}; the store lost or cut part of it, so the stage that wrote it "
-                    f"must run again (`r1 run --fresh`, or that stage alone with `r1 stage`)")
+                    f"must run again: add --fresh to the same `r1 run`")
     return local
 
 
