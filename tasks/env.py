@@ -71,7 +71,12 @@ class _FaultWithoutTraceback(logging.Filter):
 
 class _DiskFullTold(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(words in record.getMessage() for words in DISK_FULL_WORDS)
+        from grpo.faults import file_size_limit
+
+        message = record.getMessage()
+        if "disk I/O error" in message and file_size_limit() is not None:  # SQLite's words for a write over it
+            return False
+        return not any(words in message for words in DISK_FULL_WORDS)
 
 
 def _is_fault(e: BaseException) -> bool:

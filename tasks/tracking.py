@@ -27,7 +27,7 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from pydantic import BaseModel
 
-from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_full_line, free_bytes
+from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_fault, disk_full_line, file_size_limit, free_bytes
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
 from tasks.env import PROJECT_ROOT
@@ -242,6 +242,8 @@ def _write_heartbeat(run_id: str, epoch_ms: str) -> None:
 
 
 SQLITE_FULL = "database or disk is full"  # SQLite's words for a write that found no room (SQLITE_FULL)
+# and for one stopped at the process's file size limit (EFBIG is no ENOSPC to SQLite: SQLITE_IOERR_WRITE)
+SQLITE_IOERR = "disk I/O error"
 
 
 def retry_locked(call, *args, tries: int = 8, **kwargs):
@@ -260,9 +262,10 @@ def retry_locked(call, *args, tries: int = 8, **kwargs):
             with shield():
                 return call(*args, **kwargs)
         except MlflowException as e:
-            if SQLITE_FULL in str(e) and tracking_uri().startswith("sqlite:///"):  # in words, with no errno
-                store = Path(tracking_uri()[len("sqlite:///"):]).parent
-                raise Fault(disk_full_line(store, MIN_FREE, free_bytes(store))) from e
+            if _no_room(e) and tracking_uri().startswith("sqlite:///"):  # SQLite says so in words, with no errno
+                db = Path(tracking_uri()[len("sqlite:///"):])
+                raise (disk_fault(e, [db.parent], written=db)
+                       or Fault(disk_full_line(db.parent, MIN_FREE, free_bytes(db.parent)))) from e
             if "database is locked" not in str(e) or attempt == tries - 1:
                 raise
             time.sleep(0.05 * 2 ** attempt * (1 + random.random()))  # apart, so the two do not meet again
@@ -313,10 +316,13 @@ def end_run_if_room(run_id: str, status: str) -> bool:
 
 
 def _no_room(e: BaseException) -> bool:
-    """Whether `e` comes from a write that found its disk full (SQLite's words, or a disk-full errno)."""
+    """Whether `e` comes from a write that found its disk full or met the file size limit (SQLite's words, or
+    a disk-full errno)."""
     seen = set()
     while e is not None and id(e) not in seen:
         if SQLITE_FULL in str(e) or (isinstance(e, OSError) and e.errno in DISK_FULL):
+            return True
+        if SQLITE_IOERR in str(e) and file_size_limit() is not None:
             return True
         seen.add(id(e))
         e = e.__cause__ or e.__context__
