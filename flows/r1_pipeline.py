@@ -143,7 +143,7 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
             stage = declared()[name]
             done(run(stage, getattr(cfg, name), **{param: uris.get(uri) for param, uri in stage.inputs.items()}))
     except BaseException as e:
-        tracking.end_run(parent, "KILLED" if is_interrupt(e) else "FAILED")
+        tracking.end_run_if_room(parent, "KILLED" if is_interrupt(e) else "FAILED")
         raise
     tracking.end_run(parent, "FINISHED")
     get_run_logger().info("MLflow pipeline run %s finished", parent)

@@ -63,7 +63,8 @@ def _chain(e: BaseException | None):
         e = e.__cause__ or e.__context__
 
 
-def _file_size_limit() -> int | None:
+def file_size_limit() -> int | None:
+    """This process's file size limit (ulimit -f) in bytes, or None where there is none."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -73,8 +74,8 @@ def _file_size_limit() -> int | None:
 def disk_fault(e: BaseException, paths: list[str | Path], needed: int = MIN_FREE,
                written: str | Path | None = None) -> Fault | None:
     """The `Fault` that `e` is when it comes from a full disk under one of `paths` (or a disk-full errno anywhere in
-    its chain, or a file of the folder `written` stopped at the process's file size limit), else None. `needed` is
-    what the failed write wanted, when known."""
+    its chain, or the file `written`, or a file of the folder `written`, stopped at the process's file size limit),
+    else None. `needed` is what the failed write wanted, when known."""
     for link in _chain(e):
         if isinstance(link, Fault):
             return link
@@ -82,15 +83,17 @@ def disk_fault(e: BaseException, paths: list[str | Path], needed: int = MIN_FREE
         free = free_bytes(path)
         if free < needed:
             return Fault(disk_full_line(path, needed, free))
-    limit = _file_size_limit()
-    if limit is not None and written is not None and Path(written).is_dir():
-        if any(p.stat().st_size >= limit for p in Path(written).rglob("*") if p.is_file()):
+    limit = file_size_limit()
+    if limit is not None and written is not None and Path(written).exists():
+        files = [Path(written)] if Path(written).is_file() else [p for p in Path(written).rglob("*") if p.is_file()]
+        if any(p.stat().st_size >= limit for p in files):
             return Fault(f"writing {written} stopped at this process's file size limit of {size_text(limit)} "
                          f"(ulimit -f). Nothing saved was damaged: raise the limit and run the same command again "
                          f"to resume")
     for link in _chain(e):
         if isinstance(link, OSError) and link.errno in DISK_FULL:
-            where = link.filename or (paths[0] if paths else "a disk")
+            # a copy (shutil, an artifact upload) names its source first and the file it was writing second
+            where = link.filename2 or link.filename or (paths[0] if paths else "a disk")
             what = "a file size limit was reached" if link.errno == errno.EFBIG else os.strerror(link.errno)
             return Fault(f"writing {where} failed: {what}. Nothing saved was damaged: make room and run the same "
                          f"command again to resume")

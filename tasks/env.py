@@ -42,6 +42,11 @@ QUIET = {
     # urllib3 logs each retry of a request to a tracking server that does not answer; tasks.outage says it once
     "urllib3.connectionpool": ("Retrying (",),
 }
+# Loggers that tell a full disk again in a library's words (MLflow's SQLite store logs each failed statement with its
+# traceback and SQL; Prefect's failed runs cannot write their result records either), and those words. `r1` ends
+# with the one line of `grpo.faults` that says where, how much, and what to do, so these records are dropped.
+DISK_FULL_WORDS = ("database or disk is full", "No space left on device", "Disk quota exceeded", "File too large")
+TOLD_BY_R1 = ("mlflow.store.db.utils", "prefect.flow_runs", "prefect.task_runs")
 
 
 class _Quiet(logging.Filter):
@@ -64,6 +69,16 @@ class _FaultWithoutTraceback(logging.Filter):
         return True
 
 
+class _DiskFullTold(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        from grpo.faults import file_size_limit
+
+        message = record.getMessage()
+        if "disk I/O error" in message and file_size_limit() is not None:  # SQLite's words for a write over it
+            return False
+        return not any(words in message for words in DISK_FULL_WORDS)
+
+
 def _is_fault(e: BaseException) -> bool:
     from grpo.faults import disk_fault
 
@@ -72,8 +87,8 @@ def _is_fault(e: BaseException) -> bool:
 
 
 def quiet_libraries() -> None:
-    """Drop the `QUIET` lines at their loggers (which need not be imported yet), and the tracebacks Prefect logs
-    with a fault; once per process."""
+    """Drop the `QUIET` lines at their loggers (which need not be imported yet), the tracebacks Prefect logs with a
+    fault, and a full disk told again in a library's words (`TOLD_BY_R1`); once per process."""
     for name, starts in QUIET.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Quiet) for f in logger.filters):
@@ -82,3 +97,7 @@ def quiet_libraries() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _FaultWithoutTraceback) for f in logger.filters):
             logger.addFilter(_FaultWithoutTraceback())
+    for name in TOLD_BY_R1:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DiskFullTold) for f in logger.filters):
+            logger.addFilter(_DiskFullTold())

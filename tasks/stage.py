@@ -125,7 +125,7 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
             try:
                 system_metrics.stop(monitor)
             finally:  # a second Ctrl-C while the figures are written still ends the run
-                tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
+                tracking.end_run_if_room(run_id, "KILLED" if stopped else "FAILED")
         finally:
             release_work_dirs(run_id)
         # a full disk under any of its writes (a checkpoint, a dataset, MLflow's SQLite) is told as one

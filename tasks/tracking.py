@@ -27,10 +27,11 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from pydantic import BaseModel
 
-from grpo.faults import Fault
+from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_fault, disk_full_line, file_size_limit, free_bytes
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
 from tasks.env import PROJECT_ROOT
+from tasks.home import reroot_embedded_store
 
 DEFAULT_EXPERIMENT = "r1-pipeline"
 # the experiment's kind, "Machine learning" (runs, metrics, models) rather than GenAI (traces), for the MLflow 3
@@ -47,8 +48,13 @@ def r1_home() -> Path:
     return home
 
 
+def embedded_uri() -> str:
+    """The embedded default's store, in R1_HOME."""
+    return f"sqlite:///{r1_home() / 'mlflow.db'}"
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{r1_home() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or embedded_uri()
 
 
 _ready: set[str] = set()  # SQLite stores this process has opened (and so created, if they were new)
@@ -88,6 +94,8 @@ def client() -> MlflowClient:
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{db}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if uri == embedded_uri():  # the embedded store, whose home may have moved (tasks.home)
+            reroot_embedded_store(db, r1_home())
         c = MlflowClient(tracking_uri=uri)
         c.search_experiments(max_results=1)  # creates the tracking tables
         c.search_registered_models(max_results=1)  # and the registry's
@@ -233,8 +241,14 @@ def _write_heartbeat(run_id: str, epoch_ms: str) -> None:
     client().set_tag(run_id, heartbeat.TAG, epoch_ms)
 
 
+SQLITE_FULL = "database or disk is full"  # SQLite's words for a write that found no room (SQLITE_FULL)
+# and for one stopped at the process's file size limit (EFBIG is no ENOSPC to SQLite: SQLITE_IOERR_WRITE)
+SQLITE_IOERR = "disk I/O error"
+
+
 def retry_locked(call, *args, tries: int = 8, **kwargs):
-    """A tracking call, again after a short pause while SQLite says the database is locked (see _RetryingClient)."""
+    """A tracking call, again after a short pause while SQLite says the database is locked (see _RetryingClient);
+    a `Fault` naming the store's disk where SQLite says it is full."""
     import random
     import time
 
@@ -248,6 +262,10 @@ def retry_locked(call, *args, tries: int = 8, **kwargs):
             with shield():
                 return call(*args, **kwargs)
         except MlflowException as e:
+            if _no_room(e) and tracking_uri().startswith("sqlite:///"):  # SQLite says so in words, with no errno
+                db = Path(tracking_uri()[len("sqlite:///"):])
+                raise (disk_fault(e, [db.parent], written=db)
+                       or Fault(disk_full_line(db.parent, MIN_FREE, free_bytes(db.parent)))) from e
             if "database is locked" not in str(e) or attempt == tries - 1:
                 raise
             time.sleep(0.05 * 2 ** attempt * (1 + random.random()))  # apart, so the two do not meet again
@@ -283,6 +301,32 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
     heartbeat.stop_beating(run_id)
     outage.flush(run_id)  # its queued metrics first: a tracking server that did not answer may be back
     client().set_terminated(run_id, status=status)
+
+
+def end_run_if_room(run_id: str, status: str) -> bool:
+    """End a run that stops on an error, unless the store's disk has no room left for it: then it stays RUNNING
+    until the next start marks it FAILED (`end_dead_runs`, as for a killed process), and False is returned."""
+    try:
+        end_run(run_id, status)
+    except Exception as e:
+        if not _no_room(e):
+            raise
+        return False
+    return True
+
+
+def _no_room(e: BaseException) -> bool:
+    """Whether `e` comes from a write that found its disk full or met the file size limit (SQLite's words, or
+    a disk-full errno)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if SQLITE_FULL in str(e) or (isinstance(e, OSError) and e.errno in DISK_FULL):
+            return True
+        if SQLITE_IOERR in str(e) and file_size_limit() is not None:
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class MetricsLogger:
@@ -376,7 +420,8 @@ def download(uri: str, dst: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{uri!r} is neither a local path nor an MLflow artifact URI")
     client()
     if dst is None and uri.startswith("runs:/"):
-        key = hashlib.sha256(f"{tracking_uri()} {uri}".encode()).hexdigest()[:16]
+        store = "embedded" if tracking_uri() == embedded_uri() else tracking_uri()  # the same after a move
+        key = hashlib.sha256(f"{store} {uri}".encode()).hexdigest()[:16]
         cached = r1_home() / "downloads" / key
         done = cached / ".complete"
         if done.exists() and verify_manifest(cached / done.read_text(), checksums=False) not in (None, NO_MANIFEST):
@@ -410,8 +455,9 @@ def _verified(local: Path, uri: str, checksums: bool = True) -> Path:
     """`local`, once its files match the manifest it was logged with (outputs logged without one pass as they are)."""
     problem = verify_manifest(local, checksums=checksums) if local.is_dir() else None
     if problem not in (None, NO_MANIFEST):
+        # `r1 stage` alone would write it in a new run, but `r1 run` would still reuse the damaged one: --fresh
         raise Fault(f"{uri} is damaged: {problem}; the store lost or cut part of it, so the stage that wrote it "
-                    f"must run again (`r1 run --fresh`, or that stage alone with `r1 stage`)")
+                    f"must run again: add --fresh to the same `r1 run`")
     return local
 
 

@@ -399,3 +399,32 @@ def test_a_stage_key_reads_the_files_its_settings_name_and_no_others(tmp_path, m
     assert stage_key("cold_start_sft", cfg, {}) == key
     data.write_text('{"prompt": "a", "response": "c"}\n{"prompt": "d", "response": "e"}\n')  # the data changed
     assert stage_key("cold_start_sft", cfg, {}) != key
+
+
+def test_a_damaged_stage_output_is_one_line_and_its_advice_writes_it_again(prefect_harness, mlflow_client, tmp_path):
+    """The store loses the end of a finished cold start's weights; the next run that reads them stops with the
+    `Fault` line, and what it says to do (the same run with --fresh) writes them again and goes on."""
+    from urllib.parse import urlparse
+
+    from flows.r1_pipeline import r1_pipeline
+    from grpo.faults import Fault
+
+    cold = {**COLD, "train": {**COLD["train"], "seed": 47}}
+    recipe = write_recipe(tmp_path / "damaged.yaml", "damaged", cold_start_sft=cold)
+    first = r1_pipeline(recipe=str(recipe), stages=["cold_start_sft"])
+    damaged = first.stages["cold_start_sft"]
+    stored = (Path(urlparse(mlflow_client.get_run(damaged.run_id).info.artifact_uri).path) / "checkpoint" /
+              "model.safetensors")
+    stored.write_bytes(stored.read_bytes()[:1000])  # cut short in the store
+
+    stages = ["cold_start_sft", "reasoning_grpo"]
+    with pytest.raises(Fault) as e:
+        r1_pipeline(recipe=str(recipe), stages=stages)
+    assert str(e.value).startswith(f"{damaged.uris['checkpoint']} is damaged: model.safetensors has 1000 bytes")
+    assert str(e.value).endswith("the stage that wrote it must run again: add --fresh to the same `r1 run`")
+
+    result = r1_pipeline(recipe=str(recipe), stages=stages, fresh=True)  # `r1 run ... --fresh`
+    runs = children(mlflow_client, result.run_id)
+    assert {s: r.info.status for s, r in runs.items()} == {"cold_start_sft": "FINISHED", "reasoning_grpo": "FINISHED"}
+    assert "r1.reused_from" not in runs["cold_start_sft"].data.tags  # written again, not the damaged one reused
+    assert runs["reasoning_grpo"].data.tags["input.checkpoint_uri"] == result.stages["cold_start_sft"].uris["checkpoint"]

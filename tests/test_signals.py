@@ -33,12 +33,13 @@ STOP_WITHIN_S = 30
 class R1:
     """One `r1` command on its own embedded home: its process, output and MLflow store."""
 
-    def __init__(self, home: Path, args: list[str]):
+    def __init__(self, home: Path, args: list[str], log_dir: Path | None = None):
         self.home = home
         env = {k: v for k, v in os.environ.items()
                if k not in ("MLFLOW_TRACKING_URI", "PREFECT_HOME", "PREFECT_API_URL")}
         env.update(R1_HOME=str(home), PYTHONPATH=str(ROOT))
-        self.log = (home.parent / f"{home.name}-{int(time.time() * 1000)}.log").open("w+b")
+        log_dir = log_dir or home.parent  # elsewhere where the home's disk is to fill up
+        self.log = (log_dir / f"{home.name}-{int(time.time() * 1000)}.log").open("w+b")
         self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
                                      start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT)
         self.mlflow = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
