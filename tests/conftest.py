@@ -76,6 +76,21 @@ def deployed_server(tmp_path_factory):
         stack.stop_process(prefect)
 
 
+@pytest.fixture
+def one_thread_everywhere(monkeypatch):
+    """One thread in this process and in every process it starts (OMP/MKL_NUM_THREADS), for runs compared to the bit
+    across processes: MKL splits a GEMM over the threads it has, and thins them on a busy machine (its dynamic
+    threading), so two processes with two threads each can still sum a long reduction in different orders."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def answering_checkpoint(tmp_path_factory) -> str:
     """A tiny model trained to answer `<answer>1</answer>` (tests/answering.py), shared by the rejection tests."""

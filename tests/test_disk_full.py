@@ -201,7 +201,7 @@ def test_a_stage_on_a_full_disk_ends_failed_with_one_line_and_the_same_command_r
 
 
 def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_copy_of_the_home_resumes(
-        prefect_harness, tmp_path):
+        prefect_harness, tmp_path, one_thread_everywhere):
     """`r1 run` with R1_HOME on a small disk that another job fills once reasoning GRPO has written a checkpoint:
     whichever write meets it first (MLflow's SQLite, Prefect's results, a checkpoint), one line and no traceback.
     The home, copied as it was to a roomy folder at another path, then resumes GRPO under the same command and ends
@@ -213,6 +213,7 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
     import sqlite3
 
     from safetensors.torch import load_file
+
 
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ReasoningGRPOConfig

@@ -200,7 +200,7 @@ def _kill_group(pgid: int) -> None:
 
 @pytest.mark.precision  # GRPO under `auto`: resumed and uninterrupted must agree in either precision
 def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_ends_as_an_uninterrupted_one(
-        prefect_harness, mlflow_client, tmp_path, request):
+        prefect_harness, mlflow_client, tmp_path, request, one_thread_everywhere):
     from flows.r1_pipeline import r1_pipeline
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ReasoningGRPOConfig

@@ -80,3 +80,9 @@ def test_an_attempt_past_its_timeout_is_stopped_and_the_next_resumes_from_its_ch
     assert [line for line in out.splitlines() if line.startswith("r1:")] == [
         "r1: cold_start_sft: every attempt ran past its time limit (cold_start_sft.resources.timeout_s = 15 s); the "
         "same command resumes from its last durable checkpoint"], out[-3000:]
+    # the advice, followed: the same command again starts from where the second attempt stopped, not from step 0
+    again = r1(*cold_start(tmp_path, {"retries": 1, "retry_delays_s": [0], "timeout_s": limit}, max_steps=100_000))
+    third = again.wait_for("the third attempt, resumed", lambda: next(
+        (r for r in stage_runs(again)[2:] if "r1.resumed_from_step" in r.data.tags), None), timeout=180)
+    again.kill()
+    assert int(third.data.tags["r1.resumed_from_step"]) > int(second.data.tags["r1.resumed_from_step"])

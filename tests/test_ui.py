@@ -144,9 +144,10 @@ def test_a_custom_run_from_the_ui_completes(team_stack, browser):
         element.send_keys(value)
         assert element.get_attribute("value") == value, label
     browser.find_element(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']").click()
-    # the UI goes back to the deployment and says "Flow run created" in a toast with a View run button
+    # the UI goes back to the deployment and says "Flow run created" in a toast with a View run button (the server
+    # validates the parameters and creates the run first: over a minute at times on 2 cores beside two test files)
     wait_for("the flow-run-created toast", lambda: click(
-        browser, "//*[contains(@class, 'toast-flow-run-create__button')]"), 60, browser)
+        browser, "//*[contains(@class, 'toast-flow-run-create__button')]"), 180, browser)
 
     flow_run_id = wait_for("the flow run's page", lambda: "/runs/flow-run/" in browser.current_url and
                            browser.current_url.rsplit("/flow-run/", 1)[1].split("?")[0], 60, browser)
