@@ -81,6 +81,7 @@ def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str 
                                           step=steps, code=config.grpo.code, generation=config.generation))
         if config.refusal_prompts:
             metrics.update(evaluate_refusals(run_id, checkpoint, config, step=steps))
+        metrics.update(_last_logged(run_id, ("rm/heldout_accuracy", "dpo/heldout_accuracy")))
         version = register_model(run_id, checkpoint, config, metrics.get("eval/accuracy"),
                                  heldout_key(data.heldout, config.eval))
     registered = f"models:/{config.registered_model}/{version}"  # this run's version, whatever the alias does
@@ -88,6 +89,19 @@ def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str 
     if reward_model:
         uris["reward_model"] = reward_model
     return StageResult(stage=NAME, run_id=run_id, metrics=metrics, uris=uris)
+
+
+def _last_logged(run_id: str, keys: tuple[str, ...]) -> dict[str, float]:
+    """Each figure's last logged value: the held-out pair accuracy the reward model ended with (refreshed last, with
+    the iterative reward model, at a GRPO step below its own training's) or DPO's."""
+    from tasks import tracking
+
+    out = {}
+    for key in keys:
+        history = tracking.client().get_metric_history(run_id, key)
+        if history:
+            out[key] = max(history, key=lambda m: (m.timestamp, m.step)).value
+    return out
 
 
 def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:

@@ -28,7 +28,7 @@ def deployment_name(stage: str, pool: str) -> str:
     return f"{stage}/{pool}"
 
 
-def _client():
+def prefect_client():
     from prefect.client.orchestration import get_client
 
     return get_client(sync_client=True)
@@ -51,7 +51,7 @@ def check_placement(recipe: Recipe, stages: list[str]) -> None:
         raise UsageError(f"{name}.resources.pool {pool!r}: a stage placed on a work pool needs a Prefect server with "
                          "workers; set PREFECT_API_URL (`r1 up` starts one), or run it in process with "
                          f"--set {name}.resources.pool=null")
-    with _client() as client:
+    with prefect_client() as client:
         for name, pool in placed.items():
             where = f"{name}.resources.pool {pool!r}"
             try:
@@ -96,7 +96,7 @@ def run_placed(stage: Stage, config: StageConfig, parent_run_id: str, inputs: di
     from prefect.deployments import run_deployment
 
     pool = config.resources.pool
-    with _client() as client:
+    with prefect_client() as client:
         earlier = _earlier_flow_run(client, parent_run_id, stage.name)
     if earlier is not None and (not earlier.state or not earlier.state.is_final() or earlier.state.is_completed()):
         log.info("%s: reattaching to its flow run %s (%s)", stage.name, earlier.name,
@@ -124,7 +124,7 @@ def _wait(flow_run_id, stage: str, log, timeout_s: float | None = None):
     from prefect.states import Cancelling, Crashed
 
     seen, started = None, time.monotonic()
-    with _client() as client:
+    with prefect_client() as client:
         while True:
             state = client.read_flow_run(flow_run_id).state
             if state is not None and state.name != seen:

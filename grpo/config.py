@@ -182,6 +182,9 @@ class EvalConfig(BaseModel):
     max_new_tokens: int = Field(96, ge=1)  # completion budget
     batch_size: int = Field(128, ge=1)  # sequences decoded together
     num_logged_samples: int = Field(16, ge=0)  # completions kept in the samples table
+    # also eval/step_accuracy: the share of the greedy answers' reasoning steps this rule verifier says hold
+    # ("arithmetic": the synthetic task's equations; "gsm8k": GSM8K's <<a*b=c>> steps); None: not measured
+    step_verifier: Literal["arithmetic", "gsm8k"] | None = None
 
 
 class SFTConfig(BaseModel):

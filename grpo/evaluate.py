@@ -69,6 +69,9 @@ def evaluate(engine: Engine, rows: pd.DataFrame, cfg: EvalConfig,
         "eval/mean_completion_length": lengths.mean().item(),
         "eval/truncation_rate": greedy.truncated.float().mean().item(),
     }
+    share = step_accuracy(greedy.texts, prompts, cfg.step_verifier) if cfg.step_verifier else None
+    if share is not None:  # None: no step written (all answers bare), nothing to measure
+        metrics["eval/step_accuracy"] = share
     if cfg.num_samples:
         k = cfg.num_samples
         sampled = engine.generate(prompts, k, SamplingConfig(max_new_tokens=cfg.max_new_tokens,
@@ -87,6 +90,19 @@ def evaluate(engine: Engine, rows: pd.DataFrame, cfg: EvalConfig,
         samples["tests_passed"] = [f"{p}/{t}" if by else "" for by, p, t in
                                    zip(check.by_tests[:n], check.passed[:n], check.total[:n])]
     return EvalResult(metrics, samples)
+
+
+def step_accuracy(texts: list[str], prompts: list, verifier: str) -> float | None:
+    """The share of the reasoning steps written in `texts` that the rule `verifier` (grpo.rewards.steps) says hold,
+    over all of them; None when no text writes a step.
+
+    >>> step_accuracy(["<think>2 + 3 = 5. 5 * 2 = 11.</think><answer>11</answer>"], ["2 and 3, doubled"], "arithmetic")
+    0.5
+    """
+    from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS
+
+    steps = [r for s in STEP_VERIFIER_FUNCTIONS[verifier](texts, prompts=prompts) for r in s.rewards]
+    return sum(steps) / len(steps) if steps else None
 
 
 def evaluate_refusals(engine: Engine, prompts: pd.DataFrame, cfg: EvalConfig) -> EvalResult:

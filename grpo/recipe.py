@@ -376,12 +376,29 @@ class RecipeError(ValueError):
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """A recipe by name (`recipes/<name>.yaml`) or by path; unknown or mistyped fields fail here, naming them."""
+    path = _recipe_path(name_or_path)
+    data = _recipe_data(path, [])
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(f"{path}: {describe_errors(e, Recipe)}") from None
+
+
+def _recipe_path(name_or_path: str | Path, beside: Path | None = None) -> Path:
     path = Path(name_or_path)
     if not path.suffix:
         path = RECIPES_DIR / f"{name_or_path}.yaml"
+    elif beside is not None and not path.is_absolute():
+        path = beside / path
     if not path.is_file():
         known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
         raise RecipeError(f"no recipe {str(name_or_path)!r} (looked for {path}); known recipes: {known}")
+    return path
+
+
+def _recipe_data(path: Path, seen: list[Path]) -> dict:
+    """The file's settings; with `base: <recipe>` (a name, or a path beside this file), the base's settings with
+    this file's merged over them: a mapping key by key, anything else (a list, a value) replaced whole."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -395,11 +412,24 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a mapping of recipe sections (name, cold_start_sft, ...), got a "
                           f"{type(data).__name__}")
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as e:
-        raise RecipeError(f"{path}: {describe_errors(e, Recipe)}") from None
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise RecipeError(f"{path}: base: expected a recipe name or a YAML path, got {base!r}")
+    base_path = _recipe_path(base, beside=path.parent)
+    chain = [*seen, path.resolve()]
+    if base_path.resolve() in chain:
+        raise RecipeError(f"{path}: base: {base!r} leads back to itself "
+                          f"({' -> '.join(str(p) for p in [*chain, base_path.resolve()])})")
+    return _merged(_recipe_data(base_path, chain), data)
 
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Recipe:

@@ -19,6 +19,8 @@ Plain pydantic: must not import torch (a recipe is checked without it).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 from grpo.config import GRPOConfig
@@ -35,6 +37,9 @@ class OnlineRFTConfig(BaseModel):
     # a completion is correct when that score is at least this (accuracy and code: 1.0, a verified answer and every
     # test passing); a completion the reward cannot score (None) is never correct
     threshold: float = 1.0
+    # where the samples come from: "policy", the model being trained (online RFT); "initial", the stage's starting
+    # model, frozen (DeepSeekMath's offline RFT: the same loop, its data fixed at the start)
+    sampler: Literal["policy", "initial"] = "policy"
 
 
 def check_rft_settings(grpo: GRPOConfig, rft: OnlineRFTConfig) -> None:
@@ -46,6 +51,9 @@ def check_rft_settings(grpo: GRPOConfig, rft: OnlineRFTConfig) -> None:
     if grpo.supervision != "outcome":
         raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm online_rft gives each "
                          "completion one coefficient: use supervision 'outcome' with online_rft")
+    if rft.sampler == "initial" and grpo.rollout.asynchronous:
+        raise ValueError("online_rft.sampler 'initial' samples from the frozen starting model in the trainer's own "
+                         "process; rollout.mode async samples from pushed policy weights: use rollout.mode sync")
     if grpo.dynamic_sampling:
         raise ValueError("grpo.dynamic_sampling drops groups whose rewards all agree, which carry no GRPO gradient; "
                          "under algorithm online_rft an all-correct group carries a full one: set it to false")

@@ -39,9 +39,10 @@ class Point(NamedTuple):
     """One run of the sweep: its grid settings, its seed, and every override it gives the recipe."""
 
     index: int  # 0-based, in the sweep's order
-    settings: dict[str, Any]  # grid path -> value
+    settings: dict[str, Any]  # grid path -> value (and `variant` -> its name, where the sweep names variants)
     seed: int
-    overrides: dict[str, Any]  # settings plus the seeded paths
+    overrides: dict[str, Any]  # settings (a variant's own) plus the seeded paths
+    stages: tuple[str, ...] = STAGE_NAMES  # the stages the point runs, in the recipe's order
 
     def label(self, short: bool = False) -> str:
         """`reasoning_grpo.grpo.beta=0.04, seed 1`; short: each setting by its last name (`beta=0.04, seed 1`)."""
@@ -118,9 +119,9 @@ def _get(data: dict, path: str) -> Any:
 def expand(recipe, sweep: SweepConfig) -> list[Point]:
     """The sweep's points, each checked as the recipe checks overrides; a SweepError naming the setting and the value
     for the first that fails, before anything runs."""
-    if not sweep.grid and sweep.seeds == 1:
-        raise SweepError("the sweep is empty: give a setting to vary (--grid PATH=V1,V2 or a recipe's sweep.grid) "
-                         "or --seeds above 1")
+    if not sweep.grid and not sweep.variants and sweep.seeds == 1:
+        raise SweepError("the sweep is empty: give a setting to vary (--grid PATH=V1,V2 or a recipe's sweep.grid "
+                         "or sweep.variants) or --seeds above 1")
     for path, values in sweep.grid.items():
         if not values:
             raise SweepError(f"--grid {path}: no values; expected one or more, such as {path}=A,B")
@@ -137,20 +138,34 @@ def expand(recipe, sweep: SweepConfig) -> list[Point]:
             except RecipeError as e:
                 raise SweepError(f"--grid {path}={show(value)}: {e}") from None
             grid[path].append(_get(checked.model_dump(mode="json"), path))  # as the recipe reads it: "1e-5" -> 1e-05
-    stages = list(sweep.stages or STAGE_NAMES)
-    seeded = seed_paths(recipe, [s for s in (sweep.seed_stages or stages) if s in stages])
+    variants = {name: _variant(recipe, name, given, sweep) for name, given in sweep.variants.items()} or \
+        {None: ({}, tuple(s for s in STAGE_NAMES if s in (sweep.stages or STAGE_NAMES)))}
     points = []
-    for combo in itertools.product(*grid.values()):
-        settings = dict(zip(grid, combo))
-        for seed in range(sweep.seeds):
-            overrides = {**settings, **({p: _get(apply_overrides(recipe, settings).model_dump(), p) + seed
-                                         for p in seeded} if seed else {})}
-            try:
-                apply_overrides(recipe, overrides)
-            except RecipeError as e:  # settings that pass alone and fail together (fields that must agree)
-                raise SweepError(f"the point {Point(0, settings, seed, {}).label()}: {e}") from None
-            points.append(Point(len(points), settings, seed, overrides))
+    for name, (own, stages) in variants.items():
+        seeded = seed_paths(recipe, [s for s in (sweep.seed_stages or stages) if s in stages])
+        for combo in itertools.product(*grid.values()):
+            settings = {**({"variant": name} if name is not None else {}), **dict(zip(grid, combo))}
+            given = {**own, **dict(zip(grid, combo))}
+            for seed in range(sweep.seeds):
+                overrides = {**given, **({p: _get(apply_overrides(recipe, given).model_dump(), p) + seed
+                                          for p in seeded} if seed else {})}
+                try:
+                    apply_overrides(recipe, overrides)
+                except RecipeError as e:  # settings that pass alone and fail together (fields that must agree)
+                    raise SweepError(f"the point {Point(0, settings, seed, {}).label()}: {e}") from None
+                points.append(Point(len(points), settings, seed, overrides, stages))
     return points
+
+
+def _variant(recipe, name: str, given: dict[str, Any], sweep: SweepConfig) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A named variant's overrides, each checked as the recipe checks one, and the stages its points run."""
+    own = {path: value for path, value in given.items() if path != "stages"}
+    stages = tuple(s for s in STAGE_NAMES if s in (given.get("stages") or sweep.stages or STAGE_NAMES))
+    try:
+        apply_overrides(recipe, own)
+    except RecipeError as e:  # the message names the path and the value
+        raise SweepError(f"variant {name}: {e}") from None
+    return own, stages
 
 
 def seeds_reach(recipe, sweep: SweepConfig) -> str:

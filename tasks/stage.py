@@ -24,7 +24,7 @@ from tasks import system_metrics, tracking
 class StageResult(BaseModel):
     """What a stage hands the next one: its MLflow run and the URIs it produced (never tensors or pickles)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")  # a nan figure (nothing to measure) kept
 
     stage: str  # cold_start_sft, reasoning_grpo, rejection_sampling, sft, alignment_grpo
     run_id: str  # the stage's MLflow child run

@@ -40,6 +40,7 @@ def sweep_key(recipe, sweep, stages: list[str]) -> str:
     from tasks.reuse import code_version
 
     blob = json.dumps({"recipe": recipe.model_dump(mode="json", exclude={"sweep"}), "grid": sweep.grid,
+                       **({"variants": sweep.variants} if sweep.variants else {}),
                        "seeds": sweep.seeds, "seed_stages": sweep.seed_stages, "stages": stages,
                        "code": code_version()}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -66,11 +67,13 @@ def point_tags(sweep_run_id: str, point) -> dict[str, str]:
 
 def final_metrics(columns: list[str], stages: list[str]) -> list[str]:
     """The final held-out numbers: the last stage's held-out figures after training (its metrics named eval or
-    heldout, not the `_before` ones), or all of the last stage's numbers where it names none such."""
+    heldout, and alignment's refusal shares on held-out prompts; not the `_before` ones), or all of the last stage's
+    numbers where it names none such."""
     for stage in reversed(stages):
         mine = [c for c in columns if c.startswith(f"{stage}/") and not c.endswith("_before")]
         if mine:
-            held = [c for c in mine if "eval" in c or "heldout" in c]
+            held = [c for c in mine if "eval" in c or "heldout" in c or  # and alignment's refusal shares
+                    c.split("/", 1)[1].startswith("alignment/") and not c.endswith("_prompts")]
             return held or mine
     return []
 
@@ -115,8 +118,8 @@ def text_table(summary: pd.DataFrame, settings: list[str], metrics: list[str]) -
     stages = {m.split("/", 1)[0] for m in metrics}
     shown_metric = {m: m.split("/", 1)[1] if len(stages) == 1 and "/" in m else m for m in metrics}
     shown = pd.DataFrame({**{names[s]: summary[s].map(_short) for s in settings},
-                          **{shown_metric[m]: [f"{a:.3f} ± {b:.3f}" for a, b in zip(summary[f"{m} mean"],
-                                                                                   summary[f"{m} std"])]
+                          **{shown_metric[m]: [f"{a:.3f} ± {b:.3f}" if a == a else "-"
+                                               for a, b in zip(summary[f"{m} mean"], summary[f"{m} std"])]
                              for m in metrics}, "seeds": summary["seeds"]})
     return shown.to_string(index=False)
 
@@ -149,10 +152,13 @@ def setting_plots(table: pd.DataFrame, settings: list[str], metrics: list[str]) 
         for setting in settings:
             fig = _figure()
             ax = fig.add_subplot()
-            values = list(dict.fromkeys(table[setting]))  # in the sweep's order
+            table_m = table[table[metric].notna()] if metric in table else table.iloc[:0]
+            if table_m.empty:
+                continue
+            values = list(dict.fromkeys(table_m[setting]))  # in the sweep's order
             x = {v: i for i, v in enumerate(values)}
             others = [s for s in settings if s != setting]
-            groups = table.groupby(others, sort=False, dropna=False) if others else [((), table)]
+            groups = table_m.groupby(others, sort=False, dropna=False) if others else [((), table_m)]
             for label, group in groups:
                 label = label if isinstance(label, tuple) else (label,)
                 name = ", ".join(f"{short[s]}={_short(v)}" for s, v in zip(others, label)) or metric
@@ -223,12 +229,17 @@ def log_results(sweep_run_id: str, points, runs: dict[int, str], stages: list[st
     table = points_table(points, runs)
     settings = list(points[0].settings) if points else []
     numbers = [c for c in table.columns if "/" in c]
-    metrics = final_metrics(numbers, stages)
-    summary = summary_table(table, settings, metrics)
+    finals = {p.index: final_metrics([c for c in numbers if pd.notna(table.at[p.index, c])], list(p.stages))
+              for p in points}  # each point's own last stage's figures
+    metrics = list(dict.fromkeys(m for p in points for m in finals[p.index]))
+    compared = table.copy()  # a point counts only in its own final figures (not in a stage it shares, reused)
+    for p in points:
+        compared.loc[p.index, [m for m in metrics if m not in finals[p.index]]] = float("nan")
+    summary = summary_table(compared, settings, metrics)
     work.mkdir(parents=True, exist_ok=True)
     table.to_csv(work / "points.csv", index=False)
     summary.to_csv(work / "summary.csv", index=False)
-    plots = {**setting_plots(table, settings, metrics), **curve_plots(points, runs, stages)}
+    plots = {**setting_plots(compared, settings, metrics), **curve_plots(points, runs, stages)}
     (work / "plots").mkdir(exist_ok=True)
     for name, png in plots.items():
         (work / "plots" / name).write_bytes(png)

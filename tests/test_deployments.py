@@ -19,7 +19,7 @@ from test_flows import TINY_ALIGN, TINY_STAGE
 
 EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "r1-process"), ("reasoning_grpo", "r1-process"),
             ("rejection_sampling", "r1-process"), ("sft", "r1-process"), ("alignment_grpo", "r1-process"),
-            ("r1_pipeline", "gpu"), ("r1_pipeline", "placed"), ("r1_pipeline", "ray")}
+            ("r1_pipeline", "gpu"), ("r1_pipeline", "placed"), ("r1_pipeline", "ray"), ("r1_sweep", "local")}
 
 
 @pytest.fixture(scope="module")

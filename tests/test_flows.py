@@ -310,3 +310,24 @@ def test_recipe_errors_name_the_field(tmp_path):
     with pytest.raises(RecipeError, match="known recipes"):
         load_recipe("no-such-recipe")
     assert load_recipe("tiny").name == "tiny"
+
+
+def test_a_recipe_with_a_base_is_the_base_with_its_own_settings_merged_over(tmp_path):
+    tiny = load_recipe("tiny")
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({
+        "base": "tiny", "name": "mine", "reasoning_grpo": {"grpo": {"max_steps": 7, "rewards": {"accuracy": 2.0}}}}))
+    (tmp_path / "beside.yaml").write_text(yaml.safe_dump({"base": "mine.yaml", "sft": {"train": {"max_steps": 9}}}))
+    r = load_recipe(tmp_path / "beside.yaml")  # a base by path, beside the file, itself with a base
+    assert r.name == "mine" and r.sft.train.max_steps == 9 and r.reasoning_grpo.grpo.max_steps == 7
+    assert r.reasoning_grpo.grpo.rewards == {"accuracy": 2.0, "format": 0.5}  # a mapping merged key by key
+    assert r.reasoning_grpo.grpo.learning_rate == tiny.reasoning_grpo.grpo.learning_rate  # the rest is the base's
+    assert r.cold_start_sft == tiny.cold_start_sft
+    (tmp_path / "loop.yaml").write_text(yaml.safe_dump({"base": "loop.yaml"}))
+    with pytest.raises(RecipeError, match=r"loop\.yaml: base: 'loop\.yaml' leads back to itself"):
+        load_recipe(tmp_path / "loop.yaml")
+    (tmp_path / "lost.yaml").write_text(yaml.safe_dump({"base": "no-such-base"}))
+    with pytest.raises(RecipeError, match="no recipe 'no-such-base'"):
+        load_recipe(tmp_path / "lost.yaml")
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump({"base": "tiny", "sft": {"train": {"max_step": 3}}}))
+    with pytest.raises(RecipeError, match=r"typo\.yaml: sft\.train\.max_step"):
+        load_recipe(tmp_path / "typo.yaml")

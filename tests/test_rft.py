@@ -194,3 +194,31 @@ def test_a_launched_process_runs_online_rft_from_its_job_file(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     metrics = [e["metrics"] for e in events if "metrics" in e]  # beside the step's samples table
     assert metrics[0]["rft/correct"] == 1.0  # threshold 0 on the format reward: every scored completion counts
+
+
+def test_offline_rft_samples_from_the_frozen_start_while_the_policy_trains(tmp_path):
+    """`online_rft.sampler: initial` (DeepSeekMath's offline RFT): the stage's trainer samples every step from a frozen
+    copy of its starting model, which training leaves as it was, while the policy it trains moves."""
+    from grpo.training.launchers.worker import build_rl_trainer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    prompts = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
+    cfg = GRPOConfig(max_steps=2, prompts_per_step=2, num_generations=4, checkpoint_every=0, learning_rate=1e-2,
+                     mixed_precision="no", sampling=SamplingConfig(max_new_tokens=8),
+                     rewards={"accuracy": 1.0, "format": 0.5})
+    trainer = build_rl_trainer(SMALL, prompts, cfg, tmp_path / "offline",
+                               online_rft=OnlineRFTConfig(correct_reward="format", threshold=0.0,
+                                                          sampler="initial"))  # every sample "correct"
+    sampler = trainer.engine.model
+    assert sampler is not trainer.model and not any(p.requires_grad for p in sampler.parameters())
+    start = {k: v.clone() for k, v in sampler.state_dict().items()}
+    assert all(torch.equal(start[k], v) for k, v in trainer.model.state_dict().items())  # the start, copied
+    trainer.train()
+    assert all(torch.equal(start[k], v) for k, v in sampler.state_dict().items())  # frozen
+    assert not all(torch.equal(start[k], v) for k, v in trainer.model.state_dict().items())  # the policy moved
+    online = build_rl_trainer(SMALL, prompts, cfg, tmp_path / "online", online_rft=OnlineRFTConfig())
+    assert online.engine.model is not sampler  # online RFT samples from the policy's own engine
+    with pytest.raises(ValidationError, match="online_rft.sampler 'initial' .* use rollout.mode sync"):
+        ReasoningGRPOConfig(algorithm="online_rft", online_rft={"sampler": "initial"},
+                            grpo={"rollout": {"mode": "async"}})

@@ -92,3 +92,15 @@ def test_registry_and_output_checks():
         check_steps([Steps((5, 3), (1.0, 1.0))], 1)
     with pytest.raises(ValueError, match="completion 0 has 1 step ends and 2 rewards"):
         check_steps([Steps((5,), (1.0, 1.0))], 1)
+
+
+def test_held_out_step_accuracy_is_the_share_of_written_steps_that_hold():
+    from grpo.evaluate import step_accuracy
+
+    texts = ["<think>2 + 3 = 5. 5 * 2 = 11.</think><answer>11</answer>",  # one right, one wrong
+             "<think>4 - 1 = 3.</think><answer>3</answer>",  # right
+             "<answer>7</answer>"]  # no step written: counts nothing
+    prompts = ["2 and 3, doubled", "4, minus 1", "7"]
+    assert step_accuracy(texts, prompts, "arithmetic") == 2 / 3
+    assert step_accuracy(texts[2:], prompts[2:], "arithmetic") is None
+    assert step_accuracy(["<think>Tom has 2*3=<<2*3=6>>6 apples.</think><answer>6</answer>"], ["q"], "gsm8k") == 1.0

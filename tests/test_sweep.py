@@ -44,6 +44,27 @@ def trained(runs) -> list:
 
 
 @pytest.fixture
+def pool(deployed_server, tmp_path_factory, monkeypatch):
+    """An MLflow server and a worker on the deployed server's process pool for one test (a folder for its files is
+    yielded); this process logs to that MLflow server too."""
+    from flows.cli import stack
+
+    root = tmp_path_factory.mktemp("sweep-pool")
+    started = []
+    try:
+        mlflow_server, uri = stack.start_mlflow_server(root / "mlflow.db", root / "mlartifacts", stack.free_port(),
+                                                       root / "logs")
+        started.append(mlflow_server)
+        started.append(stack.start_worker(deployed_server["api"], uri, root / "logs",
+                                          PREFECT_WORKER_QUERY_SECONDS="2", OMP_NUM_THREADS="1"))
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        yield root
+    finally:
+        for p in reversed(started):
+            stack.stop_process(p)
+
+
+@pytest.fixture
 def recipe(tmp_path) -> Path:
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"name": "sweep-test", "cold_start_sft": COLD, "reasoning_grpo": GRPO}))
@@ -188,42 +209,186 @@ def test_a_sweep_killed_mid_point_goes_on_with_that_point_from_its_checkpoint(pr
     assert sorted(m.step for m in history) == list(range(step + 1, 25))  # only the steps after the checkpoint
 
 
-def test_a_sweep_on_a_deployment_runs_its_points_on_a_pool_side_by_side(deployed_server, tmp_path_factory,
-                                                                        monkeypatch):
+def test_a_sweep_on_a_deployment_runs_its_points_on_a_pool_side_by_side(deployed_server, pool):
     """`r1 sweep --deployment r1_pipeline/local --parallel 2` on a real Prefect server with a worker on its pool:
     each point a flow run of the pipeline's deployment, logged to the same MLflow server; the second point starts
     only once the first has trained the cold start they share, which it then reuses."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.cli import stack
     from flows.sweep import r1_sweep
     from tasks import tracking
 
-    root = tmp_path_factory.mktemp("sweep-pool")
-    started = []
+    recipe = pool / "pool.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "sweep-pool", "cold_start_sft": COLD, "reasoning_grpo": GRPO}))
+    with temporary_settings({PREFECT_API_URL: deployed_server["api"]}):
+        result = r1_sweep(recipe=str(recipe), grid={"reasoning_grpo.grpo.beta": [0, 0.04]},
+                          stages=["cold_start_sft", "reasoning_grpo"], deployment="r1_pipeline/local", parallel=2)
+    assert sorted(result.ran) == [0, 1]
+    c = tracking.client()
+    runs = [c.get_run(result.points[i]) for i in (0, 1)]
+    assert all(r.info.status == "FINISHED" and r.data.tags["mlflow.parentRunId"] == result.run_id for r in runs)
+    assert all(r.data.tags.get("prefect.flow_run_id") for r in runs)  # each a flow run of its own, on the worker
+    cold = stage_runs(c, list(result.points.values()), "cold_start_sft")
+    [trained_once] = trained(cold)
+    second = c.get_run(result.points[1])
+    assert second.info.start_time >= trained_once.info.end_time  # it waited for the shared cold start
+    assert len(trained(stage_runs(c, list(result.points.values()), "reasoning_grpo"))) == 2
+
+
+def test_variants_name_their_own_settings_and_stages(recipe, capsys):
+    """A `sweep: variants:` section: each variant its own overrides and stages, crossed with seeds; points that share
+    their first stages lead one another; a variant the recipe cannot take is one line naming it."""
+    from flows.sweep import leaders
+    from grpo.recipe import load_recipe
+    from grpo.sweep import expand
+
+    r = load_recipe("unified_view")  # the shipped one: DeepSeekMath's rows
+    points = expand(r, r.sweep)
+    assert len(points) == 8 * 3
+    by = {(p.settings["variant"], p.seed): p for p in points}
+    assert by["ppo", 0].stages == ("cold_start_sft", "reasoning_grpo")
+    assert by["ppo", 0].overrides == {"reasoning_grpo.algorithm": "ppo"}
+    assert by["dpo", 2].stages[-1] == "alignment_grpo" and by["dpo", 2].overrides["alignment_grpo.dpo.seed"] == 2
+    assert by["offline_rft", 1].overrides == {"reasoning_grpo.algorithm": "online_rft",
+                                              "reasoning_grpo.online_rft.sampler": "initial",
+                                              "reasoning_grpo.grpo.seed": 1}  # the seed reaches no cold start
+    lead = leaders(r, points)
+    # one cold start for all; each seed's alignment rows reuse that seed's GRPO outcome row, then one another's SFT
+    assert lead[by["ppo", 2].index] == (0, ["cold_start_sft"])
+    assert lead[by["rm_grpo", 1].index] == (by["grpo_outcome", 1].index, ["cold_start_sft", "reasoning_grpo"])
+    assert lead[by["dpo", 1].index] == (by["rm_grpo", 1].index, ["cold_start_sft", "reasoning_grpo",
+                                                                 "rejection_sampling", "sft"])
+
+    data = yaml.safe_load(recipe.read_text())
+    for variant, said in [({"reasoning_grpo.algorithm": "pp0"}, "variant bad: recipe 'sweep-test' with overrides: reasoning_grpo.algorithm"),
+                          ({"reasoning_grpo.grpo.supervision": "process"}, "variant bad: "),
+                          ({"stages": ["cold_start"]}, "unknown stage(s) ['cold_start']")]:
+        recipe.write_text(yaml.safe_dump({**data, "sweep": {"variants": {"good": {}, "bad": variant}}}))
+        assert main(["sweep", "--recipe", str(recipe)]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert said in line, line
+
+
+def _sweep_recipe(tmp_path: Path, name: str, seed: int, grpo_steps: int) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "cold_start_sft": {**COLD, "train": {**COLD["train"], "seed": seed}},
+                                    "reasoning_grpo": {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": grpo_steps}}}))
+    return path
+
+
+def test_points_side_by_side_on_this_machine_share_their_cold_start(prefect_harness, mlflow_client, tmp_path,
+                                                                     capsys):
+    """`r1 sweep --parallel 2` without a deployment: each point a process of its own on the sweep's Prefect API and
+    MLflow store, the second started once the first has trained the cold start they share, which it reuses."""
+    recipe = _sweep_recipe(tmp_path, "sweep-side", 47, 2)
+    assert main(["sweep", "--recipe", str(recipe), "--grid", "reasoning_grpo.grpo.beta=0,0.04", "--stages",
+                 "cold_start_sft,reasoning_grpo", "--parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 run now, 0 finished before" in out
+    [sweep] = mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()],
+                                        "tags.`r1.sweep.recipe` = 'sweep-side'")
+    points = mlflow_client.search_runs([sweep.info.experiment_id], f"tags.`r1.sweep` = '{sweep.info.run_id}'")
+    assert sorted(p.data.tags["r1.sweep.index"] for p in points) == ["0", "1"]
+    assert all(p.info.status == "FINISHED" and p.data.tags["mlflow.parentRunId"] == sweep.info.run_id
+               for p in points)
+    assert len({p.data.tags["r1.pid"] for p in points} | {str(os.getpid())}) == 3  # a process each, not this one
+    [cold] = trained(stage_runs(mlflow_client, [p.info.run_id for p in points], "cold_start_sft"))
+    second = next(p for p in points if p.data.tags["r1.sweep.index"] == "1")
+    assert second.info.start_time >= cold.info.end_time  # it waited for the shared cold start
+    assert len(trained(stage_runs(mlflow_client, [p.info.run_id for p in points], "reasoning_grpo"))) == 2
+    assert sweep.info.status == "FINISHED" and "summary.csv" in out
+    from tasks import tracking
+
+    logs = tracking.r1_home() / "sweeps" / sweep.info.run_id / "points"
+    assert "MLflow pipeline run" in (logs / "point-1.log").read_text()  # each point's own output, kept
+
+
+def _alive(pid: int) -> bool:
     try:
-        mlflow_server, uri = stack.start_mlflow_server(root / "mlflow.db", root / "mlartifacts", stack.free_port(),
-                                                       root / "logs")
-        started.append(mlflow_server)
-        worker = stack.start_worker(deployed_server["api"], uri, root / "logs", PREFECT_WORKER_QUERY_SECONDS="2",
-                                    OMP_NUM_THREADS="1")
-        started.append(worker)
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        recipe = root / "pool.yaml"
-        recipe.write_text(yaml.safe_dump({"name": "sweep-pool", "cold_start_sft": COLD, "reasoning_grpo": GRPO}))
-        with temporary_settings({PREFECT_API_URL: deployed_server["api"]}):
-            result = r1_sweep(recipe=str(recipe), grid={"reasoning_grpo.grpo.beta": [0, 0.04]},
-                              stages=["cold_start_sft", "reasoning_grpo"], deployment="r1_pipeline/local", parallel=2)
-        assert sorted(result.ran) == [0, 1]
-        c = tracking.client()
-        runs = [c.get_run(result.points[i]) for i in (0, 1)]
-        assert all(r.info.status == "FINISHED" and r.data.tags["mlflow.parentRunId"] == result.run_id for r in runs)
-        assert all(r.data.tags.get("prefect.flow_run_id") for r in runs)  # each a flow run of its own, on the worker
-        cold = stage_runs(c, list(result.points.values()), "cold_start_sft")
-        [trained_once] = trained(cold)
-        second = c.get_run(result.points[1])
-        assert second.info.start_time >= trained_once.info.end_time  # it waited for the shared cold start
-        assert len(trained(stage_runs(c, list(result.points.values()), "reasoning_grpo"))) == 2
-    finally:
-        for p in reversed(started):
-            stack.stop_process(p)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def _until(what: str, check, timeout: float, every: float = 1.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def _running_points(recipe_name: str, count: int):
+    """The sweep's point pipeline runs, once `count` of them train their reasoning GRPO (RUNNING)."""
+    from tasks import tracking
+
+    parents = {r.info.run_id: r for r in tracking.find_runs(f"tags.recipe = '{recipe_name}'")}
+    grpo = [r for r in tracking.find_runs("tags.stage = 'reasoning_grpo' and attributes.status = 'RUNNING'")
+            if r.data.tags.get("mlflow.parentRunId") in parents]
+    return [parents[r.data.tags["mlflow.parentRunId"]] for r in grpo] if len(grpo) >= count else None
+
+
+def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness, tmp_path, request):
+    """Ctrl-C in the terminal (SIGINT to the process group) while two point processes train: `r1 sweep` exits 130
+    within the 30 s a stop may take, no point process is left, and the sweep and its points are KILLED."""
+    from prefect.settings import PREFECT_API_URL
+    from test_pipeline_resume import ROOT, _kill_group, _wait_for
+
+    from tasks import tracking
+
+    recipe = _sweep_recipe(tmp_path, "sweep-ctrl-c", 48, 500)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sweep", "--recipe", str(recipe), "--grid",
+                             "reasoning_grpo.grpo.beta=0,0.04", "--stages", "cold_start_sft,reasoning_grpo",
+                             "--parallel", "2"], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    request.addfinalizer(lambda: _kill_group(proc.pid))
+    points = _wait_for("two points training side by side", lambda: _running_points("sweep-ctrl-c", 2), proc,
+                       timeout=300, every=0.5)
+    pids = [int(p.data.tags["r1.pid"]) for p in points]
+    assert all(_alive(pid) for pid in pids)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130, proc.stdout.read().decode()[-3000:]
+    assert not any(_alive(pid) for pid in pids)
+    [sweep] = tracking.find_runs("tags.`r1.sweep.recipe` = 'sweep-ctrl-c'")
+    assert sweep.info.status == "KILLED"
+    assert {tracking.client().get_run(p.info.run_id).info.status for p in points} == {"KILLED"}
+
+
+def test_a_sweep_cancelled_in_the_prefect_ui_stops_its_point_processes(deployed_server, pool):
+    """The sweep deployment (`r1_sweep/local`) run by a worker, its two points as processes beside it; cancelled as
+    the UI's Cancel does (the flow run set Cancelling): its flow run ends Cancelled, no point process is left, and the
+    sweep and its points are KILLED in MLflow."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    from tasks import tracking
+
+    recipe = _sweep_recipe(pool, "sweep-cancel", 49, 500)
+    with temporary_settings({PREFECT_API_URL: deployed_server["api"]}):
+        flow_run = run_deployment("r1_sweep/local", timeout=0, parameters={
+            "recipe": str(recipe), "grid": {"reasoning_grpo.grpo.beta": [0, 0.04]},
+            "stages": ["cold_start_sft", "reasoning_grpo"], "parallel": 2})
+        points = _until("two points training side by side", lambda: _running_points("sweep-cancel", 2), 400)
+        pids = [int(p.data.tags["r1.pid"]) for p in points]
+        assert all(_alive(pid) for pid in pids)
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled in the UI"), force=True)
+
+            def cancelled():
+                state = client.read_flow_run(flow_run.id).state
+                return state if state.is_final() else None
+
+            state = _until("end of the sweep's flow run", cancelled, 120)
+    assert state.is_cancelled(), state
+    _until("end of its point processes", lambda: not any(_alive(pid) for pid in pids), 60, 0.5)
+    [sweep] = tracking.find_runs("tags.`r1.sweep.recipe` = 'sweep-cancel'")
+    assert sweep.info.status == "KILLED"
+    assert {tracking.client().get_run(p.info.run_id).info.status for p in points} == {"KILLED"}

@@ -31,7 +31,8 @@ def add_parser(sub, parents) -> None:
                        help="run the points as flow runs of this pipeline deployment (r1_pipeline/placed, say: its "
                             "stages on their pools) on the Prefect server PREFECT_API_URL names")
     sweep.add_argument("--parallel", type=int, default=1,
-                       help="points running at once on --deployment (default: 1)")
+                       help="points running at once: flow runs of --deployment, or without it processes on this "
+                            "machine, sharing its cores (default: 1, in this process)")
 
 
 def run(args: argparse.Namespace, until_stopped) -> int:
@@ -47,9 +48,6 @@ def run(args: argparse.Namespace, until_stopped) -> int:
         raise UsageError(f"--seeds {args.seeds}: expected 1 or more")
     if args.parallel < 1:
         raise UsageError(f"--parallel {args.parallel}: expected 1 or more")
-    if args.parallel > 1 and not args.deployment:
-        raise UsageError(f"--parallel {args.parallel}: points run side by side as deployment flow runs; name the "
-                         "pipeline deployment with --deployment (r1_pipeline/local on `r1 up`'s stack, say)")
     stages = preflight.check_stages(_names(args.stages)) if args.stages else None
     seed_stages = preflight.check_stages(_names(args.seed_stages)) if args.seed_stages else None
     try:
@@ -57,7 +55,7 @@ def run(args: argparse.Namespace, until_stopped) -> int:
         points = expand(recipe, sweep)
     except SweepError as e:
         raise UsageError(str(e)) from None
-    order = preflight.check_stages(sweep.stages or STAGES)
+    order = preflight.check_stages([s for s in STAGES if any(s in p.stages for p in points)])
     preflight.check_servers()
     if args.deployment:
         check_deployment(args.deployment)
@@ -66,13 +64,14 @@ def run(args: argparse.Namespace, until_stopped) -> int:
     for point in points:  # each point's recipe as `r1 run` checks it, before any point runs
         point_recipe = apply_overrides(recipe, point.overrides)
         try:
-            check_placement(point_recipe, order)
-            preflight.check_recipe(point_recipe, order)
-            preflight.check_precision(point_recipe, order)
-            preflight.check_distributed(point_recipe, order)
+            check_placement(point_recipe, list(point.stages))
+            preflight.check_recipe(point_recipe, list(point.stages))
+            preflight.check_precision(point_recipe, list(point.stages))
+            preflight.check_distributed(point_recipe, list(point.stages))
         except UsageError as e:
             raise UsageError(f"the point {point.label()}: {e}") from None
-    grid = "; ".join(f"{path} in {', '.join(_short(v) for v in values)}" for path, values in sweep.grid.items()) \
+    grid = "; ".join([*([f"variants {', '.join(sweep.variants)}"] if sweep.variants else []),
+                      *(f"{path} in {', '.join(_short(v) for v in values)}" for path, values in sweep.grid.items())]) \
         or "no grid"
     print(f"sweep of recipe {recipe.name!r}: {len(points)} points ({grid}; {seeds_reach(recipe, sweep)}); "
           f"stages {', '.join(order)}", flush=True)
@@ -116,12 +115,12 @@ def check_deployment(name: str) -> None:
     from prefect.exceptions import ObjectNotFound
 
     from flows.checks import UsageError
-    from flows.placement import _client
+    from flows.placement import prefect_client
 
     if not os.environ.get("PREFECT_API_URL"):
         raise UsageError(f"--deployment {name}: deployments live on a Prefect server; set PREFECT_API_URL "
                          "(`r1 up` starts one)")
-    with _client() as client:
+    with prefect_client() as client:
         try:
             deployment = client.read_deployment_by_name(name)
         except ObjectNotFound:

@@ -100,8 +100,20 @@ def build_rl_trainer(model_cfg, rows: pd.DataFrame, cfg, output_dir, *, reward_m
 
         check_rft_settings(cfg, online_rft)  # the recipe checked it; a caller of its own may not have
         coefficients = coefficient_function(online_rft)
-    return GRPOTrainer(model, tokenizer, rows, cfg, output_dir, step_verifiers=step_verifiers, hooks=hooks,
-                       coefficients=coefficients, **kwargs)
+    frozen = None
+    if online_rft is not None and online_rft.sampler == "initial":  # offline RFT: the start samples every step
+        import copy
+
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    trainer = GRPOTrainer(model, tokenizer, rows, cfg, output_dir, step_verifiers=step_verifiers, hooks=hooks,
+                          coefficients=coefficients, **kwargs)
+    if frozen is not None:
+        from grpo.config import GenerationConfig
+        from grpo.sampling.engines import build_engine, sampling_dtype
+
+        trainer.engine = build_engine(generation or GenerationConfig(), frozen.to(trainer.acc.device), tokenizer,
+                                      dtype=sampling_dtype(trainer.acc.mixed_precision), who="offline RFT")
+    return trainer
 
 
 def _grpo(job: dict, events: EventWriter) -> dict:
