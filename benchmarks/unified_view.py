@@ -1,6 +1,6 @@
 """DeepSeekMath's unified view, run as the user runs it: `r1 sweep --recipe unified_view`, then its tables.
 
-usage: python benchmarks/unified_view.py [--recipe unified_view] [--seeds N] [--work DIR]
+usage: python benchmarks/unified_view.py [--recipe unified_view] [--seeds N] [--parallel K] [--work DIR]
 
 The questions are the recipe's (recipes/unified_view.yaml, its `sweep:` variants): for reasoning, offline RFT (the
 cold start's frozen samples, the correct ones trained on), online RFT, GRPO with outcome and with process
@@ -38,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="unified_view")
     ap.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the recipe's)")
+    ap.add_argument("--parallel", type=int, default=1, help="points at once (processes sharing the cores)")
     ap.add_argument("--work", default=None, help="folder for the sweep's home and log (default: a temporary one)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="unified-view-"))
@@ -45,7 +46,7 @@ def main() -> None:
     home = work / "home"
     print(cpu_line(), flush=True)
     argv = [sys.executable, "-m", "flows.cli", "sweep", "--recipe", args.recipe,
-            *(["--seeds", str(args.seeds)] if args.seeds else [])]
+            *(["--seeds", str(args.seeds)] if args.seeds else []), "--parallel", str(args.parallel)]
     points_csv = None
     with open(work / "sweep.log", "a") as log, subprocess.Popen(
             argv, cwd=ROOT, env=env_for(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
