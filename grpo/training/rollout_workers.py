@@ -248,10 +248,14 @@ class RolloutWorkers:
     # -- the workers ---------------------------------------------------------------------------------------------
 
     def start(self, model: torch.nn.Module, version: int) -> None:
-        """Push `version`'s weights and start every worker."""
-        self.push(model, version)
-        for w in range(self.cfg.workers):
-            self._start(w, self.first_step)
+        """Push `version`'s weights and start every worker; if one cannot start, those started are stopped."""
+        try:
+            self.push(model, version)
+            for w in range(self.cfg.workers):
+                self._start(w, self.first_step)
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self, w: int, first: int) -> None:
         reader, writer = self.ctx.Pipe(duplex=False)

@@ -144,10 +144,11 @@ class GRPOTrainer:
         # micro-batches as rows without padding (policy, pi_old and reference passes alike), where it is exact
         self.packed = packing_on(cfg.packing, self.acc.unwrap_model(self.model))
         # the stage's engine (grpo.sampling.engines) on the policy's whole weights (the policy itself, or under fsdp
-        # a copy gathered after every step), sampling in the loop's precision
+        # a copy gathered after every step), sampling in the loop's precision; none with asynchronous rollouts, whose
+        # sampler processes build their own
         dtype = sampling_dtype(self.acc.mixed_precision)
-        self.engine = engine or build_engine(generation or GenerationConfig(), self.strategy.sampler_model(dtype),
-                                             tokenizer, dtype=dtype, who="GRPO")
+        self.engine = engine or (None if cfg.rollout.asynchronous else build_engine(
+            generation or GenerationConfig(), self.strategy.sampler_model(dtype), tokenizer, dtype=dtype, who="GRPO"))
         self.cells = self.prompts["prompt"].tolist()
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
         self.gemm = gemm_plan(self.acc, cfg, tokenizer, self.prompts, self.acc.unwrap_model(self.model),
@@ -268,7 +269,8 @@ class GRPOTrainer:
         asynchronous rollouts, every `rollout.sync_every` optimizer steps, push them to the sampler processes."""
         if self.rollouts is None:
             self.strategy.sync_sampler()
-            self.engine.sync_weights()
+            if self.engine is not None:  # None: asynchronous, before its workers start (a resume loads weights)
+                self.engine.sync_weights()
         elif self.version % self.cfg.rollout.sync_every == 0:
             t0 = time.perf_counter()
             self.strategy.sync_sampler()  # under fsdp: the whole weights gathered, unit by unit (a collective)
