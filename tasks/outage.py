@@ -6,7 +6,9 @@ with a short timeout, so no call of MLflow's client sits out its own minutes of 
 answer, the batches stay queued, training goes on, and one line says so and how long a run will wait for it when it
 ends (`R1_TRACKING_WAIT_S`, 600 s by default). Ending a run (`tracking.end_run`) first waits for its queued batches:
 written once the server is back, or, after the wait, a `Fault` line; the stage's local checkpoints stay, so the same
-command resumes. A local store (SQLite) is written directly, as before: it cannot go away.
+command resumes. A run ended while the server does not answer (asked with the same short timeout) is left RUNNING,
+with a `Fault` line, rather than sit out the MLflow client's retries (minutes): the next start marks it FAILED, as
+it does a killed process's. A local store (SQLite) is written directly, as before: it cannot go away.
 """
 
 from __future__ import annotations
@@ -105,6 +107,17 @@ class MetricsQueue(threading.Thread):
                                 f"stage's local checkpoints are kept: run the same command again once the server "
                                 f"answers to resume")
                 self.changed.wait(min(left, 1.0))
+
+
+class ServerAway(Fault):
+    """The tracking server did not answer when a run was to be ended: the run is left as it is (RUNNING; the next
+    start marks it FAILED, its process gone) rather than wait out minutes of the client's retries."""
+
+
+def away(uri: str, run_id: str, status: str) -> ServerAway:
+    return ServerAway(f"the MLflow server at {uri} does not answer, so run {run_id} could not be marked {status} "
+                      f"(the next run marks it FAILED). The stage's local checkpoints are kept: run the same command "
+                      f"again once the server answers to resume")
 
 
 _queues: dict[str, MetricsQueue] = {}

@@ -300,14 +300,22 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
 
     heartbeat.stop_beating(run_id)
     outage.flush(run_id)  # its queued metrics first: a tracking server that did not answer may be back
+    uri = tracking_uri()
+    if uri.startswith(("http://", "https://")) and not outage.answering(uri):  # not minutes of the client's retries
+        raise outage.away(uri, run_id, status)
     client().set_terminated(run_id, status=status)
 
 
 def end_run_if_room(run_id: str, status: str) -> bool:
-    """End a run that stops on an error, unless the store's disk has no room left for it: then it stays RUNNING
-    until the next start marks it FAILED (`end_dead_runs`, as for a killed process), and False is returned."""
+    """End a run that stops on an error, unless the store's disk has no room left for it or its tracking server does
+    not answer: then it stays RUNNING until the next start marks it FAILED (`end_dead_runs`, as for a killed
+    process), and False is returned."""
+    from tasks.outage import ServerAway
+
     try:
         end_run(run_id, status)
+    except ServerAway:
+        return False
     except Exception as e:
         if not _no_room(e):
             raise
