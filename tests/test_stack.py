@@ -56,7 +56,7 @@ def r1(*args: str, env: dict) -> subprocess.CompletedProcess:
 def test_up_then_down(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("R1_HOME", str(tmp_path))
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    bystander = subprocess.Popen(["sleep", "300"])  # a process `down` must leave alone
+    bystander = subprocess.Popen(["sleep", "3600"])  # a process `down` must leave alone (killed at the end)
     try:
         assert main(["up", "--prefect-port", "0", "--mlflow-port", "0"]) == 0
         out = capsys.readouterr().out
