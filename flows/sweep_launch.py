@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from grpo.interrupts import die_with_parent
 from tasks import sweep as results
 from tasks import tracking
 
@@ -173,7 +174,7 @@ class Processes:
         with log.open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "flows.cli.point", json.dumps(job)], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=_stop_with_parent)
+                                    preexec_fn=die_with_parent)
         proc.log = log  # type: ignore[attr-defined]
         return proc
 
@@ -199,11 +200,3 @@ class Processes:
                 proc.kill()
                 proc.wait()
 
-
-def _stop_with_parent() -> None:  # runs in the child between fork and exec: SIGTERM when the sweep's process dies
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: it outlives a killed parent, as any orphan would
-        pass

@@ -136,3 +136,13 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
         _stopping.clear()
         _deferred.clear()
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send this process `sig` when the process that started it exits (Linux's PR_SET_PDEATHSIG;
+    elsewhere a no-op: the child outlives a killed parent, as any orphan would). Called in a child: between fork and
+    exec (`preexec_fn`), or first thing in a multiprocessing target."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -303,8 +303,9 @@ class Recipe(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _one_ray_cluster(cls, data: Any) -> Any:
-        """A training stage on Ray (`distributed.engine: ray`) without a `ray_address` of its own trains on the
-        cluster the recipe names for rejection sampling."""
+        """A training stage on Ray (`distributed.engine: ray`), or asynchronous rollouts on Ray actors
+        (`grpo.rollout.launcher: ray`), without a `ray_address` of its own use the cluster the recipe names for
+        rejection sampling."""
         if not isinstance(data, Mapping):
             return data
         cluster = (data.get("rejection_sampling") or {}) if isinstance(data.get("rejection_sampling"), Mapping) else {}
@@ -317,7 +318,11 @@ class Recipe(BaseModel):
             section = data.get(name)
             dist = section.get("distributed") if isinstance(section, Mapping) else None
             if isinstance(dist, Mapping) and dist.get("engine") == "ray" and not dist.get("ray_address"):
-                data[name] = {**section, "distributed": {**dist, "ray_address": address}}
+                section = data[name] = {**section, "distributed": {**dist, "ray_address": address}}
+            grpo = section.get("grpo") if isinstance(section, Mapping) else None
+            rollout = grpo.get("rollout") if isinstance(grpo, Mapping) else None
+            if isinstance(rollout, Mapping) and rollout.get("launcher") == "ray" and not rollout.get("ray_address"):
+                data[name] = {**section, "grpo": {**grpo, "rollout": {**rollout, "ray_address": address}}}
         return data
 
     @model_validator(mode="after")

@@ -27,11 +27,18 @@ class RolloutConfig(BaseModel):
     # async: optimizer steps between weight pushes to the workers; at most max_staleness + 1, or a worker would wait
     # for weights that never come
     sync_every: int = Field(1, ge=1)
-    workers: int = Field(1, ge=1)  # async: sampler processes on this machine
+    workers: int = Field(1, ge=1)  # async: sampler workers (per training process)
+    # async: where the workers run. "processes": on this machine (each training process's host), beside the
+    # trainer; "ray": Ray actors on the cluster at ray_address (the recipe's rejection_sampling.cluster.ray_address
+    # where unset), each asking for `threads` CPUs and, where the trainer is on a GPU, one GPU
+    launcher: Literal["processes", "ray"] = "processes"
+    ray_address: str | None = None  # launcher ray: host:port of the cluster's GCS, ray://host:port, or "auto"
     # async: each worker's device, one per worker ("cpu", "cuda:1"); None: the trainer's device on a CPU, on a GPU
     # machine the GPUs after the trainer's, one a worker
     devices: tuple[str, ...] | None = None
-    threads: int | None = Field(None, ge=1)  # async: torch threads a worker computes with; None: cores / (workers + 1)
+    # async: torch threads a worker computes with; None: this machine's cores / (workers + 1) for processes, 1 for
+    # Ray actors (each asks the cluster for that many CPUs)
+    threads: int | None = Field(None, ge=1)
     # async: seconds a worker may go without a sign of life (a heartbeat every second, its samples) before it is
     # named, killed and replaced; None: the collective timeout (distributed.collective_timeout_s)
     timeout_s: float | None = Field(None, gt=0)
@@ -47,6 +54,9 @@ class RolloutConfig(BaseModel):
                              f"between pushes the workers' weights fall {self.sync_every - 1} steps behind, past the "
                              f"bound, and they would wait for weights that never come; push more often or raise "
                              f"max_staleness")
+        if self.devices is not None and self.launcher == "ray":
+            raise ValueError("rollout.devices names devices of this machine; Ray actors get theirs from the cluster "
+                             "(a GPU each where the trainer is on one): leave devices unset with launcher ray")
         if self.devices is not None and len(self.devices) != self.workers:
             raise ValueError(f"rollout.devices names {len(self.devices)} devices for {self.workers} workers: one a "
                              f"worker")
@@ -66,7 +76,7 @@ def check_async_rollout(rollout: RolloutConfig, *, engine: str, algorithm: str, 
         raise ValueError(f"{where}.grpo.rollout.mode async is for GRPO and online RFT: PPO's value model is fitted "
                          f"to the returns of the policy that sampled them and would learn stale values; use mode "
                          f"sync with algorithm ppo")
-    if engine == "ray":
-        raise ValueError(f"{where}.grpo.rollout.mode async starts its sampler processes beside each training process "
-                         f"it launches on this machine or the job's machines (distributed.engine local); not yet "
-                         f"under Ray Train workers: use engine local, or rollout.mode sync")
+    if engine == "ray" and rollout.launcher != "ray":
+        raise ValueError(f"{where}.grpo.rollout.mode async with distributed.engine ray: the training processes are "
+                         f"Ray Train workers, and their samplers must be Ray actors too: set "
+                         f"{where}.grpo.rollout.launcher ray (or rollout.mode sync)")

@@ -151,3 +151,22 @@ def check_training_cluster(cfg: DistributedConfig, stage: str) -> str | None:
 
     check_ray_cluster(cfg, address)
     return address
+
+
+def check_rollout_cluster(cfg, distributed: DistributedConfig, stage: str):
+    """A GRPO stage's config with its Ray samplers' cluster (`grpo.rollout.launcher: ray`) resolved and checked
+    reachable before any model loads: `rollout.ray_address`, else the cluster its Ray Train workers run on
+    (`distributed.engine: ray`), else the recipe's; the config as given where its samplers are not on Ray."""
+    rollout = cfg.rollout
+    if not rollout.asynchronous or rollout.launcher != "ray":
+        return cfg
+    if importlib.util.find_spec("ray") is None:
+        raise ModuleNotFoundError(f"{stage}.grpo.rollout.launcher is ray, but ray is not installed: pip install "
+                                  f"'r1-pipeline[cluster]' (here and on every node)")
+    address = rollout.ray_address or (distributed.ray_address if distributed.engine == "ray" else None)
+    if not address:
+        raise ValueError(f"{stage}.grpo.rollout.launcher is ray but names no cluster: set grpo.rollout.ray_address, "
+                         f"or rejection_sampling.cluster.ray_address in the recipe")
+    address = resolve_ray_address(address)
+    check_ray_address(address)
+    return cfg.model_copy(update={"rollout": rollout.model_copy(update={"ray_address": address})})

@@ -49,6 +49,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
         refresh_frames = {k: v for k, v in (("refresh_pairs", pairs), ("refresh_heldout", heldout)) if v is not None}
     processes = launch.check_splits(distributed, grpo__prompts_per_step=cfg.prompts_per_step)
     ray_address = cluster.check_training_cluster(distributed, stage)  # None: this machine's processes
+    cfg = cluster.check_rollout_cluster(cfg, distributed, stage)  # its samplers' cluster, where they are Ray actors
     launched = launch.is_launched(distributed)
     cfg = resolve_precision(run_id, "grpo", cfg)
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),

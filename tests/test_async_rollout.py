@@ -267,9 +267,13 @@ def test_the_recipe_refuses_what_asynchronous_rollouts_cannot_honour():
     with pytest.raises(ValidationError, match=r"reasoning_grpo.grpo.rollout.mode async is for GRPO and online RFT: "
                                               r"PPO's value model"):
         ReasoningGRPOConfig(algorithm="ppo", grpo={"rollout": on})
-    with pytest.raises(ValidationError, match=r"alignment_grpo.grpo.rollout.mode async starts its sampler processes "
-                                              r".* not yet under Ray Train workers"):
+    with pytest.raises(ValidationError, match=r"alignment_grpo.grpo.rollout.mode async with distributed.engine ray: "
+                                              r".* set alignment_grpo.grpo.rollout.launcher ray"):
         AlignmentGRPOConfig(grpo={"rollout": on}, distributed={"engine": "ray", "shared_dir": "/srv/r1"})
+    AlignmentGRPOConfig(grpo={"rollout": {**on, "launcher": "ray"}},  # Ray Train workers, Ray actors sampling
+                        distributed={"engine": "ray", "shared_dir": "/srv/r1"})
+    with pytest.raises(ValidationError, match=r"leave devices unset with launcher ray"):
+        RolloutConfig(mode="async", launcher="ray", devices=("cuda:1",))
     AlignmentGRPOConfig(grpo={"rollout": on}, distributed={"num_processes": 2})  # each process its own workers
     with pytest.raises(ValidationError, match=r"rollout.sync_every 3 > max_staleness \+ 1 = 2"):
         RolloutConfig(mode="async", max_staleness=1, sync_every=3)

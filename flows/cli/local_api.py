@@ -10,7 +10,6 @@ ends the server with it (PR_SET_PDEATHSIG, Linux), as Prefect's own temporary se
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import signal
@@ -22,17 +21,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from grpo.interrupts import die_with_parent
 from tasks.env import LOCAL_API
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()  # a session (and process group) of its own: a terminal's signals to ours do not reach it
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: it outlives a killed parent, as any orphan would
-        pass
+    die_with_parent(signal.SIGTERM)
 
 
 def _free_port() -> int:

@@ -31,7 +31,6 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -46,6 +45,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from grpo.config import GenerationConfig, SamplingConfig
+from grpo.interrupts import die_with_parent
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import GemmPlan, fp32_gemm
 from grpo.kernels.mlp import compact_mlp
@@ -149,13 +149,6 @@ def worker_steps(worker: int, workers: int, first: int, max_steps: int) -> range
     return range(first + (worker - first) % workers, max_steps, workers)
 
 
-def _die_with_parent() -> None:
-    try:  # Linux: the kernel kills this process when the one that started it exits
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _heartbeat(beats, index: int, parent: int, stop: threading.Event) -> None:
     while not stop.is_set():
         beats[index] = time.time()
@@ -164,33 +157,29 @@ def _heartbeat(beats, index: int, parent: int, stop: threading.Event) -> None:
         stop.wait(HEARTBEAT_S)
 
 
-def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, tokenizer, shared: SharedWeights,
-                 beats, out: Connection, first: int, workers: int, device: str, threads: int, parent: int) -> None:
-    """One sampler process: its steps in order, each sampled once weights new enough are in."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the workers
-    torch.set_num_threads(threads)
-    stop = threading.Event()
-    threading.Thread(target=_heartbeat, args=(beats, slot, parent, stop), daemon=True).start()
-    torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.serve_engine)
-    model = copy.deepcopy(skeleton).to(device).eval()  # its own weights: a push never changes them mid-step
-    del skeleton
+def sampler_model(plan: Plan, skeleton: torch.nn.Module, tokenizer, device: str) -> tuple[torch.nn.Module, Engine]:
+    """A sampler's own copy of the policy on `device` (a push never changes it mid-step) and its engine."""
+    model = copy.deepcopy(skeleton).to(device).eval()
     engine = build_engine(plan.generation, model, tokenizer, dtype=plan.dtype, who="a rollout worker")
     if plan.engine_wrapper is not None:
         engine = plan.engine_wrapper(engine)
+    return model, engine
+
+
+def sample_steps(index: int, plan: Plan, model: torch.nn.Module, engine: Engine, weights,
+                 deliver: Callable[[Unit], None], first: int, workers: int) -> None:
+    """Worker `index` of `workers`: its steps from `first` on, in order, each sampled once weights new enough are in
+    and handed to `deliver`. `weights` is where pushes land: `newest()` (the newest complete version, -1 before
+    any) and `read_into(model)` (that copy into the model; its version)."""
     core = causal_lm(model) if plan.policy_kernels else None
     version = -1
-    # units leave through a thread, so the next step samples while the trainer has not yet read the last one
-    outbox: queue.Queue = queue.Queue()
-    sender = threading.Thread(target=_send, args=(outbox, out), daemon=True)
-    sender.start()
     with (cpu_attention(core), compact_mlp(core), fp32_gemm(core, plan.gemm), attending_packed(core, plan.packed)):
         for step in worker_steps(index, workers, first, plan.max_steps):
             need = step * plan.num_iterations - plan.max_staleness  # the oldest weights that may sample the step
             t0 = time.perf_counter()
-            while version < need or shared.newest() > version:  # the newest weights, between two steps' batches
-                if shared.newest() > version:
-                    version = shared.read_into(model)
+            while version < need or weights.newest() > version:  # the newest weights, between two steps' batches
+                if weights.newest() > version:
+                    version = weights.read_into(model)
                     engine.sync_weights()
                 else:
                     time.sleep(POLL_S)
@@ -201,8 +190,25 @@ def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, t
             t1 = time.perf_counter()
             rollout = engine.generate([plan.cells[i] for i in idx], plan.num_generations, plan.sampling,
                                       logprobs=True)
-            unit = Unit(step, version, rollout, index, time.perf_counter() - t1, idle)
-            outbox.put(pickle.dumps(unit))  # by value: nothing of it depends on this process living on
+            deliver(Unit(step, version, rollout, index, time.perf_counter() - t1, idle))
+
+
+def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, tokenizer, shared: SharedWeights,
+                 beats, out: Connection, first: int, workers: int, device: str, threads: int, parent: int) -> None:
+    """One sampler process: its steps in order, each sampled once weights new enough are in."""
+    die_with_parent(signal.SIGKILL)  # the kernel kills this process when the trainer's exits
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the workers
+    torch.set_num_threads(threads)
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(beats, slot, parent, stop), daemon=True).start()
+    torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.serve_engine)
+    model, engine = sampler_model(plan, skeleton, tokenizer, device)
+    del skeleton
+    # units leave through a thread, so the next step samples while the trainer has not yet read the last one
+    outbox: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send, args=(outbox, out), daemon=True)
+    sender.start()
+    sample_steps(index, plan, model, engine, shared, lambda unit: outbox.put(pickle.dumps(unit)), first, workers)
     outbox.put(None)
     sender.join()
     stop.set()
@@ -223,12 +229,13 @@ class _Worker(NamedTuple):
 class RolloutWorkers:
     """The stage's sampler processes and the buffer of units they deliver (the trainer's side)."""
 
+    local = True  # the samplers are processes on this machine (not Ray actors: grpo.training.rollout_ray)
+
     def __init__(self, cfg: RolloutConfig, plan: Plan, model: torch.nn.Module, tokenizer, *, first_step: int,
                  timeout_s: float, devices: Sequence[str], trainers_here: int = 1):
-        self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
-        self.timeout_s, self.devices = timeout_s, list(devices)
         # the host's cores split between its trainer processes and each one's workers
-        self.threads = cfg.threads or max(1, cpu_cores() // (trainers_here * (cfg.workers + 1)))
+        self._books(cfg, plan, tokenizer, first_step, timeout_s, devices,
+                    cfg.threads or max(1, cpu_cores() // (trainers_here * (cfg.workers + 1))))
         self.ctx = mp.get_context("spawn")
         self.shared = SharedWeights(model, self.ctx)
         # the module the workers copy: the model's structure on the CPU, its parameters the first shared copy's
@@ -236,8 +243,14 @@ class RolloutWorkers:
                 for n, p in model.named_parameters()}
         self.skeleton = copy.deepcopy(model, memo).to("cpu")
         self.beats = self.ctx.Array("d", [0.0] * cfg.workers, lock=False)
+
+    def _books(self, cfg: RolloutConfig, plan: Plan, tokenizer, first_step: int, timeout_s: float,
+               devices: Sequence[str], threads: int) -> None:
+        """What the trainer's side keeps whatever the samplers are: the buffer, the counts, the figures."""
+        self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
+        self.timeout_s, self.devices, self.threads = timeout_s, list(devices), threads
         self.received: dict[int, Unit] = {}
-        self.workers: list[_Worker | None] = [None] * cfg.workers
+        self.workers: list = [None] * cfg.workers
         self.restarts = 0
         self.first_step = first_step
         self.next_step = first_step  # the step `take` hands out next
@@ -273,21 +286,30 @@ class RolloutWorkers:
         self.shared.write(model, version)
         return time.perf_counter() - t0
 
+    def newest(self) -> int:
+        """The newest version pushed."""
+        return self.shared.newest()
+
     def _replace(self, w: int, why: str) -> None:
         worker = self.workers[w]
+        name = self._name(worker)
         self._kill(worker)
         self.restarts += 1
         if self.restarts > self.cfg.max_restarts:
-            raise RolloutError(f"rollout worker {w} (pid {worker.process.pid}) {why}, and {self.cfg.max_restarts} "
+            raise RolloutError(f"rollout worker {w} ({name}) {why}, and {self.cfg.max_restarts} "
                                f"workers were already replaced in this run (rollout.max_restarts): stopping; the "
                                f"same command resumes from the last checkpoint")
         # its first step not yet delivered: the units it sent stay in the buffer, those in flight are sampled again
         mine = worker_steps(w, self.cfg.workers, self.first_step, self.plan.max_steps)
         first = next((s for s in mine if s >= self.next_step and s not in self.received), self.plan.max_steps)
-        log.warning("rollout worker %d (pid %d) %s; replaced by a new one with the newest weights (version %d), "
-                    "sampling again from step %d (restart %d of %d)", w, worker.process.pid, why,
-                    self.shared.newest(), first, self.restarts, self.cfg.max_restarts)
+        log.warning("rollout worker %d (%s) %s; replaced by a new one with the newest weights (version %d), "
+                    "sampling again from step %d (restart %d of %d)", w, name, why, self.newest(), first,
+                    self.restarts, self.cfg.max_restarts)
         self._start(w, first)
+
+    @staticmethod
+    def _name(worker: _Worker) -> str:
+        return f"pid {worker.process.pid}"
 
     def _check(self) -> None:
         """Replace any worker that died or went silent for longer than the timeout."""

@@ -331,7 +331,7 @@ class GRPOTrainer:
         threads = torch.get_num_threads()
         if cfg.rollout.asynchronous:  # before the loop's patches: each worker makes the same ones to its copy
             self.rollouts = self._start_workers(start)
-            if all(d == "cpu" for d in self.rollouts.devices):  # the cores the workers do not compute on
+            if self.rollouts.local and all(d == "cpu" for d in self.rollouts.devices):  # the cores the workers leave
                 here = cpu_cores() // local_processes(self.acc)
                 torch.set_num_threads(min(threads, max(1, here - cfg.rollout.workers * self.rollouts.threads)))
         try:
@@ -357,6 +357,15 @@ class GRPOTrainer:
                     process_index=self.acc.process_index, num_processes=self.acc.num_processes,
                     policy_kernels=self.strategy.sampler_model() is self.acc.unwrap_model(self.model))
         device = self.acc.device
+        timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
+        self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
+        if cfg.rollout.launcher == "ray":  # actors on the cluster: its devices, not this machine's
+            from grpo.training.rollout_ray import RayRolloutWorkers
+
+            workers = RayRolloutWorkers(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer,
+                                        first_step=start, timeout_s=timeout, device=str(device))
+            workers.start(self.strategy.sampler_model(), self.version)
+            return workers
         # on a GPU machine, the GPUs after the trainer processes' own, in turn; else the trainer's device
         spare = [f"cuda:{i}" for i in range(local_processes(self.acc), torch.cuda.device_count())]
         first = self.acc.local_process_index * cfg.rollout.workers
@@ -368,8 +377,6 @@ class GRPOTrainer:
             if kind not in ("cpu", "cuda") or (kind == "cuda" and int(index or 0) >= torch.cuda.device_count()):
                 raise ValueError(f"grpo.rollout.devices names {d!r}; this machine has cpu and "
                                  f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)")
-        timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
-        self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
         workers = RolloutWorkers(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer, first_step=start,
                                  timeout_s=timeout, devices=devices, trainers_here=local_processes(self.acc))
         workers.start(self.strategy.sampler_model(), self.version)
