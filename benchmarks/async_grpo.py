@@ -3,13 +3,15 @@ same model, prompts, rewards and number of optimizer steps, each way in a proces
 
 usage: python benchmarks/async_grpo.py [--steps 8] [--budget 128] [--prompts-per-step 8] [--num-generations 8]
                                        [--staleness 1 2 4] [--learning-rate 1e-7] [--prompts 128] [--eos-scale 10]
-                                       [--clock wall|cpu]
+                                       [--clock wall|cpu] [--reference trainer|sampler]
 
 The ways (on a 2-core machine: both cores either way):
 - **sync**: `rollout.mode sync`, one process, `torch.set_num_threads(2)`: each step samples, then trains.
 - **async, max_staleness k** (one run for each k of `--staleness`): `rollout.mode async`, one rollout worker with
   `rollout.threads 1`, the trainer process at `torch.set_num_threads(1)`: sampler and trainer one core each, the
   worker sampling step s with weights at most k optimizer steps old while the trainer trains (`sync_every` 1).
+  `--reference sampler` (`rollout.reference`): the worker also scores the KL term's reference log-probs of what it
+  sampled, so the trainer's step loses its reference forward pass (sync computes it either way).
 
 The workload (`benchmarks/continuous_batching.py`'s): the embedded recipe's model shape (Qwen2, hidden 256, 4
 layers, 2.97M parameters, its 1,024-entry BPE tokenizer), freshly initialised with seed 0
@@ -181,7 +183,8 @@ def run_way(args) -> dict:
     torch.set_num_threads(1 if asynchronous else 2)  # async: the trainer's core; the worker takes the other
     torch.ones(2**10).sum()  # the first parallel region on the main thread
     model, tok, prompts = workload(args)
-    rollout = (RolloutConfig(mode="async", max_staleness=args.max_staleness, sync_every=1, workers=1, threads=1)
+    rollout = (RolloutConfig(mode="async", max_staleness=args.max_staleness, sync_every=1, workers=1, threads=1,
+                             reference=args.reference)
                if asynchronous else RolloutConfig(mode="sync"))
     cfg = GRPOConfig(max_steps=args.steps + 1, prompts_per_step=args.prompts_per_step,
                      num_generations=args.num_generations, learning_rate=args.learning_rate, beta=0.04,
@@ -228,7 +231,7 @@ def run_way(args) -> dict:
     row = {"way": "async" if asynchronous else "sync", "clock": args.clock, "steps": args.steps,
            "rows_per_step": args.prompts_per_step * args.num_generations, "budget": args.budget}
     if asynchronous:
-        row.update(max_staleness=args.max_staleness, threads="trainer 1, worker 1")
+        row.update(max_staleness=args.max_staleness, threads="trainer 1, worker 1", reference=args.reference)
     else:
         row.update(threads=2)
     row["packed"] = trainer.packed
@@ -264,6 +267,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--eos-scale", type=float, default=10.0)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--reference", choices=["trainer", "sampler"], default="trainer",
+                    help="async: who scores the reference log-probs (rollout.reference)")
     ap.add_argument("--way", choices=["sync", "async"], help=argparse.SUPPRESS)  # one way, in this process
     ap.add_argument("--max-staleness", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -273,7 +278,7 @@ def main() -> None:
 
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
               if k in ("steps", "budget", "prompts_per_step", "num_generations", "learning_rate", "prompts",
-                       "eos_scale", "clock")]
+                       "eos_scale", "clock", "reference")]
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
 
     def one(*way: str) -> dict:

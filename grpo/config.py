@@ -327,6 +327,11 @@ class GRPOConfig(BaseModel):
         if self.max_tokens_per_microbatch is not None and self.packing is False:
             raise ValueError("max_tokens_per_microbatch fills packed micro-batches; it needs packing: true or auto "
                              "(or leave it out: micro_batch_size rows a micro-batch)")
+        if self.rollout.reference == "sampler" and (not self.rollout.asynchronous or self.beta == 0 or self.lora):
+            raise ValueError("rollout.reference sampler scores the reference log-probs in the asynchronous workers: "
+                             "it needs rollout.mode async, beta > 0 (else there is no KL term to score) and no LoRA "
+                             "(whose reference is the policy with its adapters off, which the trainer holds); set "
+                             "rollout.reference trainer")
         if self.rollout.asynchronous and self.dynamic_sampling:
             raise ValueError("rollout.mode async samples each step's prompts once, in a worker, before it is scored: "
                              "dynamic_sampling's refills need the scores first; turn one of them off")

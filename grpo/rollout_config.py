@@ -32,6 +32,10 @@ class RolloutConfig(BaseModel):
     # trainer; "ray": Ray actors on the cluster at ray_address (the recipe's rejection_sampling.cluster.ray_address
     # where unset), each asking for `threads` CPUs and, where the trainer is on a GPU, one GPU
     launcher: Literal["processes", "ray"] = "processes"
+    # async: who scores the KL term's reference log-probs. "trainer": the trainer, a forward pass over each step's
+    # batch; "sampler": each worker, on the groups it sampled, with its own frozen copy of the reference (the
+    # trainer's step loses that forward and its reference copy; the workers hold one each). Needs beta > 0, no LoRA
+    reference: Literal["trainer", "sampler"] = "trainer"
     ray_address: str | None = None  # launcher ray: host:port of the cluster's GCS, ray://host:port, or "auto"
     # async: each worker's device, one per worker ("cpu", "cuda:1"); None: the trainer's device on a CPU, on a GPU
     # machine the GPUs after the trainer's, one a worker

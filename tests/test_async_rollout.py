@@ -78,6 +78,18 @@ def test_max_staleness_0_trains_the_weights_the_synchronous_loop_trains(tmp_path
         assert seen_async[s]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_the_reference_scored_on_the_sampler_gives_the_synchronous_weights(tmp_path):
+    """rollout.reference sampler: the worker scores the KL term's reference log-probs with the trainer's kernels and
+    micro-batches, so at max_staleness 0 the weights after three steps still equal the synchronous loop's, bit for
+    bit, and the trainer keeps no reference of its own."""
+    sync = run(tmp_path / "sync", tis_cap=2.0)
+    on = run(tmp_path / "async", rollout=RolloutConfig(mode="async", max_staleness=0, threads=1,
+                                                       reference="sampler"))
+    assert on.ref_model is None
+    a, b = weights(sync), weights(on)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+
+
 # -- the bound, kept by the producer and checked by the consumer ------------------------------------------------------
 
 class Slow:
@@ -282,6 +294,10 @@ def test_the_recipe_refuses_what_asynchronous_rollouts_cannot_honour():
     with pytest.raises(ValidationError, match=r"names 1 devices for 2 workers"):
         RolloutConfig(mode="async", workers=2, devices=("cpu",))
     ReasoningGRPOConfig(algorithm="online_rft", grpo={"rollout": on})  # online RFT samples as GRPO does
+    for bad in ({"rollout": {"reference": "sampler"}}, {"rollout": {**on, "reference": "sampler"}, "beta": 0.0},
+                {"rollout": {**on, "reference": "sampler"}, "lora": {"r": 4}}):
+        with pytest.raises(ValidationError, match=r"rollout.reference sampler .* needs rollout.mode async, beta > 0"):
+            GRPOConfig(**bad)
 
 
 def test_a_worker_device_the_machine_lacks_fails_before_any_worker_starts(tmp_path):

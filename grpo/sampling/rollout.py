@@ -27,6 +27,9 @@ class Rollout(NamedTuple):
     completion_mask: torch.Tensor | None = None  # [N, C] 1 up to and including the end-of-turn token
     logprobs: torch.Tensor | None = None  # [N, C] each sampled token's log-prob under the sampler, 0 on padding
     token_counts: torch.Tensor | None = None  # [N] tokens per completion, as a text-only engine's server counted
+    # [N, C] the KL term's reference log-probs of the completions, where the sampler scored them (an asynchronous
+    # worker with rollout.reference: sampler); None: the trainer scores them
+    ref_logprobs: torch.Tensor | None = None
 
     @property
     def completion_tokens(self) -> torch.Tensor:

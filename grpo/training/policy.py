@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -160,10 +161,11 @@ def scored_logps(acc, model, input_ids: torch.Tensor, attention_mask: torch.Tens
                  temperature: float, *, packed: bool = False, max_tokens: int | None = None) -> torch.Tensor:
     """Log-probs [N, C] of the completions under `model`, without gradients, in micro-batches (`micro_batch_rows`;
     `packed`: each one row without padding). As many passes on every process (`matched_chunks`): a sharded model's
-    forward is a collective."""
+    forward is a collective. `acc` None: a process of its own (a sampler worker), under the caller's autocast."""
     parts = []
-    with torch.no_grad(), acc.autocast():
-        for s, counts in matched_chunks(acc, micro_batch_rows(attention_mask, micro_batch_size, max_tokens)):
+    rows = micro_batch_rows(attention_mask, micro_batch_size, max_tokens)
+    with torch.no_grad(), (acc.autocast() if acc is not None else nullcontext()):  # None: alone, autocast outside
+        for s, counts in (matched_chunks(acc, rows) if acc is not None else [(r, True) for r in rows]):
             logps = token_logps(model, input_ids[s], attention_mask[s], C, temperature, packed=packed)[0]
             if counts:
                 parts.append(logps)

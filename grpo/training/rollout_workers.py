@@ -39,6 +39,7 @@ import queue
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from multiprocessing.connection import Connection
 from typing import Callable, NamedTuple, Sequence
 
@@ -54,6 +55,7 @@ from grpo.sampling.engines import Engine, Rollout, build_engine
 from grpo.training.batches import prompt_order
 from grpo.training.distributed import index_share, sampling_seed
 from grpo.training.lora import causal_lm
+from grpo.training.policy import scored_logps
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,13 @@ class Plan(NamedTuple):
     # whether the trainer samples its policy itself, under the loop's kernels (cpu attention, the compact MLP, the
     # GEMM plan), which the workers then use too; not where it samples a gathered copy (fsdp), which has none
     policy_kernels: bool = True
+    # rollout.reference sampler: the frozen reference each worker scores its groups with (the trainer's copy, in its
+    # dtype), as the trainer would: micro-batches of `micro_batch_size` rows or `max_tokens` tokens, under autocast
+    # to `autocast` (the trainer's mixed precision; None: none)
+    reference: torch.nn.Module | None = None
+    micro_batch_size: int = 8
+    max_tokens: int | None = None
+    autocast: torch.dtype | None = None
 
 
 class SharedWeights:
@@ -166,14 +175,29 @@ def sampler_model(plan: Plan, skeleton: torch.nn.Module, tokenizer, device: str)
     return model, engine
 
 
+def reference_scored(plan: Plan, reference: torch.nn.Module, rollout: Rollout) -> Rollout:
+    """`rollout` with its completions' reference log-probs, scored as the trainer's `build_batch` would."""
+    input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    device = next(reference.parameters()).device
+    with torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else nullcontext():
+        ref = scored_logps(None, reference, input_ids.to(device), attention_mask.to(device),
+                           rollout.completion_ids.size(1), plan.micro_batch_size, plan.sampling.temperature,
+                           packed=plan.packed, max_tokens=plan.max_tokens)
+    return rollout._replace(ref_logprobs=ref.cpu())
+
+
 def sample_steps(index: int, plan: Plan, model: torch.nn.Module, engine: Engine, weights,
                  deliver: Callable[[Unit], None], first: int, workers: int) -> None:
     """Worker `index` of `workers`: its steps from `first` on, in order, each sampled once weights new enough are in
     and handed to `deliver`. `weights` is where pushes land: `newest()` (the newest complete version, -1 before
     any) and `read_into(model)` (that copy into the model; its version)."""
     core = causal_lm(model) if plan.policy_kernels else None
+    reference = None if plan.reference is None else plan.reference.to(next(model.parameters()).device)
     version = -1
-    with (cpu_attention(core), compact_mlp(core), fp32_gemm(core, plan.gemm), attending_packed(core, plan.packed)):
+    with (cpu_attention(core, reference), compact_mlp(core), fp32_gemm(core, plan.gemm),
+          fp32_gemm(reference, plan.gemm), attending_packed(core, plan.packed),
+          attending_packed(reference, plan.packed)):
         for step in worker_steps(index, workers, first, plan.max_steps):
             need = step * plan.num_iterations - plan.max_staleness  # the oldest weights that may sample the step
             t0 = time.perf_counter()
@@ -190,6 +214,8 @@ def sample_steps(index: int, plan: Plan, model: torch.nn.Module, engine: Engine,
             t1 = time.perf_counter()
             rollout = engine.generate([plan.cells[i] for i in idx], plan.num_generations, plan.sampling,
                                       logprobs=True)
+            if reference is not None:
+                rollout = reference_scored(plan, reference, rollout)
             deliver(Unit(step, version, rollout, index, time.perf_counter() - t1, idle))
 
 

@@ -240,7 +240,12 @@ class GRPOTrainer:
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
         ref_logps = None
-        if cfg.beta != 0:
+        if cfg.beta != 0 and rollout.ref_logprobs is not None:  # scored by the worker that sampled it
+            ref_logps = rollout.ref_logprobs.to(self.acc.device)
+        elif cfg.beta != 0:
+            if cfg.rollout.reference == "sampler":
+                raise RuntimeError("rollout.reference sampler: a step's groups came without their reference "
+                                   "log-probs")
             reference = self.ref_model if self.ref_model is not None else self.acc.unwrap_model(self.model)
             with adapters_off(reference):
                 ref_logps = self._scored(reference, input_ids, attention_mask, C)  # [N, C]
@@ -356,6 +361,12 @@ class GRPOTrainer:
                     sampling_dtype(self.acc.mixed_precision), self.gemm, self.packed,
                     process_index=self.acc.process_index, num_processes=self.acc.num_processes,
                     policy_kernels=self.strategy.sampler_model() is self.acc.unwrap_model(self.model))
+        if cfg.rollout.reference == "sampler":  # the workers score the KL term's reference; the trainer keeps none
+            plan = plan._replace(reference=self.ref_model.to("cpu"),  # moved off the trainer's device
+                                 micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_microbatch,
+                                 autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                                     str(self.acc.mixed_precision)))
+            self.ref_model = None
         device = self.acc.device
         timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
         self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
