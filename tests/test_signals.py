@@ -129,9 +129,10 @@ def stage_run(run: R1, stage: str):
 def test_ctrl_c_in_a_terminal_during_training_stops_it_and_the_next_run_resumes(r1, tmp_path):
     from grpo.training.checkpoints import resumable_step
 
-    # fp32: the stop is the point, and the remaining steps then take seconds on any CPU
+    # fp32: the stop is the point. 120 steps: the stop lands within a second of the first checkpoint (step 5), far
+    # from the end on any CPU, and the resumed run's remaining steps are what this test waits for most
     cold = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0},
-            "train": {**TINY_STAGE["train"], "max_steps": 300, "checkpoint_every": 5, "mixed_precision": "no"}}
+            "train": {**TINY_STAGE["train"], "max_steps": 120, "checkpoint_every": 5, "mixed_precision": "no"}}
     recipe = tmp_path / "train.yaml"
     recipe.write_text(yaml.safe_dump({"name": "signals", "cold_start_sft": cold}))
     args = ["run", "--recipe", str(recipe), "--stages", "cold_start_sft"]
