@@ -138,7 +138,11 @@ class RayRolloutWorkers(RolloutWorkers):
         self._books(cfg, plan, tokenizer, first_step, timeout_s, [device] * cfg.workers, cfg.threads or 1)
         connect(cfg.ray_address)
         self.ray = ray
-        self.skeleton = ray.put(copy.deepcopy(model).to("cpu").eval())
+        # the module the actors copy, on the CPU: its parameters copied there one by one (a whole copy on the
+        # trainer's GPU first could not fit beside the trainer's own state at scale)
+        memo = {id(p): torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=False)
+                for p in model.parameters()}
+        self.skeleton = ray.put(copy.deepcopy(model, memo).to("cpu").eval())
         self.gpus = 1 if device.startswith("cuda") else 0
         self.remote = ray.remote(Sampler)
         self.version, self.weights_ref = -1, None
