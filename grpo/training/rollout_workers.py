@@ -19,6 +19,10 @@ The GRPO loop (`grpo.training.loops.grpo_trainer`) with `rollout.mode: async` ta
   never mid-completion: every token of a group is then sampled by one version, and its engine holds no KV cache
   or prefill across calls (the next call prefills under the new weights; `engine.sync_weights` refreshes any
   bf16 copy or captured step). A copy overwritten while a worker read it is read again.
+- **The reference.** With `rollout.reference: sampler` a worker also scores the KL term's reference log-probs of the
+  groups it sampled (`reference_scored`: the trainer's frozen copy, kernels and micro-batches), and the trainer
+  skips that forward pass.
+- **Ray.** `grpo.training.rollout_ray` runs the same `sample_steps` in Ray actors (`rollout.launcher: ray`).
 - **Faults.** Each worker beats a heartbeat every second from a thread. A worker that exits, or whose heartbeat is
   older than `timeout_s` (stopped, hung), is named in one line, killed and replaced by a new one that takes the
   newest weights and samples the steps its predecessor had not delivered; past `max_restarts` the stage fails with
