@@ -26,6 +26,7 @@ from grpo.training.loops.grpo_trainer import GRPOTrainer  # noqa: E402
 from grpo.training.rollout_workers import RolloutError  # noqa: E402
 from ray_local import LocalRayCluster  # noqa: E402
 from test_async_rollout import PROMPTS, SMALL, digits, run, weights  # noqa: E402
+from test_sweep import _alive as alive  # noqa: E402
 from tiny_decoders import one_thread  # noqa: E402,F401  (autouse: one thread, as each actor has)
 
 
@@ -55,14 +56,6 @@ def address(cluster):
 
 def on_ray(address: str, **kw) -> RolloutConfig:
     return RolloutConfig(mode="async", launcher="ray", ray_address=address, threads=1, **kw)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def gone_within(pids: list[int], seconds: float = 10.0) -> bool:
