@@ -42,9 +42,11 @@ F = torch.nn.functional
 KINDS = ("forward", "input_grad", "weight_grad")  # the three GEMMs of a linear layer's forward and backward
 LIBRARIES = ("mkl", "onednn")
 PLAN_FILE = "gemm.json"
-# oneDNN's rate over MKL's that `auto` needs to take oneDNN for a GEMM: 2.4x where MKL runs AVX2 kernels on an
-# AVX-512 CPU; 0.7-1.1x on an AVX2-only or an Intel CPU, where runs of one machine vary by ~10% with its load
-ONEDNN_MARGIN = 1.15
+# oneDNN's rate over MKL's that `auto` needs to take oneDNN for a GEMM: 2.4x where MKL runs AVX2 kernels on a
+# full-width AVX-512 CPU (Zen 5); 0.7-1.15x on an AVX2-only or an Intel CPU; 0.86-1.3x on Zen 4 (half-width
+# AVX-512), GEMM by GEMM. Far from both, so that no run of one machine, quiet or busy, picks another plan than the
+# last (at 1.15 a quiet AVX2 EPYC measured 1.149x, and load tipped its plan and every figure of the demo after it)
+ONEDNN_MARGIN = 1.5
 # the most elements of any operand the measurement makes (16 MiB in fp32): a GEMM larger than that is timed on a cut
 # of it (fewer rows, fewer outputs), whose rate a library reaches on the whole as well. Timing Qwen2.5's
 # 151,936-wide head whole made [tokens, 151936] operands, 2.4 GB more than the step it planned (whose chunked head
@@ -224,14 +226,22 @@ def linear_shapes(model: torch.nn.Module, tokens: int) -> list[tuple[int, int, i
     return sorted({(tokens, m.in_features, m.out_features) for m in model.modules() if _plain_fp32(m)})
 
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm: first calls allocate and pick kernels
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _cpu_seconds(fn) -> float:
+    """The CPU time this thread spent in `fn()`: on one thread, time the machine's other processes took from it
+    (a busy machine's preemptions) is not counted, as wall time would count it."""
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def probe_shape(M: int, K: int, N: int) -> tuple[int, int, int]:
@@ -241,21 +251,35 @@ def probe_shape(M: int, K: int, N: int) -> tuple[int, int, int]:
     return m, K, n
 
 
-def measure(shapes: Sequence[tuple[int, int, int]], reps: int = 3) -> dict[str, float]:
-    """GFLOP/s of each GEMM kind on each library over `shapes`, each cut to `probe_shape` (the best of `reps` runs,
-    summed over the shapes)."""
+def measure(shapes: Sequence[tuple[int, int, int]], reps: int = 5) -> dict[str, float]:
+    """GFLOP/s a core of each GEMM kind on each library over `shapes`, each cut to `probe_shape` (the best of
+    `reps` runs, summed over the shapes).
+
+    Made to give one answer on a quiet machine and a busy one: on one thread, timed in that thread's CPU time (a
+    preemption is not counted), the two libraries in turns (a burst of load hits both). Timed on all threads in
+    wall time, as it once was, one busy 2-core machine measured oneDNN at 0.4x to 5.3x MKL's rate on one shape set
+    from one run to the next. A library faster on one core is the faster on each core of several."""
     seconds = {f"{kind}/{lib}": 0.0 for kind in KINDS for lib in LIBRARIES}
     flops = 0.0
     gen = torch.Generator().manual_seed(0)
-    for M, K, N in sorted({probe_shape(*shape) for shape in shapes}):
-        x, w, g = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen), torch.randn(M, N, generator=gen)
-        runs = {"forward/mkl": lambda: F.linear(x, w), "forward/onednn": lambda: _onednn_linear(x, w, None),
-                "input_grad/mkl": lambda: g @ w, "input_grad/onednn": lambda: _onednn_linear(g, w.t(), None),
-                "weight_grad/mkl": lambda: g.t() @ x, "weight_grad/onednn": lambda: _onednn_linear(g.t(), x.t(), None)}
-        for key, fn in runs.items():
-            seconds[key] += _time(fn, reps)
-        flops += 2.0 * M * K * N
-    return {key: flops / s / 1e9 for key, s in seconds.items()}
+    with _one_thread():
+        for M, K, N in sorted({probe_shape(*shape) for shape in shapes}):
+            x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+            g = torch.randn(M, N, generator=gen)
+            runs = {"forward/mkl": lambda: F.linear(x, w), "forward/onednn": lambda: _onednn_linear(x, w, None),
+                    "input_grad/mkl": lambda: g @ w, "input_grad/onednn": lambda: _onednn_linear(g, w.t(), None),
+                    "weight_grad/mkl": lambda: g.t() @ x,
+                    "weight_grad/onednn": lambda: _onednn_linear(g.t(), x.t(), None)}
+            for fn in runs.values():
+                fn()  # warm: first calls allocate and pick kernels
+            best = {key: float("inf") for key in runs}
+            for _ in range(reps):  # in turns
+                for key, fn in runs.items():
+                    best[key] = min(best[key], _cpu_seconds(fn))
+            for key in runs:
+                seconds[key] += best[key]
+            flops += 2.0 * M * K * N
+    return {key: flops / max(s, 1e-9) / 1e9 for key, s in seconds.items()}
 
 
 def gemm_plan(setting: str, shapes: Sequence[tuple[int, int, int]]) -> GemmPlan:
