@@ -22,8 +22,9 @@ demo: $(CORE)
 OTHER_BF16 := $(shell grep -qwsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo 0 || echo 1)
 
 # Two test files at a time (pytest-xdist; a file's tests stay together, so its module fixtures are made once): the
-# suite's servers, clusters and subprocesses spend much of their time waiting, and two workers fill the 2 cores
-TESTS := -n 2 --dist loadfile
+# suite's servers, clusters and subprocesses spend much of their time waiting, and two workers fill the 2 cores.
+# Files go out in the order tests/conftest.py puts them (the longest first), not xdist's (the most tests first)
+TESTS := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(DEV) browser sandbox
 	$(PY) -m pytest -q $(TESTS) --durations=15

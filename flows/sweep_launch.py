@@ -8,7 +8,8 @@ Both run up to `parallel` points at once, each started once the stages it shares
   starting them twice. Stopping the sweep cancels them.
 - `Processes`: each point a process on this machine running its pipeline as `r1 run` would (flows/cli/point.py),
   on the sweep's Prefect API and MLflow store, its output in `<sweep folder>/points/point-<n>.log`, with an equal
-  share of the machine's cores as its threads (OMP_NUM_THREADS, unless set). Stopping the
+  share of the machine's cores as its threads and a wait policy that does not spin (`grpo.cores`; what the user set
+  in OMP_NUM_THREADS or OMP_WAIT_POLICY wins). Stopping the
   sweep stops them as Ctrl-C stops `r1 run` (they end their runs KILLED); one that has not ended 30 s later is
   killed. They die with the sweep's process.
 """
@@ -16,7 +17,6 @@ Both run up to `parallel` points at once, each started once the stages it shares
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from grpo import cores
 from grpo.interrupts import die_with_parent
 from tasks import sweep as results
 from tasks import tracking
@@ -154,8 +155,12 @@ class Processes:
 
     def __init__(self, recipe: str, sweep_run_id: str, work: Path, parallel: int):
         self.recipe, self.sweep_run_id, self.logs = recipe, sweep_run_id, work / "points"
-        self.threads = str(max(1, (os.cpu_count() or 1) // parallel))  # the machine's cores shared out
+        self.threads = cores.share(parallel)  # the machine's cores shared out
         self.logs.mkdir(parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        """A point process's environment: this one's, with its share of the cores (grpo.cores)."""
+        return {**cores.shared_env(self.threads), "PYTHONUNBUFFERED": "1"}
 
     def running_before(self, point):
         return None  # a point process dies with the sweep that started it
@@ -165,8 +170,7 @@ class Processes:
 
         job = {"recipe": self.recipe, "stages": list(point.stages), "overrides": point.overrides,
                "sweep": results.point_tags(self.sweep_run_id, point)}
-        env = {"OMP_NUM_THREADS": self.threads, "MKL_NUM_THREADS": self.threads,  # unless the user set them
-               **os.environ, "PYTHONUNBUFFERED": "1"}
+        env = self.env()
         api = get_current_settings().api.url  # this sweep's API (a server, or the one `r1` started for itself)
         if api:
             env["PREFECT_API_URL"] = str(api)

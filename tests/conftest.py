@@ -23,6 +23,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["HF_DATASETS_CACHE"] = str(_HOME / "hf-datasets")  # what load_dataset builds from local folders
 
+# Threads that fit the cores (grpo.cores): `make test` runs two workers (pytest-xdist) on a machine of a few cores,
+# and each starts servers, clusters and training processes of its own. Every worker and every process it starts
+# gets its share of the cores and OpenMP waits that do not spin, unless the one running the tests set them: spinning
+# threads beside each other made steps 10-25x slower on a busy 2-core machine. Set here, before torch loads OpenMP
+# (it reads the wait policy once). A test that compares runs to the bit pins its own threads (one_thread_everywhere).
+from grpo.cores import share, thread_env  # noqa: E402  (plain Python: imports no torch)
+
+os.environ.update(thread_env(share(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
 # Prefect binds its console log handler to the sys.stderr of the moment it is first imported; import it now,
 # under the session's capture, not inside a test whose captured stream is closed when that test ends.
 import prefect.main  # noqa: E402,F401  (runs setup_logging)
@@ -30,8 +39,9 @@ import prefect.main  # noqa: E402,F401  (runs setup_logging)
 
 # `make test` runs two files at a time (pytest-xdist, `--dist loadfile`: a file's tests stay in one worker, so its
 # module fixtures, a Ray cluster or two-process runs, are made once). A worker takes the next file when it is free,
-# in the order collected: these, the files that take a minute or more (measured with --durations), come first, so
-# the two workers end together instead of one running the longest file alone at the end.
+# in the order collected (`--no-loadscope-reorder`: xdist would otherwise order files by their number of tests):
+# these, the files that take a minute or more (measured with --durations), come first, so the two workers end
+# together instead of one running the longest file alone at the end.
 LONGEST_FIRST = ["test_pipeline_resume", "test_placement", "test_signals", "test_fsdp", "test_stage_retry",
                  "test_ray_training", "test_distributed", "test_disk_full", "test_deployments", "test_flows",
                  "test_tracking_outage", "test_ray_rejection", "test_ui", "test_stack"]

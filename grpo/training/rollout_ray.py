@@ -165,6 +165,7 @@ class RayRolloutWorkers(RolloutWorkers):
     def _start(self, w: int, first: int) -> None:
         # SPREAD: the workers apart, on as many nodes as have room, and never inside the placement group of a Ray
         # Train worker that starts them (which would capture them, and has no room for them)
+        # num_cpus is also the actor's threads: Ray sets OMP_NUM_THREADS to it, so actors share a node's cores
         handle = self.remote.options(num_cpus=self.threads, num_gpus=self.gpus, max_restarts=0,
                                      scheduling_strategy="SPREAD").remote(w, self.plan, self.skeleton, self.tokenizer,
                                                        "cuda" if self.gpus else "cpu", self.threads, first,

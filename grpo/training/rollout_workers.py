@@ -49,6 +49,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from grpo import cores
 from grpo.config import GenerationConfig, SamplingConfig
 from grpo.interrupts import die_with_parent
 from grpo.kernels.attention import attending_packed, cpu_attention
@@ -113,6 +114,12 @@ class Plan(NamedTuple):
     micro_batch_size: int = 8
     max_tokens: int | None = None
     autocast: torch.dtype | None = None
+    # the names of the parameters that require grad in the model the trainer samples (None: the copy's flags as the
+    # skeleton has them): a worker's copy gets the same flags, since torch picks kernels by them. `matmul` folds a
+    # batched product into one GEMM where an operand requires grad and runs it batch by batch where none does, and
+    # the two round apart (on an AVX-512 CPU): the prefill's output head, fed the last position of each prompt
+    # ([u, 1, H], a strided slice), gives the sampler's log-probs another last bit in a copy without the flags
+    grad_params: frozenset[str] | None = None
 
 
 class SharedWeights:
@@ -152,11 +159,6 @@ class SharedWeights:
                 return version
 
 
-def cpu_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def worker_steps(worker: int, workers: int, first: int, max_steps: int) -> range:
     """The steps worker `worker` of `workers` samples from step `first` on."""
     return range(first + (worker - first) % workers, max_steps, workers)
@@ -173,6 +175,9 @@ def _heartbeat(beats, index: int, parent: int, stop: threading.Event) -> None:
 def sampler_model(plan: Plan, skeleton: torch.nn.Module, tokenizer, device: str) -> tuple[torch.nn.Module, Engine]:
     """A sampler's own copy of the policy on `device` (a push never changes it mid-step) and its engine."""
     model = copy.deepcopy(skeleton).to(device).eval()
+    if plan.grad_params is not None:  # the trainer's flags, so the same kernels run (`Plan.grad_params`)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in plan.grad_params)
     engine = build_engine(plan.generation, model, tokenizer, dtype=plan.dtype, who="a rollout worker")
     if plan.engine_wrapper is not None:
         engine = plan.engine_wrapper(engine)
@@ -265,7 +270,7 @@ class RolloutWorkers:
                  timeout_s: float, devices: Sequence[str], trainers_here: int = 1):
         # the host's cores split between its trainer processes and each one's workers
         self._books(cfg, plan, tokenizer, first_step, timeout_s, devices,
-                    cfg.threads or max(1, cpu_cores() // (trainers_here * (cfg.workers + 1))))
+                    cfg.threads or cores.share(trainers_here * (cfg.workers + 1)))
         self.ctx = mp.get_context("spawn")
         self.shared = SharedWeights(model, self.ctx)
         # the module the workers copy: the model's structure on the CPU, its parameters the first shared copy's
@@ -306,7 +311,8 @@ class RolloutWorkers:
         p = self.ctx.Process(target=_worker_main, name=f"r1-rollout-{self.plan.process_index}-{w}", daemon=True,
                              args=(w, w, self.plan, self.skeleton, self.tokenizer, self.shared, self.beats, writer,
                                    first, self.cfg.workers, self.devices[w], self.threads, os.getpid()))
-        p.start()
+        with cores.children_share(self.threads):  # its wait policy too, read when its OpenMP loads
+            p.start()
         writer.close()
         self.workers[w] = _Worker(w, p, reader)
 

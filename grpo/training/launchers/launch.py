@@ -28,6 +28,7 @@ from typing import Callable
 
 import pandas as pd
 
+from grpo import cores
 from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
 
 # what a multi-machine job tells each of its machines (README: "Training across processes and machines")
@@ -188,8 +189,10 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
 
 
 def launch_env(cfg: DistributedConfig) -> dict[str, str]:
-    """The environment of an `accelerate launch` of the job (on any of its machines)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+    """The environment of an `accelerate launch` of the job (on any of its machines): each of this machine's
+    processes a share of its cores and a wait policy that does not spin (grpo.cores; accelerate passes
+    OMP_NUM_THREADS on to them)."""
+    return {**cores.shared_env(cores.share(num_processes(cfg))), "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
             "MASTER_ADDR": machine(cfg)[1], COLLECTIVE_TIMEOUT: str(cfg.collective_timeout_s),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # a timed-out NCCL collective raises instead of hanging
 

@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo import cores
 from grpo.checks import check_fsdp_settings
 from grpo.config import GenerationConfig, GRPOConfig
 from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
@@ -54,7 +55,7 @@ from grpo.training.policy import (check_prompts, check_token_budget, checkpointi
                                   prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
                                   samples_table, save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
-from grpo.training.rollout_workers import Plan, RolloutWorkers, cpu_cores
+from grpo.training.rollout_workers import Plan, RolloutWorkers
 from grpo.training.strategy import make_strategy
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
@@ -337,7 +338,7 @@ class GRPOTrainer:
         if cfg.rollout.asynchronous:  # before the loop's patches: each worker makes the same ones to its copy
             self.rollouts = self._start_workers(start)
             if self.rollouts.local and all(d == "cpu" for d in self.rollouts.devices):  # the cores the workers leave
-                here = cpu_cores() // local_processes(self.acc)
+                here = cores.cpu_cores() // local_processes(self.acc)
                 torch.set_num_threads(min(threads, max(1, here - cfg.rollout.workers * self.rollouts.threads)))
         try:
             with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
@@ -360,7 +361,9 @@ class GRPOTrainer:
                     cfg.num_iterations, cfg.rollout.max_staleness, cfg.max_steps,
                     sampling_dtype(self.acc.mixed_precision), self.gemm, self.packed,
                     process_index=self.acc.process_index, num_processes=self.acc.num_processes,
-                    policy_kernels=self.strategy.sampler_model() is self.acc.unwrap_model(self.model))
+                    policy_kernels=self.strategy.sampler_model() is self.acc.unwrap_model(self.model),
+                    grad_params=frozenset(n for n, p in self.strategy.sampler_model().named_parameters()
+                                          if p.requires_grad))
         if cfg.rollout.reference == "sampler":  # the workers score the KL term's reference; the trainer keeps none
             plan = plan._replace(reference=self.ref_model.to("cpu"),  # moved off the trainer's device
                                  micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_microbatch,
