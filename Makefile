@@ -67,25 +67,26 @@ lock:
 	touch $(CORE) $(DEV)
 	$(MAKE) test
 
-# tests/test_ui.py drives the Prefect and MLflow UIs in Debian's Chromium: installed where we may (root with
+# tests/e2e/test_ui.py drives the Prefect and MLflow UIs in Debian's Chromium: installed where we may (root with
 # apt-get, as in CI), else the test is skipped saying how to get it. A failed install stops CI here (CI set),
 # where the test would fail anyway; elsewhere it only warns.
 browser:
 	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
 		:; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing Chromium and its driver for tests/test_ui.py (apt-get)"; \
+		echo "installing Chromium and its driver for tests/e2e/test_ui.py (apt-get)"; \
 		export DEBIAN_FRONTEND=noninteractive; \
 		{ apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || { \
-			echo "could not install chromium chromium-driver: tests/test_ui.py cannot run"; [ -z "$$CI" ]; }; \
+			echo "could not install chromium chromium-driver: tests/e2e/test_ui.py cannot run"; [ -z "$$CI" ]; }; \
 	else \
-		echo "tests/test_ui.py needs Chromium and its driver, skipped without them:" \
+		echo "tests/e2e/test_ui.py needs Chromium and its driver, skipped without them:" \
 			"apt-get install -y chromium chromium-driver"; \
 	fi
 
 # The code reward runs programs only inside bubblewrap (Debian's bubblewrap package), and its tests
-# (tests/test_code_sandbox.py, tests/test_code_reward.py) need it: installed where we may, as for Chromium; else
-# those tests are skipped saying how to get it, or fail in CI. The demo's recipe has no code reward: `demo` skips it.
+# (tests/grpo/rewards/test_sandbox.py, tests/grpo/rewards/test_code_reward.py) need it: installed where we may, as for
+# Chromium; else those tests are skipped saying how to get it, or fail in CI. The demo's recipe has no code reward:
+# `demo` skips it.
 sandbox:
 	@if command -v bwrap >/dev/null 2>&1; then \
 		:; \

@@ -1,10 +1,10 @@
 """Rejection sampling's shards on a Ray cluster: samples/s with 1 and with 2 Ray worker processes.
 
-Starts a real Ray cluster on 127.0.0.1 (tests/ray_local.py: one node per worker, 1 CPU each), an MLflow server and a
-temporary Prefect API, logs a tiny checkpoint (tests/answering.py), and runs the real rejection-sampling stage flow
-with its shards on the cluster, into a fresh shard store each time. An unquoted one-shard run first warms the page
-cache, compiled code and servers; then each round runs the stage once on a fresh cluster of each size, the sizes
-taking turns to go first, and the round's ratio is 2 workers' samples/s over 1 worker's. The median of the rounds'
+Starts a real Ray cluster on 127.0.0.1 (tests/helpers/ray_local.py: one node per worker, 1 CPU each), an MLflow server
+and a temporary Prefect API, logs a tiny checkpoint (tests/helpers/answering.py), and runs the real rejection-sampling
+stage flow with its shards on the cluster, into a fresh shard store each time. An unquoted one-shard run first warms
+the page cache, compiled code and servers; then each round runs the stage once on a fresh cluster of each size, the
+sizes taking turns to go first, and the round's ratio is 2 workers' samples/s over 1 worker's. The median of the rounds'
 ratios is quoted, with their range: the machine's speed drifts between runs, and a ratio of two runs made minutes
 apart is less exposed to it than a ratio of two medians taken over the whole benchmark. Each round also runs the
 probe: the same shard work in plain processes (no Ray, Prefect or MLflow: load the checkpoint, sample shards), 1
@@ -33,7 +33,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.pop("RAY_ADDRESS", None)
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -36,6 +36,10 @@ os.environ.update(thread_env(share(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT
 # under the session's capture, not inside a test whose captured stream is closed when that test ends.
 import prefect.main  # noqa: E402,F401  (runs setup_logging)
 
+# tests/helpers is on sys.path (pyproject.toml's pythonpath): what the test files share; no test file imports another
+from gsm8k_data import GSM8K_README, gsm8k_rows  # noqa: E402
+from tiny_configs import LOGGED_TINY  # noqa: E402
+
 
 # `make test` runs two files at a time (pytest-xdist, `--dist loadfile`: a file's tests stay in one worker, so its
 # module fixtures, a Ray cluster or two-process runs, are made once). A worker takes the next file when it is free,
@@ -103,10 +107,36 @@ def one_thread_everywhere(monkeypatch):
 
 @pytest.fixture(scope="session")
 def answering_checkpoint(tmp_path_factory) -> str:
-    """A tiny model trained to answer `<answer>1</answer>` (tests/answering.py), shared by the rejection tests."""
+    """A tiny model trained to answer `<answer>1</answer>` (tests/helpers/answering.py), shared by the rejection
+    tests."""
     from answering import train_answering_checkpoint
 
     return train_answering_checkpoint(tmp_path_factory.mktemp("answering"))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> str:
+    """48 prompts in a JSON-lines file, a third of them answered 2 and the rest 1 (the answering checkpoint's answer):
+    what the rejection-sampling stage reads in the tests that run it (runs.stage_config)."""
+    import pandas as pd
+
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = pd.DataFrame({"prompt": [f"Problem {i}: what is it?" for i in range(48)],
+                         "answer": ["1" if i % 3 else "2" for i in range(48)]})
+    rows.to_json(path, orient="records", lines=True)
+    return str(path)
+
+
+@pytest.fixture
+def one_thread():
+    """One thread in this process for the test: a fixed reduction order, for comparisons at 1e-5 of the values
+    compared or token for token. The files that compare so name it for all their tests (`pytestmark`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -114,35 +144,6 @@ def mlflow_client():
     from tasks import tracking
 
     return tracking.client()
-
-
-def gsm8k_rows(n: int, start: int = 0) -> list[dict]:
-    """Rows in GSM8K's own format: `question`, and `answer` a worked solution with calculator notes whose last
-    line is `#### <number>` (thousands written with commas)."""
-    rows = []
-    for i in range(start, start + n):
-        cows, bought, months = 3 + i, 2 + i % 5, 200 + 7 * i
-        new = bought * months
-        total = cows + new
-        rows.append({
-            "question": f"A farm has {cows} cows. It buys {bought} cows a month for {months} months. "
-                        f"How many cows does it have then?",
-            "answer": f"It buys {bought}*{months} = <<{bought}*{months}={new}>>{new} cows.\n"
-                      f"It has {cows}+{new} = <<{cows}+{new}={total}>>{total} cows.\n#### {total:,}",
-        })
-    return rows
-
-
-GSM8K_README = """---
-configs:
-- config_name: main
-  data_files:
-  - split: train
-    path: main/train-*
-  - split: test
-    path: main/test-*
----
-"""
 
 
 @pytest.fixture(scope="session")
@@ -192,7 +193,3 @@ def logged_checkpoint(prefect_harness, tmp_path_factory) -> str:
     uri = tracking.log_dir(run_id, folder, "checkpoint")
     tracking.end_run(run_id)
     return uri
-
-
-LOGGED_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-               "num_key_value_heads": 1}  # the model `logged_checkpoint` holds

@@ -8,14 +8,13 @@ import warnings
 import pandas as pd
 import torch
 
-from grpo.config import EvalConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import EvalConfig, SamplingConfig
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.backend import TransformersBackend
 from grpo.training.logprobs import token_logps
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 ROWS = pd.DataFrame({"prompt": [f"What is {i} + 1?" for i in range(4)], "answer": [str(i + 1) for i in range(4)]})
 
 

@@ -8,7 +8,7 @@ the machine, so it is measured, not assumed: `gemm_plan` times both libraries on
 the three GEMMs of a linear layer (the forward `x W^T`, the input gradient `g W` and the weight gradient `g^T x`),
 and keeps the faster of each. `fp32_gemm(model, plan)` then runs the model's plain fp32 linear layers through it.
 Both libraries compute in fp32 and round as fp32 does (errors against fp64 of the same size): the choice moves
-results by rounding only, which tests/test_gemm.py holds.
+results by rounding only, which tests/grpo/kernels/test_gemm.py holds.
 
 The oneDNN op is private. `onednn_problem()` checks it, at first use, on a small product against `F.linear`: a torch
 whose op is missing or changed falls back to MKL with the reason said (under `auto`), or fails (`onednn` forced),

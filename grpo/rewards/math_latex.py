@@ -19,7 +19,7 @@ from grpo.rewards.answers import LATEX_COMMAND_RE, strip_answer_wrapping
 #   DIFFERENT (see _clearly_different for why that implies math-verify's False);
 # * exactly, as a canonical sum of terms (_Exact), to prove them EQUAL (see
 #   fast_verdict for why that implies math-verify's True).
-# tests/test_rewards.py checks both readings against math-verify's own parse and
+# tests/grpo/rewards/test_rewards.py checks both readings against math-verify's own parse and
 # verdicts on a sample of the grammar.
 _LATEX_TOKEN_RE = re.compile(r"\s*(?:(\d+(?:\.\d+)?)|\\([A-Za-z]+)|([A-Za-z])|([-+*/^(){}\[\]]))")
 # Not e, i (constants), f (function), nor any letter math-verify strips as a

@@ -21,7 +21,7 @@ Beside it, the alignment stage registers the final model in MLflow's registry (`
 `mlflow.transformers.log_model`, task llm/v1/chat), so `mlflow models serve -m models:/<name>@champion
 --env-manager local` serves it too: MLflow's generic pyfunc scoring server, POST /invocations, one request at a
 time through the logged model, for MLflow's deployment tooling (its Docker images, SageMaker, Azure ML) and for
-checking what was registered (tests/test_promotion.py). `r1 serve` is the one to generate with: the OpenAI API
+checking what was registered (tests/tasks/test_promotion.py). `r1 serve` is the one to generate with: the OpenAI API
 that the judge, the HTTP backend and other clients speak, batched across requests, streamed, with stop strings.
 
 FastAPI and uvicorn; must not depend on Prefect or MLflow.

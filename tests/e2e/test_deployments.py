@@ -1,8 +1,9 @@
 """deployments/prefect.yaml against a real `prefect server` and a real `mlflow server`, both started here.
 
-A Prefect server (its own PREFECT_HOME and SQLite in a temp folder; the session's, see conftest.py) gets both work
-pools and `prefect deploy --all`; a process worker then runs the cold-start stage's deployment, which logs to an MLflow server (SQLite + a local
-artifact folder). The Kubernetes GPU template is rendered by Prefect's own job-configuration code.
+A Prefect server (its own PREFECT_HOME and SQLite in a temp folder; the session's, see tests/conftest.py) gets both
+work pools and `prefect deploy --all`; a process worker then runs the cold-start stage's deployment, which logs to an
+MLflow server (SQLite + a local artifact folder). The Kubernetes GPU template is rendered by Prefect's own
+job-configuration code.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.cli import stack
-from test_flows import TINY_ALIGN, TINY_STAGE
+from tiny_configs import TINY_ALIGN, TINY_STAGE
 
 EXPECTED = {("r1_pipeline", "local"), ("cold_start_sft", "r1-process"), ("reasoning_grpo", "r1-process"),
             ("rejection_sampling", "r1-process"), ("sft", "r1-process"), ("alignment_grpo", "r1-process"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -21,27 +20,18 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
-from grpo.faults import Fault, free_bytes, size_text
+from disks import fill, mount_tmpfs
+from grpo.config import SFTConfig
+from grpo.faults import Fault, size_text
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import latest_checkpoint, save_checkpoint, verify_manifest
 from grpo.training.loops.sft_trainer import train_sft
-from test_signals import r1  # noqa: F401  (the fixture: a real `r1` on a home of its own)
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 ROWS = pd.DataFrame({"prompt": [f"What is {i} + 1?" for i in range(16)],
                      "response": [f"<think>{i} + 1 = {i + 1}.</think><answer>{i + 1}</answer>" for i in range(16)]})
 SFT = SFTConfig(max_steps=6, batch_size=4, learning_rate=3e-3, warmup_steps=1, log_every=1, checkpoint_every=2,
                 mixed_precision="no")
-
-
-def mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
 
 
 @pytest.fixture
@@ -52,19 +42,6 @@ def small_disk(tmp_path):
         pytest.skip("mounting a tmpfs needs root: the file size limit test below makes the fault instead")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
-def fill(disk: Path, leave: int) -> Path:
-    """Another job's file, taking all of the disk's free space but `leave` bytes."""
-    filler = disk / f"other-job-{uuid.uuid4().hex}"
-    with open(filler, "wb", buffering=0) as f:
-        while (room := free_bytes(disk) - leave) > 0:
-            try:
-                f.write(b"\0" * min(room, 1 << 20))
-            except OSError:  # a run writing to the disk meanwhile took the rest: give `leave` back
-                f.truncate(max(os.fstat(f.fileno()).st_size - leave, 0))
-                break
-    return filler
 
 
 def test_no_room_for_the_next_checkpoint_is_one_line_and_the_same_loop_resumes_once_there_is(small_disk, tmp_path):
@@ -162,8 +139,8 @@ def test_a_stage_on_a_full_disk_ends_failed_with_one_line_and_the_same_command_r
     """`r1 run` with its work folders on a small disk of their own (MLflow and Prefect beside them on the big one),
     filled by another job once the stage has written its first checkpoint."""
     from grpo.training.checkpoints import resumable_step
-    from test_flows import TINY_STAGE
-    from test_signals import stage_run
+    from runs import stage_run
+    from tiny_configs import TINY_STAGE
 
     work = tmp_path / "home" / "work"
     if not mount_tmpfs(work, "160m"):  # room for a stage to start (grpo.faults.MIN_FREE)
@@ -218,8 +195,9 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ReasoningGRPOConfig
     from grpo.training.checkpoints import resumable_step
-    from test_flows import TINY_GRPO, TINY_STAGE
-    from test_signals import R1, frozen_code, stage_run
+    from processes import R1, frozen_code
+    from runs import stage_run
+    from tiny_configs import TINY_GRPO, TINY_STAGE
 
     import resource
 
@@ -234,7 +212,7 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
     try:
         # fp32 on MKL's GEMMs, as the resume tests pin: the resumed and the reference run must round alike
         # a cold start that writes the format about half the time, so GRPO's groups differ and it has something to
-        # learn (as in tests/test_pipeline_resume.py)
+        # learn (as in tests/e2e/test_pipeline_resume.py)
         cold = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0},
                 "train": {**TINY_STAGE["train"], "seed": 46, "max_steps": 100, "learning_rate": 1e-2,
                           "warmup_steps": 0, "fp32_gemm": "mkl"}}

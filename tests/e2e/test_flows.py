@@ -8,48 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.recipe import ColdStartSFTConfig, RecipeError, apply_overrides, load_recipe
 from grpo.training.precision import resolve
-
-TINY_STAGE = {
-    "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                       "num_attention_heads": 2, "num_key_value_heads": 1}},
-    "data": {"num_train": 64, "num_heldout": 8},
-    # fp32 wherever these sections are used: the tests that are about `auto` say so and are marked `precision`
-    "train": {"max_steps": 4, "batch_size": 8, "log_every": 2, "checkpoint_every": 0, "mixed_precision": "no"},
-    "eval": {"num_prompts": 8, "num_samples": 2, "max_new_tokens": 24, "num_logged_samples": 4},
-}
-
-
-TINY_GRPO = {
-    "model": TINY_STAGE["model"],
-    "data": {"num_train": 32, "num_heldout": 8},
-    "grpo": {"max_steps": 2, "prompts_per_step": 2, "num_generations": 4, "sampling": {"max_new_tokens": 16},
-             "samples_every": 1, "checkpoint_every": 0, "mixed_precision": "no"},
-    "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 4},
-}
-
-
-TINY_RS = {
-    "model": TINY_STAGE["model"],
-    "data": {"num_train": 16, "num_heldout": 8},
-    "rejection": {"samples_per_prompt": 2, "sampling": {"max_new_tokens": 24}, "target_samples": 24,
-                  "non_reasoning_rows": 6, "shard_size": 8},
-}
-
-TINY_SFT = {k: TINY_STAGE[k] for k in ("model", "train", "eval")}
-
-TINY_ALIGN = {
-    "model": TINY_STAGE["model"],
-    "data": {"num_train": 16, "num_heldout": 8},
-    "general_prompts": 8,
-    "preferences": {"num_train": 32, "num_heldout": 16},
-    "reward_model": {"model": TINY_STAGE["model"], "max_steps": 3, "batch_size": 8, "mixed_precision": "no"},
-    "grpo": {**TINY_GRPO["grpo"], "rewards": {"accuracy": 1.0, "format": 0.5, "reward_model": 1.0}},
-    "eval": TINY_GRPO["eval"],
-    "registered_model": "r1-test",
-}
-
-ALL_STAGES = {"name": "test", "cold_start_sft": TINY_STAGE, "reasoning_grpo": TINY_GRPO, "rejection_sampling": TINY_RS,
-              "sft": TINY_SFT, "alignment_grpo": TINY_ALIGN}
+from tiny_configs import ALL_STAGES, TINY_GRPO, TINY_STAGE
 
 
 @pytest.fixture
@@ -125,7 +84,7 @@ def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, 
 
 def test_gsm8k_rows_run_through_reasoning_grpo_by_naming_columns_and_format(cold_start, mlflow_client, gsm8k_copy,
                                                                             tmp_path):
-    from conftest import gsm8k_rows
+    from gsm8k_data import gsm8k_rows
     from flows.r1_pipeline import r1_pipeline
     from tasks.data import read_frame
     from tasks.tracking import download

@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model_folder(out: Path) -> Path:

@@ -16,8 +16,7 @@ import yaml
 from mlflow import MlflowClient
 
 from tasks.home import reroot
-from test_flows import ALL_STAGES
-from test_signals import r1  # noqa: F401  (the fixture: a real `r1` on a home of its own)
+from tiny_configs import ALL_STAGES
 
 
 def embedded_home(home: Path) -> tuple[str, str]:
@@ -96,10 +95,10 @@ def test_a_finished_pipelines_home_moved_elsewhere_feeds_the_next_stages(r1, tmp
     moved.parent.mkdir()
     old.rename(moved)
     assert not old.exists()
-    import test_signals
+    from processes import R1
 
-    later = test_signals.R1(moved, ["run", "--recipe", str(recipe), "--stages", "sft,alignment_grpo",
-                                    "--from-run", pipeline.info.run_id])
+    later = R1(moved, ["run", "--recipe", str(recipe), "--stages", "sft,alignment_grpo",
+                       "--from-run", pipeline.info.run_id])
     try:
         assert later.proc.wait(600) == 0, later.output()[-3000:]
     finally:

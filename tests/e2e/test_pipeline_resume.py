@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from test_flows import TINY_GRPO, TINY_RS, TINY_STAGE
+from processes import ROOT, kill_group, r1_run, wait_for
+from runs import children, weights
+from tiny_configs import TINY_GRPO, TINY_RS, TINY_STAGE
 
-ROOT = Path(__file__).resolve().parents[1]
 # no held-out split (no evaluation) and seeds of their own, so no other test's stage is reused here
 COLD = {**TINY_STAGE, "data": {"num_train": 64, "num_heldout": 0}, "train": {**TINY_STAGE["train"], "seed": 11}}
 GRPO = {**TINY_GRPO, "data": {"num_train": 32, "num_heldout": 0}, "grpo": {**TINY_GRPO["grpo"], "seed": 11}}
@@ -33,19 +33,6 @@ def write_recipe(path: Path, name: str, **sections) -> Path:
     path.write_text(yaml.safe_dump({"name": name, "cold_start_sft": COLD, "reasoning_grpo": GRPO,
                                     "rejection_sampling": RS, **sections}))
     return path
-
-
-def children(client, parent_run_id: str) -> dict:
-    """A pipeline run's stage runs by stage (the newest where a stage has two)."""
-    runs = client.search_runs([client.get_run(parent_run_id).info.experiment_id],
-                              f"tags.`mlflow.parentRunId` = '{parent_run_id}'", order_by=["attributes.start_time ASC"])
-    return {r.data.tags["stage"]: r for r in runs}
-
-
-def weights(checkpoint_uri: str, dst: Path) -> dict[str, torch.Tensor]:
-    from tasks.tracking import download
-
-    return load_file(download(checkpoint_uri, dst) / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -167,37 +154,6 @@ def test_runs_a_dead_process_left_running_are_marked_failed_at_the_next_start(fi
             tracking.end_run(run, "FINISHED")
 
 
-def _r1_run(recipe: Path, *args: str) -> subprocess.Popen:
-    """`r1 run` in a process of its own (and process group, as a terminal starts it) on the same home and the same
-    Prefect API as the tests (a server, so the process starts no temporary one of its own)."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT),
-           "R1_DURABLE_EVERY_S": "0.05"}  # checkpoints copied as soon as they are written: a kill can follow one
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", str(recipe), *args], cwd=ROOT,
-                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def _wait_for(what, check, proc: subprocess.Popen, timeout: float = 240, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        if proc.poll() is not None:
-            raise AssertionError(f"r1 run ended ({proc.returncode}) before {what}:\n{proc.stdout.read().decode()[-3000:]}")
-        time.sleep(every)
-    proc.kill()
-    raise AssertionError(f"no {what} within {timeout} s")
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 @pytest.mark.precision  # GRPO under `auto`: resumed and uninterrupted must agree in either precision
 def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_ends_as_an_uninterrupted_one(
         prefect_harness, mlflow_client, tmp_path, request, one_thread_everywhere):
@@ -214,13 +170,13 @@ def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_end
     # The fp32 GEMMs are pinned to MKL: the killed run (its own process) and the uninterrupted one (this process)
     # would each time MKL against oneDNN under `auto`, and on an AVX2 CPU, where the two are about even, a busy
     # machine now and then tips one of them to the other library, whose rounding differs (the resumed run keeps
-    # the killed run's plan, which is held in tests/test_gemm.py)
+    # the killed run's plan, which is held in tests/grpo/kernels/test_gemm.py)
     grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 12, "checkpoint_every": 2, "seed": 12,
                              "sampling": {"max_new_tokens": 48}, "mixed_precision": "auto", "fp32_gemm": "mkl"}}
     cold = {**COLD, "train": {**COLD["train"], "seed": 12, "max_steps": 100, "learning_rate": 1e-2,
                               "warmup_steps": 0, "mixed_precision": "no"}}
     recipe = write_recipe(tmp_path / "killed.yaml", "resume-killed", cold_start_sft=cold, reasoning_grpo=grpo)
-    proc = _r1_run(recipe, "--stages", "cold_start_sft,reasoning_grpo")
+    proc = r1_run(recipe, "--stages", "cold_start_sft,reasoning_grpo")
 
     def grpo_work_dir():
         runs = tracking.find_runs("tags.stage = 'reasoning_grpo' and attributes.status = 'RUNNING'")
@@ -234,12 +190,12 @@ def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_end
         return found[1] if found else None
 
     try:
-        work = _wait_for("a reasoning_grpo run", grpo_work_dir, proc)
-        _wait_for("a durable GRPO checkpoint", durable_step, proc, every=0.02)
+        work = wait_for("a reasoning_grpo run", grpo_work_dir, proc)
+        wait_for("a durable GRPO checkpoint", durable_step, proc, every=0.02)
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # kill -9 <pid>: the process only, whatever it started lives on
         proc.wait()
-    request.addfinalizer(lambda: _kill_group(proc.pid))  # (its reward workers, say, once the test is done)
+    request.addfinalizer(lambda: kill_group(proc.pid))  # (its reward workers, say, once the test is done)
     step = durable_step()
     assert 2 <= step < 12
     [killed] = tracking.find_runs("tags.recipe = 'resume-killed'")

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from test_flows import TINY_SFT, TINY_STAGE
+from tiny_configs import TINY_SFT, TINY_STAGE
 
 
 def write_recipe(path, name: str, sft_model: str | None) -> None:

@@ -24,9 +24,9 @@ import yaml
 
 from flows.cli import stack
 from ray_local import mount_namespace_prefix
-from test_flows import ALL_STAGES
+from tiny_configs import ALL_STAGES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POOLS = {"cold_start_sft": "r1-test-a", "reasoning_grpo": "r1-test-b", "rejection_sampling": "r1-test-a",
          "sft": "r1-test-b", "alignment_grpo": "r1-test-a"}
 PARENT_POOL = "r1-test-parent"

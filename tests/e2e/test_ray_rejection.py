@@ -24,7 +24,7 @@ from flows.cli import stack  # noqa: E402
 from grpo.recipe import RejectionSamplingConfig
 from ray_local import LocalRayCluster  # noqa: E402
 from answering import SMALL  # noqa: E402
-from test_rejection_stage import curated  # noqa: E402
+from runs import curated  # noqa: E402
 
 N_PROMPTS, SHARD_SIZE = 16, 4  # four shards
 

@@ -25,8 +25,8 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.pop("RAY_ADDRESS", None)
 
 from ray_local import LocalRayCluster  # noqa: E402
-from test_flows import TINY_GRPO, TINY_STAGE  # noqa: E402
-from test_pipeline_resume import weights  # noqa: E402
+from runs import weights  # noqa: E402
+from tiny_configs import TINY_GRPO, TINY_STAGE  # noqa: E402
 
 
 @pytest.fixture(scope="module")

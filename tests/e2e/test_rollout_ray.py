@@ -24,10 +24,12 @@ from grpo.models import load_model_and_tokenizer  # noqa: E402
 from grpo.rollout_config import RolloutConfig  # noqa: E402
 from grpo.training.loops.grpo_trainer import GRPOTrainer  # noqa: E402
 from grpo.training.rollout_workers import RolloutError  # noqa: E402
+from processes import alive  # noqa: E402
 from ray_local import LocalRayCluster  # noqa: E402
-from test_async_rollout import PROMPTS, SMALL, digits, run, weights  # noqa: E402
-from test_sweep import _alive as alive  # noqa: E402
-from tiny_decoders import one_thread  # noqa: E402,F401  (autouse: one thread, as each actor has)
+from rollout_runs import PROMPTS, digits, run, weights  # noqa: E402
+from tiny_configs import SMALL  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread, as each actor has (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,7 @@ def test_a_stage_on_ray_train_workers_samples_on_ray_actors(prefect_harness, mlf
     from flows.cold_start_sft import cold_start_sft
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
-    from test_flows import TINY_GRPO, TINY_STAGE
+    from tiny_configs import TINY_GRPO, TINY_STAGE
 
     cold = cold_start_sft(ColdStartSFTConfig.model_validate({**TINY_STAGE, "data": {"num_train": 16,
                                                                                     "num_heldout": 0}}))

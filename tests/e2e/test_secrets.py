@@ -21,9 +21,9 @@ import yaml
 
 from grpo.config import ModelConfig
 from grpo.models import load_model_and_tokenizer
-from test_rejection_stage import prompts_file, stage_config  # noqa: F401  (a fixture; the checkpoint: conftest)
+from runs import stage_config  # the fixtures (prompts_file, answering_checkpoint): conftest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY_ENV = "R1_TEST_JUDGE_KEY"
 
 
@@ -40,7 +40,7 @@ async def _prefect_record(flow_run_id: str) -> tuple[dict, list[str], list[str]]
     return flow_run.parameters, [log.message for log in logs], [str(a.data) for a in artifacts]
 
 
-def test_the_judge_key_appears_nowhere(prefect_harness, answering_checkpoint, prompts_file,  # noqa: F811
+def test_the_judge_key_appears_nowhere(prefect_harness, answering_checkpoint, prompts_file,
                                        mlflow_client, tmp_path):
     from prefect.settings import PREFECT_API_URL
 

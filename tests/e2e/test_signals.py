@@ -9,112 +9,18 @@ runs are KILLED, its Prefect flow runs Crashed (read from the local API's own da
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from answering import SMALL
-from test_distributed import STAGE as DISTRIBUTED_STAGE
-from test_flows import TINY_STAGE
-
-ROOT = Path(__file__).resolve().parents[1]
-STOP_WITHIN_S = 30
-
-
-def frozen_code(into: Path) -> Path:
-    """A copy of the project's code (its packages and recipes) as it is now, for `r1` commands that must run the same
-    code: a stage's reuse key digests the code (tasks.reuse.code_version), so an edit to the checkout between two
-    commands, made by anyone working in it meanwhile, rightly makes the second train again instead of reusing."""
-    for name in ("grpo", "tasks", "flows", "recipes", "deployments"):
-        shutil.copytree(ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__", ".*"))
-    return into
-
-
-class R1:
-    """One `r1` command on its own embedded home: its process, output and MLflow store."""
-
-    def __init__(self, home: Path, args: list[str], log_dir: Path | None = None, code: Path = ROOT):
-        """`code`: the project whose code it runs (the checkout, or a `frozen_code` copy of it)."""
-        self.home = home
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("MLFLOW_TRACKING_URI", "PREFECT_HOME", "PREFECT_API_URL")}
-        env.update(R1_HOME=str(home), PYTHONPATH=str(code))
-        log_dir = log_dir or home.parent  # elsewhere where the home's disk is to fill up
-        self.log = (log_dir / f"{home.name}-{int(time.time() * 1000)}.log").open("w+b")
-        self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=code, env=env,
-                                     start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT)
-        self.mlflow = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def runs(self) -> list:
-        if not (self.home / "mlflow.db").exists():
-            return []
-        try:
-            return self.mlflow.search_runs([e.experiment_id for e in self.mlflow.search_experiments()])
-        except Exception:  # the store is being created by the run
-            return []
-
-    def wait_for(self, what: str, check, timeout: float = 300):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = check()
-            if found:
-                return found
-            if self.proc.poll() is not None:
-                raise AssertionError(f"r1 ended ({self.proc.returncode}) before {what}:\n{self.output()[-3000:]}")
-            time.sleep(0.2)
-        self.kill()
-        raise AssertionError(f"no {what} within {timeout} s:\n{self.output()[-3000:]}")
-
-    def stop(self, sig: int, whole_group: bool) -> tuple[float, list[psutil.Process]]:
-        """Send `sig`; return how long r1 took to exit, and the processes it had started (alive or not)."""
-        family = psutil.Process(self.proc.pid).children(recursive=True)
-        sent = time.monotonic()
-        (os.killpg if whole_group else os.kill)(self.proc.pid, sig)
-        try:
-            self.proc.wait(STOP_WITHIN_S + 30)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"r1 did not exit within {STOP_WITHIN_S + 30} s of the signal:\n"
-                                 f"{self.output()[-3000:]}")
-        return time.monotonic() - sent, family
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def flow_run_states(self) -> list[str]:
-        with sqlite3.connect(self.home / "prefect" / "prefect.db") as db:
-            return [row[0] for row in db.execute("SELECT state_type FROM flow_run")]
-
-
-@pytest.fixture
-def r1(tmp_path, request):
-    started = []
-
-    def start(*args: str) -> R1:
-        run = R1(tmp_path / "home", list(args))
-        started.append(run)
-        return run
-
-    yield start
-    for run in started:  # nothing is left behind, whatever the test found
-        run.kill()
+from processes import R1, STOP_WITHIN_S
+from runs import stage_run
+from tiny_configs import DISTRIBUTED_STAGE, TINY_STAGE
 
 
 def assert_stopped_cleanly(run: R1, took: float, family: list[psutil.Process], runs: list[str]) -> None:
@@ -131,10 +37,6 @@ def assert_stopped_cleanly(run: R1, took: float, family: list[psutil.Process], r
     assert set(status) == set(runs) and set(status.values()) == {"KILLED"}, status
     states = run.flow_run_states()
     assert states and set(states) <= {"CRASHED", "CANCELLED"}, states
-
-
-def stage_run(run: R1, stage: str):
-    return next((r for r in run.runs() if r.data.tags.get("stage") == stage and r.info.status == "RUNNING"), None)
 
 
 def test_ctrl_c_in_a_terminal_during_training_stops_it_and_the_next_run_resumes(r1, tmp_path):
@@ -208,7 +110,7 @@ def test_sigterm_to_r1_alone_stops_a_loop_launched_on_two_processes(r1, tmp_path
 
 def test_a_time_limit_that_rings_inside_a_store_call_lands_when_the_call_ends():
     # Prefect's flow-run time limit raises from a SIGALRM handler; one raised inside a SQLite commit left every later
-    # write of the process "database is locked" (an attempt past its limit under load, test_stage_retry)
+    # write of the process "database is locked" (an attempt past its limit under load, tests/e2e/test_stage_retry.py)
     from grpo.interrupts import signals_deferred
 
     class Rang(Exception):

@@ -18,13 +18,13 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from test_flows import TINY_STAGE
 
 from flows.cli import stack
 from flows.cli.credentials import CLIENT_VARS, read_credentials
 from flows.cli.r1 import main
+from tiny_configs import TINY_STAGE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def get(url: str, headers: dict | None = None, data: bytes | None = None) -> int:

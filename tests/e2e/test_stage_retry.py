@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_disk_full import fill, mount_tmpfs
-from test_flows import TINY_STAGE
-from test_signals import r1  # noqa: F401  (the fixture: a real `r1` on a home of its own)
+from disks import fill, mount_tmpfs
+from tiny_configs import TINY_STAGE
 
 
 def cold_start(tmp_path: Path, resources: dict, max_steps: int) -> list[str]:

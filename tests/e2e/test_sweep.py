@@ -13,9 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from test_flows import TINY_GRPO, TINY_STAGE
 
 from flows.cli.r1 import main
+from processes import ROOT, alive, kill_group, wait_for
+from tiny_configs import TINY_GRPO, TINY_STAGE
 
 # a cold start no other test trains (its seed), so the sweep's first point trains it and no earlier run stands in
 COLD = {**TINY_STAGE, "data": {"num_train": 32, "num_heldout": 4}, "train": {**TINY_STAGE["train"], "seed": 41},
@@ -161,7 +162,6 @@ def test_a_sweep_killed_mid_point_goes_on_with_that_point_from_its_checkpoint(pr
     same sweep run, that point's cold start reused and its GRPO resumed from the checkpoint it wrote, then the
     second point; the dead process's runs are marked FAILED."""
     from prefect.settings import PREFECT_API_URL
-    from test_pipeline_resume import ROOT, _kill_group, _wait_for
 
     from grpo.training.checkpoints import latest_checkpoint
     from tasks import tracking
@@ -176,7 +176,7 @@ def test_a_sweep_killed_mid_point_goes_on_with_that_point_from_its_checkpoint(pr
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sweep", *flags], cwd=ROOT, env=env,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    request.addfinalizer(lambda: _kill_group(proc.pid))
+    request.addfinalizer(lambda: kill_group(proc.pid))
 
     def checkpoint():  # the first point's GRPO run, once it wrote a checkpoint
         parents = {r.info.run_id for r in tracking.find_runs("tags.recipe = 'sweep-killed'")}
@@ -187,7 +187,7 @@ def test_a_sweep_killed_mid_point_goes_on_with_that_point_from_its_checkpoint(pr
         return None
 
     try:
-        killed_grpo, _ = _wait_for("a GRPO checkpoint of the first point", checkpoint, proc, every=0.05)
+        killed_grpo, _ = wait_for("a GRPO checkpoint of the first point", checkpoint, proc, every=0.05)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -303,14 +303,6 @@ def test_points_side_by_side_on_this_machine_share_their_cold_start(prefect_harn
     assert "MLflow pipeline run" in (logs / "point-1.log").read_text()  # each point's own output, kept
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
 def _until(what: str, check, timeout: float, every: float = 1.0):
     import time
 
@@ -337,7 +329,6 @@ def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness
     """Ctrl-C in the terminal (SIGINT to the process group) while two point processes train: `r1 sweep` exits 130
     within the 30 s a stop may take, no point process is left, and the sweep and its points are KILLED."""
     from prefect.settings import PREFECT_API_URL
-    from test_pipeline_resume import ROOT, _kill_group, _wait_for
 
     from tasks import tracking
 
@@ -347,14 +338,14 @@ def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness
                              "reasoning_grpo.grpo.beta=0,0.04", "--stages", "cold_start_sft,reasoning_grpo",
                              "--parallel", "2"], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    request.addfinalizer(lambda: _kill_group(proc.pid))
-    points = _wait_for("two points training side by side", lambda: _running_points("sweep-ctrl-c", 2), proc,
-                       timeout=300, every=0.5)
+    request.addfinalizer(lambda: kill_group(proc.pid))
+    points = wait_for("two points training side by side", lambda: _running_points("sweep-ctrl-c", 2), proc,
+                      timeout=300, every=0.5)
     pids = [int(p.data.tags["r1.pid"]) for p in points]
-    assert all(_alive(pid) for pid in pids)
+    assert all(alive(pid) for pid in pids)
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=60) == 130, proc.stdout.read().decode()[-3000:]
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
     [sweep] = tracking.find_runs("tags.`r1.sweep.recipe` = 'sweep-ctrl-c'")
     assert sweep.info.status == "KILLED"
     assert {tracking.client().get_run(p.info.run_id).info.status for p in points} == {"KILLED"}
@@ -378,7 +369,7 @@ def test_a_sweep_cancelled_in_the_prefect_ui_stops_its_point_processes(deployed_
             "stages": ["cold_start_sft", "reasoning_grpo"], "parallel": 2})
         points = _until("two points training side by side", lambda: _running_points("sweep-cancel", 2), 400)
         pids = [int(p.data.tags["r1.pid"]) for p in points]
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled in the UI"), force=True)
 
@@ -388,7 +379,7 @@ def test_a_sweep_cancelled_in_the_prefect_ui_stops_its_point_processes(deployed_
 
             state = _until("end of the sweep's flow run", cancelled, 120)
     assert state.is_cancelled(), state
-    _until("end of its point processes", lambda: not any(_alive(pid) for pid in pids), 60, 0.5)
+    _until("end of its point processes", lambda: not any(alive(pid) for pid in pids), 60, 0.5)
     [sweep] = tracking.find_runs("tags.`r1.sweep.recipe` = 'sweep-cancel'")
     assert sweep.info.status == "KILLED"
     assert {tracking.client().get_run(p.info.run_id).info.status for p in points} == {"KILLED"}

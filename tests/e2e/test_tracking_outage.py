@@ -15,9 +15,9 @@ from pathlib import Path
 import yaml
 from mlflow import MlflowClient
 
-from test_flows import TINY_STAGE
+from tiny_configs import TINY_STAGE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS, LOG_EVERY = 60, 2
 
 

@@ -198,7 +198,7 @@ def on_mlflow_ui(mlflow_ui, monkeypatch):
 
 def test_the_printed_mlflow_links_show_the_runs(on_mlflow_ui, browser, capsys):
     from flows.cli.r1 import main
-    from test_compare import make_pipeline
+    from runs import make_pipeline
 
     a = make_pipeline("0.001", 0.25)  # r1_pipeline:tiny, with cold_start_sft and reasoning_grpo child runs
     b = make_pipeline("0.0005", 0.5, stages=("cold_start_sft",), recipe="small")

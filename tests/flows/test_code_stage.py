@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from grpo.config import ModelConfig, TinyModelConfig
+from tiny_configs import TINY as SMALL
 
-DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
 MBPP = {"prompt": "text", "tests": "test_list", "setup": "test_setup_code"}
-SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-         "num_key_value_heads": 1}
 
 # as small as a stage gets: two GRPO steps of 2 prompts x 4 completions, two held-out problems, short completions
 CODE_GRPO = {

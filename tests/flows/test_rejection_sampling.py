@@ -14,37 +14,13 @@ import pandas as pd
 import pytest
 import yaml
 
-from answering import SMALL  # the checkpoint's model (the fixture `answering_checkpoint` is in conftest.py)
 from grpo.config import ModelConfig
 from grpo.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
+# on the answering checkpoint's model, reading conftest's `prompts_file` (both fixtures are in tests/conftest.py)
+from runs import curated, stage_config
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = pd.DataFrame({"prompt": [f"Problem {i}: what is it?" for i in range(48)],
-                         "answer": ["1" if i % 3 else "2" for i in range(48)]})
-    rows.to_json(path, orient="records", lines=True)
-    return str(path)
-
-
-def stage_config(prompts_file: str, **rejection) -> dict:
-    return {
-        "model": {"tiny": SMALL.model_dump()},
-        "data": {"source": prompts_file, "num_train": 48, "num_heldout": 0},
-        "rejection": {"samples_per_prompt": 4, "sampling": {"max_new_tokens": 32}, "target_samples": 60,
-                      "shard_size": 3, "decontamination_ngram": 0, **rejection},
-    }
-
-
-def curated(uri: str) -> pd.DataFrame:
-    from tasks.data import read_frame
-
-    rows = read_frame(uri)
-    return rows.assign(prompt=rows["prompt"].astype(str))[["prompt", "response", "sample_index"]]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def shard_files(r1_home: Path) -> list[Path]:

@@ -14,8 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import (CodeConfig, DataConfig, EvalConfig, GRPOConfig, ModelConfig, RejectionConfig,
-                         SamplingConfig, TinyModelConfig)
+from grpo.config import CodeConfig, DataConfig, EvalConfig, GRPOConfig, RejectionConfig, SamplingConfig
 from grpo.data.preferences import alignment_prompts, general_prompts
 from grpo.data.tables import load_rl_data
 from grpo.evaluate import evaluate
@@ -29,17 +28,15 @@ from grpo.rewards.sandbox import SandboxUnavailable
 from grpo.sampling.backend import Rollout, TransformersBackend
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
+from tiny_configs import SMALL
 
-PROBLEMS = Path(__file__).resolve().parents[1] / "recipes" / "data" / "code_problems.jsonl"
+PROBLEMS = Path(__file__).resolve().parents[2] / "recipes" / "data" / "code_problems.jsonl"
 MBPP = {"prompt": "text", "tests": "test_list", "setup": "test_setup_code"}
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 RIGHT = "def add(a, b):\n    return a + b"
 WRONG = "def add(a, b):\n    return a * b"  # passes add(2, 2) == 4 only: 1 of 3, so not a pass
 ECHO = "print(input())"
-
 
 
 def solved(code: str) -> str:

@@ -7,13 +7,11 @@ import sys
 import pytest
 import torch
 
-from grpo.config import ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.tiny import build_tokenizer
-
-SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1)
+from tiny_configs import TINY_MODEL as SMALL
 
 
 @pytest.mark.parametrize("kind", ["bpe", "byte"])

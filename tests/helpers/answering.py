@@ -1,4 +1,5 @@
-"""A tiny model taught to answer `<answer>1</answer>`: the rejection-sampling tests sample from it (conftest.py)."""
+"""A tiny model taught to answer `<answer>1</answer>`: the rejection-sampling tests sample from it (tests/conftest.py's
+`answering_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
-
-SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1)
+from grpo.config import ModelConfig, SFTConfig
+from tiny_configs import TINY_MODEL as SMALL
 
 
 def train_answering_checkpoint(out: Path) -> str:

@@ -1,10 +1,11 @@
 """GRPO on two processes under `accelerate launch`, synchronous and then asynchronous at max_staleness 0.
 
-    R1_TEST_STRATEGY=ddp|fsdp accelerate launch --multi_gpu --num_processes 2 tests/ddp_async.py OUT
+    R1_TEST_STRATEGY=ddp|fsdp accelerate launch --multi_gpu --num_processes 2 tests/helpers/ddp_async.py OUT
 
 Each run writes its final model to OUT/<sync|async>/model and its main process's metrics to
 OUT/<sync|async>/metrics-rank0.json. One thread a process and one a worker, fp32, MKL GEMMs: the two runs sample the
-same tokens from the same weights, so their final weights compare bit for bit (tests/test_async_rollout.py).
+same tokens from the same weights, so their final weights compare bit for bit
+(tests/grpo/training/test_rollout_workers.py).
 """
 
 from __future__ import annotations

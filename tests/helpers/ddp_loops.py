@@ -1,7 +1,7 @@
 """The SFT, GRPO, PPO and reward-model loops on a tiny model, run alike in one process or under `accelerate launch`.
 
-    accelerate launch --multi_gpu --num_processes 2 tests/ddp_loops.py OUT     # what test_distributed.py does
-    accelerate launch --multi_gpu --num_processes 2 tests/ddp_loops.py OUT fsdp [RESUME]   # test_fsdp.py
+    accelerate launch --multi_gpu --num_processes 2 tests/helpers/ddp_loops.py OUT     # what test_distributed.py does
+    accelerate launch --multi_gpu --num_processes 2 tests/helpers/ddp_loops.py OUT fsdp [RESUME]   # test_fsdp.py
 
 Each loop writes the metrics its main process reported to OUT/<loop>/metrics-rank<R>.json (so a file from any
 other rank means a rank other than 0 reported) and its final model to OUT/<loop>/model. GRPO samples through
@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
+from grpo.config import GRPOConfig, LoRAConfig, SamplingConfig, SFTConfig
 from grpo.distributed_config import DistributedConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ppo_config import PPOConfig
@@ -40,9 +40,8 @@ from grpo.training.loops.ppo_trainer import PPOTrainer
 from grpo.training.loops.reward_model import train_reward_model
 from grpo.training.loops.sft_trainer import train_sft
 from grpo.training.strategy import make_strategy
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 SFT_ROWS = pd.DataFrame({"prompt": [f"What is {i} + {i % 3}?" for i in range(16)],
                          "response": [f"<think>{i} + {i % 3} = {i + i % 3}.</think><answer>{i + i % 3}</answer>"
                                       * (1 + 3 * (i % 2)) for i in range(16)]})  # uneven lengths: token means matter

@@ -1,12 +1,12 @@
 """Packed GRPO filled to a token budget, run alike in one process or under `accelerate launch`:
 
-    accelerate launch --multi_gpu --num_processes 2 tests/ddp_packed.py OUT     # what test_packing_ddp.py does
+    accelerate launch --multi_gpu --num_processes 2 tests/helpers/ddp_packed.py OUT     # what test_packing_ddp.py does
 
-GRPO as tests/ddp_loops.py runs it (the same prompts, `PromptSeededBackend`'s completions, dapo and a KL term), with
-each process's rows packed into micro-batches of at most `BUDGET` tokens. The completions' lengths differ from prompt
-to prompt, so the processes fill unequal numbers of packed pieces: `matched_chunks` has the one with fewer repeat
-its last at weight 0. Writes OUT/grpo-packed/ as ddp_loops does (metrics from the main process, the final model),
-and pieces-rank<R>.json: the packed pieces each step's batch of this process made.
+GRPO as tests/helpers/ddp_loops.py runs it (the same prompts, `PromptSeededBackend`'s completions, dapo and a KL
+term), with each process's rows packed into micro-batches of at most `BUDGET` tokens. The completions' lengths differ
+from prompt to prompt, so the processes fill unequal numbers of packed pieces: `matched_chunks` has the one with fewer
+repeat its last at weight 0. Writes OUT/grpo-packed/ as ddp_loops does (metrics from the main process, the final
+model), and pieces-rank<R>.json: the packed pieces each step's batch of this process made.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The DPO loop on a tiny model, run alike in one process or under `accelerate launch` (tests/test_dpo_distributed.py):
+"""The DPO loop on a tiny model, run alike in one process or under `accelerate launch`
+(tests/grpo/training/loops/test_dpo_distributed.py):
 
-    accelerate launch --multi_gpu --num_processes 2 tests/dpo_loops.py OUT
+    accelerate launch --multi_gpu --num_processes 2 tests/helpers/dpo_loops.py OUT
 
 runs it under each strategy (ddp, then fsdp) into OUT/<strategy>: the metrics its processes reported go to
 OUT/<strategy>/metrics-rank<R>.json (a file from a rank other than 0 means that rank reported) and the final model to
@@ -16,15 +17,13 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import ModelConfig, TinyModelConfig
 from grpo.data.preferences import preference_pairs
 from grpo.distributed_config import DistributedConfig
 from grpo.dpo_config import DPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.dpo import train_dpo
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 DPO = DPOConfig(max_steps=3, batch_size=4, learning_rate=1e-2, warmup_steps=0, mixed_precision="no",
                 checkpoint_every=2, log_every=1)
 STRATEGIES = ("ddp", "fsdp")

@@ -28,7 +28,7 @@ from flows.cli.stack import free_port
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).resolve().parent
-PROJECT_ROOT = HERE.parent
+PROJECT_ROOT = HERE.parents[1]
 
 
 def mount_namespace_prefix() -> list[str] | None:

@@ -1,4 +1,4 @@
-"""`ray start` for a SECOND node of a test cluster that lives on 127.0.0.1 only (tests/ray_local.py).
+"""`ray start` for a SECOND node of a test cluster that lives on 127.0.0.1 only (tests/helpers/ray_local.py).
 
 Ray's C++ servers bind 127.0.0.1 only when the node IP is exactly "127.0.0.1"
 (else 0.0.0.0).  `ray start` keeps "127.0.0.1" only with

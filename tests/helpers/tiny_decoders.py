@@ -1,7 +1,7 @@
 """Tiny random Llama-family decoders, left-padded prompts and a naive sampling loop: what the sampler tests compare
-against (tests/test_static_sampler.py, tests/test_continuous_batching.py)."""
+against (tests/grpo/sampling/test_static_sampler.py, tests/grpo/sampling/test_slots.py). They compare on one thread
+(conftest's `one_thread` fixture)."""
 
-import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -12,15 +12,6 @@ from grpo.sampling.static_sampler import choose_tokens
 
 V, PAD, EOS = 96, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 12 end ids in 96: rows end after ~8 tokens
 KINDS = ["qwen2", "llama", "qwen3", "mistral"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # a fixed reduction order, for comparisons at 1e-5 of the values compared or token for token
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def fp32_gap(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ import asyncio
 import uuid
 
 from grpo.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
-from test_flows import TINY_GRPO, TINY_STAGE
+from tiny_configs import TINY_GRPO, TINY_STAGE
 
 
 async def _artifacts(flow_run_id: str) -> dict[str, object]:

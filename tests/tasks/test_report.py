@@ -5,7 +5,7 @@ from __future__ import annotations
 from grpo.recipe import ColdStartSFTConfig
 from tasks.report import stage_report_markdown
 from tasks.stage import StageResult
-from test_flows import TINY_STAGE
+from tiny_configs import TINY_STAGE
 
 
 def test_the_report_links_to_the_run_on_an_mlflow_server():

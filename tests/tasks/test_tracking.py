@@ -1,6 +1,6 @@
 """The project's MLflow experiment is a model-training one, and the UI links `r1` prints name the server to open.
 
-(That the links show the runs in a browser is tests/test_ui.py's part; MLflow 3.17's UI reads no kind tag.)
+(That the links show the runs in a browser is tests/e2e/test_ui.py's part; MLflow 3.17's UI reads no kind tag.)
 """
 
 import os

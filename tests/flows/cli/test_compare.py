@@ -4,22 +4,8 @@ from __future__ import annotations
 
 from flows.cli.r1 import main
 from flows.cli.compare import compare, stage_runs
+from runs import make_pipeline
 from tasks import tracking
-
-
-def make_pipeline(lr: str, accuracy: float, stages=("cold_start_sft", "reasoning_grpo"), recipe="tiny") -> str:
-    parent = tracking.start_run(f"r1_pipeline:{recipe}", tags={"recipe": recipe})
-    tracking.log_params(parent, {"recipe": recipe, "stages": ",".join(stages)})
-    for stage in stages:
-        child = tracking.start_run(stage, tags={"stage": stage}, parent_run_id=parent)
-        tracking.log_params(child, {"train.learning_rate": lr, "train.max_steps": "4",
-                                    "input.checkpoint_uri": f"runs:/{parent}/x"})
-        log = tracking.MetricsLogger(child)
-        log(1, {"train/loss": 2.0, "eval/accuracy": 0.0})
-        log(4, {"train/loss": 1.0, "eval/accuracy": accuracy})
-        tracking.end_run(child)
-    tracking.end_run(parent)
-    return parent
 
 
 def test_children_are_found_by_stage_tag_in_recipe_order():

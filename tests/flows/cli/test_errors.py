@@ -9,124 +9,15 @@ that no Prefect server started either.
 
 from __future__ import annotations
 
-import copy
-import json
 import os
-import socket
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from cli_workspace import fails_cleanly  # the workspace; the `ws` fixture that makes one: tests/flows/cli/conftest.py
 from flows.cli.r1 import main
-
-SMALL_MODEL = {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-                        "num_key_value_heads": 1}}
-SMALL = {
-    "name": "small",
-    "cold_start_sft": {"model": SMALL_MODEL, "data": {"num_train": 64, "num_heldout": 8},
-                       "train": {"max_steps": 2, "batch_size": 8, "checkpoint_every": 0},
-                       "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
-    "reasoning_grpo": {"data": {"num_train": 32, "num_heldout": 8},
-                       "grpo": {"max_steps": 1, "prompts_per_step": 2, "num_generations": 2,
-                                "sampling": {"max_new_tokens": 16}, "checkpoint_every": 0},
-                       "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
-    "rejection_sampling": {"data": {"num_train": 8, "num_heldout": 8},
-                           "rejection": {"samples_per_prompt": 2, "sampling": {"max_new_tokens": 16},
-                                         "target_samples": 8, "shard_size": 8}},
-    "sft": {"model": SMALL_MODEL, "train": {"max_steps": 2, "batch_size": 8, "checkpoint_every": 0},
-            "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
-    "alignment_grpo": {"data": {"num_train": 8, "num_heldout": 8}, "general_prompts": 8,
-                       "preferences": {"num_train": 16, "num_heldout": 8},
-                       "reward_model": {"model": SMALL_MODEL, "max_steps": 1, "batch_size": 8},
-                       "grpo": {"max_steps": 1, "prompts_per_step": 2, "num_generations": 2,
-                                "sampling": {"max_new_tokens": 16}, "checkpoint_every": 0,
-                                "rewards": {"accuracy": 1.0, "reward_model": 1.0}},
-                       "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16}},
-}
-
-
-def closed_port() -> int:
-    """A port nothing listens on (bound and released: connecting to it is refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Workspace:
-    """A fresh state folder and MLflow store, and helpers to write recipes and data into a temp folder."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.home = root / "home"
-        self.db = self.home / "mlflow.db"
-
-    def recipe(self, **sections) -> str:
-        """The small recipe with `sections` merged in (a dotted key sets one nested field)."""
-        data = copy.deepcopy(SMALL)
-        for dotted, value in sections.items():
-            *parents, last = dotted.split("__")
-            node = data
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[last] = value
-        path = self.root / "recipe.yaml"
-        path.write_text(yaml.safe_dump(data))
-        return str(path)
-
-    def file(self, name: str, text: str) -> str:
-        path = self.root / name
-        path.write_text(text)
-        return str(path)
-
-    def jsonl(self, name: str, rows: list[dict]) -> str:
-        return self.file(name, "".join(json.dumps(r) + "\n" for r in rows))
-
-    def model_folder(self, name: str, config: dict | None) -> str:
-        folder = self.root / name
-        folder.mkdir()
-        if config is not None:
-            (folder / "config.json").write_text(json.dumps(config))
-        return str(folder)
-
-    def client(self):
-        from tasks import tracking
-
-        return tracking.client()
-
-    def runs(self) -> int:
-        if not self.db.exists():
-            return 0
-        with sqlite3.connect(self.db) as c:
-            return c.execute("select count(*) from runs").fetchone()[0]
-
-
-@pytest.fixture
-def ws(tmp_path, monkeypatch):
-    w = Workspace(tmp_path)
-    monkeypatch.setenv("R1_HOME", str(w.home))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{w.db}")
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    return w
-
-
-def fails_cleanly(capsys, ws: Workspace, argv: list[str], *expected: str) -> str:
-    """Run `r1 argv`; assert it failed as a user error should, before anything started; return the line."""
-    runs_before = ws.runs()
-    capsys.readouterr()  # what the test's own set-up printed
-    rc = main(argv)
-    out, err = capsys.readouterr()
-    assert rc == 2, (rc, out, err)
-    assert "Traceback" not in out + err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("r1: "), err
-    for text in expected:
-        assert text in lines[0], (text, lines[0])
-    assert ws.runs() == runs_before, "a run was made before the error"
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,7 +221,7 @@ def test_a_data_file_with_an_empty_cell(ws, capsys):
 
 
 def test_a_gsm8k_answer_that_is_not_a_number(ws, capsys):
-    from conftest import gsm8k_rows
+    from gsm8k_data import gsm8k_rows
 
     rows = gsm8k_rows(20)
     rows[17]["answer"] = rows[17]["answer"].rsplit("####", 1)[0] + "#### seventy"
@@ -497,7 +388,7 @@ def test_from_a_process_of_its_own_nothing_starts(ws):
     """The command a user types: one line, exit 2, no Prefect server started, no MLflow store made."""
     recipe = ws.recipe(reasoning_grpo__grpo__rewards={"accuarcy": 1.0})
     prefect_home = ws.root / "prefect"
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", recipe], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from test_errors import closed_port, fails_cleanly, ws  # noqa: F401  (ws: the fixture, used by name)
+from cli_workspace import closed_port, fails_cleanly  # the `ws` fixture: tests/flows/cli/conftest.py
 
 
 # ----------------------------------------------------------------------------------------------------------------

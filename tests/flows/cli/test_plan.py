@@ -14,13 +14,12 @@ import pytest
 
 from flows.cli.r1 import main
 from flows.cli.plan import plan_text
-from grpo.config import ModelConfig, RejectionConfig, SamplingConfig, TinyModelConfig
+from grpo.config import ModelConfig, RejectionConfig, SamplingConfig
 from grpo.recipe import RejectionSamplingConfig, load_recipe
 from grpo.rejection.budget import expected_kept_per_prompt, plan_budget
+from tiny_configs import TINY_MODEL as SMALL
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1)
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("k, p, cap", [(4, 0.3, 2), (4, 0.5, 0), (3, 0.9, 1), (5, 0.2, 3), (1, 0.7, 2)])

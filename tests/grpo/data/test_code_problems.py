@@ -12,18 +12,16 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import CodeConfig, DataConfig, GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import CodeConfig, DataConfig, GRPOConfig, SamplingConfig
 from grpo.data.tables import load_rl_data
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import check_code
 from grpo.training.loops.grpo_trainer import GRPOTrainer
+from tiny_configs import SMALL
 
-PROBLEMS = Path(__file__).resolve().parents[1] / "recipes" / "data" / "code_problems.jsonl"
+PROBLEMS = Path(__file__).resolve().parents[3] / "recipes" / "data" / "code_problems.jsonl"
 HELDOUT = PROBLEMS.with_name("code_problems_heldout.jsonl")
 MBPP = {"prompt": "text", "tests": "test_list", "setup": "test_setup_code"}
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
-
 
 
 @pytest.fixture(scope="module")

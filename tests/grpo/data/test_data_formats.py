@@ -4,13 +4,13 @@ import json
 
 import pandas as pd
 import pytest
-from conftest import gsm8k_rows
 
 from grpo.config import DataConfig
 from grpo.recipe import RECIPES_DIR, RecipeError, load_recipe
 from grpo.data.formats import gsm8k_answer
 from grpo.data.tables import DataError, dropped_rows, load_heldout, load_rl_data, load_sft_data
 from grpo.rewards import accuracy_reward, format_reward
+from gsm8k_data import gsm8k_rows
 
 GSM8K = {"columns": {"prompt": "question"}, "answer_format": "gsm8k"}
 

@@ -19,6 +19,7 @@ from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import CARRIED_FILES, write_manifest
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.sft_trainer import train_sft
+from tiny_configs import SMALL
 
 ONEDNN = GemmPlan("onednn", "onednn", "onednn")
 MIXED = GemmPlan("onednn", "mkl", "onednn")
@@ -142,12 +143,10 @@ def test_a_grpo_run_on_onednn_ends_where_the_mkl_run_ends(tmp_path, setting, mon
     calls = []
     forward = PlannedLinear.forward
     monkeypatch.setattr(PlannedLinear, "forward", staticmethod(lambda ctx, *a: calls.append(1) or forward(ctx, *a)))
-    small = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=1))
     prompts = pd.DataFrame({"prompt": [f"Count to {i}" for i in range(8)]})
     runs = {}
     for gemm in ("mkl", setting):
-        model, tok = load_model_and_tokenizer(small)
+        model, tok = load_model_and_tokenizer(SMALL)
         cfg = GRPOConfig(max_steps=3, prompts_per_step=4, num_generations=4, micro_batch_size=8, beta=0.04,
                          learning_rate=1e-2, warmup_steps=0, rewards={"digits": 1.0}, mixed_precision="no",
                          checkpoint_every=0, log_every=1, fp32_gemm=gemm,

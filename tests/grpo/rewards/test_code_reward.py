@@ -1,6 +1,6 @@
 """The code reward: which program it takes from a completion, how it reads tests, and that it scores right programs
 right and wrong ones wrong, in both test formats; the `code` settings, the data roles, and bad input caught before
-training. The hostile programs are in tests/test_code_sandbox.py.
+training. The hostile programs are in tests/grpo/rewards/test_sandbox.py.
 
 Tests that run programs need bubblewrap (`apt-get install -y bubblewrap`): skipped without it, failed in CI.
 """

@@ -5,16 +5,15 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import GenerationConfig, GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GenerationConfig, GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.recipe import RecipeError, load_recipe
 from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.engines import Rollout, build_engine, local_generation, require_tokens, sampling_dtype
 from grpo.sampling.http_backend import HTTPGenerationBackend
 from grpo.training.loops.grpo_trainer import GRPOTrainer
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
 HTTP = GenerationConfig(backend="http", endpoints=("http://127.0.0.1:9/v1",), model="policy")
 

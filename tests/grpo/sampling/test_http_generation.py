@@ -22,7 +22,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.config import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig
 from grpo.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rejection.shards import run_rejection_sampling, shard_seed
@@ -34,10 +34,9 @@ from grpo.sampling.http_backend import (
 )
 from grpo.sampling.engines import require_tokens
 from grpo.sampling.serve import load_checkpoint, make_server
+from tiny_configs import TINY_MODEL as SMALL
 
-SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SAMPLING = SamplingConfig(max_new_tokens=24)
 PROMPTS = [f"Problem {i}: what is it?" for i in range(24)]
 

@@ -313,7 +313,7 @@ def test_serve_arguments_fail_before_loading_anything(capsys, tmp_path, monkeypa
 
 @pytest.mark.timeout(120)  # a server that never prints its address must not hang the suite
 def test_r1_serve_runs_as_a_process(checkpoint, tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "stderr.txt", "w+") as stderr:  # progress bars go there, not into the lines read here
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(checkpoint), "--port", "0",

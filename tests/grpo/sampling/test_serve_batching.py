@@ -12,13 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from grpo.config import ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.serve import make_server
+from tiny_configs import TINY_MODEL as SMALL
 
-SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1)
 KEY = "sk-test-batching"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = [f"Story {i}: the {w} went" for i, w in enumerate(["cat", "river", "train", "cloud"] * 8)]  # 32

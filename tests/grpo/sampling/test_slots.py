@@ -9,8 +9,9 @@ from grpo.config import SamplingConfig
 from grpo.sampling import decode_step
 from grpo.sampling.slots import SlotBatch
 from grpo.sampling.static_sampler import StaticSampler
-from tiny_decoders import EOS, PAD, V, fp32_gap, left_padded, make_model, one_thread  # noqa: F401
+from tiny_decoders import EOS, PAD, V, fp32_gap, left_padded, make_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
 CUDA_LIKE = dict(keep_captures=True, full_cache_attention=True, buckets=True)  # what CUDA runs, but for the graphs
 
 

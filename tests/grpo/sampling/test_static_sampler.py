@@ -11,8 +11,11 @@ from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling import static_sampler
 from grpo.sampling.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
-from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model,  # noqa: F401
-                           one_thread, recorded_logits, reference_loop)
+from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model, recorded_logits,
+                           reference_loop)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
+
 
 @pytest.mark.parametrize("full_cache", [True, False])
 @pytest.mark.parametrize("kind", KINDS)

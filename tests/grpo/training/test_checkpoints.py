@@ -16,14 +16,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, SFTConfig, TinyModelConfig
+from grpo.config import GRPOConfig, SamplingConfig, SFTConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import MANIFEST, latest_checkpoint, verify_manifest, write_manifest
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.sft_trainer import train_sft
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 ROWS = pd.DataFrame({"prompt": [f"What is {i} + 1?" for i in range(16)],
                      "response": [f"<think>{i} + 1 = {i + 1}.</think><answer>{i + 1}</answer>" for i in range(16)]})
 SFT = SFTConfig(max_steps=6, batch_size=4, learning_rate=3e-3, warmup_steps=1, log_every=1, checkpoint_every=2,

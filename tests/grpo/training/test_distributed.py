@@ -1,10 +1,10 @@
 """Training across processes: two CPU processes (gloo, on 127.0.0.1) give what one process gives at the same
 global batch, and only the main one reports and saves.
 
-`accelerate launch` starts two real processes of tests/ddp_loops.py (SFT, GRPO, PPO and the reward model, a few steps
-each on a tiny model); the same functions then run here in one process. Tolerances: both runs see the same rows
-(GRPO: the same completions, tests/ddp_loops.py says how) and start from the same weights, so they differ only in
-float32 rounding (every loop here pins fp32, whatever `auto` gives on this CPU): DDP sums the gradient from two
+`accelerate launch` starts two real processes of tests/helpers/ddp_loops.py (SFT, GRPO, PPO and the reward model, a
+few steps each on a tiny model); the same functions then run here in one process. Tolerances: both runs see the same
+rows (GRPO: the same completions, tests/helpers/ddp_loops.py says how) and start from the same weights, so they differ
+only in float32 rounding (every loop here pins fp32, whatever `auto` gives on this CPU): DDP sums the gradient from two
 halves, a token mean is two partial sums. That is ~1e-7 relative per operation, a few 1e-6 after three Adam steps;
 the checks allow 1e-4 relative on metrics, and on weights 2e-5 absolute (SFT) or 5e-4 (GRPO, lr 1e-2). Adam divides
 each gradient by its own size, so a near-zero gradient whose rounding differs between the two sums moves its weight
@@ -16,67 +16,30 @@ gradient norm by ~4% at the first or second step, in SFT and in GRPO's dapo loss
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from ddp_loops import GRPO, SFT, logps_rows, run_all
+from comparisons import (RTOL, assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
+                         assert_sft_matches, reported)
+from ddp_loops import GRPO, logps_rows, run_all
 from grpo.distributed_config import DistributedConfig
 from grpo.training.launchers import launch
-
-HERE = Path(__file__).resolve().parent
-RTOL = 1e-4
-
-
-def launch_two_processes(script: Path, out: Path, **env: str) -> None:
-    """`script out` on two CPU processes under `accelerate launch` (gloo on 127.0.0.1); its output on a failure."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()), str(script), str(out)]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "", **env,
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+from processes import HELPERS, ROOT, launch_two_processes
+from tiny_configs import DISTRIBUTED_STAGE as STAGE
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(one process, two processes): each loop's output folder root."""
     one, two = tmp_path_factory.mktemp("one-process"), tmp_path_factory.mktemp("two-processes")
-    launch_two_processes(HERE / "ddp_loops.py", two)
+    launch_two_processes(HELPERS / "ddp_loops.py", two)
     run_all(one)
     return one, two
-
-
-def reported(root: Path, loop: str) -> dict[int, dict]:
-    ranks = sorted(p.name for p in (root / loop).glob("metrics-rank*.json"))
-    assert ranks == ["metrics-rank0.json"], f"{loop}: reports came from {ranks}; only rank 0 may report"
-    return {int(k): v for k, v in json.loads((root / loop / "metrics-rank0.json").read_text()).items()}
-
-
-# figures that cancel to about zero, whose rounding is that of the unit-sized terms they sum: PPO's first-step
-# pg_loss is minus the mean of whitened advantages (ratio 1), 0 up to the fp32 rounding of ~100 terms of size ~1
-ATOL = {"pg_loss": 1e-6}
-
-
-def assert_curves_match(one: dict, two: dict, keys: list[str]) -> None:
-    assert sorted(one) == sorted(two)
-    apart = {(step, key): (one[step][key], two[step][key]) for step in one for key in keys
-             if two[step][key] != pytest.approx(one[step][key], rel=RTOL, abs=ATOL.get(key, 1e-7))}
-    assert not apart, f"(step, metric): (one process, two): {apart}"
-
-
-def assert_same_weights(a: Path, b: Path, atol: float) -> None:
-    ma, mb = (AutoModelForCausalLM.from_pretrained(p) for p in (a, b))
-    for (name, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):
-        assert torch.allclose(pa, pb, atol=atol, rtol=0), (name, (pa - pb).abs().max().item())
 
 
 def test_chunked_log_probs_under_ddp_sync_every_gradient(runs):
@@ -88,26 +51,6 @@ def test_chunked_log_probs_under_ddp_sync_every_gradient(runs):
     ids, _, C = logps_rows()
     assert single["wrapper"] != "DistributedDataParallel" and single["rows"] == ids.size(0)
     assert_gradients_of_halves(single, two, "DistributedDataParallel")
-
-
-def assert_gradients_of_halves(single: dict, two: Path, wrapper: str) -> None:
-    """Each of two processes scored half the rows through the chunked head and holds the one-process gradients."""
-    ids, _, _ = logps_rows()
-    for rank in (0, 1):
-        got = torch.load(two / "logps" / f"rank{rank}.pt")
-        assert got["wrapper"] == wrapper and got["rows"] == ids.size(0) // 2
-        assert got["widest"] == 4 * got["vocab"]  # one 4-token chunk's logits; the plain path makes [rows, C+1, V]
-        for name, want in single["grads"].items():  # float32 sums of two halves: rounding only
-            torch.testing.assert_close(got["grads"][name], want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
-                                       msg=f"rank {rank}: {name}")
-
-
-def assert_sft_matches(one: Path, two: Path) -> None:
-    a, b = reported(one, "sft"), reported(two, "sft")
-    assert sorted(a) == list(range(1, SFT.max_steps + 1))
-    assert_curves_match(a, b, ["train/loss", "train/grad_norm", "train/learning_rate"])
-    assert a[1]["train/loss"] > a[3]["train/loss"]  # it trained
-    assert_same_weights(one / "sft" / "model", two / "sft" / "model", atol=2e-5)
 
 
 def test_sft_on_two_processes_matches_one(runs):
@@ -142,24 +85,6 @@ def test_grpo_on_two_processes_matches_one(runs):
         table_one, table_two = (pd.read_json(r / "grpo" / f"samples-{step}.json") for r in runs)
         assert len(table_two) == GRPO.prompts_per_step * GRPO.num_generations
         assert table_two["completion"].tolist() == table_one["completion"].tolist()
-
-
-PPO_CURVES = ["reward/total", "reward/std", "completion_length", "train/loss", "pg_loss", "value/loss", "kl",
-              "grad_norm", "value/grad_norm", "entropy", "value/explained_variance", "advantages/raw_std"]
-
-
-def assert_ppo_matches(one: Path, two: Path, loop: str = "ppo") -> None:
-    """PPO on two processes, each sampling half the prompts: the global batch's figures (the whitening of the
-    advantages, the KL, the critic's fit), the policy and the critic are one process's."""
-    a, b = reported(one, loop), reported(two, loop)
-    assert_curves_match(a, b, PPO_CURVES)
-    assert a[sorted(a)[0]]["reward/std"] > 0 and a[sorted(a)[-1]]["kl"] > 0  # rewards differed; the policy moved
-    assert_same_weights(one / loop / "model", two / loop / "model", atol=5e-4)
-    critic = torch.load(one / loop / "critic-rank0.pt")
-    for rank in (0, 1):  # the critic trained alike (gathered whole on each process)
-        got = torch.load(two / loop / f"critic-rank{rank}.pt")
-        for name, want in critic.items():
-            torch.testing.assert_close(got[name], want, rtol=0, atol=5e-4, msg=f"rank {rank}: critic {name}")
 
 
 @pytest.mark.precision
@@ -200,16 +125,6 @@ def test_the_task_follows_what_the_main_process_reports(tmp_path):
     assert seen[0] == (1, {"train/loss": 0.5})
     assert seen[1][1].to_dict("list") == {"prompt": ["p"], "completion": ["c"], "reward": [1.0]}
     assert len(seen) == 2
-
-
-STAGE = {
-    "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                       "num_attention_heads": 2, "num_key_value_heads": 1}},
-    "data": {"num_train": 64, "num_heldout": 8},
-    "train": {"max_steps": 4, "batch_size": 8, "log_every": 2, "checkpoint_every": 0, "mixed_precision": "no"},
-    "eval": {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 2},
-    "distributed": {"num_processes": 2},
-}
 
 
 def test_a_stage_trains_on_two_processes_and_only_its_task_logs(prefect_harness, mlflow_client, tmp_path):
@@ -259,7 +174,7 @@ def test_two_machines_on_loopback_train_one_stage_together(prefect_harness, mlfl
         monkeypatch.setenv(key, value)
     monkeypatch.setenv(launch.MACHINE_RANK, "0")
     env = {**os.environ, **job, launch.MACHINE_RANK: "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     peer = subprocess.Popen([sys.executable, "-m", "grpo.training.launchers.join", "--timeout-s", "300"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

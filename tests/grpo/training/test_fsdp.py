@@ -2,12 +2,12 @@
 process gives at the same global batch, the sampler's gathered copy is the policy, and sharded checkpoints resume on
 another process count.
 
-`accelerate launch` starts two real processes of tests/ddp_loops.py with `fsdp` (SFT, GRPO, PPO, GRPO with LoRA and
-activation checkpointing, the reward model, a few steps each on a tiny model); the same functions run here in one
-process first. The tolerances are test_distributed.py's, for the same reasons (fp32 pinned, the same rows and
-completions, float32 rounding of two halves' sums only): sharding changes where each weight's gradient is summed,
-not what is summed. A shard gathered into the wrong place, a gradient reduced twice or not at all, or a checkpoint
-read into the wrong shard would be whole steps of the learning rate away.
+`accelerate launch` starts two real processes of tests/helpers/ddp_loops.py with `fsdp` (SFT, GRPO, PPO, GRPO with
+LoRA and activation checkpointing, the reward model, a few steps each on a tiny model); the same functions run here in
+one process first. The tolerances are test_distributed.py's (tests/helpers/comparisons.py), for the same reasons (fp32
+pinned, the same rows and completions, float32 rounding of two halves' sums only): sharding changes where each
+weight's gradient is summed, not what is summed. A shard gathered into the wrong place, a gradient reduced twice or
+not at all, or a checkpoint read into the wrong shard would be whole steps of the learning rate away.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from comparisons import (assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
+                         assert_sft_matches, reported)
 from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_ppo, run_sft_resumed
 from grpo.distributed_config import DistributedConfig
 from grpo.recipe import ReasoningGRPOConfig
 from grpo.training.launchers import launch
-from test_distributed import (assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
-                              assert_sft_matches, reported)
+from processes import HELPERS, ROOT
 
-HERE = Path(__file__).resolve().parent
 FSDP = DistributedConfig(strategy="fsdp")
 
 
@@ -41,9 +41,9 @@ def runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()),
-           str(HERE / "ddp_loops.py"), str(two), "fsdp", str(one)]
+           str(HELPERS / "ddp_loops.py"), str(two), "fsdp", str(one)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return one, two
@@ -186,20 +186,21 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
     from flows.cold_start_sft import cold_start_sft
     from flows.r1_pipeline import r1_pipeline
     from grpo.recipe import ColdStartSFTConfig
+    from processes import kill_group, r1_run, wait_for
+    from runs import children, weights
     from tasks import tracking
     from tasks.durable import newest_copy
-    from test_pipeline_resume import _kill_group, _r1_run, _wait_for, children, weights
+    from tiny_configs import TINY
 
-    section = {"model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                  "num_attention_heads": 2, "num_key_value_heads": 1}},
+    section = {"model": {"tiny": TINY},
                "data": {"num_train": 64, "num_heldout": 0},
                "train": {"max_steps": 30, "batch_size": 8, "log_every": 2, "checkpoint_every": 2, "seed": 15,
                          "mixed_precision": "no"},
                "distributed": {"num_processes": 2, "strategy": "fsdp"}}
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({"name": "fsdp-killed", "cold_start_sft": section}))
-    proc = _r1_run(two, "--stages", "cold_start_sft")
-    request.addfinalizer(lambda: _kill_group(proc.pid))
+    proc = r1_run(two, "--stages", "cold_start_sft")
+    request.addfinalizer(lambda: kill_group(proc.pid))
 
     def work_dir():
         runs = tracking.find_runs("tags.stage = 'cold_start_sft' and attributes.status = 'RUNNING'")
@@ -208,8 +209,8 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
                      if r.data.tags.get("mlflow.parentRunId") in parents
                      and "r1.work_dir.cold_start_sft" in r.data.tags), None)
 
-    work = _wait_for("a cold_start_sft run", work_dir, proc)
-    _wait_for("a durable sharded checkpoint", lambda: newest_copy(work.name), proc, every=0.05)
+    work = wait_for("a cold_start_sft run", work_dir, proc)
+    wait_for("a durable sharded checkpoint", lambda: newest_copy(work.name), proc, every=0.05)
     import psutil
 
     family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -276,7 +277,7 @@ def test_a_gather_that_waits_past_the_collective_timeout_fails_instead_of_hangin
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "", launch.COLLECTIVE_TIMEOUT: "10",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])}
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                            "127.0.0.1", "--master_port", str(launch._free_port()), str(script)],

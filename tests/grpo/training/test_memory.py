@@ -11,16 +11,15 @@ from transformers import AutoModelForCausalLM
 
 import grpo.training.policy as policy
 from benchmarks.bytes_alive import BytesAlive
-from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GRPOConfig, LoRAConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.logprobs import token_logps
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.optimizers import MasterWeights, cast_parameters, make_adamw
+from tiny_configs import SMALL
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
 
 

@@ -10,42 +10,13 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from comparisons import close
 from grpo.kernels.attention import attending_packed
 from grpo.training.packing import pack_completions, pack_in_order, reference_parts, row_spans
-from tiny_decoders import one_thread  # noqa: F401  (autouse: one thread where numbers are compared)
+from packing_inputs import PAD, grpo_rows, make_model
 
-V, PAD = 64, 0
-
-
-def make_model(kind: str = "qwen2", seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(Qwen2Config(**common)) if kind == "qwen2" else Qwen3ForCausalLM(
-        Qwen3Config(**common, head_dim=8))
-    with torch.no_grad():
-        for p in model.parameters():  # biases and norm weights start at 0 and 1: make them matter
-            p.add_(torch.randn_like(p) * 0.05)
-        model.lm_head.weight.mul_(10.0)  # peakier distributions than a random init's near-uniform
-    return model.float()
-
-
-def grpo_rows(prompt_lens: list[int], completion_lens: list[int], group: int, seed: int = 1):
-    """Rows as GRPO makes them: `group` rows a prompt (the same tokens), left-padded prompts, right-padded
-    completions. prompt_lens: one a group; completion_lens: one a row."""
-    g = torch.Generator().manual_seed(seed)
-    N, P, C = len(completion_lens), max(prompt_lens), max(max(completion_lens), 1)
-    ids = torch.full((N, P + C), PAD)
-    mask = torch.zeros(N, P + C, dtype=torch.long)
-    for r, c in enumerate(completion_lens):
-        p = prompt_lens[r // group]
-        if r % group == 0:
-            prompt = torch.randint(1, V, (p,), generator=g)
-        ids[r, P - p:P], mask[r, P - p:P] = prompt, 1
-        ids[r, P:P + c], mask[r, P:P + c] = torch.randint(1, V, (c,), generator=g), 1
-    return ids, mask, C
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
 
 
 # -- the packer ----------------------------------------------------------------------------------------------------
@@ -121,12 +92,6 @@ def test_a_row_that_is_not_prompt_then_completion_is_refused_by_name():
 
 # -- packed log-probs against padded ones --------------------------------------------------------------------------
 
-def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
-    """Equal within fp32 rounding, relative to the values' size."""
-    a, b = a.detach(), b.detach()
-    return bool((a - b).abs().max() <= rel * max(1.0, float(b.abs().max())))
-
-
 @pytest.mark.parametrize("kind,head", [("qwen2", "plain"), ("qwen2", "chunked"), ("qwen3", "plain")])
 def test_packed_logps_and_gradients_equal_the_padded_ones(kind, head):
     """Qwen2 takes the packed kernel (prompts shared); Qwen3 transformers' own packed mask from the position ids
@@ -156,14 +121,13 @@ def test_packed_logps_and_gradients_equal_the_padded_ones(kind, head):
 def make_trainer(tmp_path, **overrides):
     import pandas as pd
 
-    from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+    from grpo.config import GRPOConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer
+    from tiny_configs import SMALL
 
-    small = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=1))
     prompts = pd.DataFrame({"prompt": [f"Say {i}{'!' * (3 * i)}" for i in range(8)], "answer": list("01234567")})
-    model, tok = load_model_and_tokenizer(small)
+    model, tok = load_model_and_tokenizer(SMALL)
     cfg = GRPOConfig(**{"max_steps": 1, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
                         "sampling": SamplingConfig(max_new_tokens=16), "rewards": {"digits": 1.0},
                         "mixed_precision": "no", "fp32_gemm": "mkl", **overrides})
@@ -248,17 +212,16 @@ def test_a_packed_sft_run_matches_the_padded_one(tmp_path):
     (each sequence's first label is dropped, so no token is predicted across a boundary)."""
     import pandas as pd
 
-    from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
+    from grpo.config import SFTConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.sft_trainer import train_sft
+    from tiny_configs import SMALL
 
-    small = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=1))
     rows = pd.DataFrame({"prompt": [f"What is {i} + 1?{' ' * i}" for i in range(8)],
                          "response": [f"{i + 1}" + " and so on" * (i % 4) for i in range(8)]})
     runs = {}
     for packing in (False, True):
-        model, tok = load_model_and_tokenizer(small)
+        model, tok = load_model_and_tokenizer(SMALL)
         cfg = SFTConfig(max_steps=3, batch_size=4, learning_rate=3e-3, warmup_steps=0, log_every=1,
                         checkpoint_every=0, mixed_precision="no", fp32_gemm="mkl", packing=packing)
         seen = {}

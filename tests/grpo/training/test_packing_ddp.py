@@ -1,26 +1,24 @@
 """Packed GRPO filled to a token budget on two CPU processes (gloo, on 127.0.0.1) gives what one process gives.
 
-tests/ddp_packed.py runs it in two launched processes whose rows make unequal numbers of packed pieces, then here in
-one. Both see the same completions from the same weights, so they differ only in float32 rounding; the bounds are
-tests/test_distributed.py's, which says why.
+tests/helpers/ddp_packed.py runs it in two launched processes whose rows make unequal numbers of packed pieces, then
+here in one. Both see the same completions from the same weights, so they differ only in float32 rounding; the bounds
+are tests/grpo/training/test_distributed.py's, which says why.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
+from comparisons import assert_curves_match, assert_same_weights, reported
 from ddp_packed import BUDGET, PACKED_GRPO, run_grpo_packed
-from test_distributed import assert_curves_match, assert_same_weights, launch_two_processes, reported
-
-HERE = Path(__file__).resolve().parent
+from processes import HELPERS, launch_two_processes
 
 
 def test_packed_grpo_with_unequal_pieces_on_two_processes_matches_one(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    launch_two_processes(HERE / "ddp_packed.py", two)
+    launch_two_processes(HELPERS / "ddp_packed.py", two)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

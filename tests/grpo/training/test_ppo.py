@@ -9,17 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ppo_config import PPOConfig
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.loops.ppo_trainer import PPOTrainer
 from grpo.training.ppo import (clipped_value_loss, explained_variance, gae_advantages, masked_whiten, ppo_loss,
                                token_rewards)
+from tiny_configs import SMALL
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
 
 

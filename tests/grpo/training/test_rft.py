@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.recipe import ReasoningGRPOConfig
 from grpo.rewards import REWARD_FUNCTIONS
@@ -16,9 +16,7 @@ from grpo.training.advantages import group_advantages
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loss import grpo_loss
 from grpo.training.rft import coefficient_function, rft_coefficients
-
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
+from tiny_configs import SMALL
 
 
 def test_the_coefficient_is_one_for_a_correct_sample_and_zero_otherwise():
@@ -151,8 +149,8 @@ def test_the_stage_trainer_refuses_settings_online_rft_cannot_honour(tmp_path):
 
 
 def test_the_reasoning_stage_runs_online_rft_through_its_flow(prefect_harness, mlflow_client, logged_checkpoint):
-    from conftest import LOGGED_TINY
     from flows.reasoning_grpo import reasoning_grpo
+    from tiny_configs import LOGGED_TINY
 
     torch.set_num_threads(1)
     config = ReasoningGRPOConfig.model_validate({

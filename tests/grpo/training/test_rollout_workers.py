@@ -10,13 +10,11 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 
-from grpo.config import GenerationConfig, GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GenerationConfig, GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rollout_config import RolloutConfig
 from grpo.sampling.engines import build_engine
@@ -24,35 +22,10 @@ from grpo.training.batches import prompt_order
 from grpo.training.distributed import sampling_seed
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.rollout_workers import Plan, RolloutError, RolloutWorkers, Unit, worker_steps
-from tiny_decoders import one_thread  # noqa: F401  (autouse: one thread, as each worker has)
+from rollout_runs import PROMPTS, digits, run, weights
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
-PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
-
-
-def digits(completions, **_):
-    """A completion's reward is the digits it holds: a random model writes some, unevenly."""
-    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
-
-
-def run(tmp_path, steps=3, seen=None, on_metrics_hook=None, **overrides):
-    """A GRPO run of `steps` steps on the tiny model, fp32, MKL GEMMs; its trainer (trained)."""
-    torch.manual_seed(0)
-    model, tok = load_model_and_tokenizer(SMALL)
-    cfg = GRPOConfig(**{"max_steps": steps, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
-                        "sampling": SamplingConfig(max_new_tokens=12, temperature=0.9, top_p=0.9),
-                        "rewards": {"digits": 1.0}, "learning_rate": 1e-2, "beta": 0.04, "mixed_precision": "no",
-                        "fp32_gemm": "mkl", **overrides})
-    seen = {} if seen is None else seen
-    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, reward_functions={"digits": digits}, progress=False,
-                          on_metrics=on_metrics_hook or (lambda step, m: seen.__setitem__(step, m)))
-    trainer.train()
-    return trainer
-
-
-def weights(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.acc.unwrap_model(trainer.model).named_parameters()}
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread, as each worker has (conftest)
 
 
 def test_worker_steps_cover_every_step_once():
@@ -308,9 +281,9 @@ def test_a_worker_device_the_machine_lacks_fails_before_any_worker_starts(tmp_pa
 
 def test_the_reasoning_stage_runs_asynchronously_through_its_flow(prefect_harness, mlflow_client, logged_checkpoint):
     """The stage's task starts and ends the workers; their figures land in the stage's MLflow run."""
-    from conftest import LOGGED_TINY
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.recipe import ReasoningGRPOConfig
+    from tiny_configs import LOGGED_TINY
 
     config = ReasoningGRPOConfig.model_validate({
         "model": {"tiny": LOGGED_TINY}, "data": {"num_train": 16, "num_heldout": 4},
@@ -334,10 +307,11 @@ def test_the_reasoning_stage_runs_asynchronously_through_its_flow(prefect_harnes
 def test_on_two_trainer_processes_max_staleness_0_trains_the_synchronous_weights(tmp_path, strategy):
     """Each process's worker samples its share of the prompts; under fsdp each push gathers the whole weights
     first. The final weights equal the synchronous two-process run's, bit for bit."""
-    from test_distributed import launch_two_processes
     from transformers import AutoModelForCausalLM
 
-    launch_two_processes(Path(__file__).parent / "ddp_async.py", tmp_path, R1_TEST_STRATEGY=strategy)
+    from processes import HELPERS, launch_two_processes
+
+    launch_two_processes(HELPERS / "ddp_async.py", tmp_path, R1_TEST_STRATEGY=strategy)
     sync, asynchronous = (AutoModelForCausalLM.from_pretrained(tmp_path / run / "model") for run in ("sync", "async"))
     a, b = dict(sync.named_parameters()), dict(asynchronous.named_parameters())
     assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]

@@ -10,16 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.config import ModelConfig, TinyModelConfig, LoRAConfig
+from grpo.config import LoRAConfig
 from grpo.reward_config import PreferenceDataConfig
 from grpo.data.preferences import load_preference_data, preference_pairs
 from grpo.data.tables import DataError
 from grpo.dpo_config import DPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.dpo import dpo_loss, pair_batch, sequence_logps, tokenize_pairs, train_dpo
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 PROMPT = "Give me a tip for running."
 GOOD = "<think>A tip on running.</think><answer>Start slow, add a little distance each week and rest well.</answer>"
 EMPTY = "<think></think><answer>Ok.</answer>"

@@ -1,20 +1,18 @@
 """DPO across processes: two CPU processes (gloo, on 127.0.0.1) under ddp and under fsdp give what one process gives
-at the same global batch, and only the main one reports. The tolerances are test_distributed.py's (fp32 rounding of
-a gradient summed from two halves, a few Adam steps at lr 1e-2)."""
+at the same global batch, and only the main one reports. The tolerances are tests/grpo/training/test_distributed.py's
+(fp32 rounding of a gradient summed from two halves, a few Adam steps at lr 1e-2)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from dpo_loops import STRATEGIES, run_all
-from test_distributed import launch_two_processes
+from processes import HELPERS, launch_two_processes
 
-HERE = Path(__file__).resolve().parent
 KEYS = ["dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward", "dpo/grad_norm"]
 
 
@@ -22,7 +20,7 @@ KEYS = ["dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/reje
 def runs(tmp_path_factory):
     """(one process, two processes): each strategy's output folder root."""
     one, two = tmp_path_factory.mktemp("dpo-one"), tmp_path_factory.mktemp("dpo-two")
-    launch_two_processes(HERE / "dpo_loops.py", two, OMP_NUM_THREADS="1")
+    launch_two_processes(HELPERS / "dpo_loops.py", two, OMP_NUM_THREADS="1")
     run_all(one)
     return one, two
 

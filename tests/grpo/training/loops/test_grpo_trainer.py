@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GRPOConfig, SamplingConfig
 from grpo.models import activation_checkpointing, is_checkpointing, load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.sampling.cpu_decoder import lean_decode_supported
@@ -15,11 +15,10 @@ from grpo.training.logprobs import token_logps
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loss import grpo_loss
 from grpo.training.optimizers import make_adamw
+from tiny_configs import SMALL
 
 pytestmark = pytest.mark.precision  # trains under `auto`: `make test` runs it under either CPU answer
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
 
 

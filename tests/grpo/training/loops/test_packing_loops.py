@@ -14,13 +14,14 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from comparisons import close
+from grpo.config import GRPOConfig, SamplingConfig
 from grpo.kernels.attention import attending_packed
 from grpo.models import load_model_and_tokenizer
-from test_packing import close, grpo_rows, make_model, one_thread  # noqa: F401
+from packing_inputs import grpo_rows, make_model
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
 
 
 def digits(completions, **_):

@@ -5,15 +5,14 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import ModelConfig, TaskConfig, TinyModelConfig
+from comparisons import close
+from grpo.config import ModelConfig, TaskConfig
 from grpo.reward_config import RewardModelConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.rewards.steps import arithmetic_steps
 from grpo.training.loops.prm import _auc, build_prm, evaluate_prm, label_worked_solutions, prm_step_verifier, train_prm
-from test_packing import close
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 TASK = TaskConfig(max_operand=5)
 
 

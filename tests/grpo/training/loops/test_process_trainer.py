@@ -12,7 +12,6 @@ from grpo.config import (
     SamplingConfig,
     SFTConfig,
     TaskConfig,
-    TinyModelConfig,
 )
 from grpo.data.arithmetic import generate_problems, rl_rows, sft_rows
 from grpo.models import load_model_and_tokenizer
@@ -25,9 +24,8 @@ from grpo.training.logprobs import token_logps
 from grpo.training.process import process_advantages
 from grpo.training.loops.prm import label_steps, label_worked_solutions, prm_step_verifier, train_prm
 from grpo.training.loops.sft_trainer import train_sft
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 TASK = TaskConfig(max_operand=3, counting_share=0.5)
 PROMPT = "Ben has 9 apples, buys 3 and gives away 2. How many are left?"
 RIGHT = "<think>Given 9, 3, 2. 9 + 3 = 12. 12 - 2 = 10.</think><answer>10</answer>"

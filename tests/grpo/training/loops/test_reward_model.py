@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import grpo.training.loops.reward_model
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.config import GRPOConfig, ModelConfig, SamplingConfig
 from grpo.data.preferences import general_prompts, general_sft_rows, load_preferences, preference_pairs
 from grpo.data.tables import SFT_SCHEMA, DataError, validate_rows
 from grpo.models import is_checkpointing
@@ -21,9 +21,8 @@ from grpo.training.loops.reward_model import train_reward_model
 from grpo.training.loops.sft_trainer import tokenize_rows
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, build_reward_model, encode,
                                          encode_pairs, evaluate_pairs, pair_metrics, reward_model_reward)
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 PROMPT = "Give me a tip for running."
 GOOD = "<think>A tip on running.</think><answer>Start slow, add a little distance each week and rest well.</answer>"
 

@@ -10,17 +10,16 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from comparisons import close
+from grpo.config import GRPOConfig, SamplingConfig
 from grpo.data.preferences import general_prompts, preference_pairs
 from grpo.models import load_model_and_tokenizer
 from grpo.reward_config import RewardModelConfig
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.rm_refresh import RewardModelRefresh, policy_pairs
 from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
-from test_packing import close
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 WEIGHTS = {"digits": 0.5, "reward_model": 1.0}
 
 

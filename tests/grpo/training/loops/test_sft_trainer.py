@@ -5,14 +5,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.config import ModelConfig, SFTConfig, TinyModelConfig
+from grpo.config import SFTConfig
 from grpo.data.tables import DataError
 from grpo.models import is_checkpointing, load_model_and_tokenizer
 from grpo.training.batches import batch_indices
 from grpo.training.loops.sft_trainer import tokenize_rows, train_sft
+from tiny_configs import SMALL
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
 ROWS = pd.DataFrame({"prompt": [f"What is {i} + 1?" for i in range(16)],
                      "response": [f"<think>{i} + 1 = {i + 1}.</think><answer>{i + 1}</answer>" for i in range(16)]})
 
