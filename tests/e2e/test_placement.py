@@ -125,6 +125,22 @@ def placed(deployed_server, tmp_path_factory, r1_home):
     finally:
         for p in reversed(started):
             stack.stop_process(p)
+        remove_pools(api, [PARENT_POOL, *sorted(set(POOLS.values()))])
+
+
+def remove_pools(api: str, pools: list[str]) -> None:
+    """The session's server as the fixture found it: the deployments this module made on its pools, then the pools
+    (test_deployments, on the same server, counts every deployment)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        made = client.read_deployments(work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=pools)))
+        for deployment in made:
+            client.delete_deployment(deployment.id)
+        for pool in pools:
+            client.delete_work_pool(pool)
 
 
 def _kill_the_worker_running_grpo(placed) -> tuple[int, str]:
