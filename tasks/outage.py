@@ -27,9 +27,26 @@ from grpo.faults import Fault
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0  # a server that takes longer than this to say it is healthy counts as not answering
 RETRY_EVERY_S = 1.0  # how often a server that did not answer is asked again
-# writes one batch of a run's metrics to the server (tasks.tracking passes MLflow's client): given, not imported,
-# so this module needs nothing of tasks
-Writer = Callable[[str, list], None]
+# writes one batch of a run's metrics to the server at the uri: `write_once`, or a stand-in
+Writer = Callable[[str, str, list], None]
+WRITE_TIMEOUT_S = 30  # one batch's write to a tracking server, tried once (the queue tries it again)
+
+
+def write_once(uri: str, run_id: str, metrics: list) -> None:
+    """One batch to the tracking server at `uri`, tried once within WRITE_TIMEOUT_S: the queue writes it again once
+    the server answers. MLflow's client retries a server gone mid-write for minutes (7 tries, backoff up to 2
+    minutes), unseen, with every later batch waiting behind the call: a server killed during a write left a stage's
+    end waiting out R1_TRACKING_WAIT_S without the line that says the server is not answering."""
+    import json
+
+    from mlflow.protos.service_pb2 import LogBatch
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.proto_json_utils import message_to_json
+    from mlflow.utils.rest_utils import http_request_safe
+
+    body = message_to_json(LogBatch(run_id=run_id, metrics=[m.to_proto() for m in metrics]))
+    http_request_safe(get_default_host_creds(uri), "/api/2.0/mlflow/runs/log-batch", "POST", json=json.loads(body),
+                      max_retries=0, timeout=WRITE_TIMEOUT_S)
 
 
 def wait_s() -> float:
@@ -74,7 +91,7 @@ class MetricsQueue(threading.Thread):
                 time.sleep(RETRY_EVERY_S)
                 continue
             try:
-                self.write(run_id, metrics)
+                self.write(self.uri, run_id, metrics)
             except Exception as e:  # noqa: BLE001 (MLflow's and requests' errors alike)
                 if not answering(self.uri):  # gone while writing: the same batch again once it is back
                     continue

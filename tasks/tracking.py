@@ -346,7 +346,7 @@ class MetricsLogger:
 
         uri = tracking_uri()
         self.run_id, self.client = run_id, client()
-        self.queue = outage.queue_for(uri, _write_metrics) if uri.startswith(("http://", "https://")) else None
+        self.queue = outage.queue_for(uri, outage.write_once) if uri.startswith(("http://", "https://")) else None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         import time
@@ -359,26 +359,6 @@ class MetricsLogger:
             self.queue.put(self.run_id, batch)
         else:
             self.client.log_batch(self.run_id, metrics=batch)
-
-
-WRITE_TIMEOUT_S = 30  # one batch's write to a tracking server, tried once (the queue tries it again)
-
-
-def _write_metrics(run_id: str, metrics: list) -> None:
-    """One batch to the tracking server, tried once within WRITE_TIMEOUT_S: the queue (tasks.outage) writes it
-    again once the server answers. MLflow's client retries a server gone mid-write for minutes (7 tries, backoff up
-    to 2 minutes), unseen, with every later batch waiting behind the call: a server killed during a write left a
-    stage's end waiting out R1_TRACKING_WAIT_S without the line that says the server is not answering."""
-    import json
-
-    from mlflow.protos.service_pb2 import LogBatch
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.proto_json_utils import message_to_json
-    from mlflow.utils.rest_utils import http_request_safe
-
-    body = message_to_json(LogBatch(run_id=run_id, metrics=[m.to_proto() for m in metrics]))
-    http_request_safe(get_default_host_creds(tracking_uri()), "/api/2.0/mlflow/runs/log-batch", "POST",
-                      json=json.loads(body), max_retries=0, timeout=WRITE_TIMEOUT_S)
 
 
 def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, context: str) -> None:
