@@ -192,7 +192,8 @@ def launch_env(cfg: DistributedConfig) -> dict[str, str]:
     """The environment of an `accelerate launch` of the job (on any of its machines): each of this machine's
     processes a share of its cores and a wait policy that does not spin (grpo.cores; accelerate passes
     OMP_NUM_THREADS on to them)."""
-    return {**cores.shared_env(cores.share(num_processes(cfg))), "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+    return {**cores.shared_env(cores.share(num_processes(cfg))),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
             "MASTER_ADDR": machine(cfg)[1], COLLECTIVE_TIMEOUT: str(cfg.collective_timeout_s),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # a timed-out NCCL collective raises instead of hanging
 
