@@ -32,6 +32,28 @@ from grpo.cores import share, thread_env  # noqa: E402  (plain Python: imports n
 
 os.environ.update(thread_env(share(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
+
+def _worker_ports() -> str | None:
+    """This worker's own range of ports (grpo.ports, R1_PORTS): the workers' servers, clusters and launches each pick
+    a free port and bind it a few seconds later, and two workers picking from the kernel's one ephemeral range at
+    once could pick the same one (a Ray node's runtime-env agent once found another cluster's metrics server on its
+    port). Below the ephemeral range, above Ray's worker ports (10002-19999), split between the workers."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    width = (ephemeral_low - 20000) // workers
+    if width < 500:
+        return None
+    low = 20000 + index * width
+    return f"{low}-{low + width - 1}"
+
+
+if "R1_PORTS" not in os.environ and (_ports := _worker_ports()):
+    os.environ["R1_PORTS"] = _ports
+
 # Prefect binds its console log handler to the sys.stderr of the moment it is first imported; import it now,
 # under the session's capture, not inside a test whose captured stream is closed when that test ends.
 import prefect.main  # noqa: E402,F401  (runs setup_logging)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from grpo.interrupts import die_with_parent
+from grpo.ports import free_port
 from tasks.env import LOCAL_API
 
 
@@ -30,12 +31,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     die_with_parent(signal.SIGTERM)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -64,7 +59,7 @@ def local_prefect_api() -> Iterator[str | None]:
 
     home = Path(os.environ["PREFECT_HOME"]).expanduser()
     home.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
            "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.env import PROJECT_ROOT
+from grpo.ports import free_port  # noqa: F401  (stack.free_port: what the stack's callers pick ports with)
 
 PROCESS_POOL = "r1-process"
 GPU_POOL = "r1-k8s-gpu"
@@ -53,12 +54,6 @@ class Started:
     pid: int
     started_at: float  # the process's start time (psutil), so a reused PID is not mistaken for ours
     log: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_process(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: Path = PROJECT_ROOT) -> Started:

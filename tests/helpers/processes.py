@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from grpo.ports import free_port
+
 HELPERS = Path(__file__).resolve().parent
 ROOT = HELPERS.parents[1]
 STOP_WITHIN_S = 30  # how long `r1` may take to exit after Ctrl-C or SIGTERM
@@ -28,7 +30,7 @@ def launch_two_processes(script: Path, out: Path, **env: str) -> None:
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()), str(script), str(out)]
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), str(script), str(out)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "", **env,
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

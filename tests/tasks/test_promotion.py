@@ -2,7 +2,6 @@
 person's approval in the Prefect UI. Real MLflow (SQLite in the session's temp folder), a real tiny model."""
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import mlflow
 import pytest
 
 from grpo.recipe import AlignmentGRPOConfig
+from grpo.ports import free_port
 from tasks import tracking
 from tasks.promotion import AWAITING, Holder, decide, promote_model, register_model
 
@@ -115,10 +115,6 @@ def test_the_registered_model_loads_with_pyfunc_and_from_pretrained(prefect_harn
     assert (folder / "tokenizer.json").is_file()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_mlflow_models_serve_answers_for_the_alias(prefect_harness, mlflow_client, checkpoint, tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pandas as pd
 
 from grpo import cores
 from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
+from grpo.ports import free_port
 
 # what a multi-machine job tells each of its machines (README: "Training across processes and machines")
 MACHINE_RANK, MAIN_IP, MAIN_PORT, JOIN_DIR = ("R1_MACHINE_RANK", "R1_MAIN_PROCESS_IP", "R1_MAIN_PROCESS_PORT",
@@ -178,7 +178,7 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
         ray_train.run_on_ray(ray_address, cfg, job_file, events, result,
                              lambda ended: _follow(ended, events, on_metrics, on_samples))
         return json.loads(result.read_text())
-    cmd = launch_command(cfg, n, job_file, _free_port())
+    cmd = launch_command(cfg, n, job_file, free_port())
     if cfg.num_machines > 1:
         announce(job_file)
     try:
@@ -285,8 +285,3 @@ def _follow(ended: Callable[[], bool], events: Path, on_metrics: MetricsCallback
         time.sleep(0.5)
 
 
-def _free_port() -> int:
-    """A TCP port nothing listens on now, for the launch's rendezvous on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

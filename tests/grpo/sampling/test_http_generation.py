@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from pydantic import ValidationError
 from grpo.config import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig
 from grpo.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
+from grpo.ports import free_port
 from grpo.rejection.shards import run_rejection_sampling, shard_seed
 from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.sampling.http_backend import (
@@ -41,10 +41,6 @@ SAMPLING = SamplingConfig(max_new_tokens=24)
 PROMPTS = [f"Problem {i}: what is it?" for i in range(24)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +228,7 @@ def test_a_refused_request_fails_at_once_without_retries(in_thread):
 
 def test_the_preflight_names_each_endpoint_that_cannot_be_used(in_thread):
     (server, _), _, tok = in_thread
-    down = f"http://127.0.0.1:{_free_port()}/v1"  # bound then released: nothing listens there
+    down = f"http://127.0.0.1:{free_port()}/v1"  # bound then released: nothing listens there
     backend = _backend([server.url, down], tok, retries=1)
     start = time.monotonic()
     with pytest.raises(GenerationUnavailable) as err:
@@ -386,7 +382,7 @@ def test_the_stage_with_an_endpoint_down_at_the_start_fails_naming_it_and_sample
     from flows.rejection_sampling import rejection_sampling
 
     survivor_url = two_servers[0][1]
-    down = f"http://127.0.0.1:{_free_port()}/v1"
+    down = f"http://127.0.0.1:{free_port()}/v1"
     cfg = _stage_config(prompts_file, [survivor_url, down], retries=1)
     before = set(_shards(r1_home))
     with pytest.raises(Exception, match=f"could not reach generation endpoint at {down}/models: connection refused"):

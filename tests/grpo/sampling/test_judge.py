@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from pydantic import ValidationError
 from flows.cli.r1 import main
 from grpo.config import JudgeConfig, ModelConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
+from grpo.ports import free_port
 from grpo.sampling.judge import (
     HTTPJudge,
     JudgeUnavailable,
@@ -231,14 +231,10 @@ def test_the_server_refuses_non_json_unknown_routes_and_missing_keys(server):
 # Failures the HTTP judge retries, and the ones it reports at once
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_judge_that_is_down_fails_fast_naming_the_url_and_cause():
-    url = f"http://127.0.0.1:{_free_port()}/v1"  # bound then released: nothing listens there
+    url = f"http://127.0.0.1:{free_port()}/v1"  # bound then released: nothing listens there
     judge = HTTPJudge(_http_cfg(url, max_retries=2))
     start = time.monotonic()
     with pytest.raises(JudgeUnavailable) as err:

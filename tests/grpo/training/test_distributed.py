@@ -28,6 +28,7 @@ from comparisons import (RTOL, assert_curves_match, assert_gradients_of_halves, 
                          assert_sft_matches, reported)
 from ddp_loops import GRPO, logps_rows, run_all
 from grpo.distributed_config import DistributedConfig
+from grpo.ports import free_port
 from grpo.training.launchers import launch
 from processes import HELPERS, ROOT, launch_two_processes
 from tiny_configs import DISTRIBUTED_STAGE as STAGE
@@ -169,7 +170,7 @@ def test_two_machines_on_loopback_train_one_stage_together(prefect_harness, mlfl
     from tasks.data import read_frame
 
     job = {launch.JOIN_DIR: str(tmp_path / "join"), launch.MAIN_IP: "127.0.0.1",
-           launch.MAIN_PORT: str(launch._free_port())}
+           launch.MAIN_PORT: str(free_port())}
     for key, value in job.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv(launch.MACHINE_RANK, "0")

@@ -25,6 +25,7 @@ from comparisons import (assert_curves_match, assert_gradients_of_halves, assert
                          assert_sft_matches, reported)
 from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_ppo, run_sft_resumed
 from grpo.distributed_config import DistributedConfig
+from grpo.ports import free_port
 from grpo.recipe import ReasoningGRPOConfig
 from grpo.training.launchers import launch
 from processes import HELPERS, ROOT
@@ -40,7 +41,7 @@ def runs(tmp_path_factory):
     run_all(one, "fsdp")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(launch._free_port()),
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
            str(HELPERS / "ddp_loops.py"), str(two), "fsdp", str(one)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])}
@@ -280,7 +281,7 @@ def test_a_gather_that_waits_past_the_collective_timeout_fails_instead_of_hangin
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])}
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(launch._free_port()), str(script)],
+                           "127.0.0.1", "--master_port", str(free_port()), str(script)],
                           env=env, capture_output=True, text=True, timeout=300)
     took = time.monotonic() - started
     assert proc.returncode != 0
