@@ -348,7 +348,9 @@ def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness
     assert not any(alive(pid) for pid in pids)
     [sweep] = tracking.find_runs("tags.`r1.sweep.recipe` = 'sweep-ctrl-c'")
     assert sweep.info.status == "KILLED"
-    assert {tracking.client().get_run(p.info.run_id).info.status for p in points} == {"KILLED"}
+    logs = "\n".join(f"--- {log.name}\n" + log.read_text(errors="replace")[-3000:]
+                     for log in sorted((tracking.r1_home() / "sweeps" / sweep.info.run_id / "points").glob("*.log")))
+    assert {tracking.client().get_run(p.info.run_id).info.status for p in points} == {"KILLED"}, logs
 
 
 def test_a_sweep_cancelled_in_the_prefect_ui_stops_its_point_processes(deployed_server, pool):
