@@ -1,8 +1,9 @@
 """Sampling a long-tailed workload: the engine as it is, the engine at an earlier commit, and transformers' own
 continuous batching (`generate_batch`), on the same model and prompts, one after another in one run.
 
-usage: python benchmarks/continuous_batching.py [--before REV] [--prompts 128] [--samples 4] [--slots 64]
-                                                [--budget 256] [--repeats 1] [--threads 2] [--clock wall|cpu]
+usage: python benchmarks/continuous_batching.py [--before REV] [--static] [--no-peer] [--prompts 128]
+                                                [--samples 4] [--slots 64] [--budget 256] [--eos-scale 10]
+                                                [--repeats 1] [--threads 2] [--clock wall|cpu]
 
 The workload (the same for every way):
 - the embedded recipe's model shape (Qwen2, hidden 256, 4 layers, 2.97M parameters, its 1,024-entry BPE tokenizer),
@@ -20,6 +21,13 @@ steps computed, summed over the steps, and the share of them spent on rows that 
 token comes from its prefill and each later one from one decode step, so the share is 1 - (tokens - rows) /
 rows computed. `--before REV` (default: the commit before continuous batching) is checked out into a temporary
 folder with `git worktree` and its engine run by the same code here. The last line compares them.
+
+The engine's lines also say what its KV cache cost: `kv_mb_allocated` (the largest cache a call held: a paged
+pool's pages, or the static cache's S rows of prompt + budget positions), `kv_read_bytes_per_token` (the cache
+positions the decode steps' attention read, summed over slots and steps, times a position's bytes over every layer,
+per completion token), `pages_high_water` and `preemptions` (paged), and `peak_rss_mb` (the process's, warm-up and
+model included). `--static` adds the engine with the static cache (the captured layout, stepped eagerly over the
+positions written so far, as before paging) in the same code. The model's context is the budget + 128 positions.
 
 `--clock cpu` times with the process's CPU time instead of the wall clock: on a machine shared with other jobs,
 with `--threads 1`, it is what the work costs whatever else runs (a wall clock there measures the neighbours).
@@ -47,7 +55,7 @@ def workload(args):
     from grpo.tiny import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()
-    model = build_tiny_model(TinyModelConfig(), tok).eval()
+    model = build_tiny_model(TinyModelConfig(max_position_embeddings=args.budget + 128), tok).eval()
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] *= args.eos_scale  # tied: the embedding row too (never an input)
     prompts = [[{"role": "user", "content": f"What is {10 + i % 90} + {20 + (7 * i) % 70}?"}]
@@ -92,9 +100,14 @@ def run_engine(args, label: str) -> dict:
 
     step_module._decode = counted
     engine = build_engine(GenerationConfig(), model, tok)
+    if label == "engine static":  # the static cache, stepped eagerly (keep_captures is what selects it)
+        engine.sampler.keep_captures, engine.sampler.full_cache_attention, engine.sampler.buckets = True, False, False
     sampling = SamplingConfig(max_new_tokens=args.budget, temperature=1.0, batch_size=args.slots)
     torch.manual_seed(1)
     engine.generate(prompts[:8], args.samples, sampling)  # warm-up
+    sampler = getattr(engine, "sampler", None)
+    if sampler is not None and hasattr(sampler, "counts"):
+        sampler.counts = type(sampler.counts)()  # the timed calls' counts only
     best = None
     for _ in range(args.repeats):
         rows_computed[0] = 0
@@ -107,9 +120,27 @@ def run_engine(args, label: str) -> dict:
     wall, rollout, computed = best
     lengths = rollout.completion_tokens.tolist()
     tokens, rows = sum(lengths), len(lengths)
-    return {"way": label, "clock": args.clock, "threads": args.threads, "tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
-            "row_steps": computed, "finished_row_steps_share": round(1 - (tokens - rows) / computed, 4),
-            "lengths": percentiles(lengths, args.budget)}
+    out = {"way": label, "clock": args.clock, "threads": args.threads, "tokens": tokens, "seconds": round(wall, 2),
+           "tokens_per_s": round(tokens / wall, 1), "row_steps": computed,
+           "finished_row_steps_share": round(1 - (tokens - rows) / computed, 4),
+           "lengths": percentiles(lengths, args.budget)}
+    return {**out, **kv_figures(engine, model, tokens, args.repeats)}
+
+
+def kv_figures(engine, model, tokens: int, repeats: int) -> dict:
+    """What the KV cache cost, from the sampler's counts (summed over the timed calls), and the process's peak
+    RSS."""
+    import resource
+
+    counts = getattr(getattr(engine, "sampler", None), "counts", None)
+    rss = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if counts is None or not hasattr(counts, "kv_positions_read"):
+        return rss  # an engine from before the counts
+    cfg = model.config
+    position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    return {**rss, "kv_mb_allocated": round(counts.kv_bytes_allocated / 2**20, 1),
+            "kv_read_bytes_per_token": round(counts.kv_positions_read * position / (tokens * repeats)),
+            "pages_high_water": counts.pages_high_water, "preemptions": counts.preemptions}
 
 
 def run_peer(args) -> dict:
@@ -151,6 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", default=BEFORE, help="the commit to compare against ('' to skip)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
+    ap.add_argument("--static", action="store_true", help="also the engine with the static cache, in this code")
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--slots", type=int, default=64)
@@ -191,6 +223,8 @@ def main() -> None:
             finally:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                                capture_output=True)
+    if args.static:
+        rows["static"] = one("engine", "engine static", ROOT)
     rows["now"] = one("engine", "engine now", ROOT)
     if not args.no_peer:
         rows["peer"] = one("peer", "peer", ROOT)

@@ -8,6 +8,7 @@
 | `static_sampler` | the sampler for Llama-family decoders: rows streamed through slots of a static KV cache, in-step sampling, CUDA graphs on a GPU |
 | `slots` | continuous batching (`SlotBatch`): which row each slot holds, the waiting rows, refills, rows handed back as they end |
 | `decode_step` | the decode step itself: the slots' state, each slot at its own position, captured per slot-count bucket |
+| `pages` | the paged KV cache (`PagedState`, `PagePool`): pages rows take as they grow, a prompt's shared by its rows |
 | `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (its fused, packed linears serve the static sampler) |
 | `http_backend` | the http engine (`HTTPGenerationBackend`): `/v1/completions` servers, spread over, failed over |
 | `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |

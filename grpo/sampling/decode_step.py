@@ -16,6 +16,9 @@ row's uniforms, limit and done flag, its chosen tokens and their log-probs. A st
   `torch.cuda.CUDAGraph` for each of `row_buckets(S)` and replayed, and a slot that ended between the host's checks
   writes a dump column and stays as it was.
 
+The eager path keeps its keys and values in pages instead (`grpo.sampling.pages.PagedState`, the same per-slot
+fields): the step asks its state where each slot's token goes and what attention reads (`attention(kv_len)`).
+
 Must not depend on Prefect or MLflow.
 """
 
@@ -155,17 +158,29 @@ class _State:
     """Everything one decode step reads and writes for S slots, allocated once per shape (S slots, prompt bucket P,
     budget C). Each slot holds one sample at its own point: `n` tokens chosen, its prompt's positions, its uniforms.
     Slots are kept packed at the front (`rows(m)` is the first m of every tensor, views of the same storage), so a
-    step over the live slots is a step over a prefix."""
+    step over the live slots is a step over a prefix.
+
+    The cache here is static: each slot owns a row of P + C positions per layer, its prompt right-aligned in the
+    first P (the CUDA step's captured layout). `pages.PagedState` keeps the same per-slot fields and puts the keys
+    and values in pages instead; both answer `place`, `release`, `kv_len` and `attention` for `slots.SlotBatch`."""
+
+    paged = False
 
     def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device):
+        self._slot_fields(model, S, P, C, dtype, device)
+        T = self.T
+        self.k = [torch.zeros(S, self.n_kv, T, self.head_dim, dtype=dtype, device=device)
+                  for _ in range(self.n_layers)]  # [S, Hkv, T, D] each
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.bias = torch.zeros(S, 1, 1, T, dtype=dtype, device=device)  # 0 where a key may be read, min elsewhere
+
+    def _slot_fields(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
         model = decoder(model)
         cfg, attn = model.config, model.model.layers[0].self_attn
         T = P + C
         self.n_kv, self.head_dim, self.scale = cfg.num_key_value_heads, attn.head_dim, attn.scaling
-        self.k = [torch.zeros(S, self.n_kv, T, self.head_dim, dtype=dtype, device=device)
-                  for _ in model.model.layers]  # [S, Hkv, T, D] each
-        self.v = [torch.zeros_like(k) for k in self.k]
-        self.bias = torch.zeros(S, 1, 1, T, dtype=dtype, device=device)  # 0 where a key may be read, min elsewhere
+        self.n_layers, self.dtype, self.device = len(model.model.layers), dtype, device
         self.next_pos = torch.zeros(S, dtype=torch.long, device=device)  # [S] position of the first new token
         self.uniforms = torch.zeros(S, C, dtype=torch.float64, device=device)  # [S, C] the slot's sample's draws
         self.n = torch.zeros(S, dtype=torch.long, device=device)  # [S] tokens chosen so far, per slot
@@ -193,12 +208,15 @@ class _State:
             return self
         if m not in self._views:
             view = copy.copy(self)
-            view.k, view.v = [k[:m] for k in self.k], [v[:m] for v in self.v]
+            self._cut_cache(view, m)
             for name in self._PER_SLOT:
                 setattr(view, name, getattr(self, name)[:m])
             view.S, view._views = m, {}
             self._views[m] = view
         return self._views[m]
+
+    def _cut_cache(self, view: "_State", m: int) -> None:
+        view.k, view.v = [k[:m] for k in self.k], [v[:m] for v in self.v]
 
     def move(self, src: int, dst: int) -> None:
         """Slot `src`'s sample into slot `dst` (which is free); `src` is left free."""
@@ -208,6 +226,36 @@ class _State:
             t = getattr(self, name)
             t[dst] = t[src]
         self.done[src] = True
+
+    def place(self, slots: list[int], prompts: list[int], prefilled: list[tuple], mask: torch.Tensor) -> None:
+        """Each prompt's keys and values (`prefilled`: per layer [Hkv, width, D] lists, right-aligned, padding where
+        `mask` [r, P] is 0) into its slot's prompt part, which opens where the mask says."""
+        P = self.P
+        for slot, (keys, values) in zip(slots, prefilled):
+            width = keys[0].size(1)
+            for i in range(len(self.k)):
+                self.k[i][slot, :, P - width : P] = keys[i]
+                self.v[i][slot, :, P - width : P] = values[i]
+        # additive, which SDPA on CPU runs faster than a bool mask; completion slots open as they are written
+        floor = torch.finfo(self.bias.dtype).min
+        bias = torch.full((len(slots), self.T), floor, dtype=self.bias.dtype, device=self.device)  # [r, T]
+        bias[:, :P].masked_fill_(mask.bool(), 0.0)
+        self.bias[torch.tensor(slots, device=self.device), 0, 0] = bias
+
+    def release(self, slot: int) -> None:
+        """The slot's row has left (nothing to give back: its cache row is the slot's own)."""
+
+    def kv_len(self, m: int, full: bool) -> int:
+        """Positions a step over the first m slots attends over: the whole row (`full`, the captured shape) or as far
+        as the furthest of them has written."""
+        return self.T if full else self.P + int(self.n[:m].max())
+
+    def kv_bytes(self) -> int:
+        """Bytes the keys and values take."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def attention(self, kv_len: int) -> "_StaticAttention":
+        return _StaticAttention(self, kv_len)
 
 
 def row_buckets(S: int) -> list[int]:
@@ -283,15 +331,13 @@ def _step(st: _State, w: _Weights, cfg, s: SamplingConfig, eos: torch.Tensor, pa
     _choose(st, _decode(st, w, cfg, kv_len), s, eos, pad_id, want_logprobs)
 
 
-def _decode(st: _State, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
-    """The logits [S, V] after each slot's last chosen token, which goes into its cache slot P + n - 1."""
+def _decode(st, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
+    """The logits [S, V] after each slot's last chosen token, whose keys and values go into the slot's cache (a
+    `_State`'s row at P + n - 1, a `pages.PagedState`'s page), attending over what `st.attention` says it reads."""
     S, D, Hkv, Hq, eps = st.tok.size(0), st.head_dim, st.n_kv, cfg.num_attention_heads, cfg.rms_norm_eps
-    slot = (st.n + (st.P - 1)).view(S, 1, 1, 1)  # [S, 1, 1, 1] each slot at its own place
     pos = (st.next_pos + (st.n - 1)).clamp(min=0)  # [S] (a free slot's count may be 0)
     cos, sin = st.cos.index_select(0, pos)[:, None], st.sin.index_select(0, pos)[:, None]  # [S, 1, D]
-    st.bias.scatter_(-1, slot, 0.0)  # the new token's cache slot opens, in each slot's own row
-    bias = st.bias[..., :kv_len]  # [S, 1, 1, kv_len]
-    at = slot.expand(S, Hkv, 1, D)  # [S, Hkv, 1, D]
+    kv = st.attention(kv_len)
     x = F.embedding(st.tok, w.embed)  # [S, H]
     for i, (layer, qk_norm) in enumerate(zip(w.layers, w.qk_norms)):
         h = _rms_norm(x, layer.ln1, eps)  # [S, H]
@@ -300,16 +346,37 @@ def _decode(st: _State, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
         if qk_norm is not None:  # Qwen3 normalises each head before the rotary
             qk = torch.cat([_rms_norm(qk[:, :Hq], qk_norm[0], eps), _rms_norm(qk[:, Hq:], qk_norm[1], eps)], 1)
         qk = qk * cos + qk.view(S, Hq + Hkv, 2, D // 2).flip(2).view(S, Hq + Hkv, D) * sin
-        st.k[i].scatter_(2, at, qk[:, Hq:, None])  # [S, Hkv, 1, D] into [S, Hkv, T, D]
-        st.v[i].scatter_(2, at, qkv[:, (Hq + Hkv) * D :].view(S, Hkv, 1, D))
+        kv.write(i, qk[:, Hq:], qkv[:, (Hq + Hkv) * D :].view(S, Hkv, D))  # [S, Hkv, D] each
         q = qk[:, :Hq].reshape(S, Hkv, Hq // Hkv, D)  # query head h reads KV head h // (Hq/Hkv)
-        o = F.scaled_dot_product_attention(q, st.k[i][:, :, :kv_len], st.v[i][:, :, :kv_len], attn_mask=bias,
-                                           scale=st.scale)  # [S, Hkv, Hq/Hkv, D]
+        o = kv.attend(i, q)  # [S, Hkv, Hq/Hkv, D]
         x = x + layer.o(o.reshape(S, Hq * D))
         h = _rms_norm(x, layer.ln2, eps)
         gate, up = layer.gate_up(h).chunk(2, -1)  # [S, I] each
         x = x + layer.down(F.silu(gate) * up)
     return w.head(_rms_norm(x, w.norm, eps))  # [S, V]
+
+
+class _StaticAttention:
+    """One step's cache access in a `_State`: each slot's new K/V at its row's P + n - 1 (a scatter), attention over
+    the first kv_len positions of every row under the rows' validity bias."""
+
+    def __init__(self, st: "_State", kv_len: int):
+        S = st.tok.size(0)
+        slot = (st.n + (st.P - 1)).view(S, 1, 1, 1)  # [S, 1, 1, 1] each slot at its own place
+        st.bias.scatter_(-1, slot, 0.0)  # the new token's cache slot opens, in each slot's own row
+        self.st, self.kv_len = st, kv_len
+        self.bias = st.bias[..., :kv_len]  # [S, 1, 1, kv_len]
+        self.at = slot.expand(S, st.n_kv, 1, st.head_dim)  # [S, Hkv, 1, D]
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.st.k[i].scatter_(2, self.at, k[:, :, None])  # [S, Hkv, 1, D] into [S, Hkv, T, D]
+        self.st.v[i].scatter_(2, self.at, v[:, :, None])
+
+    def attend(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """q [S, Hkv, Hq/Hkv, D] over layer i's first kv_len positions of each row: [S, Hkv, Hq/Hkv, D]."""
+        st = self.st
+        return F.scaled_dot_product_attention(q, st.k[i][:, :, : self.kv_len], st.v[i][:, :, : self.kv_len],
+                                              attn_mask=self.bias, scale=st.scale)
 
 
 def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,11 @@ class SlotBatch:
 
     A slot whose row ends takes the next waiting row before the next step: its prompt's keys and values (prefilled
     once per submitted prompt, its G rows sharing them; prompts are prefilled in chunks, the next S waiting rows'
-    at once) written into the slot's prompt part, its first token chosen from the prefill's logits. Once no row
+    at once) written into the slot's prompt part (a paged cache: into pages once, read by the prompt's rows), its
+    first token chosen from the prefill's logits. In a paged cache (`pages.PagedState`) a row is admitted when its
+    prompt's pages and one more fit, each row gets the pages its next steps write before they run, and when a
+    budget's pool has too few the newest rows are preempted: back to the front of the queue with the tokens they
+    chose, to resume from a forward over their prompt and those tokens, ending as they would have. Once no row
     waits, the live slots are moved to the front and a step computes those alone (a captured step: the smallest
     bucket of `row_buckets` that holds them). A row's tokens depend on its prompt and its uniforms only, not on its
     slot or its neighbours. `StaticSampler.sample` and `stream` run a fixed set of rows through one; `r1 serve`
@@ -63,6 +67,12 @@ class SlotBatch:
         self._prefilled: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}  # K, V, logits
         self._reported: dict[int, int] = {}  # key -> tokens handed out by `new_tokens`
         self._next_prompt = self._next_key = 0
+        # a paged cache (pages.PagedState): rows admitted by free pages and preempted when the pool runs dry
+        self._row_prompt: dict[int, torch.Tensor] = {}  # key -> its prompt's tokens (no padding), while it decodes
+        self._resume: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # preempted key -> (prompt,
+        #   the tokens it had chosen, their log-probs)
+        self._admitted: dict[int, int] = {}  # decoding key -> when it took its slot (the newest is preempted first)
+        self._admissions = 0
 
     @property
     def busy(self) -> bool:
@@ -113,11 +123,19 @@ class SlotBatch:
             slot = self.slot_row.index(key)
             self.slot_row[slot] = None
             self.state.done[slot] = True
-            self._rows.pop(key, None)
-            self._reported.pop(key, None)
+            self.state.release(slot)
+            self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        """A row that decoded is gone: what was kept for it."""
+        for kept in (self._rows, self._reported, self._row_prompt, self._admitted):
+            kept.pop(key, None)
 
     def _forget(self, key: int) -> None:
         """A waiting row leaves the queue: its prompt is let go when no other row needs it."""
+        if self._resume.pop(key, None) is not None:  # a preempted row: its prompt was let go when it first decoded
+            self._drop(key)
+            return
         u = self._rows.pop(key)[0]
         self._prompts[u][2] -= 1
         if not self._prompts[u][2]:
@@ -143,8 +161,8 @@ class SlotBatch:
                     out.append(Ended(key, st.ids[slot, :C].clone(), st.alive[slot, :C].clone(),
                                      st.logprobs[slot, :C].clone(), not done[j]))
                     self.slot_row[slot] = None
-                    self._rows.pop(key, None)
-                    self._reported.pop(key, None)
+                    st.release(slot)
+                    self._drop(key)
             free = [i for i, row in enumerate(self.slot_row) if row is None]
             if not (self._admit(free) or fin):
                 break  # nothing ended and nothing came in: decode (a new row may end at its first token)
@@ -155,19 +173,47 @@ class SlotBatch:
                     break
                 st.move(last, hole)
                 self.slot_row[hole], self.slot_row[last] = self.slot_row[last], None
+        every = self.sampler.check_every if self.device.type == "cuda" else 1  # a check syncs only on a device
+        if st.paged:
+            self._pages_ahead(every)
         taken = [i for i, row in enumerate(self.slot_row) if row is not None]
         if not taken:
             return out
         m = taken[-1] + 1
-        kv_len = st.T if self.sampler.full_cache_attention else self.P + int(st.n[:m].max())
-        every = self.sampler.check_every if self.device.type == "cuda" else 1  # a check syncs only on a device
         counts = self.sampler.counts
         for _ in range(every):
+            kv_len = st.kv_len(m, self.sampler.full_cache_attention)
             self.cap.run(m, kv_len)
             counts.steps += 1
             counts.rows_computed += self.cap.rows_run(m)
-            kv_len = min(kv_len + 1, st.T)
+            counts.kv_positions_read += st.stats["positions_read"] if st.paged else self.cap.rows_run(m) * kv_len
+        counts.kv_bytes_allocated = max(counts.kv_bytes_allocated, st.kv_bytes())
+        if st.paged:
+            counts.pages_high_water = max(counts.pages_high_water, st.pool.high_water)
         return out
+
+    def _pages_ahead(self, steps: int) -> None:
+        """Every decoding row gets the pages its next `steps` steps write; where the pool has no room, the newest
+        rows are preempted (back to the front of the queue, to resume from their prompt and tokens) until it does."""
+        st = self.state
+        live = [i for i, row in enumerate(self.slot_row) if row is not None]
+        short = st.grow_rows(live, st.n[live].tolist(), steps) if live else []
+        while short:
+            victim = max((i for i, row in enumerate(self.slot_row) if row is not None),
+                         key=lambda i: self._admitted[self.slot_row[i]])
+            self._preempt(victim)
+            short = [i for i in short if i != victim]
+            short = st.grow_rows(short, st.n[short].tolist(), steps) if short else []
+
+    def _preempt(self, slot: int) -> None:
+        st, key = self.state, self.slot_row[slot]
+        n = int(st.n[slot])
+        self._resume[key] = (self._row_prompt.pop(key), st.ids[slot, :n].clone(), st.logprobs[slot, :n].clone())
+        self._admitted.pop(key)
+        self.slot_row[slot] = None
+        st.release(slot)
+        self.waiting.appendleft(key)
+        self.sampler.counts.preemptions += 1
 
     @torch.inference_mode()
     def new_tokens(self) -> dict[int, tuple[list[int], list[float]]]:
@@ -186,41 +232,68 @@ class SlotBatch:
         return out
 
     def _admit(self, free: list[int]) -> list[int]:
-        """Fill `free` slots with the next waiting rows; returns the slots filled."""
-        st, P = self.state, self.P
-        pairs = []
-        while free[len(pairs):] and self.waiting:
-            pairs.append((free[len(pairs)], self.waiting.popleft()))
-        if not pairs:
-            return []
+        """Fill `free` slots with the next waiting rows (in a paged cache, while their pages fit); returns the slots
+        filled."""
+        st = self.state
+        pairs, resumed = [], []
+        room = st.room() if st.paged else 0
+        placed: set = set()  # prompts whose pages this admission already counted
+        while free[len(pairs) + len(resumed):] and self.waiting:
+            key = self.waiting[0]
+            if st.paged:
+                if key in self._resume:
+                    prompt, chosen, _ = self._resume[key]
+                    need = st.pages_to_place(("resumed", key), prompt.numel() + chosen.numel() - 1)
+                else:
+                    u = self._rows[key][0]
+                    need = 1 if u in placed else st.pages_to_place(u, int(self._prompts[u][1].sum()))
+                if need > room:
+                    if not self.live and not pairs and not resumed:
+                        raise RuntimeError(f"a row needs {need} pages and the KV cache has {room} free with no row "
+                                           f"decoding")
+                    break
+                room -= need
+                if key not in self._resume:
+                    placed.add(self._rows[key][0])
+            slot = free[len(pairs) + len(resumed)]
+            (resumed if key in self._resume else pairs).append((slot, self.waiting.popleft()))
+        for slot, key in resumed:
+            self._place_resumed(slot, key)
+        if pairs:
+            self._place_new(pairs)
+        return [slot for slot, _ in pairs + resumed]
+
+    def _take_slot(self, slot: int, key: int) -> None:
+        self.slot_row[slot] = key
+        self._admitted[key] = self._admissions
+        self._admissions += 1
+
+    def _place_new(self, pairs: list[tuple[int, int]]) -> None:
+        """New rows into their slots: their prompts' keys and values, their first tokens from the prefills."""
+        st = self.state
         keys = [key for _, key in pairs]
         self._prefill([self._rows[k][0] for k in keys])
-        slots_t = torch.tensor([slot for slot, _ in pairs], device=self.device)  # [r]
+        slots = [slot for slot, _ in pairs]
+        slots_t = torch.tensor(slots, device=self.device)  # [r]
         heads, draws, limits = [], [], []
-        for slot, key in pairs:  # the prompt's keys and values into the slot's prompt part, right-aligned
+        for slot, key in pairs:
             u, row_draws, limit = self._rows[key]
-            keys_u, values_u, _ = self._prefilled[u]
-            width = keys_u[0].size(1)
-            for i in range(len(st.k)):
-                st.k[i][slot, :, P - width : P] = keys_u[i]
-                st.v[i][slot, :, P - width : P] = values_u[i]
-            self.slot_row[slot] = key
+            self._take_slot(slot, key)
             heads.append(u)
             draws.append(row_draws)
             limits.append(limit)
+            if st.paged:
+                ids, mask = self._prompts[u][0], self._prompts[u][1]
+                self._row_prompt[key] = ids[mask.bool()]
         mask = torch.stack([self._prompts[u][1] for u in heads])  # [r, P]
         logits = torch.stack([self._prefilled[u][2] for u in heads])  # [r, V]
+        st.place(slots, heads, [self._prefilled[u][:2] for u in heads], mask)
         for key in keys:
             u = self._rows[key][0]
             self._prompts[u][2] -= 1
             if not self._prompts[u][2]:  # its last row is in a slot: its prompt is not needed again
                 del self._prompts[u], self._prefilled[u]
         uniforms = torch.stack(draws)  # [r, C]
-        # additive, which SDPA on CPU runs faster than a bool mask; completion slots open as they are written
-        floor = torch.finfo(st.bias.dtype).min
-        bias = torch.full((len(pairs), st.T), floor, dtype=st.bias.dtype, device=self.device)  # [r, T]
-        bias[:, :P].masked_fill_(mask.bool(), 0.0)
-        st.bias[slots_t, 0, 0] = bias
         st.next_pos[slots_t] = mask.long().sum(1).clamp(min=1)  # positions 0..len-1 taken by the prompt
         st.uniforms[slots_t] = uniforms
         st.limit[slots_t] = torch.tensor(limits, device=self.device)
@@ -232,7 +305,26 @@ class SlotBatch:
             st.logprobs[slots_t, 0] = lp
         st.done[slots_t] = (tok[:, None] == self.eos[None]).any(-1)
         st.n[slots_t] = 1
-        return [slot for slot, _ in pairs]
+
+    def _place_resumed(self, slot: int, key: int) -> None:
+        """A preempted row back in a slot: its prompt and the tokens it had chosen (all but the last, which the next
+        step feeds) recomputed by one forward into pages of its own, its counters as they were."""
+        st = self.state
+        prompt, chosen, logprobs = self._resume.pop(key)
+        n = chosen.numel()
+        ids = torch.cat([prompt, chosen[:-1]])[None]  # [1, p + n - 1]
+        cache = DynamicCache()
+        self.model(input_ids=ids, **cached(cache), logits_to_keep=1)
+        st.place([slot], [("resumed", key)], [([layer.keys[0] for layer in cache.layers],
+                                               [layer.values[0] for layer in cache.layers])],
+                 torch.ones_like(ids), chosen=[n - 1])
+        self._take_slot(slot, key)
+        self._row_prompt[key] = prompt
+        _, draws, limit = self._rows[key]
+        st.next_pos[slot], st.uniforms[slot], st.limit[slot] = max(1, prompt.numel()), draws, limit
+        st.ids[slot], st.alive[slot], st.logprobs[slot] = self.pad_id, False, 0.0
+        st.ids[slot, :n], st.alive[slot, :n], st.logprobs[slot, :n] = chosen, True, logprobs
+        st.tok[slot], st.done[slot], st.n[slot] = chosen[-1], False, n
 
     def _prefill(self, needed: list[int]) -> None:
         """The prompts `needed` and those of the next S waiting rows that are not prefilled yet, in one forward."""

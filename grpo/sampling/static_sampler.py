@@ -12,6 +12,11 @@ One call samples a set of left-padded prompt rows by continuous batching:
   (eager steps gain nothing from a bucket and skip it);
 - each distinct prompt is prefilled once by the model's own forward (the G samples of a prompt share it), in
   chunks as its rows come up, and its keys and values copied into the slot each row takes;
+- the keys and values live in pages (`grpo.sampling.pages`) where steps are stepped eagerly (a CPU, or
+  `graphs=False`): a row takes a page each 16 tokens it writes and gives them back when it ends, a prompt's pages
+  are written once and read by its G rows, and the cache's size follows the rows' lengths, not the budget; under a
+  budget (`memory_budget`) rows are admitted by free pages and the newest is preempted when they run out (it
+  resumes with the same tokens). Kept, captured steps (CUDA) still use the static layout: P + C positions a slot;
 - each decode step (`grpo.sampling.decode_step`) reads the weights straight from the model, each slot at its own
   position, and samples inside the step from a table of uniforms drawn up front, one row of them per sample (tests
   inject it): a row's tokens depend on its prompt and its uniforms, not on its slot or its neighbours, so rows come
@@ -46,6 +51,7 @@ from grpo.config import SamplingConfig
 from grpo.sampling.cpu_decoder import _STATIC_ROPE, lora_reason
 from grpo.sampling.decode_step import (CDF_BLOCK, F, _Capture, _read_weights, _State, _step, _Weights,
                                        _weight_tensors, choose_tokens, decoder, distinct_rows, inverse_cdf)
+from grpo.sampling.pages import PagedState, page_bytes
 from grpo.sampling.slots import SlotBatch
 
 __all__ = ["CDF_BLOCK", "Group", "Sampled", "SlotBatch", "StaticSampler", "choose_tokens", "decoder", "distinct_rows",
@@ -120,9 +126,15 @@ class DecodeCounts:
     def __init__(self):
         self.steps = 0  # decode steps run
         self.rows_computed = 0  # slots those steps computed, summed over the steps
+        self.kv_positions_read = 0  # cache positions those steps' attention read, summed over their slots and steps
+        self.preemptions = 0  # rows a paged cache put back in the queue for want of pages
+        self.pages_high_water = 0  # the most pages of a paged cache in use at once
+        self.kv_bytes_allocated = 0  # the largest KV cache a call held: a paged pool's pages, or S static rows
 
     def __repr__(self) -> str:
-        return f"DecodeCounts(steps={self.steps}, rows_computed={self.rows_computed})"
+        return (f"DecodeCounts(steps={self.steps}, rows_computed={self.rows_computed}, kv_positions_read="
+                f"{self.kv_positions_read}, preemptions={self.preemptions}, pages_high_water={self.pages_high_water}, "
+                f"kv_bytes_allocated={self.kv_bytes_allocated})")
 
 
 GPU_FREE_SHARE = 0.5  # of a GPU's free memory, the KV cache's budget where the recipe sets none (kv_cache_mb)
@@ -133,7 +145,8 @@ class StaticSampler:
 
     dtype: the weights it samples with (None: the model's own; another: a copy in that dtype, made on first use and
     refreshed by `sync_weights`). memory_budget: bytes the KV cache may take (None: `GPU_FREE_SHARE` of a GPU's free
-    memory, no limit on a CPU); a batch whose cache would not fit is sampled in parts of as many rows as fit.
+    memory, no limit on a CPU): the page pool's size (rows wait for pages, and are preempted when they run out), or
+    with kept captures the static cache's, a batch whose cache would not fit sampled in parts of as many rows as fit.
     check_every: decode steps between the host's checks that every row has ended (on CUDA; on CPU it checks every
     step, which costs nothing there). graphs: capture the step as a CUDA graph (None: on CUDA). keep_captures: keep
     each shape's state and step for the next calls, their weights refreshed in place by `sync_weights` (None: with
@@ -231,7 +244,8 @@ class StaticSampler:
             per = slots or B
             uniforms = torch.cat([torch.rand(C, min(per, B - i), dtype=torch.float64, device=self.device).T
                                   for i in range(0, B, per)])  # [B, C]
-        S = min(B, slots or B, self._rows_per_part(B, P + C))
+        # a paged cache admits rows by its free pages; a static one holds as many slots as the budget has rows
+        S = min(B, slots or B) if self.paged else min(B, slots or B, self._rows_per_part(B, P + C))
         return ids, mask, uniforms.to(self.device, torch.float64), S
 
     @torch.inference_mode()
@@ -286,14 +300,25 @@ class StaticSampler:
                     torch.stack([x[2] for x in members])[:, :used].cpu() if return_logprobs else None,
                     torch.stack([x[3] for x in members]).cpu()))
 
-    def _rows_per_part(self, B: int, T: int) -> int:
+    @property
+    def paged(self) -> bool:
+        """Whether calls decode with a paged KV cache (`pages.PagedState`): where steps are not kept for the next
+        call (eager steps); kept, captured steps still use the static layout."""
+        return not self.keep_captures
+
+    def _kv_budget(self) -> int | None:
+        """Bytes the KV cache may take: `memory_budget`, else on a GPU a share of what is free now (the trainer's
+        activations are gone between steps; its weights, gradients and optimizer state stay: the rest is left to
+        the prefill, the logits and the allocator's slack), else None (no limit)."""
         budget = self.memory_budget
         if budget is None and self.device.type == "cuda":
-            # a share of what is free now (the trainer's activations are gone between steps; its weights, gradients
-            # and optimizer state stay): the rest is left to the prefill, the logits and the allocator's slack
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(GPU_FREE_SHARE * (free + torch.cuda.memory_reserved(self.device)
                                            - torch.cuda.memory_allocated(self.device)))
+        return budget
+
+    def _rows_per_part(self, B: int, T: int) -> int:
+        budget = self._kv_budget()
         if budget is None:
             return B
         inner = decoder(self.model)
@@ -329,8 +354,10 @@ class StaticSampler:
                  want_logprobs: bool) -> _Capture:
         """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
-        if not self.keep_captures:
-            st = _State(model, S, P, C, self.dtype, self.device)
+        if self.paged:  # made afresh each call, its pool at the budget's size (which it never outgrows) or growing
+            budget = self._kv_budget()
+            max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
+            st = PagedState(model, S, P, C, self.dtype, self.device, max_pages=max_pages)
             w = _read_weights(model, S)
             return _Capture(st, lambda view, kv_len: _step(view, w, model.config, s, eos, pad_id, want_logprobs,
                                                            kv_len), graph=False)

@@ -20,10 +20,11 @@ def fp32_gap(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def make_model(kind: str = "qwen2", vocab: int = V, seed: int = 0, head_scale: float = 20.0):
+def make_model(kind: str = "qwen2", vocab: int = V, seed: int = 0, head_scale: float = 20.0, positions: int = 512):
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=PAD, tie_word_embeddings=False)
+                  num_key_value_heads=2, max_position_embeddings=positions, pad_token_id=PAD,
+                  tie_word_embeddings=False)
     model = {"qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common)),
              "llama": lambda: LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True)),
              "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)),

@@ -1,0 +1,332 @@
+"""A paged KV cache for the decode step: keys and values in fixed-size pages that rows take as they grow.
+
+A slot's static cache row (`decode_step._State`) holds P + C positions whatever its row writes, so memory and the
+work of each step follow the budget. Here (`PagedState`) each layer's keys and values live in one pool of pages of
+`PAGE_TOKENS` positions ([kv_heads, pages x PAGE_TOKENS, head_dim]: a head's page is one block of memory, so the
+pages a step gathers line up as [kv_heads, slots, positions, head_dim] with each slot's positions contiguous, the
+layout CPU attention reads fastest); a slot has a block table, the pages it reads in order, and takes a page each
+`PAGE_TOKENS` tokens it writes:
+
+- a prompt's keys and values go into pages once, and the G rows of that prompt read those same pages (counted: a
+  page goes back to the pool when the last row reading it ends); a row's own tokens start on a page of its own, so
+  a prompt's last page, partly filled, is never written by its rows;
+- a step writes each slot's new keys and values at its own position (page and offset from its table) and attends
+  over the pages the furthest of the live slots has, each slot's own positions opened by its lengths, so no step
+  reads past a live slot's written length by more than the longest row's pages;
+- the pool (`PagePool`) is sized by the KV cache budget (`memory_budget`, `generation.kv_cache_mb`) or, with no
+  budget, grows as rows need (doubling); with a budget, `slots.SlotBatch` admits a row when its prompt's pages and
+  one more fit, and when the pool runs dry mid-decode it preempts the newest row, which later resumes from its
+  prompt and the tokens it had chosen (recomputed by one forward; its tokens depend on its prompt and uniforms
+  alone, as before).
+
+Page 0 is never handed out: a table's unused entries point at it and a free slot a step still computes writes
+there, so no step writes into a page some row reads. Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from transformers import PreTrainedModel
+
+from grpo.sampling.decode_step import _State, decoder
+
+PAGE_TOKENS = 16  # positions a page holds (vLLM's default block size): a row wastes fewer than this at its end
+
+
+def pages_for(tokens: int, page: int = PAGE_TOKENS) -> int:
+    return -(-tokens // page)
+
+
+def page_bytes(model: PreTrainedModel, dtype: torch.dtype, page: int = PAGE_TOKENS) -> int:
+    """Bytes one page of `model`'s keys and values takes in `dtype`, over every layer."""
+    model = decoder(model)
+    cfg = model.config
+    return 2 * cfg.num_hidden_layers * page * cfg.num_key_value_heads * model.model.layers[0].self_attn.head_dim * \
+        dtype.itemsize
+
+
+class PagePool:
+    """Which pages of a pool are free and how many rows read each (host-side bookkeeping; page 0 is the null page).
+
+    `size` pages in all; `limit` the most it may grow to (None: no limit, `grow` doubles it when it runs dry)."""
+
+    def __init__(self, size: int, limit: int | None = None):
+        if size < 2:
+            raise ValueError(f"a page pool needs at least 2 pages (one is the null page), got {size}")
+        self.size, self.limit = size, limit
+        self.free = list(range(size - 1, 0, -1))  # taken from the end: low pages first
+        self.refs = [0] * size
+        self.high_water = 0  # the most pages in use at once
+
+    @property
+    def in_use(self) -> int:
+        return self.size - 1 - len(self.free)
+
+    def room(self) -> int:
+        """Pages that can still be taken, growing included."""
+        return len(self.free) + (10**12 if self.limit is None else self.limit - self.size)
+
+    def take(self, k: int) -> list[int] | None:
+        """k free pages, each read by one row now; None (nothing taken) when the pool cannot hold them."""
+        if k > self.room():
+            return None
+        if k > len(self.free):
+            return None  # the caller grows the pool's tensors first (`PagedState.take`)
+        pages = [self.free.pop() for _ in range(k)]
+        for p in pages:
+            self.refs[p] = 1
+        self.high_water = max(self.high_water, self.in_use)
+        return pages
+
+    def grow(self, new_size: int) -> None:
+        self.free = list(range(new_size - 1, self.size - 1, -1)) + self.free
+        self.refs += [0] * (new_size - self.size)
+        self.size = new_size
+
+    def hold(self, pages: list[int]) -> None:
+        """One more row reads `pages`."""
+        for p in pages:
+            self.refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """One row fewer reads `pages`; those no row reads go back to the pool."""
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+            elif self.refs[p] < 0:
+                raise RuntimeError(f"page {p} released more often than it was held")
+
+
+class PagedState(_State):
+    """A `_State` whose keys and values are pages of a pool. Per slot, on the device: its block table [S, max pages],
+    its prefix's valid length (`plen`: the prompt, or for a resumed row the prompt and the tokens it had chosen),
+    where its own tokens start (`start`: a page boundary) and `base` (start less the chosen tokens its prefix holds):
+    token j of the row sits at position base + j of the slot's pages. Host-side: the pages each slot reads (`prefix`,
+    shared with the other rows of its prompt) and owns (`own`), and the pages each prompt's prefix is in."""
+
+    paged = True
+    _PER_SLOT = ("next_pos", "uniforms", "n", "limit", "tok", "done", "ids", "alive", "logprobs", "table", "plen",
+                 "start", "base")
+
+    def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device,
+                 max_pages: int | None = None, page: int = PAGE_TOKENS):
+        self._slot_fields(model, S, P, C, dtype, device)
+        self.page = page
+        self.max_pages_a_row = pages_for(P, page) + pages_for(C, page) + 1  # a resumed row's prefix may end mid-page
+        if max_pages is not None and max_pages - 1 < self.max_pages_a_row:
+            raise ValueError(f"a KV cache of {max_pages - 1} pages holds no row: one row of {P} prompt and {C} new "
+                             f"tokens takes up to {self.max_pages_a_row} pages of {page}; raise generation.kv_cache_mb "
+                             f"or shorten max_new_tokens")
+        first = max_pages if max_pages is not None else 1 + S * (pages_for(P, page) + 2)  # each slot's prompt + 2
+        self.pool = PagePool(first, limit=max_pages)
+        self.k = [torch.zeros(self.n_kv, first * page, self.head_dim, dtype=dtype, device=device)
+                  for _ in range(self.n_layers)]  # [Hkv, pages * page, D] each
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.table = torch.zeros(S, self.max_pages_a_row, dtype=torch.long, device=device)  # [S, pages a row]
+        self.plen = torch.zeros(S, dtype=torch.long, device=device)  # [S]
+        self.start = torch.zeros(S, dtype=torch.long, device=device)  # [S]
+        self.base = torch.zeros(S, dtype=torch.long, device=device)  # [S]
+        self.prefix: list[list[int]] = [[] for _ in range(S)]  # slot -> pages it reads, its prompt's (shared)
+        self.own: list[list[int]] = [[] for _ in range(S)]  # slot -> pages it wrote itself
+        self.chosen_in_prefix = [0] * S  # slot -> tokens of its row its prefix holds (a resumed row's)
+        self.resident: dict[object, list[int]] = {}  # prompt -> the pages its prefix is in, while rows read them
+        self.positions = torch.arange(self.max_pages_a_row * page, device=device)  # [L max]
+        # the rows attention reads: per layer [S, Hkv, capacity, D], each slot's pages laid out in order, kept from
+        # step to step (a step writes its token into them as into the pages), read again from the pages only for a
+        # slot that took a new row (`stale`); the capacity follows the live rows' pages, not the budget
+        self.dense_k = [torch.zeros(S, self.n_kv, (pages_for(P, page) + 2) * page, self.head_dim, dtype=dtype,
+                                    device=device) for _ in range(self.n_layers)]
+        self.dense_v = [torch.zeros_like(k) for k in self.dense_k]
+        self.stale: set[int] = set()
+        self.stats = {"positions_read": 0}  # the last step's, shared by the views
+
+    def _cut_cache(self, view: _State, m: int) -> None:
+        """A view of the first m slots shares the pools and dense rows (the same list objects: a grown pool is seen
+        by every view)."""
+
+    def move(self, src: int, dst: int) -> None:
+        for name in self._PER_SLOT:
+            t = getattr(self, name)
+            t[dst] = t[src]
+        self.prefix[dst], self.own[dst], self.prefix[src], self.own[src] = self.prefix[src], self.own[src], [], []
+        self.chosen_in_prefix[dst] = self.chosen_in_prefix[src]
+        self.table[src] = 0
+        self.done[src] = True
+        self.stale.add(dst)
+
+    # pages
+
+    def _take(self, k: int) -> list[int] | None:
+        """k pages, growing the pool's tensors when it has no limit; None when a limited pool has no room."""
+        if k > len(self.pool.free) and self.pool.limit is None:
+            new = max(2 * self.pool.size, self.pool.size + k)
+            for pools in (self.k, self.v):
+                for i, t in enumerate(pools):
+                    grown = t.new_zeros(t.size(0), new * self.page, t.size(2))
+                    grown[:, : t.size(1)] = t
+                    pools[i] = grown
+            self.pool.grow(new)
+        return self.pool.take(k)
+
+    def _write_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[int] | None:
+        """Pages holding `keys`/`values` (per layer [Hkv, length, D]) from position 0; None when there is no room."""
+        length = keys[0].size(1)
+        pages = self._take(pages_for(length, self.page))
+        if pages is None:
+            return None
+        flat = (torch.tensor(pages, device=self.device)[:, None] * self.page
+                + torch.arange(self.page, device=self.device)).flatten()[:length]  # [length]
+        for i in range(self.n_layers):
+            self.k[i].index_copy_(1, flat, keys[i].to(self.dtype))
+            self.v[i].index_copy_(1, flat, values[i].to(self.dtype))
+        return pages
+
+    def pages_to_place(self, prompt, length: int) -> int:
+        """Pages a row of `prompt` (a prefix of `length` positions) needs to start: its prefix's, unless resident,
+        and one for its first tokens."""
+        return (0 if prompt in self.resident else pages_for(length, self.page)) + 1
+
+    def room(self) -> int:
+        return self.pool.room()
+
+    def place(self, slots: list[int], prompts: list, prefilled: list[tuple], mask: torch.Tensor,
+              chosen: list[int] | None = None) -> None:
+        """Each slot's prefix into pages (a prompt's once, read by all its rows): `prefilled` per slot the prefix's
+        keys and values, per layer [Hkv, width, D] right-aligned with padding where `mask` [r, width'] is 0 (its
+        last `width` columns line up with them). `chosen`: per slot, how many of the prefix's last positions are
+        tokens the row chose before it was preempted (0 for a new row). The caller checked `pages_to_place`."""
+        chosen = chosen or [0] * len(slots)
+        real = mask.long().sum(1).tolist()
+        for j, (slot, prompt, (keys, values)) in enumerate(zip(slots, prompts, prefilled)):
+            length = real[j]
+            pages = self.resident.get(prompt)
+            if pages is None:
+                width = keys[0].size(1)
+                pages = self._write_prefix([k[:, width - length:] for k in keys],
+                                           [v[:, width - length:] for v in values])
+                if pages is None:
+                    raise RuntimeError("no room for a prompt's pages: check `pages_to_place` first")
+                self.resident[prompt] = pages
+            else:
+                self.pool.hold(pages)
+            self.prefix[slot], self.own[slot] = pages, []
+            start = len(pages) * self.page
+            self.table[slot] = 0
+            self.table[slot, : len(pages)] = torch.tensor(pages, device=self.device)
+            self.plen[slot], self.start[slot], self.base[slot] = length, start, start - chosen[j]
+            self.chosen_in_prefix[slot] = chosen[j]
+            self.stale.add(slot)
+
+    def release(self, slot: int) -> None:
+        """The slot's row has left: its own pages back to the pool, its prefix's read by one row fewer."""
+        self.pool.release(self.own[slot])
+        prefix = self.prefix[slot]
+        self.pool.release(prefix)
+        if prefix and self.pool.refs[prefix[0]] == 0:  # no row reads this prompt's pages any more
+            self.resident = {p: pages for p, pages in self.resident.items() if pages is not prefix}
+        self.prefix[slot], self.own[slot] = [], []
+        self.table[slot] = 0
+        self.done[slot] = True
+
+    def grow_rows(self, slots: list[int], counts: list[int], ahead: int) -> list[int]:
+        """Give each of `slots` (with `counts` tokens chosen) the pages its next `ahead` steps write; returns the
+        slots that could not get theirs (a limited pool ran dry), in the order given, having taken nothing for
+        them."""
+        short = []
+        for slot, n in zip(slots, counts):
+            start = len(self.prefix[slot])
+            last = n - 1 + ahead - 1 - self.chosen_in_prefix[slot]  # the furthest own position the next steps write
+            need = pages_for(last + 1, self.page) - len(self.own[slot])
+            if need <= 0:
+                continue
+            need = min(need, self.max_pages_a_row - start - len(self.own[slot]))
+            pages = self._take(need) if need > 0 else []
+            if pages is None:
+                short.append(slot)
+                continue
+            at = start + len(self.own[slot])
+            self.own[slot] += pages
+            self.table[slot, at : at + len(pages)] = torch.tensor(pages, device=self.device)
+        return short
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.dense_k + self.dense_v)
+
+    def dense(self, m: int, L: int) -> None:
+        """Make the dense rows hold L positions (growing them by half, at least) and read the first m slots'
+        stale ones from their pages."""
+        cap = self.dense_k[0].size(2)
+        if L > cap:
+            new = min(max(L, cap + cap // 2), self.max_pages_a_row * self.page)
+            for rows in (self.dense_k, self.dense_v):
+                for i, t in enumerate(rows):
+                    grown = t.new_zeros(t.size(0), t.size(1), new, t.size(3))
+                    grown[:, :, :cap] = t
+                    rows[i] = grown
+        stale = sorted(s for s in self.stale if s < m)
+        if not stale:
+            return
+        self.stale.difference_update(stale)
+        Hkv, D, page = self.n_kv, self.head_dim, self.page
+        n_pages = max(len(self.prefix[s]) + len(self.own[s]) for s in stale)
+        if not n_pages:
+            return
+        index = self.table[stale, :n_pages].flatten()  # [r * n_pages]
+        at = torch.tensor(stale, device=self.device)
+        for pools, rows in ((self.k, self.dense_k), (self.v, self.dense_v)):
+            for i in range(self.n_layers):
+                got = pools[i].view(Hkv, -1, page * D).index_select(1, index)  # [Hkv, r * n_pages, page * D]
+                rows[i][at, :, : n_pages * page] = got.view(Hkv, len(stale), n_pages * page, D).transpose(0, 1)
+
+    def kv_len(self, m: int, full: bool) -> int:
+        """Positions a step over the first m slots reads: the pages of the slot that has the most (every page a row
+        could have when `full`)."""
+        if full:
+            return self.max_pages_a_row * self.page
+        return max(len(self.prefix[s]) + len(self.own[s]) for s in range(m)) * self.page or self.page
+
+    def attention(self, kv_len: int) -> "_PagedAttention":
+        return _PagedAttention(self, kv_len)
+
+
+class _PagedAttention:
+    """One step's cache access in a `PagedState`: each slot's new K/V at position base + n - 1 of its pages (and of
+    its dense row), and attention over the dense rows' first kv_len positions, each slot's open where it has written
+    (its prefix, then its own tokens).
+
+    The pages are the record (what a row holds, shared, given back, counted against the budget); the dense rows are
+    what attention reads on this eager path: gathering every slot's pages each step cost as much again as the
+    attention itself (+30% a step on a CPU), while the dense rows are gathered only when a slot takes a row. They
+    hold as many positions as the longest live row has pages, not the budget."""
+
+    def __init__(self, st: PagedState, kv_len: int):
+        page, S = st.page, st.tok.size(0)
+        st.dense(S, kv_len)
+        at = st.base + st.n - 1  # [S] the new token's position in the slot's pages
+        row_page = st.table.gather(1, (at // page).clamp(min=0, max=st.table.size(1) - 1)[:, None]).squeeze(1)
+        self.flat = row_page * page + at % page  # [S] into a pool's positions
+        self.at = at.clamp(min=0, max=kv_len - 1).view(S, 1, 1, 1).expand(S, st.n_kv, 1, st.head_dim)
+        pos = st.positions[:kv_len][None]  # [1, L]
+        valid = (pos < st.plen[:, None]) | ((pos >= st.start[:, None]) & (pos <= at[:, None]))  # [S, L]
+        floor = torch.finfo(st.dtype).min
+        self.bias = torch.zeros(valid.shape, dtype=st.dtype, device=st.device).masked_fill_(~valid, floor)[:, None,
+                                                                                                            None]
+        self.st, self.S, self.L = st, S, kv_len
+        st.stats["positions_read"] = S * kv_len  # for the counts
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [S, Hkv, D]: each slot's new token's, at its position."""
+        st = self.st
+        st.k[i].index_copy_(1, self.flat, k.transpose(0, 1))
+        st.v[i].index_copy_(1, self.flat, v.transpose(0, 1))
+        st.dense_k[i][: self.S].scatter_(2, self.at, k[:, :, None])
+        st.dense_v[i][: self.S].scatter_(2, self.at, v[:, :, None])
+
+    def attend(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """q [S, Hkv, Hq/Hkv, D] over layer i's dense rows: [S, Hkv, Hq/Hkv, D]."""
+        st = self.st
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, st.dense_k[i][: self.S, :, : self.L], st.dense_v[i][: self.S, :, : self.L], attn_mask=self.bias,
+            scale=st.scale)

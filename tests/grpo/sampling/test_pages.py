@@ -1,0 +1,116 @@
+"""The paged KV cache (grpo.sampling.pages): the same tokens as the static cache, a prompt's pages written once and
+read by its rows, no page lost after cancels and preemptions, a preempted row's tokens unchanged, and memory that
+follows the rows' lengths, not the budget."""
+
+import pytest
+import torch
+
+from benchmarks.bytes_alive import BytesAlive
+from grpo.config import SamplingConfig
+from grpo.sampling.pages import PAGE_TOKENS, PagedState, page_bytes
+from grpo.sampling.slots import SlotBatch
+from grpo.sampling.static_sampler import StaticSampler
+from tiny_decoders import EOS, PAD, fp32_gap, left_padded, make_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
+STATIC = dict(keep_captures=True, full_cache_attention=False, buckets=False)  # the static cache, stepped eagerly
+
+
+def long_tailed(budget: int = 40, seed: int = 12, positions: int = 512):
+    """18 rows (6 prompts of 2 to 11 tokens, 3 rows each) of a near-uniform model with 12 end ids in 96: rows end
+    anywhere from their first token on."""
+    model = make_model(head_scale=1.0, positions=positions)
+    ids, mask = left_padded([5, 11, 3, 7, 2, 9], repeat=3)
+    u = torch.rand(ids.size(0), budget, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return model, ids, mask, SamplingConfig(max_new_tokens=budget, temperature=1.0), u
+
+
+def assert_same_rows(got, want):
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.completion_mask, want.completion_mask) and torch.equal(got.truncated, want.truncated)
+    assert fp32_gap(got.logprobs, want.logprobs) <= 1e-5
+
+
+@pytest.mark.parametrize("slots", [None, 4])
+def test_paged_steps_sample_the_static_caches_tokens_and_logprobs(slots):
+    model, ids, mask, s, u = long_tailed()
+    paged = StaticSampler(model)
+    assert paged.paged and not StaticSampler(model, **STATIC).paged
+    got = paged.sample(ids, mask, s, EOS, PAD, uniforms=u, slots=slots)
+    assert_same_rows(got, StaticSampler(model, **STATIC).sample(ids, mask, s, EOS, PAD, uniforms=u, slots=slots))
+    assert got.completion_mask.sum(1).max() > PAGE_TOKENS  # rows that took more than one page of their own
+
+
+def test_the_rows_of_a_prompt_read_its_pages_written_once():
+    model = make_model(head_scale=1.0)
+    ids, mask = left_padded([20])  # two pages of 16
+    batch = SlotBatch(StaticSampler(model), 4, ids.size(1), SamplingConfig(max_new_tokens=8, temperature=1.0), [],
+                      PAD)  # no end token: every row decodes its 8
+    st = batch.state
+    assert isinstance(st, PagedState)
+    batch.submit(ids[0], mask[0], n=4)
+    batch.step()
+    prompt_pages = st.table[0, :2].tolist()
+    assert all(st.table[slot, :2].tolist() == prompt_pages for slot in range(4))
+    assert [st.pool.refs[p] for p in prompt_pages] == [4, 4]
+    assert st.pool.in_use == 2 + 4  # the prompt's two pages, once, and one page each row writes its tokens in
+    assert len({st.table[slot, 2].item() for slot in range(4)}) == 4
+    while batch.busy:
+        batch.step()
+    assert st.pool.in_use == 0 and not st.resident
+
+
+def test_no_page_is_lost_after_many_calls_cancels_and_preemptions():
+    model, ids, mask, s, u = long_tailed()
+    # room for 7 pages: rows wait for pages and are preempted
+    sampler = StaticSampler(model, memory_budget=8 * page_bytes(model, torch.float32))
+    batch = SlotBatch(sampler, 6, ids.size(1), s, EOS, PAD)
+    st = batch.state
+    for round_ in range(3):
+        keys = []
+        for row in range(0, ids.size(0), 3):
+            keys += batch.submit(ids[row], mask[row], u[row:row + 3])
+        for _ in range(3):
+            batch.step()
+        batch.cancel(keys[round_])  # decoding, or waiting
+        batch.cancel(keys[-1])  # waiting
+        while batch.busy:
+            batch.step()
+    assert sampler.counts.preemptions > 0
+    assert st.pool.in_use == 0 and not st.resident and not any(st.pool.refs)
+    assert sorted(st.pool.free) == list(range(1, st.pool.size))  # every page back once, the null page never out
+
+
+def test_a_preempted_row_ends_with_the_tokens_it_would_have_had():
+    model, ids, mask, s, u = long_tailed()
+    roomy = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u, slots=6)
+    tight = StaticSampler(model, memory_budget=10 * page_bytes(model, torch.float32))
+    got = tight.sample(ids, mask, s, EOS, PAD, uniforms=u, slots=6)
+    assert tight.counts.preemptions >= 3
+    assert_same_rows(got, roomy)
+
+
+def test_a_budget_too_small_for_one_row_is_refused_before_any_step():
+    model, ids, mask, s, u = long_tailed()
+    with pytest.raises(ValueError, match="holds no row: one row of 11 prompt and 40 new tokens takes up to 5 pages"):
+        StaticSampler(model, memory_budget=4 * page_bytes(model, torch.float32)).sample(ids, mask, s, EOS, PAD,
+                                                                                        uniforms=u)
+
+
+def test_a_16k_budget_allocates_by_the_rows_lengths_and_samples_the_512_budgets_tokens():
+    model, ids, mask, s, u = long_tailed(budget=16384, positions=16384 + 16)
+    short = SamplingConfig(max_new_tokens=512, temperature=1.0)
+    peaks, sampled = {}, {}
+    for name, cfg, kw in [("paged 512", short, {}), ("paged 16k", s, {}), ("static 16k", s, STATIC)]:
+        sampler = StaticSampler(model, **kw)
+        with BytesAlive() as alive:
+            sampled[name] = sampler.sample(ids, mask, cfg, EOS, PAD, uniforms=u[:, :cfg.max_new_tokens])
+        peaks[name] = alive.peak
+    assert sampled["paged 16k"].completion_mask.sum(1).max() < 200  # the rows are short
+    assert_same_rows(sampled["paged 16k"], sampled["paged 512"])
+    assert_same_rows(sampled["paged 16k"], sampled["static 16k"])
+    static_kv = 2 * 2 * ids.size(0) * 2 * (16384 + ids.size(1)) * 16 * 4  # layers, K and V, rows, heads, positions
+    assert peaks["static 16k"] > static_kv
+    # the paged call's K/V is the rows' pages (~0.6 MB); what it holds beyond the 512 one is the budget's per-row
+    # bookkeeping (uniforms, tokens: ~16 MB here), a tenth of the static cache's K/V
+    assert peaks["paged 16k"] < static_kv / 4, peaks
