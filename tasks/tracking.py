@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import shutil
 import socket
@@ -246,9 +247,13 @@ SQLITE_FULL = "database or disk is full"  # SQLite's words for a write that foun
 SQLITE_IOERR = "disk I/O error"
 
 
-def retry_locked(call, *args, tries: int = 8, **kwargs):
-    """A tracking call, again after a short pause while SQLite says the database is locked (see _RetryingClient);
-    a `Fault` naming the store's disk where SQLite says it is full."""
+LOCKED_PATIENCE_S = 20.0  # how long a call waits out "database is locked": under a stop's 30 s, above a busy store's
+
+
+def retry_locked(call, *args, patience_s: float = LOCKED_PATIENCE_S, **kwargs):
+    """A tracking call, again after a short pause while SQLite says the database is locked (see _RetryingClient),
+    for up to `patience_s` (processes side by side ending their runs at once, a sweep's points on Ctrl-C, met it
+    for the 6-13 s eight tries gave); a `Fault` naming the store's disk where SQLite says it is full."""
     import random
     import time
 
@@ -257,7 +262,8 @@ def retry_locked(call, *args, tries: int = 8, **kwargs):
     # a stop signal waits for a SQLite call's end: one stopped inside its transaction keeps the database locked
     # for the rest of the process (the run could not be ended KILLED); a call to a server may be stopped anywhere
     shield = signals_deferred if tracking_uri().startswith("sqlite:") else contextlib.nullcontext
-    for attempt in range(tries):
+    deadline = time.monotonic() + patience_s
+    for attempt in itertools.count():
         try:
             with shield():
                 return call(*args, **kwargs)
@@ -266,9 +272,9 @@ def retry_locked(call, *args, tries: int = 8, **kwargs):
                 db = Path(tracking_uri()[len("sqlite:///"):])
                 raise (disk_fault(e, [db.parent], written=db)
                        or Fault(disk_full_line(db.parent, MIN_FREE, free_bytes(db.parent)))) from e
-            if "database is locked" not in str(e) or attempt == tries - 1:
+            if "database is locked" not in str(e) or time.monotonic() > deadline:
                 raise
-            time.sleep(0.05 * 2 ** attempt * (1 + random.random()))  # apart, so the two do not meet again
+            time.sleep(min(0.05 * 2 ** attempt, 1.0) * (1 + random.random()))  # apart, so they do not meet again
 
 
 def start_run(name: str, *, tags: dict[str, str], parent_run_id: str | None = None,

@@ -87,7 +87,10 @@ def test_retry_from_the_ui_finishes_the_run_without_repeating_stages(prefect_har
     recipe = tmp_path / "retry.yaml"
     write_recipe(recipe, "retry-from-ui", str(tmp_path / "no-such-model"))
     with pytest.raises(Exception, match="no-such-model"):
-        r1_pipeline(recipe=str(recipe), stages=["cold_start_sft", "sft"], from_uris={"curated_dataset": curated})
+        # fresh: its cold start trains here, though an earlier test of this worker may have finished one with the
+        # same key (then it would be reused); the retry keeps the parameter and skips what this run finished
+        r1_pipeline(recipe=str(recipe), stages=["cold_start_sft", "sft"], from_uris={"curated_dataset": curated},
+                    fresh=True)
     parent, first = pipeline_runs(mlflow_client, "retry-from-ui")
     flow_run_id = parent.data.tags["prefect.flow_run_id"]
 
