@@ -181,12 +181,14 @@ class SlotBatch:
             return out
         m = taken[-1] + 1
         counts = self.sampler.counts
+        kv_len = st.kv_len(m, self.sampler.full_cache_attention)  # a paged cache's covers the pages taken ahead
         for _ in range(every):
-            kv_len = st.kv_len(m, self.sampler.full_cache_attention)
             self.cap.run(m, kv_len)
             counts.steps += 1
             counts.rows_computed += self.cap.rows_run(m)
             counts.kv_positions_read += st.stats["positions_read"] if st.paged else self.cap.rows_run(m) * kv_len
+            if not st.paged:
+                kv_len = min(kv_len + 1, st.T)
         counts.kv_bytes_allocated = max(counts.kv_bytes_allocated, st.kv_bytes())
         if st.paged:
             counts.pages_high_water = max(counts.pages_high_water, st.pool.high_water)
