@@ -39,9 +39,9 @@ def test_a_stage_that_fails_on_a_full_disk_is_retried_and_resumes_once_there_is_
     if not mount_tmpfs(work, "160m"):
         pytest.skip("mounting a tmpfs needs root")
     try:
-        # 240 steps, ~20 s: still training when the test has seen a checkpoint and filled the disk, even on a busy
-        # machine (80 steps ended before the disk was full once)
-        run = r1(*cold_start(tmp_path, {"retries": 1, "retry_delays_s": [8], "timeout_s": 600}, max_steps=240))
+        # 600 steps (20 s at 30 steps/s, the fastest seen): still training when the test, polling MLflow on a busy
+        # machine, has seen a checkpoint and filled the disk (80 and then 240 steps ended before the disk was full)
+        run = r1(*cold_start(tmp_path, {"retries": 1, "retry_delays_s": [8], "timeout_s": 600}, max_steps=600))
         folder = run.wait_for("cold-start training", lambda: (rs := stage_runs(run)) and
                               rs[0].data.tags.get("r1.work_dir.cold_start_sft"))
         run.wait_for("a checkpoint", lambda: resumable_step(Path(folder)))
