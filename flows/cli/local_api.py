@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from flows.cli import prefect_db
 from grpo.interrupts import die_with_parent
 from grpo.ports import free_port
 from tasks.env import LOCAL_API
@@ -69,6 +70,8 @@ def local_prefect_api() -> Iterator[str | None]:
     # tables, and one would fail; the second waits until the first answers, then finds the tables made
     with (home / "local-api.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        db = prefect_db.default_database(home)
+        new = db is not None and not db.exists() and not prefect_db.seed(db)  # a new home, and no migrated copy
         with log.open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory",
                                      "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
@@ -81,6 +84,8 @@ def local_prefect_api() -> Iterator[str | None]:
         except BaseException:
             _stop(proc)
             raise
+        if new:
+            prefect_db.keep(db)
     try:
         os.environ["PREFECT_API_URL"] = os.environ[LOCAL_API] = url  # for what this process starts, too
         try:

@@ -137,8 +137,12 @@ def start_prefect_server(home: Path, port: int, log_dir: Path, auth: dict[str, s
     credential in `auth` (flows.cli.credentials) where given; returns it and its API URL."""
     from flows.cli.credentials import prefect_server_env
 
+    from flows.cli import prefect_db
+
     home.mkdir(parents=True, exist_ok=True)
     api = f"http://127.0.0.1:{port}/api"
+    db = home / "prefect.db"
+    new = not db.exists() and not prefect_db.seed(prefect_db.default_database(home, f"sqlite+aiosqlite:///{db}"))
     # the UI's pages call the API at this URL; left unset it is built from the default port (4200), whatever
     # --port says, and the UI on any other port cannot reach its own server
     env = base_env(PREFECT_HOME=str(home), PREFECT_SERVER_UI_API_URL=api,
@@ -148,6 +152,8 @@ def start_prefect_server(home: Path, port: int, log_dir: Path, auth: dict[str, s
     p = start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                                          "--port", str(port)], env, log_dir)
     wait_http(f"{api}/health", p)
+    if new:
+        prefect_db.keep(prefect_db.default_database(home, f"sqlite+aiosqlite:///{db}"))
     return p, api
 
 
