@@ -1,7 +1,7 @@
 """Each stage's core loop on CUDA with a real model's shape: SFT steps, GRPO steps (plain, and with the memory
 knobs and loss variants: bf16 weights, LoRA over bf16 weights, 8-bit AdamW over bf16 weights' fp32 masters),
 rejection-sampling generation, reward-model steps; and the static sampler's decode steps replayed as CUDA graphs
-against the same steps run eagerly (batch 128, 256 tokens, the same uniforms: the same tokens, and the time of
+against the same steps run eagerly (batch 128, 256 tokens, the same random streams: the same tokens, and the time of
 each). A check that the GPU path runs and learns something; the only timing is the graphs' against eager.
 
 usage: python ../shared/bench/gpu/make_model.py qwen2.5-0.5b /tmp/m && python benchmarks/gpu_smoke.py /tmp/m
@@ -46,6 +46,7 @@ def main() -> None:
     from grpo.models import load_model_and_tokenizer
     from grpo.reward_config import RewardModelConfig
     from grpo.rejection.shards import process_shard
+    from grpo.sampling.draws import draw_streams
     from grpo.sampling.engines import build_engine, sampling_dtype
     from grpo.sampling.static_sampler import StaticSampler
     from grpo.training.loops.grpo_trainer import GRPOTrainer
@@ -141,7 +142,7 @@ def main() -> None:
 
         def graphs_vs_eager():
             """The static sampler with its decode step captured and replayed against the same step run eagerly:
-            the same kernels on the same state, so the same uniforms give the same tokens; and the time of each."""
+            the same kernels on the same state, so the same streams give the same tokens; and the time of each."""
             model, tok = load()
             model.to("cuda").eval()
             tok.padding_side = "left"
@@ -149,16 +150,16 @@ def main() -> None:
             prompts = [rows["prompt"][i % len(rows)] for i in range(B)]
             enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
             s = SamplingConfig(max_new_tokens=C, temperature=1.0)
-            u = torch.rand(B, C, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # [B, C]
+            u = draw_streams(B, generator=torch.Generator().manual_seed(0))  # [B] each row's random stream
             out = {}
             for way, graphs in (("graphs", True), ("eager", False)):
                 # bf16 from the fp32 weights (as under autocast); every step over the whole cache in both ways
                 sampler = StaticSampler(model, dtype=torch.bfloat16, graphs=graphs, keep_captures=True,
                                         full_cache_attention=True, buckets=True)
-                sampler.sample(enc["input_ids"], enc["attention_mask"], s, [], tok.pad_token_id, uniforms=u)  # capture
+                sampler.sample(enc["input_ids"], enc["attention_mask"], s, [], tok.pad_token_id, streams=u)  # capture
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                got = sampler.sample(enc["input_ids"], enc["attention_mask"], s, [], tok.pad_token_id, uniforms=u)
+                got = sampler.sample(enc["input_ids"], enc["attention_mask"], s, [], tok.pad_token_id, streams=u)
                 torch.cuda.synchronize()
                 out[way] = (time.perf_counter() - t, got)
                 del sampler

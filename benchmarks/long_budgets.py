@@ -7,8 +7,8 @@ usage: python benchmarks/long_budgets.py [--budgets 512,4096,16384] [--ways page
 The workload, the same at every budget: the embedded recipe's model shape (Qwen2, hidden 256, 4 layers, 2 KV heads
 of 64: 4 KiB of fp32 keys and values a position) with a context of the budget + 128, `--prompts` prompts of 19 to
 24 tokens, `--samples` rows each, every row stopped at its own length (`SlotBatch.submit`'s limit) drawn from a
-long-tailed mix (seeded: log-normal around 60 tokens, capped at 500: p50 ~60, p90 ~220, a few at 500), its
-uniforms drawn for its first 512 tokens, so every budget samples the same tokens. `--slots` rows decode together.
+long-tailed mix (seeded: log-normal around 60 tokens, capped at 500: p50 ~60, p90 ~220, a few at 500), its random
+stream seeded, so every budget samples the same tokens. `--slots` rows decode together.
 
 Each (way, budget) runs in a process of its own (after a warm-up call) and prints one JSON line: tokens per second
 (CPU time of the process with `--clock cpu`), the K/V bytes allocated (the largest cache a call held: the paged
@@ -37,6 +37,7 @@ def run(args) -> dict:
     import torch
 
     from grpo.config import SamplingConfig, TinyModelConfig
+    from grpo.sampling.draws import draw_streams
     from grpo.sampling.slots import SlotBatch
     from grpo.sampling.static_sampler import StaticSampler
     from grpo.tiny import build_tiny_model, build_tokenizer
@@ -49,7 +50,7 @@ def run(args) -> dict:
                             ["input_ids"]) for i in range(args.prompts)]
     rows = args.prompts * args.samples
     limits = torch.distributions.LogNormal(torch.tensor(60.0).log(), 1.0).sample((rows,)).ceil().clamp(1, LONGEST)
-    draws = torch.rand(rows, 512, dtype=torch.float64, generator=g)  # [rows, 512]
+    streams = draw_streams(rows, generator=g)  # [rows] each row's random stream
     static = args.way == "static"
     sampler = StaticSampler(model, **(dict(keep_captures=True, full_cache_attention=False, buckets=False)
                                       if static else {}))
@@ -59,10 +60,9 @@ def run(args) -> dict:
     def call(n_prompts: int) -> int:
         batch = SlotBatch(sampler, args.slots, P, s, [], tok.pad_token_id)  # no end token: rows stop at their limit
         for i in range(n_prompts):
-            u = torch.zeros(args.samples, args.budget, dtype=torch.float64)
-            u[:, :512] = draws[i * args.samples:(i + 1) * args.samples, : min(512, args.budget)]
             for j in range(args.samples):
-                batch.submit(prompts[i], uniforms=u[j:j + 1], limit=int(limits[i * args.samples + j]))
+                row = i * args.samples + j
+                batch.submit(prompts[i], streams=streams[row:row + 1], limit=int(limits[row]))
         tokens = 0
         while batch.busy:
             tokens += sum(int(e.alive.sum()) for e in batch.step())

@@ -23,6 +23,7 @@ from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.models import cached
 from grpo.sampling.cpu_decoder import _LeanDecoder
+from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.sampling.rollout import Rollout, cat_padded
 from grpo.sampling.static_sampler import StaticSampler, distinct_rows, inverse_cdf
 
@@ -49,8 +50,9 @@ def response_text(tokenizer: PreTrainedTokenizerBase, cell, prompt: str, respons
     return response + tokenizer.eos_token
 
 
-def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose the next token of each row; return it and its log-prob under the tempered full distribution.
+def _pick(logits: torch.Tensor, s: SamplingConfig, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of each row at its draw `u` [B] (None at temperature 0); return it and its log-prob
+    under the tempered full distribution.
 
     The token is drawn from the distribution after temperature, top-k and top-p (as `choose_tokens`); its log-prob
     is log softmax(logits / temperature) before the cut-offs (at temperature 0 the plain log softmax, the
@@ -75,20 +77,11 @@ def _pick(logits: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) > s.top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    tok = _draw(torch.log_softmax(logits, -1).exp())  # [B] from the truncated distribution
+    # one uniform per row by inverting the CDF (as the static sampler: a seed picks the same tokens there and here),
+    # instead of multinomial's one exponential per vocabulary entry (most of a small model's sampling time)
+    tok = inverse_cdf(torch.log_softmax(logits, -1).exp(), u)  # [B] from the truncated distribution
     # the chosen token survived the cut-offs, so its entry is still its tempered logit
     return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - lse
-
-
-def _draw(probs: torch.Tensor) -> torch.Tensor:
-    """One index per row, drawn with probability probs[b, i] / probs[b].sum() by inverting the CDF.
-
-    One uniform per row instead of multinomial's one exponential per vocabulary entry (most of a small model's
-    sampling time), float64 as the static sampler's table (so a seed picks the same tokens there and here), and
-    the same inversion (`inverse_cdf`).
-    """
-    u = torch.rand(probs.size(0), dtype=torch.float64, device=probs.device)  # [B]
-    return inverse_cdf(probs, u)  # [B]
 
 
 @torch.inference_mode()
@@ -124,9 +117,12 @@ def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
     if step is None:
         step = _HFDecoder(model, cache, mask, next_pos, amp)
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    # each row's random stream, as the static sampler draws it for a batch of B rows (`draws`): the same seed, the
+    # same tokens through either; greedy draws none
+    streams = draw_streams(B, device) if s.temperature else None  # [B]
     toks, lps, alive = [], [], []
     for i in range(s.max_new_tokens):
-        tok, lp = _pick(logits, s)  # [B], [B]
+        tok, lp = _pick(logits, s, uniform_at(streams, i) if streams is not None else None)  # [B], [B]
         alive.append(~done)
         toks.append(tok.masked_fill(done, pad_id))
         lps.append(lp.masked_fill(done, 0.0))
@@ -194,6 +190,11 @@ class TransformersBackend:
         no trace the sampler could see for itself)."""
         if self.sampler is not None:
             self.sampler.sync_weights(self.model)
+
+    def decode_figures(self) -> dict[str, float]:
+        """What the slots' decode steps did since the last call (`DecodeCounts.figures`: `sampler/...`), for a stage
+        to log with its step; empty without the static sampler."""
+        return self.sampler.counts.take().figures() if self.sampler is not None else {}
 
     def _streams(self, total_len: int) -> bool:
         """Whether rows go through the static sampler's slots (else the decode loop, a batch at a time)."""

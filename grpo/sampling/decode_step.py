@@ -3,13 +3,13 @@
 For Llama-family decoders (Qwen2, Qwen3, Llama, Mistral: RMSNorm, rotary, grouped-query attention, SwiGLU MLP).
 The state (`_State`) is allocated once per shape (S slots, prompt bucket P, budget C): one [S, kv_heads, P + C,
 head_dim] tensor per layer for keys and for values, and per slot its token count, its prompt's next position, its
-row's uniforms, limit and done flag, its chosen tokens and their log-probs. A step (`_decode` then `_choose`):
+row's random stream, limit and done flag, its chosen tokens and their log-probs. A step (`_decode` then `_choose`):
 
 - reads the weights straight from the model (`cpu_decoder`'s fused and packed linears);
 - feeds each slot's last token, writes its K/V at the slot's own cache position P + n - 1 (a scatter: the slots are
   at different points) and opens it in the slot's validity mask, attends over the cache under that mask (left
   padding and not-yet-written positions masked), then samples inside the step: temperature, top-k and top-p, and
-  the inverse CDF at the slot's uniform for that token, so the random state, the counters and the done flags all
+  the inverse CDF at the slot's draw for that token (`draws.uniform_at`: its row's stream and the token's count), so the random state, the counters and the done flags all
   live on the device and a slot's tokens depend on its own row alone;
 - runs over the first m slots (`_State.rows(m)`, views of the same storage), so the scheduler (`slots.SlotBatch`),
   which keeps live slots at the front, computes no ended row eagerly; on CUDA the step is captured as a
@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from grpo.config import SamplingConfig
 from grpo.sampling.cpu_decoder import _COPY_MAX_BYTES, _lean_layer, _LeanLayer, _Linear, _rms_norm
+from grpo.sampling.draws import uniform_at
 
 F = torch.nn.functional
 
@@ -156,7 +157,7 @@ def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
 
 class _State:
     """Everything one decode step reads and writes for S slots, allocated once per shape (S slots, prompt bucket P,
-    budget C). Each slot holds one sample at its own point: `n` tokens chosen, its prompt's positions, its uniforms.
+    budget C). Each slot holds one sample at its own point: `n` tokens chosen, its prompt's positions, its stream.
     Slots are kept packed at the front (`rows(m)` is the first m of every tensor, views of the same storage), so a
     step over the live slots is a step over a prefix.
 
@@ -182,7 +183,7 @@ class _State:
         self.n_kv, self.head_dim, self.scale = cfg.num_key_value_heads, attn.head_dim, attn.scaling
         self.n_layers, self.dtype, self.device = len(model.model.layers), dtype, device
         self.next_pos = torch.zeros(S, dtype=torch.long, device=device)  # [S] position of the first new token
-        self.uniforms = torch.zeros(S, C, dtype=torch.float64, device=device)  # [S, C] the slot's sample's draws
+        self.streams = torch.zeros(S, dtype=torch.long, device=device)  # [S] the slot's row's random stream
         self.n = torch.zeros(S, dtype=torch.long, device=device)  # [S] tokens chosen so far, per slot
         self.limit = torch.full((S,), C, dtype=torch.long, device=device)  # [S] the slot's row's budget (<= C)
         self.tok = torch.zeros(S, dtype=torch.long, device=device)  # [S] the last chosen token
@@ -200,7 +201,7 @@ class _State:
         self.S, self.P, self.C, self.T = S, P, C, T
         self._views: dict[int, _State] = {}
 
-    _PER_SLOT = ("bias", "next_pos", "uniforms", "n", "limit", "tok", "done", "ids", "alive", "logprobs")
+    _PER_SLOT = ("bias", "next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs")
 
     def rows(self, m: int) -> "_State":
         """The first m slots: the same object's tensors cut to their first m rows (views, so steps write through)."""
@@ -312,7 +313,7 @@ def _choose(st: _State, logits: torch.Tensor, s: SamplingConfig, eos: torch.Tens
     has ended (an end token, the budget, or free) gets the pad id, written to the dump column, and stays as it is."""
     C = st.C
     ended = st.done | (st.n >= st.limit)  # [S]
-    u = st.uniforms.gather(1, st.n.clamp(max=C - 1)[:, None]).squeeze(1)  # [S] each slot's draw for its token
+    u = uniform_at(st.streams, st.n)  # [S] each slot's draw for its token
     tok, lp = choose_tokens(logits, u, s, want_logprobs)  # [S], [S]
     tok = tok.masked_fill(ended, pad_id)
     col = st.n.masked_fill(ended, C)[:, None]  # [S, 1]

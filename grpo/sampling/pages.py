@@ -16,7 +16,7 @@ layout CPU attention reads fastest); a slot has a block table, the pages it read
 - the pool (`PagePool`) is sized by the KV cache budget (`memory_budget`, `generation.kv_cache_mb`) or, with no
   budget, grows as rows need (doubling); with a budget, `slots.SlotBatch` admits a row when its prompt's pages and
   one more fit, and when the pool runs dry mid-decode it preempts the newest row, which later resumes from its
-  prompt and the tokens it had chosen (recomputed by one forward; its tokens depend on its prompt and uniforms
+  prompt and the tokens it had chosen (recomputed by one forward; its tokens depend on its prompt and stream
   alone, as before).
 
 Page 0 is never handed out: a table's unused entries point at it and a free slot a step still computes writes
@@ -107,7 +107,7 @@ class PagedState(_State):
     shared with the other rows of its prompt) and owns (`own`), and the pages each prompt's prefix is in."""
 
     paged = True
-    _PER_SLOT = ("next_pos", "uniforms", "n", "limit", "tok", "done", "ids", "alive", "logprobs", "table", "plen",
+    _PER_SLOT = ("next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs", "table", "plen",
                  "start", "base")
 
     def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device,

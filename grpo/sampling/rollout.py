@@ -65,3 +65,11 @@ class Engine(Protocol):
     def sync_weights(self) -> None:
         """Make the next `generate` sample from the model's current weights (after an optimizer step)."""
         ...
+
+
+def decode_figures(engine) -> dict[str, float]:
+    """What `engine`'s decode steps did since the last call, as a stage logs it (`sampler/...`: the local engine's
+    slots, pages and preemptions; `backend.TransformersBackend.decode_figures`); empty for an engine that does not
+    count its steps (a server behind `http`, a wrapper)."""
+    figures = getattr(engine, "decode_figures", None)
+    return figures() if callable(figures) else {}

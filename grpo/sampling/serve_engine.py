@@ -12,12 +12,15 @@ Batching rules. One SlotBatch has one sampling setting (temperature, top_k, top_
 C. A request joins the running batch at once, its rows queued for slots inside it, when its setting is the
 batch's, its longest prompt fits P and its max_tokens (trimmed to the model's length) fits C. One that does not
 fit waits, and every request after it waits behind it (first come, first served: nothing starves), until the
-batch drains; then a batch is shaped for the waiting requests of the first one's setting: P =
-`static_sampler.prompt_bucket` of their longest prompt, C = their largest max_tokens rounded up to a power of two
-(at least 16, at most the model's length), so requests of similar budgets share a batch and the shapes, and on a
-GPU their captured steps, repeat. Slots: `slots` (default 64), fewer where the KV cache budget holds fewer.
+batch drains. With a paged KV cache (eager steps: a CPU) a batch is as wide as the model (P = C = its length, every
+log-prob kept): K/V follows what rows write, so every request of the batch's setting fits, and rows are admitted
+as slots and pages free. Otherwise (captured steps, a static cache of P + C positions a slot) a batch is shaped
+for the waiting requests of the first one's setting: P = `static_sampler.prompt_bucket` of their longest prompt,
+C = their largest max_tokens rounded up to a power of two (at least 16, at most the model's length), so requests
+of similar budgets share a batch and the shapes, and on a GPU their captured steps, repeat. Slots: `slots`
+(default 64), fewer where the KV cache budget holds fewer.
 
-A row's tokens depend only on its prompt and its uniforms: a request's are drawn from a `torch.Generator` seeded
+A row's tokens depend only on its prompt and its random stream: a request's are drawn from a `torch.Generator` seeded
 with its `seed` (the engine's own generator when none), as `TransformersBackend.generate_from_text` under
 `torch.manual_seed(seed)` draws them, so a seeded request gets the same tokens however busy the server is, and
 the same as the local engine. A model the static sampler cannot compute (`unsupported_reason`) is served one
@@ -34,9 +37,9 @@ import threading
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from grpo.sampling.backend import TransformersBackend, render_prompts
+from grpo.sampling.draws import draw_streams
 from grpo.sampling.serve_requests import Request, RequestError
 from grpo.sampling.slots import Ended, SlotBatch
 from grpo.sampling.static_sampler import prompt_bucket
@@ -44,7 +47,7 @@ from grpo.sampling.static_sampler import prompt_bucket
 logger = logging.getLogger(__name__)
 
 MIN_BUDGET = 16  # the smallest budget C a batch is shaped with
-DRAW_ROWS = 64  # rows per column-major block of uniforms, as the local engine draws them (SamplingConfig.batch_size)
+DRAW_ROWS = 64  # rows per block of streams, as the local engine draws them (SamplingConfig.batch_size)
 
 
 class Started(NamedTuple):
@@ -84,7 +87,7 @@ class Job:
         self.texts: list[str] = []  # the prompts as the model sees them (chat: rendered)
         self.prompt_ids: list[list[int]] = []
         self.limit = 0  # new tokens at most per row
-        self.uniforms: torch.Tensor | None = None  # [rows, limit] float64, None at temperature 0
+        self.streams: torch.Tensor | None = None  # [rows] int64 (`draws`), None at temperature 0
         self.rows_left = 0
 
     @property
@@ -270,9 +273,8 @@ class BatchingEngine:
         job.rows_left = rows
         if r.sampling.temperature > 0:
             gen = self._generator if r.seed is None else torch.Generator().manual_seed(r.seed)
-            # column-major in blocks of DRAW_ROWS rows: what the local engine draws after torch.manual_seed(seed)
-            job.uniforms = torch.cat([torch.rand(job.limit, min(DRAW_ROWS, rows - i), generator=gen,
-                                                 dtype=torch.float64).T for i in range(0, rows, DRAW_ROWS)])
+            # in blocks of DRAW_ROWS rows: what the local engine draws after torch.manual_seed(seed)
+            job.streams = draw_streams(rows, per=DRAW_ROWS, generator=gen)
         job.emit(Started([len(ids) for ids in job.prompt_ids]))
         self._pending.append(job)
 
@@ -308,14 +310,21 @@ class BatchingEngine:
         """A batch for the waiting requests of the first one's setting (see the module docstring)."""
         setting = self._pending[0].setting
         jobs = [j for j in self._pending if j.setting == setting]
-        P = prompt_bucket(max(len(ids) for j in jobs for ids in j.prompt_ids))
-        C = max(MIN_BUDGET, 1 << (max(j.limit for j in jobs) - 1).bit_length())
-        if self.max_len is not None:
-            C = min(C, self.max_len)
-        S = min(self.slots, self.sampler._rows_per_part(self.slots, P + C))  # fewer where the KV budget says so
+        if self.sampler.paged and self.max_len is not None:
+            # a paged cache holds what rows write, not P + C a slot: one batch as wide as the model takes every
+            # request of this setting, whatever its prompt and max_tokens, as slots and pages free
+            P = C = self.max_len
+            S, logprobs = self.slots, True
+        else:
+            P = prompt_bucket(max(len(ids) for j in jobs for ids in j.prompt_ids))
+            C = max(MIN_BUDGET, 1 << (max(j.limit for j in jobs) - 1).bit_length())
+            if self.max_len is not None:
+                C = min(C, self.max_len)
+            S = min(self.slots, self.sampler._rows_per_part(self.slots, P + C))  # fewer where the KV budget says so
+            logprobs = any(j.request.logprobs for j in jobs)
         s = self._pending[0].request.sampling.model_copy(update={"max_new_tokens": C})
         eos, pad = self.backend.eos_ids, self.tokenizer.pad_token_id
-        self.batch = SlotBatch(self.sampler, S, P, s, eos, pad, any(j.request.logprobs for j in jobs))
+        self.batch = SlotBatch(self.sampler, S, P, s, eos, pad, logprobs)
         self.batch_setting = setting
         self.batches += 1
         logger.info("batch %d: %d slots, prompts up to %d tokens, up to %d new tokens, temperature %g",
@@ -324,11 +333,8 @@ class BatchingEngine:
     def _join(self, job: Job) -> None:
         b, n = self.batch, job.request.n
         for i, ids in enumerate(job.prompt_ids):
-            if job.uniforms is None:
-                u = torch.zeros(n, b.C, dtype=torch.float64)  # greedy reads none
-            else:
-                u = F.pad(job.uniforms[i * n:(i + 1) * n], (0, b.C - job.limit))  # [n, C]
-            keys = b.submit(torch.tensor(ids), uniforms=u, n=n, limit=job.limit)
+            streams = torch.zeros(n, dtype=torch.long) if job.streams is None else job.streams[i * n:(i + 1) * n]
+            keys = b.submit(torch.tensor(ids), streams=streams, n=n, limit=job.limit)  # greedy reads no stream
             for j, key in enumerate(keys):
                 self._rows[key] = _Row(job, i * n + j, key)
 

@@ -42,7 +42,7 @@ class Request:
     prompts: tuple  # chat: one list of {role, content}; completions: the prompt texts
     n: int  # samples per prompt
     sampling: SamplingConfig  # max_new_tokens is the request's max_tokens (trimmed to the model's length later)
-    seed: int | None  # the rows' uniforms come from a generator seeded with it: the same tokens however busy
+    seed: int | None  # the rows' streams come from a generator seeded with it: the same tokens however busy
     stop: tuple[str, ...]  # the text ends before the first of these; the row stops there
     logprobs: bool  # each sampled token's log-prob in the reply (/v1/completions' logprobs: 0; serve._token_logprobs)
     add_special_tokens: bool  # completions: the tokenizer's BOS etc. around the prompt text (chat: False)

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from grpo.config import SamplingConfig
 from grpo.models import cached
 from grpo.sampling.decode_step import F, choose_tokens, decoder
+from grpo.sampling.draws import draw_streams, uniform_at
 
 class Ended(NamedTuple):
     """A row that has ended, as `SlotBatch.step` hands it back (tensors on the sampler's device)."""
@@ -43,7 +44,7 @@ class SlotBatch:
     budget's pool has too few the newest rows are preempted: back to the front of the queue with the tokens they
     chose, to resume from a forward over their prompt and those tokens, ending as they would have. Once no row
     waits, the live slots are moved to the front and a step computes those alone (a captured step: the smallest
-    bucket of `row_buckets` that holds them). A row's tokens depend on its prompt and its uniforms only, not on its
+    bucket of `row_buckets` that holds them). A row's tokens depend on its prompt and its random stream only, not on its
     slot or its neighbours. `StaticSampler.sample` and `stream` run a fixed set of rows through one; `r1 serve`
     keeps one running while requests come and go.
     """
@@ -62,7 +63,7 @@ class SlotBatch:
         self.S, self.P, self.C = S, P, s.max_new_tokens
         self.slot_row: list[int | None] = [None] * S  # slot -> the key of the row in it
         self.waiting: collections.deque[int] = collections.deque()  # keys, in the order they take slots
-        self._rows: dict[int, tuple[int, torch.Tensor, int]] = {}  # key -> (its prompt, uniforms [C], limit)
+        self._rows: dict[int, tuple[int, int, int]] = {}  # key -> (its prompt, its random stream, limit)
         self._prompts: dict[int, list] = {}  # prompt -> [ids [P], mask [P], rows not yet in a slot]
         self._prefilled: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}  # K, V, logits
         self._reported: dict[int, int] = {}  # key -> tokens handed out by `new_tokens`
@@ -84,10 +85,11 @@ class SlotBatch:
         return sum(row is not None for row in self.slot_row)
 
     @torch.inference_mode()
-    def submit(self, ids: torch.Tensor, mask: torch.Tensor | None = None, uniforms: torch.Tensor | None = None, *,
+    def submit(self, ids: torch.Tensor, mask: torch.Tensor | None = None, streams: torch.Tensor | None = None, *,
                n: int = 1, keys: list[int] | None = None, limit: int | None = None) -> list[int]:
         """Queue `n` rows (or one per key) continuing one prompt: ids [P'] (P' <= P, left-padded where `mask` [P']
-        says so). uniforms: [n, C] the rows' draws (None: drawn here). limit: new tokens at most (<= C; None: C).
+        says so). streams: [n] int64, the rows' random streams (`draws`; None: drawn here). limit: new tokens at
+        most (<= C; None: C).
         Returns the rows' keys (`keys` when given: the caller's numbering, which it keeps unique)."""
         if keys is None:
             keys = list(range(self._next_key, self._next_key + n))
@@ -102,14 +104,16 @@ class SlotBatch:
             mask = torch.ones_like(ids)
         ids = F.pad(ids.to(self.device), (self.P - ids.size(0), 0), value=self.pad_id)  # [P]
         mask = F.pad(mask.to(self.device), (self.P - mask.size(0), 0), value=0)  # [P]
-        if uniforms is None:
-            uniforms = torch.rand(self.C, n, dtype=torch.float64, device=self.device).T  # [n, C]
-        uniforms = uniforms.to(self.device, torch.float64)
+        if streams is None:
+            streams = draw_streams(n, self.device)  # [n]
+        streams = streams.tolist()
+        if len(streams) != n:
+            raise ValueError(f"{len(streams)} random streams for {n} rows")
         u = self._next_prompt
         self._next_prompt += 1
         self._prompts[u] = [ids, mask, n]
-        for key, draws in zip(keys, uniforms):
-            self._rows[key] = (u, draws, limit)
+        for key, stream in zip(keys, streams):
+            self._rows[key] = (u, stream, limit)
             self.waiting.append(key)
         return keys
 
@@ -155,7 +159,9 @@ class SlotBatch:
                 ended = (st.done[:top] | (st.n[:top] >= st.limit[:top])).tolist()
                 fin = [i for i in taken if ended[i]]
             if fin:
-                done = st.done[fin].tolist()
+                done, chosen = torch.stack([st.done[fin].long(), st.n[fin]]).tolist()
+                self.sampler.counts.samples += len(fin)
+                self.sampler.counts.tokens += sum(chosen)
                 for j, slot in enumerate(fin):
                     key = self.slot_row[slot]
                     out.append(Ended(key, st.ids[slot, :C].clone(), st.alive[slot, :C].clone(),
@@ -277,12 +283,12 @@ class SlotBatch:
         self._prefill([self._rows[k][0] for k in keys])
         slots = [slot for slot, _ in pairs]
         slots_t = torch.tensor(slots, device=self.device)  # [r]
-        heads, draws, limits = [], [], []
+        heads, streams, limits = [], [], []
         for slot, key in pairs:
-            u, row_draws, limit = self._rows[key]
+            u, stream, limit = self._rows[key]
             self._take_slot(slot, key)
             heads.append(u)
-            draws.append(row_draws)
+            streams.append(stream)
             limits.append(limit)
             if st.paged:
                 ids, mask = self._prompts[u][0], self._prompts[u][1]
@@ -295,13 +301,13 @@ class SlotBatch:
             self._prompts[u][2] -= 1
             if not self._prompts[u][2]:  # its last row is in a slot: its prompt is not needed again
                 del self._prompts[u], self._prefilled[u]
-        uniforms = torch.stack(draws)  # [r, C]
+        streams_t = torch.tensor(streams, dtype=torch.long, device=self.device)  # [r]
         st.next_pos[slots_t] = mask.long().sum(1).clamp(min=1)  # positions 0..len-1 taken by the prompt
-        st.uniforms[slots_t] = uniforms
+        st.streams[slots_t] = streams_t
         st.limit[slots_t] = torch.tensor(limits, device=self.device)
         st.ids[slots_t], st.alive[slots_t], st.logprobs[slots_t] = self.pad_id, False, 0.0
         # the first token, from the prefill
-        tok, lp = choose_tokens(logits, uniforms[:, 0], self.s, self.want_logprobs)  # [r], [r]
+        tok, lp = choose_tokens(logits, uniform_at(streams_t, 0), self.s, self.want_logprobs)  # [r], [r]
         st.ids[slots_t, 0], st.alive[slots_t, 0], st.tok[slots_t] = tok, True, tok
         if lp is not None:
             st.logprobs[slots_t, 0] = lp
@@ -322,8 +328,8 @@ class SlotBatch:
                  torch.ones_like(ids), chosen=[n - 1])
         self._take_slot(slot, key)
         self._row_prompt[key] = prompt
-        _, draws, limit = self._rows[key]
-        st.next_pos[slot], st.uniforms[slot], st.limit[slot] = max(1, prompt.numel()), draws, limit
+        _, stream, limit = self._rows[key]
+        st.next_pos[slot], st.streams[slot], st.limit[slot] = max(1, prompt.numel()), stream, limit
         st.ids[slot], st.alive[slot], st.logprobs[slot] = self.pad_id, False, 0.0
         st.ids[slot, :n], st.alive[slot, :n], st.logprobs[slot, :n] = chosen, True, logprobs
         st.tok[slot], st.done[slot], st.n[slot] = chosen[-1], False, n

@@ -18,9 +18,9 @@ One call samples a set of left-padded prompt rows by continuous batching:
   budget (`memory_budget`) rows are admitted by free pages and the newest is preempted when they run out (it
   resumes with the same tokens). Kept, captured steps (CUDA) still use the static layout: P + C positions a slot;
 - each decode step (`grpo.sampling.decode_step`) reads the weights straight from the model, each slot at its own
-  position, and samples inside the step from a table of uniforms drawn up front, one row of them per sample (tests
-  inject it): a row's tokens depend on its prompt and its uniforms, not on its slot or its neighbours, so rows come
-  out the same however many slots decode them;
+  position, and samples inside the step, each row from its own counter-based random stream (`draws`: one 64-bit
+  stream a row, drawn up front; tests inject them): a row's tokens depend on its prompt and its stream, not on its
+  slot, its neighbours or the budget, so rows come out the same however many slots decode them;
 - the host looks at the slots every step on CPU (it costs nothing there) and every `check_every` steps on CUDA (a
   look is a sync); on CUDA the step is captured as a `torch.cuda.CUDAGraph` per slot-count bucket and replayed;
   captures are kept for the next calls, and their weights are refreshed in place by `sync_weights`.
@@ -51,6 +51,7 @@ from grpo.config import SamplingConfig
 from grpo.sampling.cpu_decoder import _STATIC_ROPE, lora_reason
 from grpo.sampling.decode_step import (CDF_BLOCK, F, _Capture, _read_weights, _State, _step, _Weights,
                                        _weight_tensors, choose_tokens, decoder, distinct_rows, inverse_cdf)
+from grpo.sampling.draws import draw_streams
 from grpo.sampling.pages import PagedState, page_bytes
 from grpo.sampling.slots import SlotBatch
 
@@ -124,6 +125,8 @@ class DecodeCounts:
     of `rows_computed`, `tokens - samples` went to live rows and the rest to finished or free slots."""
 
     def __init__(self):
+        self.samples = 0  # rows that ended (an end token or their budget), preempted ones once
+        self.tokens = 0  # the tokens those rows chose, their end tokens included
         self.steps = 0  # decode steps run
         self.rows_computed = 0  # slots those steps computed, summed over the steps
         self.kv_positions_read = 0  # cache positions those steps' attention read, summed over their slots and steps
@@ -131,8 +134,28 @@ class DecodeCounts:
         self.pages_high_water = 0  # the most pages of a paged cache in use at once
         self.kv_bytes_allocated = 0  # the largest KV cache a call held: a paged pool's pages, or S static rows
 
+    def take(self) -> "DecodeCounts":
+        """What was counted since the last take (or the start), and a fresh count from here."""
+        taken = copy.copy(self)
+        self.__init__()
+        return taken
+
+    def figures(self) -> dict[str, float]:
+        """The counts as a stage logs them (`sampler/...`; empty where no decode step ran): how many steps, the share
+        of the slots they computed that held a live row, K/V positions attention read per generated token, the K/V
+        cache's size at most (MB), its pages in use at most, and rows preempted for want of pages."""
+        if not self.steps:
+            return {}
+        decoded = max(0, self.tokens - self.samples)  # tokens that came from a decode step (not a prefill)
+        return {"sampler/decode_steps": float(self.steps),
+                "sampler/live_share": decoded / max(1, self.rows_computed),
+                "sampler/kv_read_per_token": self.kv_positions_read / max(1, decoded),
+                "sampler/kv_mb": self.kv_bytes_allocated / 2**20,
+                "sampler/pages_high_water": float(self.pages_high_water),
+                "sampler/preemptions": float(self.preemptions)}
+
     def __repr__(self) -> str:
-        return (f"DecodeCounts(steps={self.steps}, rows_computed={self.rows_computed}, kv_positions_read="
+        return (f"DecodeCounts(samples={self.samples}, tokens={self.tokens}, steps={self.steps}, rows_computed={self.rows_computed}, kv_positions_read="
                 f"{self.kv_positions_read}, preemptions={self.preemptions}, pages_high_water={self.pages_high_water}, "
                 f"kv_bytes_allocated={self.kv_bytes_allocated})")
 
@@ -221,8 +244,8 @@ class StaticSampler:
         return self._copy
 
     def _prepare(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, pad_id: int,
-                 uniforms: torch.Tensor | None, slots: int | None) -> tuple[torch.Tensor, ...]:
-        """The prompts left-padded to their bucket on the device, each row's uniforms, and the slot count."""
+                 streams: torch.Tensor | None, slots: int | None) -> tuple[torch.Tensor, ...]:
+        """The prompts left-padded to their bucket on the device, each row's random stream, and the slot count."""
         # a step since the last sync that bumped the parameters' versions: sync now (a fused optimizer's step does
         # not bump them, so whoever steps the model also calls sync_weights, as the trainers do)
         if self._seen != _fingerprint(self.model):
@@ -235,36 +258,34 @@ class StaticSampler:
         ids, mask = prompt_ids[:, prompt_ids.size(1) - longest:], prompt_mask[:, prompt_mask.size(1) - longest:]
         ids = F.pad(ids.to(self.device), (P - longest, 0), value=pad_id)  # [B, P]
         mask = F.pad(mask.to(self.device), (P - longest, 0), value=0)  # [B, P]
-        if uniforms is None and s.temperature == 0:  # greedy reads none: leave the generator as it is
-            uniforms = torch.zeros(B, C, dtype=torch.float64, device=self.device)  # [B, C]
-        elif uniforms is None:
-            # column k is what the decode loop in `backend` draws at step k for a batch of `slots` rows, so a seed
-            # samples the same tokens whether rows are decoded a batch at a time or streamed through slots
-            # (the generator ends up advanced by the whole budget, where that loop stops at the last row's end)
-            per = slots or B
-            uniforms = torch.cat([torch.rand(C, min(per, B - i), dtype=torch.float64, device=self.device).T
-                                  for i in range(0, B, per)])  # [B, C]
+        if streams is None and s.temperature == 0:  # greedy reads none: leave the generator as it is
+            streams = torch.zeros(B, dtype=torch.long)  # [B]
+        elif streams is None:
+            # what the decode loop in `backend` draws for a batch of `slots` rows, so a seed samples the same tokens
+            # whether rows are decoded a batch at a time or streamed through slots
+            streams = draw_streams(B, self.device, per=slots or B)  # [B]
         # a paged cache admits rows by its free pages; a static one holds as many slots as the budget has rows
         S = min(B, slots or B) if self.paged else min(B, slots or B, self._rows_per_part(B, P + C))
-        return ids, mask, uniforms.to(self.device, torch.float64), S
+        return ids, mask, streams.to(torch.long), S
 
     @torch.inference_mode()
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, eos_ids: list[int],
-               pad_id: int, *, return_logprobs: bool = True, uniforms: torch.Tensor | None = None,
+               pad_id: int, *, return_logprobs: bool = True, streams: torch.Tensor | None = None,
                slots: int | None = None) -> Sampled:
         """Sample `s.max_new_tokens` at most for each left-padded prompt row, the rows streamed through `slots`
         decode slots (None: one per row, or as many as the memory budget holds).
 
-        uniforms: [B, max_new_tokens] in [0, 1), the draw of each row's each token (None: drawn here from torch's
-        generator on the model's device); the same uniforms give the same tokens however many slots decode them.
+        streams: [B] int64, each row's random stream (`draws.uniform_at` gives its token k's draw; None: drawn
+        here from torch's generator on the model's device); the same streams give the same tokens however many
+        slots decode them, at any budget the rows do not reach.
         """
-        ids, mask, uniforms, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, uniforms, slots)
+        ids, mask, streams, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, streams, slots)
         B, C = ids.size(0), s.max_new_tokens
         out_ids = torch.full((B, C), pad_id, dtype=torch.long, device=self.device)  # [B, C]
         out_alive = torch.zeros(B, C, dtype=torch.bool, device=self.device)  # [B, C]
         out_lp = torch.zeros(B, C, dtype=torch.float32, device=self.device)  # [B, C]
         out_trunc = torch.zeros(B, dtype=torch.bool, device=self.device)  # [B]
-        for rows, got_ids, got_alive, got_lp, got_trunc in self._run(ids, mask, uniforms, s, eos_ids, pad_id,
+        for rows, got_ids, got_alive, got_lp, got_trunc in self._run(ids, mask, streams, s, eos_ids, pad_id,
                                                                      return_logprobs, S):
             out_ids[rows], out_alive[rows], out_trunc[rows] = got_ids, got_alive, got_trunc
             if return_logprobs:
@@ -276,16 +297,16 @@ class StaticSampler:
     @torch.inference_mode()
     def stream(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, eos_ids: list[int],
                pad_id: int, *, group_size: int = 1, return_logprobs: bool = True,
-               uniforms: torch.Tensor | None = None, slots: int | None = None) -> Iterator[Group]:
+               streams: torch.Tensor | None = None, slots: int | None = None) -> Iterator[Group]:
         """`sample`, handed out a group at a time as each group's last row ends (rows [g*group_size,
         (g+1)*group_size) are group g): a consumer can score and train on the first groups while the slots decode
         the rest. Each group's tensors are as wide as its own longest completion."""
         B = prompt_ids.size(0)
         if group_size < 1 or B % group_size:
             raise ValueError(f"group_size must divide the {B} rows, got {group_size}")
-        ids, mask, uniforms, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, uniforms, slots)
+        ids, mask, streams, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, streams, slots)
         got: dict[int, dict[int, tuple]] = {}
-        for rows, *parts in self._run(ids, mask, uniforms, s, eos_ids, pad_id, return_logprobs, S):
+        for rows, *parts in self._run(ids, mask, streams, s, eos_ids, pad_id, return_logprobs, S):
             for j, row in enumerate(rows):
                 g = row // group_size
                 got.setdefault(g, {})[row] = tuple(p[j] if p is not None else None for p in parts)
@@ -329,7 +350,7 @@ class StaticSampler:
                              f"takes {per_row} bytes; raise generation.kv_cache_mb or shorten max_new_tokens")
         return min(B, budget // per_row)
 
-    def _run(self, ids: torch.Tensor, mask: torch.Tensor, uniforms: torch.Tensor, s: SamplingConfig,
+    def _run(self, ids: torch.Tensor, mask: torch.Tensor, streams: torch.Tensor, s: SamplingConfig,
              eos_ids: list[int], pad_id: int, want_logprobs: bool, S: int) -> Iterator[tuple]:
         """The B rows streamed through S slots (`SlotBatch`). Yields (rows, ids [r, C], alive [r, C], logprobs
         [r, C] or None, truncated [r]) for the rows that ended since the last yield, on the device."""
@@ -341,7 +362,7 @@ class StaticSampler:
         for u in sorted(rows_of, key=lambda u: rows_of[u][0]):  # prompts in the order their first row comes
             rows = rows_of[u]
             head = int(first[u])
-            batch.submit(ids[head], mask[head], uniforms[rows], keys=rows)
+            batch.submit(ids[head], mask[head], streams[rows], keys=rows)
         while batch.busy:
             ended = batch.step()
             if ended:

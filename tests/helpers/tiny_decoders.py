@@ -8,6 +8,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 from grpo.config import SamplingConfig
 from grpo.sampling import decode_step, slots
+from grpo.sampling.draws import uniform_at
 from grpo.sampling.static_sampler import choose_tokens
 
 V, PAD, EOS = 96, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 12 end ids in 96: rows end after ~8 tokens
@@ -55,8 +56,9 @@ def forward_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
         return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
 
 
-def reference_loop(model, ids, mask, s: SamplingConfig, uniforms: torch.Tensor):
-    """Naive sampling: a full forward over the whole sequence for every token, the same choice rule and uniforms."""
+def reference_loop(model, ids, mask, s: SamplingConfig, streams: torch.Tensor):
+    """Naive sampling: a full forward over the whole sequence for every token, the same choice rule and each row's
+    draws from its stream (`draws.uniform_at`)."""
     B = ids.size(0)
     done = torch.zeros(B, dtype=torch.bool)
     toks, lps, alive = [], [], []
@@ -64,7 +66,7 @@ def reference_loop(model, ids, mask, s: SamplingConfig, uniforms: torch.Tensor):
         full_ids = torch.cat([ids, *[t[:, None] for t in toks]], 1)
         full_mask = torch.cat([mask, *[a[:, None].long() for a in alive]], 1)
         logits = forward_logits(model, full_ids, full_mask)[:, -1]  # [B, V]
-        tok, lp = choose_tokens(logits, uniforms[:, k], s)
+        tok, lp = choose_tokens(logits, uniform_at(streams, k), s)
         alive.append(~done)
         toks.append(tok.masked_fill(done, PAD))
         lps.append(lp.masked_fill(done, 0.0))

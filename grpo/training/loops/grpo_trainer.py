@@ -39,6 +39,7 @@ from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
+from grpo.sampling.rollout import decode_figures
 from grpo.training.accelerator import make_accelerator
 from grpo.training.advantages import group_advantages
 from grpo.training.batches import prompt_order
@@ -191,7 +192,7 @@ class GRPOTrainer:
         scores = self.score(rollout, idx)
         stats = {"dynamic/refill_rounds": 0.0}
         if not self.cfg.dynamic_sampling:
-            return rollout, idx, scores, stats
+            return rollout, idx, scores, {**stats, **decode_figures(self.engine)}
         parts = [(rollout, scores, idx, spread_groups(scores.total, G))]
         # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too
         stats["dynamic/first_draw_reward"] = sum(scores.total) / len(scores.total)
@@ -207,7 +208,7 @@ class GRPOTrainer:
             stats["dynamic/refill_rounds"] = float(draw)
         rollout, idx, scores = concat_groups(parts, G, want, self.tokenizer.pad_token_id)
         stats["dynamic/groups"] = float(len(idx))
-        return rollout, idx, scores, stats
+        return rollout, idx, scores, {**stats, **decode_figures(self.engine)}  # the refills' steps too
 
     def score_steps(self, rollout: Rollout, idx: list[int], outcome: list[float],
                     metrics: dict[str, float] | None = None, first: bool = False) -> StepRewards:

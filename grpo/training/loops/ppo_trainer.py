@@ -46,6 +46,7 @@ from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.ppo_config import PPOConfig, check_ppo_settings
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
+from grpo.sampling.rollout import decode_figures
 from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import prompt_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
@@ -327,6 +328,7 @@ class PPOTrainer:
             total = self.acc.gather(total)
         m["reward/std"] = total.std().item() if total.numel() > 1 else 0.0  # over the global batch
         m.update(opt)
+        m.update(decode_figures(self.engine))
         return m
 
     def _resume(self, root: Path) -> int:

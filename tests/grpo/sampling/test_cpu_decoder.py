@@ -9,6 +9,8 @@ from grpo.models import load_model_and_tokenizer
 from grpo.sampling import backend, cpu_decoder
 from grpo.sampling.backend import TransformersBackend, render_prompts, sample_batch
 from grpo.sampling.cpu_decoder import lean_decode_supported
+from grpo.sampling.decode_step import inverse_cdf
+from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.tiny import build_tokenizer
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -147,11 +149,15 @@ def test_a_large_model_decodes_from_its_own_weights(monkeypatch):
 
 
 def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
-    torch.manual_seed(0)
+    # each row's draw at step 0 of its own stream, and one row's draws along its steps: both follow the distribution
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]]).repeat(5000, 1)
-    tok = backend._draw(probs)  # [10000]
-    counts = torch.zeros_like(probs[:2])
-    for row in range(2):
-        counts[row] = torch.bincount(tok[row::2], minlength=6).float() / 5000
-    assert (counts[probs[:2] == 0] == 0).all()
-    assert torch.allclose(counts, probs[:2], atol=0.03)
+    streams = draw_streams(10000, generator=torch.Generator().manual_seed(0))
+    tok = inverse_cdf(probs, uniform_at(streams, 0))  # [10000]
+    along = inverse_cdf(probs, uniform_at(streams[:1].expand(10000), torch.arange(10000) // 2))  # [10000]
+    for got in (tok, along):
+        counts = torch.zeros_like(probs[:2])
+        for row in range(2):
+            counts[row] = torch.bincount(got[row::2], minlength=6).float() / 5000
+        assert (counts[probs[:2] == 0] == 0).all()
+        assert torch.allclose(counts, probs[:2], atol=0.03)
+

@@ -7,6 +7,7 @@ import torch
 
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
+from grpo.sampling.draws import draw_streams
 from grpo.sampling.pages import PAGE_TOKENS, PagedState, page_bytes
 from grpo.sampling.slots import SlotBatch
 from grpo.sampling.static_sampler import StaticSampler
@@ -21,7 +22,7 @@ def long_tailed(budget: int = 40, seed: int = 12, positions: int = 512):
     anywhere from their first token on."""
     model = make_model(head_scale=1.0, positions=positions)
     ids, mask = left_padded([5, 11, 3, 7, 2, 9], repeat=3)
-    u = torch.rand(ids.size(0), budget, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    u = draw_streams(ids.size(0), generator=torch.Generator().manual_seed(seed))  # [B] the rows' random streams
     return model, ids, mask, SamplingConfig(max_new_tokens=budget, temperature=1.0), u
 
 
@@ -36,8 +37,8 @@ def test_paged_steps_sample_the_static_caches_tokens_and_logprobs(slots):
     model, ids, mask, s, u = long_tailed()
     paged = StaticSampler(model)
     assert paged.paged and not StaticSampler(model, **STATIC).paged
-    got = paged.sample(ids, mask, s, EOS, PAD, uniforms=u, slots=slots)
-    assert_same_rows(got, StaticSampler(model, **STATIC).sample(ids, mask, s, EOS, PAD, uniforms=u, slots=slots))
+    got = paged.sample(ids, mask, s, EOS, PAD, streams=u, slots=slots)
+    assert_same_rows(got, StaticSampler(model, **STATIC).sample(ids, mask, s, EOS, PAD, streams=u, slots=slots))
     assert got.completion_mask.sum(1).max() > PAGE_TOKENS  # rows that took more than one page of their own
 
 
@@ -69,7 +70,7 @@ def test_no_page_is_lost_after_many_calls_cancels_and_preemptions():
     for round_ in range(3):
         keys = []
         for row in range(0, ids.size(0), 3):
-            keys += batch.submit(ids[row], mask[row], u[row:row + 3])
+            keys += batch.submit(ids[row], mask[row], u[row:row + 3], n=3)
         for _ in range(3):
             batch.step()
         batch.cancel(keys[round_])  # decoding, or waiting
@@ -83,9 +84,9 @@ def test_no_page_is_lost_after_many_calls_cancels_and_preemptions():
 
 def test_a_preempted_row_ends_with_the_tokens_it_would_have_had():
     model, ids, mask, s, u = long_tailed()
-    roomy = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u, slots=6)
+    roomy = StaticSampler(model).sample(ids, mask, s, EOS, PAD, streams=u, slots=6)
     tight = StaticSampler(model, memory_budget=10 * page_bytes(model, torch.float32))
-    got = tight.sample(ids, mask, s, EOS, PAD, uniforms=u, slots=6)
+    got = tight.sample(ids, mask, s, EOS, PAD, streams=u, slots=6)
     assert tight.counts.preemptions >= 3
     assert_same_rows(got, roomy)
 
@@ -94,7 +95,7 @@ def test_a_budget_too_small_for_one_row_is_refused_before_any_step():
     model, ids, mask, s, u = long_tailed()
     with pytest.raises(ValueError, match="holds no row: one row of 11 prompt and 40 new tokens takes up to 5 pages"):
         StaticSampler(model, memory_budget=4 * page_bytes(model, torch.float32)).sample(ids, mask, s, EOS, PAD,
-                                                                                        uniforms=u)
+                                                                                        streams=u)
 
 
 def test_a_16k_budget_allocates_by_the_rows_lengths_and_samples_the_512_budgets_tokens():
@@ -104,7 +105,7 @@ def test_a_16k_budget_allocates_by_the_rows_lengths_and_samples_the_512_budgets_
     for name, cfg, kw in [("paged 512", short, {}), ("paged 16k", s, {}), ("static 16k", s, STATIC)]:
         sampler = StaticSampler(model, **kw)
         with BytesAlive() as alive:
-            sampled[name] = sampler.sample(ids, mask, cfg, EOS, PAD, uniforms=u[:, :cfg.max_new_tokens])
+            sampled[name] = sampler.sample(ids, mask, cfg, EOS, PAD, streams=u)
         peaks[name] = alive.peak
     assert sampled["paged 16k"].completion_mask.sum(1).max() < 200  # the rows are short
     assert_same_rows(sampled["paged 16k"], sampled["paged 512"])
@@ -112,5 +113,20 @@ def test_a_16k_budget_allocates_by_the_rows_lengths_and_samples_the_512_budgets_
     static_kv = 2 * 2 * ids.size(0) * 2 * (16384 + ids.size(1)) * 16 * 4  # layers, K and V, rows, heads, positions
     assert peaks["static 16k"] > static_kv
     # the paged call's K/V is the rows' pages (~0.6 MB); what it holds beyond the 512 one is the budget's per-row
-    # bookkeeping (uniforms, tokens: ~16 MB here), a tenth of the static cache's K/V
+    # bookkeeping (tokens, log-probs), a tenth of the static cache's K/V
     assert peaks["paged 16k"] < static_kv / 4, peaks
+
+
+def test_the_counts_a_stage_logs_add_up():
+    model, ids, mask, s, u = long_tailed()
+    sampler = StaticSampler(model, memory_budget=8 * page_bytes(model, torch.float32))  # tight: rows are preempted
+    out = sampler.sample(ids, mask, s, EOS, PAD, streams=u, slots=6)
+    counts = sampler.counts.take()
+    assert sampler.counts.steps == 0 and sampler.counts.tokens == 0  # taken: the next step's counts start at 0
+    assert counts.tokens == int(out.completion_mask.sum()) and counts.samples == ids.size(0)
+    f = counts.figures()
+    decoded = counts.tokens - counts.samples  # each row's first token came from its prefill
+    assert f["sampler/live_share"] == decoded / counts.rows_computed <= 1
+    assert f["sampler/kv_read_per_token"] == counts.kv_positions_read / decoded
+    assert f["sampler/preemptions"] == counts.preemptions > 0 and f["sampler/pages_high_water"] <= 7
+    assert counts.figures() and sampler.counts.figures() == {}  # nothing decoded since the take

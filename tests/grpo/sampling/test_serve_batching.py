@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from grpo.config import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
@@ -88,6 +89,22 @@ def test_32_concurrent_clients_get_the_tokens_serial_requests_get(server, tiny):
                                          add_special_tokens=True)
         assert concurrent[i]["choices"][0]["text"] == alone.texts[0]
         assert concurrent[i]["usage"]["completion_tokens"] == int(alone.completion_tokens[0])
+
+
+def test_requests_of_any_budget_and_prompt_join_one_batch(server, tiny):
+    # a paged cache (this CPU's eager steps) holds what rows write: one batch as wide as the model serves every
+    # request of a setting; a static one was shaped by its first requests' budget, and a larger one waited for a new
+    bodies = [{"prompt": p, "max_tokens": m, "temperature": 0.7, "seed": i, "logprobs": 0}
+              for i, (p, m) in enumerate([(PROMPTS[0], 8), (PROMPTS[1] * 6, 200), (PROMPTS[2], 8), (PROMPTS[3], 400)])]
+    before = server.engine.batches
+    replies = [post(server, "completions", b).json() for b in bodies]
+    assert server.engine.batches - before <= 1  # a new one only where the last batch had another setting
+    local = TransformersBackend(*tiny)
+    for body, reply in zip(bodies, replies):  # each as the pipeline's own engine samples it alone, same seed
+        torch.manual_seed(body["seed"])
+        alone = local.generate_from_text([body["prompt"]], 1, SamplingConfig(max_new_tokens=body["max_tokens"],
+                                                                            temperature=0.7), add_special_tokens=True)
+        assert reply["choices"][0]["text"] == alone.texts[0]
 
 
 def test_chat_requests_at_once_answer_as_alone(server):

@@ -7,6 +7,7 @@ import torch
 
 from grpo.config import SamplingConfig
 from grpo.sampling import decode_step
+from grpo.sampling.draws import draw_streams
 from grpo.sampling.slots import SlotBatch
 from grpo.sampling.static_sampler import StaticSampler
 from tiny_decoders import EOS, PAD, V, fp32_gap, left_padded, make_model
@@ -19,7 +20,7 @@ def long_tailed(n_prompts: int = 6, repeat: int = 3, budget: int = 40, seed: int
     """Prompts of several lengths and a near-uniform model with 12 end ids in 96: completions of 1 to `budget`."""
     model = make_model(head_scale=1.0)
     ids, mask = left_padded([5, 11, 3, 7, 2, 9][:n_prompts], repeat=repeat)
-    u = torch.rand(ids.size(0), budget, generator=torch.Generator().manual_seed(seed))  # [B, C]
+    u = draw_streams(ids.size(0), generator=torch.Generator().manual_seed(seed))  # [B] the rows' random streams
     return model, ids, mask, SamplingConfig(max_new_tokens=budget, temperature=1.0), u
 
 
@@ -27,13 +28,13 @@ def long_tailed(n_prompts: int = 6, repeat: int = 3, budget: int = 40, seed: int
 def test_a_refilled_row_equals_its_prompt_sampled_alone(mode):
     model, ids, mask, s, u = long_tailed()
     sampler = StaticSampler(model, **mode)
-    streamed = sampler.sample(ids, mask, s, EOS, PAD, uniforms=u, slots=2)  # 18 rows through 2 slots
+    streamed = sampler.sample(ids, mask, s, EOS, PAD, streams=u, slots=2)  # 18 rows through 2 slots
     lengths = streamed.completion_mask.sum(1)
     assert lengths.min() < 8 and lengths.max() >= 20  # the rows end far apart: slots are refilled many times
     for row in range(ids.size(0)):
         n = int(mask[row].sum())
         alone = StaticSampler(model, **mode).sample(ids[row:row + 1, -n:], mask[row:row + 1, -n:], s, EOS, PAD,
-                                                    uniforms=u[row:row + 1])
+                                                    streams=u[row:row + 1])
         k = int(lengths[row])
         assert alone.completion_ids.size(1) == k
         assert torch.equal(alone.completion_ids[0], streamed.completion_ids[row, :k])
@@ -43,7 +44,7 @@ def test_a_refilled_row_equals_its_prompt_sampled_alone(mode):
 
 def test_the_slot_count_changes_no_token():
     model, ids, mask, s, u = long_tailed()
-    runs = [StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u, slots=k) for k in (1, 3, 7, 18)]
+    runs = [StaticSampler(model).sample(ids, mask, s, EOS, PAD, streams=u, slots=k) for k in (1, 3, 7, 18)]
     for other in runs[1:]:
         assert torch.equal(runs[0].completion_ids, other.completion_ids)
         assert torch.equal(runs[0].completion_mask, other.completion_mask)
@@ -62,7 +63,7 @@ def test_a_decode_step_computes_no_finished_row(monkeypatch):
 
     monkeypatch.setattr(decode_step, "_decode", counted)
     sampler = StaticSampler(model)
-    out = sampler.sample(ids, mask, s, EOS, PAD, uniforms=u, slots=5)
+    out = sampler.sample(ids, mask, s, EOS, PAD, streams=u, slots=5)
     assert steps and all(finished == 0 for _, finished in steps)
     assert max(rows for rows, _ in steps) == 5 and min(rows for rows, _ in steps) <= 2  # the tail shrinks
     # each token after a row's first came from one decode step of that row, and no step computed anything else
@@ -74,9 +75,9 @@ def test_a_decode_step_computes_no_finished_row(monkeypatch):
 def test_groups_are_handed_out_as_each_completes():
     model, ids, mask, s, u = long_tailed(repeat=3)
     sampler = StaticSampler(model)
-    whole = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u, slots=6)
+    whole = StaticSampler(model).sample(ids, mask, s, EOS, PAD, streams=u, slots=6)
     seen, at_step = [], []
-    for group in sampler.stream(ids, mask, s, EOS, PAD, group_size=3, uniforms=u, slots=6):
+    for group in sampler.stream(ids, mask, s, EOS, PAD, group_size=3, streams=u, slots=6):
         seen.append(group.rows)
         at_step.append(sampler.counts.steps)
         k = group.sampled.completion_ids.size(1)
@@ -134,7 +135,7 @@ def test_a_slot_batch_takes_rows_while_it_decodes_and_streams_their_tokens():
         n = int(mask[row].sum())
         alone = StaticSampler(model).sample(ids[row:row + 1, -n:], mask[row:row + 1, -n:],
                                             s.model_copy(update={"max_new_tokens": limit}), EOS, PAD,
-                                            uniforms=u[row:row + 1, :limit])
+                                            streams=u[row:row + 1])
         k = int(ended[key].alive.sum())
         assert torch.equal(ended[key].ids[:k], alone.completion_ids[0]) and k <= limit
         assert ended[key].truncated == bool(alone.truncated[0])

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling import static_sampler
+from grpo.sampling.draws import draw_streams
 from grpo.sampling.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
 from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model, recorded_logits,
                            reference_loop)
@@ -36,11 +37,11 @@ def test_step_logits_equal_the_models_forward(kind, full_cache, monkeypatch):
                                       SamplingConfig(max_new_tokens=20, temperature=1.2, top_k=10, top_p=0.9),
                                       SamplingConfig(max_new_tokens=20, temperature=0)])
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_the_same_tokens_as_a_reference_loop_with_the_same_uniforms(kind, sampling):
+def test_the_same_tokens_as_a_reference_loop_with_the_same_streams(kind, sampling):
     model = make_model(kind)
     ids, mask = left_padded([5, 11, 3], repeat=3)
-    u = torch.rand(ids.size(0), sampling.max_new_tokens, generator=torch.Generator().manual_seed(2))  # [B, C]
-    got = StaticSampler(model).sample(ids, mask, sampling, EOS, PAD, uniforms=u)
+    u = draw_streams(ids.size(0), generator=torch.Generator().manual_seed(2))  # [B] the rows' random streams
+    got = StaticSampler(model).sample(ids, mask, sampling, EOS, PAD, streams=u)
     want_ids, want_mask, want_lp, want_truncated = reference_loop(model, ids, mask, sampling, u)
     assert torch.equal(got.completion_ids, want_ids) and torch.equal(got.completion_mask, want_mask)
     assert torch.equal(got.truncated, want_truncated)
@@ -50,8 +51,8 @@ def test_the_same_tokens_as_a_reference_loop_with_the_same_uniforms(kind, sampli
 def test_rows_that_end_stop_changing_and_are_padded():
     model = make_model(head_scale=1.0)  # near-uniform: an end token every ~8 tokens
     ids, mask = left_padded([5, 11, 3, 7], repeat=4)
-    u = torch.rand(16, 40, generator=torch.Generator().manual_seed(3))
-    out = StaticSampler(model).sample(ids, mask, SamplingConfig(max_new_tokens=40), EOS, PAD, uniforms=u)
+    u = draw_streams(16, generator=torch.Generator().manual_seed(3))
+    out = StaticSampler(model).sample(ids, mask, SamplingConfig(max_new_tokens=40), EOS, PAD, streams=u)
     lengths = out.completion_mask.sum(1)  # [B]
     assert lengths.min() < lengths.max() < 40  # rows end at different steps, all before the budget
     assert out.completion_ids.size(1) == lengths.max()  # no column past the last row's end
@@ -66,8 +67,8 @@ def test_one_new_token():
     model = make_model()
     ids, mask = left_padded([5, 11])
     s = SamplingConfig(max_new_tokens=1)
-    u = torch.tensor([[0.3], [0.7]])
-    out = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    u = draw_streams(2, generator=torch.Generator().manual_seed(4))
+    out = StaticSampler(model).sample(ids, mask, s, EOS, PAD, streams=u)
     want = reference_loop(model, ids, mask, s, u)
     assert out.completion_ids.shape == (2, 1) and torch.equal(out.completion_ids, want[0])
     assert torch.equal(out.truncated, want[3])
@@ -84,8 +85,8 @@ def test_prompts_in_several_buckets_share_captures_per_bucket():
     s = SamplingConfig(max_new_tokens=6, temperature=0.9)
     for lengths in ([5, 30], [40, 33], [70, 2, 65]):  # buckets 32, 64 and 96
         ids, mask = left_padded(lengths, repeat=2)
-        u = torch.rand(ids.size(0), 6, generator=torch.Generator().manual_seed(len(lengths)))
-        got = sampler.sample(ids, mask, s, EOS, PAD, uniforms=u)
+        u = draw_streams(ids.size(0), generator=torch.Generator().manual_seed(len(lengths)))
+        got = sampler.sample(ids, mask, s, EOS, PAD, streams=u)
         want = reference_loop(model, ids, mask, s, u)
         assert torch.equal(got.completion_ids, want[0]) and torch.equal(got.completion_mask, want[1])
 
@@ -176,13 +177,13 @@ def test_a_memory_budget_splits_the_batch_into_the_same_tokens():
     model = make_model()
     ids, mask = left_padded([5, 11, 3, 9], repeat=2)
     s = SamplingConfig(max_new_tokens=16, temperature=1.0)
-    u = torch.rand(8, 16, generator=torch.Generator().manual_seed(6))
-    whole = StaticSampler(model, buckets=True).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    u = draw_streams(8, generator=torch.Generator().manual_seed(6))
+    whole = StaticSampler(model, buckets=True).sample(ids, mask, s, EOS, PAD, streams=u)
     # one row's cache: 2 layers x (K and V) x 2 KV heads x (32 + 16) slots x 16 dims x 4 bytes = 24,576 bytes
     row = 2 * 2 * 2 * 48 * 16 * 4
     split = StaticSampler(model, memory_budget=3 * row, buckets=True)
     assert split._rows_per_part(8, 48) == 3
-    parts = split.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    parts = split.sample(ids, mask, s, EOS, PAD, streams=u)
     assert torch.equal(whole.completion_ids, parts.completion_ids)
     assert torch.equal(whole.completion_mask, parts.completion_mask) and torch.equal(whole.truncated, parts.truncated)
     assert torch.allclose(whole.logprobs, parts.logprobs, atol=1e-5)  # a smaller batch may round a matmul apart
@@ -225,7 +226,7 @@ def test_a_seed_samples_what_the_decode_loop_samples():
     ids, mask = left_padded([5, 11, 3], repeat=3)
     s = SamplingConfig(max_new_tokens=16, temperature=0.9)
     torch.manual_seed(8)
-    loop = sample_batch(model, ids, mask, s, EOS, PAD)  # the lean decode loop, one uniform draw a step
+    loop = sample_batch(model, ids, mask, s, EOS, PAD)  # the lean decode loop, each row's draw a step
     torch.manual_seed(8)
     static = StaticSampler(model).sample(ids, mask, s, EOS, PAD)
     assert torch.equal(loop[0], static.completion_ids) and torch.equal(loop[1], static.completion_mask)
@@ -266,19 +267,19 @@ def test_kept_captures_see_an_optimizer_step(explicit_sync):
     model = make_model()
     ids, mask = left_padded([5, 11, 3], repeat=2)
     s = SamplingConfig(max_new_tokens=8, temperature=0.8)
-    u = torch.rand(6, 8, generator=torch.Generator().manual_seed(9))
+    u = draw_streams(6, generator=torch.Generator().manual_seed(9))
     kept = StaticSampler(model, keep_captures=True, full_cache_attention=True, buckets=True)
-    first = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    first = kept.sample(ids, mask, s, EOS, PAD, streams=u)
     kept.sample(*left_padded([40, 2]), s, EOS, PAD)  # another bucket between the two calls
-    again = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    again = kept.sample(ids, mask, s, EOS, PAD, streams=u)
     assert len(kept._captures) == 2 and torch.equal(first.completion_ids, again.completion_ids)
     with torch.no_grad():
         for p in model.parameters():  # an optimizer step, in place as optimizers step
             p.add_(torch.randn_like(p) * 0.05)
     if explicit_sync:
         kept.sync_weights(model)  # else the sampler sees the parameters' versions moved and syncs itself
-    after = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
-    fresh = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    after = kept.sample(ids, mask, s, EOS, PAD, streams=u)
+    fresh = StaticSampler(model).sample(ids, mask, s, EOS, PAD, streams=u)
     assert not torch.equal(first.logprobs, after.logprobs)
     assert torch.equal(after.completion_ids, fresh.completion_ids)
     assert torch.allclose(after.logprobs, fresh.logprobs, atol=1e-5)
@@ -321,9 +322,9 @@ def test_the_bf16_copy_is_made_without_a_copy_in_the_models_dtype(tied):
     assert half.model.rotary_emb.inv_freq.dtype == torch.float32  # rounded, it would be off at long positions
     ids, mask = left_padded([5, 11, 3], repeat=2)
     s = SamplingConfig(max_new_tokens=8, temperature=0.8)
-    u = torch.rand(6, 8, generator=torch.Generator().manual_seed(10))
-    got = sampler.sample(ids, mask, s, EOS, PAD, uniforms=u)
-    want = StaticSampler(cast_copy).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    u = draw_streams(6, generator=torch.Generator().manual_seed(10))
+    got = sampler.sample(ids, mask, s, EOS, PAD, streams=u)
+    want = StaticSampler(cast_copy).sample(ids, mask, s, EOS, PAD, streams=u)
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.logprobs, want.logprobs)
 
 
@@ -390,16 +391,16 @@ def test_kept_captures_see_an_adapter_step():
     model = lora_model()
     ids, mask = left_padded([5, 11, 3], repeat=2)
     s = SamplingConfig(max_new_tokens=8, temperature=0.8)
-    u = torch.rand(6, 8, generator=torch.Generator().manual_seed(9))
+    u = draw_streams(6, generator=torch.Generator().manual_seed(9))
     kept = StaticSampler(model, keep_captures=True, full_cache_attention=True, buckets=True)
-    first = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
+    first = kept.sample(ids, mask, s, EOS, PAD, streams=u)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.add_(torch.randn_like(p) * 0.2)
     kept.sync_weights(model)
-    after = kept.sample(ids, mask, s, EOS, PAD, uniforms=u)
-    fresh = StaticSampler(model).sample(ids, mask, s, EOS, PAD, uniforms=u)
+    after = kept.sample(ids, mask, s, EOS, PAD, streams=u)
+    fresh = StaticSampler(model).sample(ids, mask, s, EOS, PAD, streams=u)
     assert not torch.equal(first.completion_ids, after.completion_ids)  # the step sampled from the new adapters
     assert torch.equal(after.completion_ids, fresh.completion_ids)
     assert torch.allclose(after.logprobs, fresh.logprobs, atol=1e-5)

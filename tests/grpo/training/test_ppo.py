@@ -215,8 +215,9 @@ def test_a_ppo_run_moves_policy_and_critic_and_logs_them(tmp_path, kl_in, mu):
         assert math.isfinite(m2[key]), key
     assert "reward/zero_std_groups" not in m2
     assert m2["kl"] > 1e-6  # the policy has left the reference it started as
-    if kl_in == "reward":  # the rollout's KL: none at step 1, sampled from the reference itself
-        assert m1["kl"] < 1e-9 and abs(m1["reward/kl_penalty"]) < 1e-6 and m2["reward/kl_penalty"] < -1e-6
+    if kl_in == "reward":  # the rollout's KL: none at step 1, sampled from the reference itself; then a penalty,
+        # whose sign a few samples' estimate (log pi - log pi_ref on the tokens drawn) does not fix
+        assert m1["kl"] < 1e-9 and abs(m1["reward/kl_penalty"]) < 1e-6 and abs(m2["reward/kl_penalty"]) > 1e-6
 
 
 def test_the_critic_fits_its_returns(tmp_path):

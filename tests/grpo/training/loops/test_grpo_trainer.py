@@ -376,3 +376,15 @@ def test_on_a_gpu_auto_checkpoints_activations_and_keeps_a_bf16_reference():
     assert (checkpointing_on(off, gpu), reference_dtype(off, gpu)) == (False, None)
     on = GRPOConfig(gradient_checkpointing=True, reference_dtype="bfloat16")
     assert (checkpointing_on(on, cpu), reference_dtype(on, cpu)) == (True, torch.bfloat16)
+
+
+def test_a_step_logs_what_its_decode_steps_did(tmp_path):
+    # the local engine's slots and pages, per step (`sampler/...`): 2 prompts x 4 samples of at most 16 tokens
+    trainer, seen = make_trainer(tmp_path, {"digits": 1.0}, max_steps=2, sampling=SamplingConfig(max_new_tokens=16))
+    trainer.train()
+    for step in (1, 2):
+        m = seen[step]
+        assert 1 <= m["sampler/decode_steps"] <= 15  # a row's first token comes from the prefill
+        assert 0 < m["sampler/live_share"] <= 1
+        assert m["sampler/kv_read_per_token"] >= 1 and m["sampler/kv_mb"] > 0
+        assert m["sampler/pages_high_water"] >= 2 and m["sampler/preemptions"] == 0  # no cap on a CPU's pool
