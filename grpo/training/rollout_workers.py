@@ -26,8 +26,12 @@ The GRPO loop (`grpo.training.loops.grpo_trainer`) with `rollout.mode: async` ta
 - **Faults.** Each worker beats a heartbeat every second from a thread. A worker that exits, or whose heartbeat is
   older than `timeout_s` (stopped, hung), is named in one line, killed and replaced by a new one that takes the
   newest weights and samples the steps its predecessor had not delivered; past `max_restarts` the stage fails with
-  one line. Workers die with the trainer's process (PR_SET_PDEATHSIG, and a check of the parent), and `close`
-  stops every one of them.
+  one line. Nothing between trainer and worker blocks without a deadline: the trainer reads each worker's pipe in
+  a thread of its own, which hands over whole units only, so a worker stopped halfway through writing one holds up
+  that thread alone and the check above still runs every 0.2 s; weights go through shared memory, which no stopped
+  worker can hold up. Workers die with the trainer's process (PR_SET_PDEATHSIG, and a check of the parent), and
+  `close` stops every one of them (a stopped one continued, to act on SIGTERM). `FAULT_POINTS` names every point of
+  the protocol where the tests stop or kill a worker (`R1_ROLLOUT_FAULTS`).
 
 Must not depend on Prefect or MLflow.
 """
@@ -41,9 +45,10 @@ import os
 import pickle
 import queue
 import signal
+import struct
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from multiprocessing.connection import Connection
 from typing import Callable, NamedTuple, Sequence
 
@@ -57,6 +62,7 @@ from grpo.kernels.gemm import GemmPlan, fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.rollout_config import RolloutConfig
 from grpo.sampling.engines import Engine, Rollout, build_engine
+from grpo.sampling.rollout import decode_figures
 from grpo.training.batches import prompt_order
 from grpo.training.distributed import index_share, sampling_seed
 from grpo.training.lora import causal_lm
@@ -67,6 +73,20 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0  # seconds between a worker's heartbeats
 POLL_S = 0.002  # seconds between a worker's looks for newer weights while it waits for them
 STARTUP_S = 120.0  # seconds a new worker may take to beat first (spawned: it imports torch and the model's code)
+
+# Fault injection, for the tests: R1_ROLLOUT_FAULTS="<point>:<stop|kill>,..." makes the first sampler (process or
+# Ray actor) that reaches a point SIGSTOP or SIGKILL itself there, once for the run (a file per fired fault in
+# R1_ROLLOUT_FAULTS_DIR, made exclusively, so the replacement passes it). Every point of the protocol:
+FAULT_POINTS = (
+    "start",  # the heartbeat beating, the policy not yet built
+    "first-weights",  # before the worker's first copy of the pushed weights
+    "before-send",  # a unit sampled, not yet written to the trainer
+    "mid-send",  # half of a unit written (a process's pipe)
+    "after-send",  # a unit written whole
+    "weights",  # before a later push's weights are read, between two steps
+    "shutdown",  # every step delivered, the process not yet ended
+)
+FAULTS, FAULTS_DIR = "R1_ROLLOUT_FAULTS", "R1_ROLLOUT_FAULTS_DIR"
 
 
 class RolloutError(RuntimeError):
@@ -82,6 +102,7 @@ class Unit(NamedTuple):
     worker: int
     busy_s: float  # the worker's seconds sampling it
     idle_s: float  # the worker's seconds waiting for weights new enough before it
+    decode: dict | None = None  # what the worker's decode steps did for it (`rollout.decode_figures`)
 
 
 class Plan(NamedTuple):
@@ -159,6 +180,29 @@ class SharedWeights:
                 return version
 
 
+def fault(point: str, out: Connection | None = None, data: bytes | None = None) -> None:
+    """Stop or kill this process at `point` where R1_ROLLOUT_FAULTS asks it and no sampler did yet (see FAULT_POINTS);
+    at "mid-send" first write half of `data` to `out`, framed as `Connection.send_bytes` frames it."""
+    spec = dict(item.split(":", 1) for item in os.environ.get(FAULTS, "").split(",") if item)
+    action = spec.get(point)
+    if action is None:
+        return
+    if action not in ("stop", "kill") or point not in FAULT_POINTS or not os.environ.get(FAULTS_DIR):
+        raise ValueError(f"{FAULTS}: {point}:{action} is not <one of {', '.join(FAULT_POINTS)}>:<stop|kill>, or "
+                         f"{FAULTS_DIR} is not set")
+    try:
+        os.close(os.open(os.path.join(os.environ[FAULTS_DIR], f"{point}-{action}"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return  # fired once already, in this worker's predecessor
+    if point == "mid-send" and out is not None and data is not None:
+        os.write(out.fileno(), struct.pack("!i", len(data)) + data[:len(data) // 2])
+    # to this thread: it takes the signal before it returns (one sent to the process may be taken by another thread
+    # a moment later, and this one would go on meanwhile); a stop or a kill is the whole process's all the same
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+    if point == "mid-send":
+        os._exit(1)  # continued after a stop mid-unit: the pipe holds half a unit, nothing more may follow
+
+
 def worker_steps(worker: int, workers: int, first: int, max_steps: int) -> range:
     """The steps worker `worker` of `workers` samples from step `first` on."""
     return range(first + (worker - first) % workers, max_steps, workers)
@@ -212,6 +256,7 @@ def sample_steps(index: int, plan: Plan, model: torch.nn.Module, engine: Engine,
             t0 = time.perf_counter()
             while version < need or weights.newest() > version:  # the newest weights, between two steps' batches
                 if weights.newest() > version:
+                    fault("first-weights" if version < 0 else "weights")
                     version = weights.read_into(model)
                     engine.sync_weights()
                 else:
@@ -225,7 +270,7 @@ def sample_steps(index: int, plan: Plan, model: torch.nn.Module, engine: Engine,
                                       logprobs=True)
             if reference is not None:
                 rollout = reference_scored(plan, reference, rollout)
-            deliver(Unit(step, version, rollout, index, time.perf_counter() - t1, idle))
+            deliver(Unit(step, version, rollout, index, time.perf_counter() - t1, idle, decode_figures(engine)))
 
 
 def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, tokenizer, shared: SharedWeights,
@@ -237,6 +282,7 @@ def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, t
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(beats, slot, parent, stop), daemon=True).start()
     torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.serve_engine)
+    fault("start")
     model, engine = sampler_model(plan, skeleton, tokenizer, device)
     del skeleton
     # units leave through a thread, so the next step samples while the trainer has not yet read the last one
@@ -246,19 +292,37 @@ def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, t
     sample_steps(index, plan, model, engine, shared, lambda unit: outbox.put(pickle.dumps(unit)), first, workers)
     outbox.put(None)
     sender.join()
+    fault("shutdown")
     stop.set()
 
 
 def _send(outbox: queue.Queue, out: Connection) -> None:
     while (item := outbox.get()) is not None:
+        fault("before-send")
+        fault("mid-send", out, item)
         out.send_bytes(item)
+        fault("after-send")
     out.close()
+
+
+def _read(conn: Connection, inbox: queue.Queue) -> None:
+    """The trainer's reader of one worker's pipe, in a thread of its own: each unit whole into `inbox`. A unit is
+    read whole or not at all, and only this thread waits for its rest: a worker stopped halfway through writing one
+    (SIGSTOP, a debugger, a VM paused) holds up nobody, and the trainer's liveness check goes on. Ends at the pipe's
+    end (the worker finished, died or was killed), and closes it."""
+    try:
+        while True:
+            inbox.put(conn.recv_bytes())
+    except (EOFError, OSError):  # the worker is gone; a unit it had not finished is dropped with it
+        pass
+    finally:
+        conn.close()
 
 
 class _Worker(NamedTuple):
     index: int
     process: mp.process.BaseProcess
-    conn: Connection
+    reader: threading.Thread  # `_read` of its pipe
 
 
 class RolloutWorkers:
@@ -278,6 +342,7 @@ class RolloutWorkers:
                 for n, p in model.named_parameters()}
         self.skeleton = copy.deepcopy(model, memo).to("cpu")
         self.beats = self.ctx.Array("d", [0.0] * cfg.workers, lock=False)
+        self.inbox: queue.Queue[bytes] = queue.Queue()  # whole units, from every worker's reader thread
 
     def _books(self, cfg: RolloutConfig, plan: Plan, tokenizer, first_step: int, timeout_s: float,
                devices: Sequence[str], threads: int) -> None:
@@ -314,7 +379,9 @@ class RolloutWorkers:
         with cores.children_share(self.threads):  # its wait policy too, read when its OpenMP loads
             p.start()
         writer.close()
-        self.workers[w] = _Worker(w, p, reader)
+        thread = threading.Thread(target=_read, args=(reader, self.inbox), name=f"r1-rollout-reader-{w}", daemon=True)
+        thread.start()
+        self.workers[w] = _Worker(w, p, thread)
 
     def push(self, model: torch.nn.Module, version: int) -> float:
         """The trainer's current weights to the workers as `version`; the seconds the copy took."""
@@ -364,21 +431,20 @@ class RolloutWorkers:
                                  f"stopped or hung)")
 
     def _drain(self, wait_s: float) -> None:
-        """Every unit the workers have sent, waiting up to `wait_s` for one."""
-        conns = [w.conn for w in self.workers if w is not None and not w.conn.closed]
-        while conns:
-            ready = mp.connection.wait(conns, timeout=wait_s)
-            if not ready:
-                return
-            for conn in ready:
-                try:
-                    unit: Unit = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):  # the worker ended (or died): `_check` sees which
-                    conn.close()
-                    conns.remove(conn)
-                    continue
+        """Every unit the workers' readers have whole, waiting up to `wait_s` for one (never longer, whatever a
+        worker is doing: `_check` runs next)."""
+        try:
+            data = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            unit: Unit = pickle.loads(data)
+            if unit.step >= self.next_step:  # a replaced worker's reader may hand over a step already trained
                 self.received[unit.step] = unit
-            wait_s = 0.0  # then whatever else is ready, without waiting
+            try:
+                data = self.inbox.get_nowait()
+            except queue.Empty:
+                return
 
     # -- the trainer's side --------------------------------------------------------------------------------------
 
@@ -409,7 +475,7 @@ class RolloutWorkers:
         m = {"async/staleness_mean": float(staleness), "async/staleness_max": float(staleness),
              "async/buffer_depth": float(len(self.received)), "async/trainer_idle_s": self.idle_s,
              "async/sampler_busy_s": unit.busy_s, "async/sampler_idle_s": unit.idle_s,
-             "async/restarts": float(self.restarts)}
+             "async/restarts": float(self.restarts), **(unit.decode or {})}
         self.idle_s = 0.0
         return m
 
@@ -418,6 +484,8 @@ class RolloutWorkers:
         for worker in self.workers:
             if worker is not None and worker.process.is_alive():
                 worker.process.terminate()
+                with suppress(ProcessLookupError):
+                    os.kill(worker.process.pid, signal.SIGCONT)  # a stopped worker acts on SIGTERM once continued
         deadline = time.time() + 5.0
         for worker in self.workers:
             if worker is not None:
@@ -432,4 +500,4 @@ class RolloutWorkers:
         if worker.process.is_alive():
             worker.process.kill()  # SIGKILL: ends a stopped process too
         worker.process.join(10.0)
-        worker.conn.close()
+        worker.reader.join(10.0)  # its pipe ended with it: the reader hands over what it had whole, and closes it

@@ -21,7 +21,8 @@ from grpo.sampling.engines import build_engine
 from grpo.training.batches import prompt_order
 from grpo.training.distributed import sampling_seed
 from grpo.training.loops.grpo_trainer import GRPOTrainer
-from grpo.training.rollout_workers import Plan, RolloutError, RolloutWorkers, Unit, worker_steps
+from grpo.training.rollout_workers import (FAULT_POINTS, FAULTS, FAULTS_DIR, Plan, RolloutError, RolloutWorkers, Unit,
+                                          worker_steps)
 from rollout_runs import PROMPTS, digits, run, weights
 from tiny_configs import SMALL
 
@@ -200,6 +201,35 @@ def test_a_killed_or_stopped_worker_is_named_and_replaced_and_the_stage_finishes
     if signum == signal.SIGSTOP:  # named in about the timeout (3 s), not after the collective timeout
         assert timeout_s - 1.5 <= records[0].created - sent[0] < timeout_s + 5  # its last beat <= 1 s before
     assert rollout_children() == []
+
+
+@pytest.mark.parametrize("action", ["stop", "kill"])
+def test_a_worker_stopped_or_killed_at_every_point_of_the_protocol_is_replaced_and_trains_the_same(
+        tmp_path, monkeypatch, caplog, action):
+    """The sampler stops (SIGSTOP) or dies (SIGKILL) at each point of the protocol in turn, each fault once: before it
+    builds its policy, before its first weights, before a unit, halfway through writing one (the trainer once hung
+    for ever in the read of its rest), after one, before a later push's weights, after its last unit. Each is named
+    and replaced within the timeout, the run ends, and it trains the weights the synchronous loop trains."""
+    fired = tmp_path / "fired"
+    fired.mkdir()
+    monkeypatch.setenv(FAULTS, ",".join(f"{point}:{action}" for point in FAULT_POINTS))
+    monkeypatch.setenv(FAULTS_DIR, str(fired))
+    sync = run(tmp_path / "sync", tis_cap=2.0)
+    t0 = time.time()
+    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+        faulty = run(tmp_path / "async", rollout=RolloutConfig(mode="async", max_staleness=0, threads=1, timeout_s=2.0,
+                                                               max_restarts=len(FAULT_POINTS)))
+    took = time.time() - t0
+    assert sorted(os.listdir(fired)) == sorted(f"{point}-{action}" for point in FAULT_POINTS)  # every one fired
+    lines = [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
+    # "shutdown" comes after the last unit: the run may end before its worker is found silent
+    assert len(FAULT_POINTS) - 1 <= len(lines) <= len(FAULT_POINTS), lines
+    assert all(("gave no sign of life" if action == "stop" else "died (SIGKILL)") in line for line in lines), lines
+    a, b = weights(sync), weights(faulty)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    assert rollout_children() == []
+    # a bound on a hang, not a speed check: each fault costs its timeout and a new process
+    assert took < len(FAULT_POINTS) * 60, took
 
 
 def test_past_the_restart_limit_the_stage_fails_in_one_line_and_leaves_no_process(tmp_path):
