@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         if fault is not None:  # the machine's or a store's fault (a full disk, a damaged file): one line, exit 1
             if getattr(args, "debug", False):
                 traceback.print_exc()
-            print("r1: " + " ".join(str(fault).split()), file=sys.stderr)
+            # on a line of its own: what else wrote to the terminal last (a progress bar, Prefect's "Error logging
+            # to API" when its database shares the full disk) may have left no newline
+            print("\nr1: " + " ".join(str(fault).split()), file=sys.stderr)
             return 1
         if not _is_user_error(e):
             raise
