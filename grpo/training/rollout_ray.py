@@ -36,8 +36,8 @@ import time
 import torch
 
 from grpo.rollout_config import RolloutConfig
-from grpo.training.rollout_workers import (STARTUP_S, Plan, RolloutError, RolloutWorkers, Unit, sample_steps,
-                                           sampler_model)
+from grpo.training.rollout_workers import (FAULTS, FAULTS_DIR, STARTUP_S, Plan, RolloutError, RolloutWorkers, Unit,
+                                           fault, sample_steps, sampler_model)
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +84,20 @@ class Sampler:
 
     def _run(self, index, plan, skeleton, tokenizer, device, first, workers) -> None:
         try:
+            fault("start")
             model, engine = sampler_model(plan, skeleton, tokenizer, device)
             sample_steps(index, plan, model, engine, self.inbox, self._deliver, first, workers)
+            fault("shutdown")
             self.done = True
         except BaseException as e:  # noqa: BLE001 (the trainer hears of it at its next poll)
             self.error = f"{type(e).__name__}: {e}".splitlines()[0]
 
     def _deliver(self, unit: Unit) -> None:
         data = pickle.dumps(unit)  # by value: nothing of it depends on this actor living on
+        fault("before-send")
         with self.lock:
             self.units.append(data)
+        fault("after-send")
 
     def weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.inbox.put(version, state)
@@ -166,8 +170,11 @@ class RayRolloutWorkers(RolloutWorkers):
         # SPREAD: the workers apart, on as many nodes as have room, and never inside the placement group of a Ray
         # Train worker that starts them (which would capture them, and has no room for them)
         # num_cpus is also the actor's threads: Ray sets OMP_NUM_THREADS to it, so actors share a node's cores
+        # the tests' fault injection (rollout_workers.FAULT_POINTS) reaches the actors through their environment
+        faults = {k: os.environ[k] for k in (FAULTS, FAULTS_DIR) if os.environ.get(k)}
+        env = {"runtime_env": {"env_vars": faults}} if faults else {}
         handle = self.remote.options(num_cpus=self.threads, num_gpus=self.gpus, max_restarts=0,
-                                     scheduling_strategy="SPREAD").remote(w, self.plan, self.skeleton, self.tokenizer,
+                                     scheduling_strategy="SPREAD", **env).remote(w, self.plan, self.skeleton, self.tokenizer,
                                                        "cuda" if self.gpus else "cpu", self.threads, first,
                                                        self.cfg.workers)
         if self.weights_ref is not None:

@@ -23,7 +23,7 @@ from grpo.config import GRPOConfig, SamplingConfig  # noqa: E402
 from grpo.models import load_model_and_tokenizer  # noqa: E402
 from grpo.rollout_config import RolloutConfig  # noqa: E402
 from grpo.training.loops.grpo_trainer import GRPOTrainer  # noqa: E402
-from grpo.training.rollout_workers import RolloutError  # noqa: E402
+from grpo.training.rollout_workers import FAULT_POINTS, FAULTS, FAULTS_DIR, RolloutError  # noqa: E402
 from processes import alive  # noqa: E402
 from ray_local import LocalRayCluster  # noqa: E402
 from rollout_runs import PROMPTS, digits, run, weights  # noqa: E402
@@ -109,6 +109,29 @@ def test_a_killed_or_stopped_actor_is_named_and_replaced_and_none_is_left(tmp_pa
     assert sorted(seen) == [1, 2, 3, 4, 5] and seen[5]["async/restarts"] == 1
     assert all(seen[s]["async/staleness_max"] <= 1 for s in seen)
     assert len(pids) == 2 and gone_within(sorted(pids))  # the replaced actor and its replacement: both ended
+
+
+def test_an_actor_stopped_at_each_point_of_the_protocol_is_replaced_and_trains_the_same(tmp_path, monkeypatch, caplog,
+                                                                                      address):
+    """The actor stops (SIGSTOP) before a unit, after one, before a later push's weights and after its last unit, each
+    once: named and replaced within the timeout, and the run trains the synchronous loop's weights. Not at start-up
+    or before its first weights: an actor that never answered a poll is given STARTUP_S, as one waiting for room on
+    the cluster is; and an actor hands over whole units only (its poll's answer), so there is no halfway."""
+    points = ["before-send", "after-send", "weights", "shutdown"]
+    assert set(points) < set(FAULT_POINTS)
+    fired = tmp_path / "fired"
+    fired.mkdir()
+    monkeypatch.setenv(FAULTS, ",".join(f"{point}:stop" for point in points))
+    monkeypatch.setenv(FAULTS_DIR, str(fired))
+    sync = run(tmp_path / "sync", tis_cap=2.0)
+    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+        faulty = run(tmp_path / "ray", rollout=on_ray(address, max_staleness=0, timeout_s=3.0,
+                                                      max_restarts=len(points)))
+    assert sorted(os.listdir(fired)) == sorted(f"{point}-stop" for point in points)
+    lines = [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
+    assert len(points) - 1 <= len(lines) <= len(points) and all("gave no sign of life" in x for x in lines), lines
+    a, b = weights(sync), weights(faulty)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
 
 
 def test_a_cluster_without_room_for_the_actors_fails_in_one_line_before_sampling(tmp_path, address):
