@@ -120,7 +120,9 @@ def test_when_nothing_is_kept_the_stage_fails_saying_so_and_keeps_its_counts(pre
     from flows.rejection_sampling import rejection_sampling
     from grpo.data.tables import DataError
 
-    raw = stage_config(prompts_file, max_reasoning_chars=1, shard_size=16, seed=3)  # every chain of thought too long
+    # every response too long: a paragraph of 2 characters or more (an empty one fails its empty answer), whatever
+    # the model wrote (an empty think block passes a reasoning limit of 1 character)
+    raw = stage_config(prompts_file, max_paragraph_chars=1, max_reasoning_chars=1, shard_size=16, seed=3)
     raw["data"]["num_train"] = 16
     with pytest.raises(DataError, match=r"rejection sampling kept no rows \(kept 0 of 64 samples.*dropped: "):
         rejection_sampling(answering_checkpoint, RejectionSamplingConfig.model_validate(raw))

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import subprocess
 import time
 
 import pytest
@@ -221,15 +222,50 @@ def test_a_worker_stopped_or_killed_at_every_point_of_the_protocol_is_replaced_a
                                                                max_restarts=len(FAULT_POINTS)))
     took = time.time() - t0
     assert sorted(os.listdir(fired)) == sorted(f"{point}-{action}" for point in FAULT_POINTS)  # every one fired
-    lines = [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
+    records = [r for r in caplog.records if "rollout worker" in r.getMessage()]
+    lines = [r.getMessage() for r in records]
     # "shutdown" comes after the last unit: the run may end before its worker is found silent
     assert len(FAULT_POINTS) - 1 <= len(lines) <= len(FAULT_POINTS), lines
     assert all(("gave no sign of life" if action == "stop" else "died (SIGKILL)") in line for line in lines), lines
+    assert not any("Traceback" in r.getMessage() or r.exc_info for r in caplog.records)
+    # each fault named within the timeout (its last heartbeat up to a second before) and a margin, in order
+    when = sorted((fired / name).stat().st_mtime for name in os.listdir(fired))
+    for fault_at, record in zip(when, records):
+        assert 0 <= record.created - fault_at < 2.0 + 5, (record.created - fault_at, record.getMessage())
     a, b = weights(sync), weights(faulty)
     assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
     assert rollout_children() == []
     # a bound on a hang, not a speed check: each fault costs its timeout and a new process
     assert took < len(FAULT_POINTS) * 60, took
+
+
+def test_a_trainer_paused_past_the_timeout_keeps_its_workers_and_their_bound(tmp_path, caplog):
+    """The trainer itself stopped (SIGSTOP, from a helper process) for three timeouts mid-run, then continued: its
+    workers, which went on beating, are not taken for silent; none gives up, and no unit trained is past the bound."""
+    seen, calls = {}, []
+
+    def reward(completions, **_):
+        calls.append(1)
+        if len(calls) == 2:  # scoring step 1: stopped for 9 s, continued by the helper
+            subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 9; kill -CONT {os.getpid()}"])
+            time.sleep(0.5)  # stopped within it
+        return digits(completions)
+
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(SMALL)
+    cfg = GRPOConfig(max_steps=4, prompts_per_step=2, num_generations=4, checkpoint_every=0,
+                     sampling=SamplingConfig(max_new_tokens=8), rewards={"digits": 1.0}, mixed_precision="no",
+                     rollout=RolloutConfig(mode="async", max_staleness=1, threads=1, timeout_s=3.0))
+    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, progress=False, reward_functions={"digits": reward},
+                          on_metrics=lambda step, m: seen.__setitem__(step, m))
+    t0 = time.time()
+    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+        trainer.train()
+    assert time.time() - t0 > 9  # it was stopped
+    assert not [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
+    assert sorted(seen) == [1, 2, 3, 4] and seen[4]["async/restarts"] == 0
+    assert all(seen[s]["async/staleness_max"] <= 1 for s in seen)
+    assert rollout_children() == []
 
 
 def test_past_the_restart_limit_the_stage_fails_in_one_line_and_leaves_no_process(tmp_path):
