@@ -68,7 +68,9 @@ class _Inbox:
 
 class Sampler:
     """The actor's body: one worker's steps, sampled in a thread of its own while Ray's calls (pushes, polls) come
-    in on the actor's main thread."""
+    in on the actor's main thread. The thread starts with the second poll, the first so always answered: an actor
+    that never answered one is one not yet placed or built (given `STARTUP_S`), and one that goes silent after it
+    (stopped or hung while it builds its model, say) is found within `timeout_s`."""
 
     def __init__(self, index: int, plan: Plan, skeleton: torch.nn.Module, tokenizer, device: str, threads: int,
                  first: int, workers: int):
@@ -79,8 +81,9 @@ class Sampler:
         self.error: str | None = None
         self.done = False
         self.lock = threading.Lock()
-        threading.Thread(target=self._run, args=(index, plan, skeleton, tokenizer, device, first, workers),
-                         name="r1-ray-sampler", daemon=True).start()
+        self.polls = 0
+        self.sampler = threading.Thread(target=self._run, args=(index, plan, skeleton, tokenizer, device, first,
+                                                                workers), name="r1-ray-sampler", daemon=True)
 
     def _run(self, index, plan, skeleton, tokenizer, device, first, workers) -> None:
         try:
@@ -104,6 +107,9 @@ class Sampler:
 
     def poll(self) -> tuple[list[bytes], str | None, int, str]:
         """The units finished since the last poll, the sampling's error if it failed, this actor's pid and host."""
+        if self.polls == 1:  # the first poll was answered (the actor runs its calls in turn): sampling starts now
+            self.sampler.start()
+        self.polls += 1
         with self.lock:
             units, self.units = self.units, []
         return units, self.error, os.getpid(), socket.gethostname()
