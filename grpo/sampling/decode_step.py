@@ -9,8 +9,9 @@ row's random stream, limit and done flag, its chosen tokens and their log-probs.
 - feeds each slot's last token, writes its K/V at the slot's own cache position P + n - 1 (a scatter: the slots are
   at different points) and opens it in the slot's validity mask, attends over the cache under that mask (left
   padding and not-yet-written positions masked), then samples inside the step: temperature, top-k and top-p, and
-  the inverse CDF at the slot's draw for that token (`draws.uniform_at`: its row's stream and the token's count), so the random state, the counters and the done flags all
-  live on the device and a slot's tokens depend on its own row alone;
+  the inverse CDF at the slot's draw for that token (`draws.uniform_at`: its row's stream and the token's count),
+  so the random state, the counters and the done flags all live on the device and a slot's tokens depend on its
+  own row alone;
 - runs over the first m slots (`_State.rows(m)`, views of the same storage), so the scheduler (`slots.SlotBatch`),
   which keeps live slots at the front, computes no ended row eagerly; on CUDA the step is captured as a
   `torch.cuda.CUDAGraph` for each of `row_buckets(S)` and replayed, and a slot that ended between the host's checks
