@@ -33,10 +33,10 @@ def run(out: Path, strategy: str, rollout: RolloutConfig) -> None:
 
 
 if __name__ == "__main__":
-    from grpo.training.distributed import end_process_group
+    from grpo.training.distributed import exit_process
 
     torch.set_num_threads(1)
     root, strategy = Path(sys.argv[1]), os.environ["R1_TEST_STRATEGY"]
     run(root / "sync", strategy, RolloutConfig())
     run(root / "async", strategy, RolloutConfig(mode="async", max_staleness=0, threads=1))
-    end_process_group()
+    exit_process()

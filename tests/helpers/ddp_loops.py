@@ -291,7 +291,7 @@ def run_all(out: Path, strategy: str = "ddp", resume: Path | None = None) -> Non
 
 
 if __name__ == "__main__":
-    from grpo.training.distributed import end_process_group
+    from grpo.training.distributed import exit_process
 
     run_all(Path(sys.argv[1]), *sys.argv[2:3], *[Path(a) for a in sys.argv[3:4]])
-    end_process_group()
+    exit_process()

@@ -46,7 +46,7 @@ def run_grpo_packed(out: Path, distributed: DistributedConfig | None = None) -> 
 
 
 if __name__ == "__main__":
-    from grpo.training.distributed import end_process_group
+    from grpo.training.distributed import exit_process
 
     run_grpo_packed(Path(sys.argv[1]), DistributedConfig())
-    end_process_group()
+    exit_process()

@@ -47,7 +47,7 @@ def run_all(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    from grpo.training.distributed import end_process_group
+    from grpo.training.distributed import exit_process
 
     run_all(Path(sys.argv[1]))
-    end_process_group()
+    exit_process()

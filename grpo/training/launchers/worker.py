@@ -183,10 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if job.get("loop") not in LOOPS:
         raise SystemExit(f"{argv[0]}: loop must be one of {sorted(LOOPS)}, got {job.get('loop')!r}")
     run_job(job)
-    from grpo.training.distributed import end_process_group
+    from grpo.training.distributed import exit_process
 
-    end_process_group()  # after the whole loop, on success: a failure exits non-zero anyway
-    return 0
+    exit_process(0)  # after the whole loop, on success: a failure exits non-zero anyway
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,6 +268,47 @@ def test_a_trainer_paused_past_the_timeout_keeps_its_workers_and_their_bound(tmp
     assert sorted(seen) == [1, 2, 3, 4] and seen[4]["async/restarts"] == 0
     assert all(seen[s]["async/staleness_max"] <= 1 for s in seen)
     assert rollout_children() == []
+
+
+TRAINER = """
+import sys
+from pathlib import Path
+sys.path[:0] = {paths!r}
+from grpo.rollout_config import RolloutConfig
+from rollout_runs import run
+
+if __name__ == "__main__":
+    marker = Path({marker!r})
+    run({folder!r}, steps=500, on_metrics_hook=lambda step, m: marker.write_text(str(step)),
+        rollout=RolloutConfig(mode="async", max_staleness=1, threads=1, timeout_s=3.0))
+"""
+
+
+def test_a_trainer_killed_leaves_no_worker_behind(tmp_path):
+    """SIGKILL to the trainer's process once it has trained on its sampler's units: the sampler process ends with it
+    (the kernel's parent-death signal, and the heartbeat's check of its parent), within the timeout."""
+    import psutil
+
+    root = Path(__file__).resolve().parents[3]
+    script, marker = tmp_path / "trainer.py", tmp_path / "trained"
+    script.write_text(TRAINER.format(paths=[str(root / "tests" / "helpers"), str(root)], marker=str(marker),
+                                     folder=str(tmp_path / "run")))
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists() and time.time() < deadline and trainer.poll() is None:
+            time.sleep(0.2)
+        assert marker.exists(), trainer.communicate(timeout=30)[1][-3000:] if trainer.poll() is not None else "slow"
+        workers = [c for c in psutil.Process(trainer.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert workers, "no sampler process"
+        trainer.kill()
+        trainer.wait(30)
+        _, left = psutil.wait_procs(workers, timeout=3.0 + 5.0)  # the run's timeout_s, and a margin for a busy machine
+        assert not left, [p.pid for p in left]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait(30)
 
 
 def test_past_the_restart_limit_the_stage_fails_in_one_line_and_leaves_no_process(tmp_path):
