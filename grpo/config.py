@@ -244,6 +244,11 @@ class CodeConfig(BaseModel):
     max_file_bytes: int = Field(16 << 20, ge=1)  # largest file a program may write; also its folder's size
     python: str = "python3"  # the sandbox's interpreter: a path, or a name found in /usr/local/bin, /usr/bin, /bin
     workers: int = Field(0, ge=0)  # tests run at once; 0 = one per core this process may use
+    # a test killed for wall time runs once more, alone, with rerun_factor times its limit, before it fails: a busy
+    # machine's slowness is not the program's. Reruns of one call take at most rerun_budget_s between them; a test
+    # left without its rerun is ungraded (timeout_under_load), neither passed nor failed
+    rerun_factor: float = Field(2.0, ge=1)
+    rerun_budget_s: float = Field(120.0, ge=0)
 
 
 class GRPOConfig(BaseModel):
@@ -286,6 +291,15 @@ class GRPOConfig(BaseModel):
     dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
     mask_truncated_completions: bool = False  # DAPO's overlong filtering: completions cut off by the budget add no loss
     max_refill_rounds: int = Field(3, ge=0)  # extra sampling rounds per step when dynamic sampling
+    # rows a grader could not grade (a timeout, a sandbox or judge failure, a reward that raised: they train
+    # nothing). The stage stops in one line, its steps kept, once more than this share of the rows of the last
+    # ungraded_window steps were ungraded (1.0: never stops for it)
+    max_ungraded_share: float = Field(0.05, ge=0, le=1)
+    ungraded_window: int = Field(10, ge=1)
+    # steps in a row whose groups all tie (no reward spread: every advantage 0) before the stage says so in one
+    # line; with stop_without_signal it also stops there, its steps kept
+    no_signal_steps: int = Field(20, ge=1)
+    stop_without_signal: bool = False
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
     # each micro-batch's rows as one row without padding (grpo.training.packing), the same numbers: "auto" where the
     # model's attention takes packed rows exactly (Qwen2/Llama on SDPA or eager, any model on flash attention)

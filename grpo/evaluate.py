@@ -22,6 +22,7 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import pandas as pd
@@ -42,9 +43,12 @@ class EvalResult(NamedTuple):
 
 
 def _score(rollout: Rollout, columns: dict[str, list], code: dict) -> tuple[list[float], list[float], RowCheck]:
-    """Per completion: right (1.0 / 0.0) by its row's check, strict format, and the check itself."""
+    """Per completion: right (1.0 / 0.0) by its row's check, NaN where the check could not grade it (a timeout, a
+    sandbox failure: neither right nor wrong), strict format, and the check itself."""
     check = check_rows(rollout.texts, **columns, code=code)
-    correct = [1.0 if c else 0.0 for c in check.correct]  # no verdict (an unreadable reference) counts as wrong
+    ungraded = check.ungraded or [None] * len(check.correct)
+    # no verdict (an unreadable reference) counts as wrong; an ungraded one is left out
+    correct = [math.nan if why else 1.0 if c else 0.0 for c, why in zip(check.correct, ungraded)]
     formatted = [f or 0.0 for f in format_reward(rollout.texts, strict=True)]
     return correct, formatted, check
 
@@ -63,8 +67,10 @@ def evaluate(engine: Engine, rows: pd.DataFrame, cfg: EvalConfig,
                                                          batch_size=cfg.batch_size))
     correct, formatted, check = _score(greedy, columns, code_settings)
     lengths = greedy.completion_mask.sum(-1).float()  # [N]
+    graded = [c for c in correct if not math.isnan(c)]
     metrics = {
-        "eval/accuracy": sum(correct) / len(correct),
+        "eval/accuracy": sum(graded) / len(graded) if graded else math.nan,  # over the completions graded
+        "eval/ungraded_share": 1 - len(graded) / len(correct),
         "eval/format_rate": sum(formatted) / len(formatted),
         "eval/mean_completion_length": lengths.mean().item(),
         "eval/truncation_rate": greedy.truncated.float().mean().item(),
@@ -78,14 +84,17 @@ def evaluate(engine: Engine, rows: pd.DataFrame, cfg: EvalConfig,
                                                               temperature=cfg.temperature, batch_size=cfg.batch_size))
         repeated = {c: [v for v in values for _ in range(k)] for c, values in columns.items()}
         s_correct, _, _ = _score(sampled, repeated, code_settings)
-        per_prompt = torch.tensor(s_correct).view(-1, k)  # [P, k]
-        metrics["eval/sample_accuracy"] = per_prompt.mean().item()  # mean over the k samples
-        metrics["eval/pass_at_k"] = per_prompt.max(-1).values.mean().item()  # any of the k right
+        per_prompt = torch.tensor(s_correct, dtype=torch.float64).view(-1, k)  # [P, k], NaN: ungraded
+        metrics["eval/sample_accuracy"] = per_prompt.nanmean().item()  # mean over the k samples graded
+        seen = ~per_prompt.isnan().all(-1)  # prompts with a graded sample
+        metrics["eval/pass_at_k"] = per_prompt[seen].nan_to_num(0.0).max(-1).values.mean().item()  # any right
     n = cfg.num_logged_samples
     references = [str(a) for a in columns["answer"]] if "answer" in columns else [""] * len(prompts)
     shown = [f"{t} tests" if by else ref for by, t, ref in zip(check.by_tests, check.total, references)]
     samples = pd.DataFrame({"prompt": [str(p) for p in prompts[:n]], "answer": shown[:n],
                             "completion": greedy.texts[:n], "correct": correct[:n], "formatted": formatted[:n]})
+    if check.ungraded and any(check.ungraded):
+        samples["ungraded"] = [why or "" for why in check.ungraded[:n]]
     if any(check.by_tests):
         samples["tests_passed"] = [f"{p}/{t}" if by else "" for by, p, t in
                                    zip(check.by_tests[:n], check.passed[:n], check.total[:n])]

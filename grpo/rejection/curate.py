@@ -19,15 +19,15 @@ from grpo.rejection.filters import (
     DUPLICATE,
     INCORRECT,
     JUDGE_REJECTED,
-    JUDGE_UNPARSEABLE,
     PER_PROMPT_CAP,
+    UNGRADED,
     UNVERIFIABLE,
     Counts,
     drop_reasons,
     first_failed_filter,
 )
 from grpo.rewards.correct import CHECK_COLUMNS, check_rows
-from grpo.sampling.judge import Judge, Verdict
+from grpo.sampling.judge import Judge, Verdict, verdict_ungraded
 
 # ----------------------------------------------------------------------------------------------------------------
 # Correctness: the rule check where there is a reference or tests, a judge otherwise (or both)
@@ -162,6 +162,7 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
     # (the same check held-out evaluation uses); None where the row has neither, or a reference it cannot read
     alive = [i for i in range(n) if not reason[i]]
     rule: dict[int, bool | None] = {}
+    rule_ungraded: dict[int, str] = {}  # why the rule could not say (a timeout, a sandbox failure)
     references = [""] * n  # what the judge is shown as the reference
     if alive:
         columns = {c: [df.at[i, c] for i in alive] for c in CHECK_COLUMNS if c in df.columns and c != "answer"}
@@ -170,6 +171,8 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
         for j, i in enumerate(alive):
             if check.correct[j] is not None:
                 rule[i] = check.correct[j]
+            elif check.ungraded and check.ungraded[j]:
+                rule_ungraded[i] = check.ungraded[j]
             # a code row has no reference answer: the judge, where asked, is given its tests' results instead
             references[i] = (f"(no reference answer: the program in the response passed {check.passed[j]} of "
                              f"its {check.total[j]} tests)" if check.by_tests[j] else answers[i])
@@ -187,18 +190,19 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
         verdicts = dict(zip(ask, answered))
 
     source, judge_accepted, rationale = [""] * n, [None] * n, [""] * n
+    ungraded: list[str] = [""] * n  # why a sample could not be graded: neither kept nor rejected
     for i in alive:
         r, v = rule.get(i), verdicts.get(i)
         if v is not None:
             judge_accepted[i], rationale[i] = v.accepted, v.rationale
         if r is not None:  # the rule decides wherever it can: it is exact, the judge is a model
             source[i], reason[i] = "rule", "" if r else INCORRECT
-        elif v is None:
-            reason[i] = UNVERIFIABLE
-        elif v.accepted is None:
-            reason[i] = JUDGE_UNPARSEABLE
-        else:
+        elif v is not None and v.accepted is not None:
             source[i], reason[i] = "judge", "" if v.accepted else JUDGE_REJECTED
+        elif v is not None or i in rule_ungraded:  # asked and could not say, or a rule check that could not
+            reason[i], ungraded[i] = UNGRADED, rule_ungraded.get(i) or verdict_ungraded(v)
+        else:
+            reason[i] = UNVERIFIABLE
 
     if cfg.max_kept_per_prompt:
         per_prompt: Counter[Any] = Counter()
@@ -213,10 +217,11 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
     df["drop_reason"], df["verdict_source"] = reason, source
     df["rule_correct"] = [rule.get(i) for i in range(n)]
     df["judge_accepted"], df["judge_rationale"] = judge_accepted, rationale
+    df["ungraded"] = ungraded
     kept = df.loc[[not r for r in reason], [c for c in KEPT_COLUMNS if c in df.columns]].reset_index(drop=True)
 
     dropped = dict.fromkeys(drop_reasons(cfg), 0)
-    dropped.update(Counter(r for r in reason if r))
+    dropped.update(Counter(r for r in reason if r and r != UNGRADED))
     judged = list(verdicts.values())
     both = [i for i in alive if rule.get(i) is not None and i in verdicts and verdicts[i].accepted is not None]
     counts = Counts(
@@ -227,5 +232,6 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
         judge_unparseable=sum(v.accepted is None for v in judged),
         both_checked=len(both),
         agreed=sum(rule[i] == verdicts[i].accepted for i in both),
+        ungraded=dict(Counter(why for why in ungraded if why)),
     )
     return ShardResult(kept, df, counts)

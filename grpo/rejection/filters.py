@@ -146,7 +146,8 @@ DUPLICATE = "duplicate"  # repeats an earlier sample of the same prompt
 UNVERIFIABLE = "unverifiable"  # no usable reference and no judge to ask
 INCORRECT = "incorrect"  # the rule check says the answer is wrong
 JUDGE_REJECTED = "judge_rejected"
-JUDGE_UNPARSEABLE = "judge_unparseable"  # the judge's output could not be read as a verdict
+JUDGE_UNPARSEABLE = "judge_unparseable"  # older counts: the judge's output had no verdict (now ungraded)
+UNGRADED = "ungraded"  # a sample's drop_reason when neither check could grade it (`Counts.ungraded` says why)
 PER_PROMPT_CAP = "per_prompt_cap"  # correct, but the prompt already has max_kept_per_prompt rows
 DUPLICATE_ACROSS_SHARDS = "duplicate_across_shards"  # merge: the same prompt and response in another shard
 CONTAMINATED = "contaminated"  # merge: shares too many word n-grams with a held-out problem
@@ -155,12 +156,14 @@ OVER_TARGET = "over_target"  # merge: beyond the reasoning rows the target asks 
 
 def drop_reasons(cfg: RejectionConfig) -> list[str]:
     """Every reason a sample can be dropped for, in the order the checks run."""
-    return [*cfg.filters, DUPLICATE, UNVERIFIABLE, INCORRECT, JUDGE_REJECTED, JUDGE_UNPARSEABLE,
-            PER_PROMPT_CAP, DUPLICATE_ACROSS_SHARDS, CONTAMINATED, OVER_TARGET]
+    return [*cfg.filters, DUPLICATE, UNVERIFIABLE, INCORRECT, JUDGE_REJECTED, PER_PROMPT_CAP,
+            DUPLICATE_ACROSS_SHARDS, CONTAMINATED, OVER_TARGET]
 
 
 class Counts(NamedTuple):
-    """What happened to the samples of a shard or a whole run: generated == kept + sum(dropped.values())."""
+    """What happened to the samples of a shard or a whole run: generated == kept + sum(dropped.values()) +
+    sum(ungraded.values()). An ungraded sample (its check timed out, its sandbox or judge failed: see
+    `grpo.rewards.outcomes`) is neither kept nor rejected: it is counted by why."""
 
     generated: int  # completions sampled
     kept: int  # rows kept
@@ -172,10 +175,11 @@ class Counts(NamedTuple):
     judge_unparseable: int  # of those, no readable verdict
     both_checked: int  # samples with a verdict from both the rule and the judge (judge_when="always")
     agreed: int  # of those, the verdicts agree
+    ungraded: dict[str, int] | None = None  # reason -> samples no check could grade (None: none, older counts)
 
     @classmethod
     def zero(cls, cfg: RejectionConfig) -> "Counts":
-        return cls(0, 0, dict.fromkeys(drop_reasons(cfg), 0), 0, 0, 0, 0, 0, 0, 0)
+        return cls(0, 0, dict.fromkeys(drop_reasons(cfg), 0), 0, 0, 0, 0, 0, 0, 0, {})
 
     def to_dict(self) -> dict[str, Any]:
         return self._asdict()
@@ -186,16 +190,21 @@ class Counts(NamedTuple):
 
     def plus(self, other: "Counts") -> "Counts":
         """Both counts summed, field by field (a shard's counts plus another's)."""
-        dropped = dict(self.dropped)
+        dropped, ungraded = dict(self.dropped), dict(self.ungraded or {})
         for reason, n in other.dropped.items():
             dropped[reason] = dropped.get(reason, 0) + n
-        summed = {k: a + b for (k, a), b in zip(self._asdict().items(), other) if k != "dropped"}
-        return Counts(**summed, dropped=dropped)
+        for reason, n in (other.ungraded or {}).items():
+            ungraded[reason] = ungraded.get(reason, 0) + n
+        summed = {k: a + b for (k, a), b in zip(self._asdict().items(), other) if k not in ("dropped", "ungraded")}
+        return Counts(**summed, dropped=dropped, ungraded=ungraded)
 
     def metrics(self, prefix: str = "rejection/") -> dict[str, float]:
         """Flat figures for a metrics logger: rejection/generated, rejection/dropped/tags, ..."""
-        out = {f"{prefix}{k}": float(v) for k, v in self._asdict().items() if k != "dropped"}
+        out = {f"{prefix}{k}": float(v) for k, v in self._asdict().items() if k not in ("dropped", "ungraded")}
         out.update({f"{prefix}dropped/{k}": float(v) for k, v in self.dropped.items()})
+        ungraded = self.ungraded or {}
+        out[f"{prefix}ungraded"] = float(sum(ungraded.values()))
+        out.update({f"{prefix}ungraded/{k}": float(v) for k, v in ungraded.items()})
         out[f"{prefix}keep_rate"] = self.kept / self.generated if self.generated else 0.0
         if self.both_checked:
             out[f"{prefix}judge_rule_agreement"] = self.agreed / self.both_checked
@@ -220,6 +229,11 @@ def summary_line(metrics: dict[str, float], prefix: str = "rejection/") -> str:
     dropped = {k[len(prefix + "dropped/"):]: int(v) for k, v in metrics.items() if k.startswith(prefix + "dropped/")}
     if any(dropped.values()):
         line += "; dropped: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]) if v)
+    if n("ungraded"):
+        why = {k[len(prefix + "ungraded/"):]: int(v) for k, v in metrics.items()
+               if k.startswith(prefix + "ungraded/") and v}
+        line += f"; {n('ungraded')} ungraded (" + ", ".join(f"{k} {v}" for k, v in
+                                                             sorted(why.items(), key=lambda kv: -kv[1])) + ")"
     if n("judge_asked"):
         line += f"; judge accepted {n('judge_accepted')} of {n('judge_asked')}"
     if n("truncated"):

@@ -5,7 +5,10 @@ A reward function is ``fn(completions, **dataset_columns) -> list[float | None]`
 * a completion is a string or a list of chat messages (the last assistant message's ``content`` is scored);
 * dataset columns arrive as keyword lists aligned with ``completions`` (``answer=[...]``); unknown keywords are
   accepted and ignored (TRL also passes ``prompts``, ``completion_ids``, ``trainer_state``);
-* ``None`` means "not scorable" (TRL turns it into NaN).
+* ``None`` means "does not apply" (TRL turns it into NaN);
+* ``Ungraded(reason)`` (`outcomes`) means "should have been graded and could not" (a timeout, a sandbox or judge
+  failure): not a wrong answer. A function that raises or answers NaN is taken as ungraded too. The loops leave
+  ungraded rows out of the advantage (`RewardScores.graded`).
 
 One module per kind of reward:
 
@@ -20,6 +23,7 @@ One module per kind of reward:
 | `sandbox` | running an untrusted program: bubblewrap namespaces, limits, and a pool of them |
 | `language` | R1's language-consistency reward |
 | `overlong` | DAPO's overlong penalty |
+| `outcomes` | the third outcome of a grader, `Ungraded(reason)`, and its reasons |
 | `registry` | names to functions (`REWARD_FUNCTIONS`) and weighted scoring (`score_completions`) |
 | `steps` | step verifiers for process supervision: where each reasoning step ends and whether it holds (`arithmetic`, `gsm8k`) |
 
@@ -36,6 +40,7 @@ from grpo.rewards.code import CodeReport, check_code, code_reward, extract_progr
 from grpo.rewards.format import format_reward, format_reward_strict, make_format_reward, tag_count_reward
 from grpo.rewards.language import language_consistency_reward
 from grpo.rewards.math_verify_pool import prepare_for_math_verify, shutdown_symbolic_pool
+from grpo.rewards.outcomes import Ungraded
 from grpo.rewards.overlong import make_overlong_penalty, overlong_penalty
 from grpo.rewards.registry import (REWARD_COLUMNS, REWARD_FUNCTIONS, RewardScores, UnknownRewardError,
                                    check_reward_columns, score_completions)
@@ -50,6 +55,7 @@ __all__ = [
     "RewardScores",
     "SandboxUnavailable",
     "UnknownRewardError",
+    "Ungraded",
     "accuracy_reward",
     "check_accuracy",
     "check_code",

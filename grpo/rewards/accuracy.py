@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 from grpo.rewards.answers import extract_answer, extract_boxed
 from grpo.rewards.math_fast import fast_verdict, parse_plain
 from grpo.rewards.math_latex import latex_value
+from grpo.rewards.outcomes import TIMEOUT as UNGRADED_TIMEOUT
+from grpo.rewards.outcomes import Ungraded
 from grpo.rewards.math_verify_pool import (
     BAD_REFERENCE,
     EQUAL,
@@ -27,10 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 class AccuracyReport(NamedTuple):
-    scores: list[float | None]
+    scores: list[float | None | Ungraded]
     fast_path: int  # decided without math-verify (plain numbers, LaTeX shortcut, no answer)
     symbolic: int  # completions sent to math-verify
-    timeouts: int  # completions whose check timed out (scored 0.0)
+    timeouts: int  # completions whose check timed out (ungraded: TIMEOUT)
 
 
 def _reference_text(reference: Any) -> str | None:
@@ -73,7 +75,7 @@ def check_accuracy(
     if symbolic_backend not in ("process", "thread"):
         raise ValueError(f"symbolic_backend must be 'process' or 'thread', got {symbolic_backend!r}")
 
-    scores: list[float | None] = [None] * len(completions)
+    scores: list[float | None | Ungraded] = [None] * len(completions)
     pending: dict[tuple[str, str | None], list[int]] = {}  # deduplicated: G samples share answers
     fast = 0
     for i, (completion, reference) in enumerate(zip(completions, answer)):
@@ -99,8 +101,11 @@ def check_accuracy(
     timeouts = 0
     for pair, code in zip(pairs, symbolic_verdicts(pairs, timeout_s, symbolic_backend)):
         for i in pending[pair]:
-            scores[i] = None if code == BAD_REFERENCE else float(code == EQUAL)
-            timeouts += code == TIMEOUT
+            if code == TIMEOUT:  # not a wrong answer: the check could not say (a busy machine, a huge expression)
+                scores[i] = Ungraded(UNGRADED_TIMEOUT, f"math-verify ran past {timeout_s:g} s")
+                timeouts += 1
+            else:
+                scores[i] = None if code == BAD_REFERENCE else float(code == EQUAL)
     return AccuracyReport(scores, fast, sum(map(len, pending.values())), timeouts)
 
 
@@ -112,7 +117,7 @@ def accuracy_reward(
     answer_tags: Sequence[str] = ANSWER_TAGS,
     symbolic_backend: str = "thread",
     **_: Any,
-) -> list[float | None]:
+) -> list[float | None | Ungraded]:
     """1.0 if the extracted answer equals the reference under math-verify, else 0.0.
 
     The answer is the last ``<answer>`` block, else the last ``\\boxed{}`` (a box
@@ -125,12 +130,13 @@ def accuracy_reward(
     a worker process (``"process"``: stuck checks can be killed and checks spread
     over cores, but the calling script needs an ``if __name__ == "__main__":``
     guard since workers are started with "spawn"), at most ``timeout_s`` per
-    parse+verify. A timed-out check scores 0.0 (logged); a reference that
-    math-verify cannot parse scores None. Safe to call from any thread.
+    parse+verify. A timed-out check is ungraded (``Ungraded("timeout")``,
+    logged), not wrong; a reference that math-verify cannot parse scores None.
+    Safe to call from any thread.
     """
     report = check_accuracy(
         completions, answer, timeout_s=timeout_s, answer_tags=answer_tags, symbolic_backend=symbolic_backend
     )
     if report.timeouts:
-        logger.warning("accuracy_reward: %d of %d checks timed out (scored 0.0)", report.timeouts, len(completions))
+        logger.warning("accuracy_reward: %d of %d checks timed out (ungraded)", report.timeouts, len(completions))
     return report.scores

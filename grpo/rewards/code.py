@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from grpo.rewards.outcomes import SANDBOX_ERROR, TIMEOUT_UNDER_LOAD, Ungraded
 from grpo.rewards.sandbox import Limits, RunResult, check_sandbox, run_python
 from grpo.rewards.text import completion_text
 from grpo.texts import ANSWER_TAGS
@@ -64,10 +65,11 @@ _PYTHON_LABELS = ("", "python", "py", "python3")
 
 
 class CodeReport(NamedTuple):
-    scores: list[float | None]  # what the reward returns
+    scores: list[float | None | Ungraded]  # what the reward returns
     passed: list[int]  # tests passed per completion
     total: list[int]  # tests per completion (0: the row has none)
     no_program: int  # completions with no code block to run
+    reruns: int = 0  # tests killed for wall time and run again alone (`rerun_timed_out`)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,6 +292,48 @@ def run_pool(runs: Sequence[_Run], limits: Limits, workers: int) -> list[RunResu
         return list(pool.map(lambda r: run_python(r.source, r.args, r.stdin, limits), runs))
 
 
+def rerun_timed_out(runs: Sequence[_Run], results: list[RunResult], limits: Limits, factor: float,
+                    budget_s: float) -> tuple[list[RunResult], int]:
+    """The runs killed for wall time, run again one at a time (nothing else of this call running beside them) with
+    `factor` times the limit, while `budget_s` allows: a program slowed by a busy machine passes or fails on what
+    it does, one that is slow alone still fails. A run whose rerun would pass the budget keeps its kill, marked
+    "wall time, not rerun" (ungraded). Returns the results and how many were run again. Cost: each such test
+    waits its first limit, then up to `factor` times it alone."""
+    import dataclasses
+    import time
+
+    out = list(results)
+    slow = [k for k, r in enumerate(results) if r.killed == "wall time"]
+    longer = dataclasses.replace(limits, wall_time_s=limits.wall_time_s * factor)
+    deadline = time.monotonic() + budget_s
+    done = 0
+    for k in slow:
+        if time.monotonic() + longer.wall_time_s > deadline:
+            out[k] = out[k]._replace(killed=NOT_RERUN)
+            continue
+        out[k] = run_python(runs[k].source, runs[k].args, runs[k].stdin, longer)
+        done += 1
+    if slow:
+        logger.info("code reward: %d test(s) killed for wall time, %d run again alone with %gx the limit",
+                    len(slow), done, factor)
+    return out, done
+
+
+NOT_RERUN = "wall time, not rerun"  # a RunResult.killed: the test's rerun did not fit the call's budget
+
+
+def ungraded_by(results: Sequence[RunResult]) -> Ungraded | None:
+    """Why a completion's test results cannot grade it: the sandbox failed to start one of its programs, or one
+    was killed for wall time and could not be run again alone; None when they can."""
+    for r in results:
+        if r.sandbox_error is not None:
+            return Ungraded(SANDBOX_ERROR, r.sandbox_error[:200])
+    for r in results:
+        if r.killed == NOT_RERUN:
+            return Ungraded(TIMEOUT_UNDER_LOAD, "killed for wall time on a busy sandbox, no time left to rerun it")
+    return None
+
+
 def available_cores() -> int:
     """The cores this process may run on (a container's or taskset's share, not the machine's)."""
     try:
@@ -305,9 +349,11 @@ def _column(values: Any, n: int) -> list:
 def check_code(completions: Sequence[Any], tests: Sequence[Any] | None = None, io_tests: Sequence[Any] | None = None,
                setup: Sequence[Any] | None = None, *, all_or_nothing: bool = False,
                language: str | Sequence[Any] = "python", limits: Limits = Limits(), workers: int = 0,
-               answer_tags: Sequence[str] = ANSWER_TAGS) -> CodeReport:
+               answer_tags: Sequence[str] = ANSWER_TAGS, rerun_factor: float = 2.0,
+               rerun_budget_s: float = 120.0) -> CodeReport:
     """`code_reward` plus how many tests each completion passed. `language` is the setting, or a dataset's
-    `language` column (one a row; a missing one, None or NaN, means Python)."""
+    `language` column (one a row; a missing one, None or NaN, means Python). Tests killed for wall time are run
+    again alone (`rerun_timed_out`); a completion whose tests could not all be run is ungraded (`ungraded_by`)."""
     languages = [language] if isinstance(language, str) else [v for v in language if isinstance(v, str)]
     unsupported = sorted({str(v) for v in languages if str(v).strip().lower() not in CODE_LANGUAGES})
     if unsupported:
@@ -335,8 +381,10 @@ def check_code(completions: Sequence[Any], tests: Sequence[Any] | None = None, i
         for run, _ in plan:
             runs.setdefault(run, len(runs))
         plans.append(plan)
-    results = run_pool(list(runs), limits, workers or available_cores())
-    scores: list[float | None] = []
+    ordered = list(runs)
+    results, reruns = rerun_timed_out(ordered, run_pool(ordered, limits, workers or available_cores()), limits,
+                                      rerun_factor, rerun_budget_s)
+    scores: list[float | None | Ungraded] = []
     passed, total = [], []
     for completion_plan, row_tests, row_io in zip(plans, tests_col, io_col):
         if completion_plan is None:
@@ -349,24 +397,29 @@ def check_code(completions: Sequence[Any], tests: Sequence[Any] | None = None, i
         ok = sum(judge(results[runs[run]]) for run, judge in completion_plan)
         passed.append(ok)
         total.append(count)
-        scores.append(float(ok == count) if all_or_nothing else ok / count)
-    return CodeReport(scores, passed, total, no_program)
+        why = ungraded_by([results[runs[run]] for run, _ in completion_plan])
+        scores.append(why if why is not None else float(ok == count) if all_or_nothing else ok / count)
+    return CodeReport(scores, passed, total, no_program, reruns)
 
 
 def code_reward(completions: Sequence[Any], tests: Sequence[Any] | None = None,
                 io_tests: Sequence[Any] | None = None, setup: Sequence[Any] | None = None, *,
                 all_or_nothing: bool = False, language: str | Sequence[Any] = "python", limits: Limits = Limits(),
-                workers: int = 0, answer_tags: Sequence[str] = ANSWER_TAGS, **_: Any) -> list[float | None]:
+                workers: int = 0, answer_tags: Sequence[str] = ANSWER_TAGS, rerun_factor: float = 2.0,
+                rerun_budget_s: float = 120.0, **_: Any) -> list[float | None | Ungraded]:
     """The fraction of its row's tests the completion's program passes (1.0 / 0.0 with `all_or_nothing`), run in
-    the sandbox, `workers` programs at a time (0: one per available core); None for a row without tests.
+    the sandbox, `workers` programs at a time (0: one per available core); None for a row without tests;
+    ungraded where the sandbox could not run its tests (`check_code`).
 
     Raises SandboxUnavailable when programs cannot be sandboxed here: it never runs them otherwise.
     """
     return check_code(completions, tests, io_tests, setup, all_or_nothing=all_or_nothing, language=language,
-                      limits=limits, workers=workers, answer_tags=answer_tags).scores
+                      limits=limits, workers=workers, answer_tags=answer_tags, rerun_factor=rerun_factor,
+                      rerun_budget_s=rerun_budget_s).scores
 
 
-_REWARD_SETTINGS = ("all_or_nothing", "language", "workers")  # the rest of a CodeConfig are the sandbox's Limits
+# the settings of a CodeConfig that are the reward's; the rest are the sandbox's Limits
+_REWARD_SETTINGS = ("all_or_nothing", "language", "workers", "rerun_factor", "rerun_budget_s")
 
 
 def code_limits(settings: Mapping[str, Any] | None = None) -> Limits:
@@ -376,7 +429,7 @@ def code_limits(settings: Mapping[str, Any] | None = None) -> Limits:
 
 # settings only a recipe gives: a dataset column of the same name (columns arrive as keyword arguments) is ignored,
 # so data can never loosen the sandbox's limits or change how a program is scored
-_RECIPE_ONLY = ("all_or_nothing", "workers", "limits", "answer_tags")
+_RECIPE_ONLY = ("all_or_nothing", "workers", "limits", "answer_tags", "rerun_factor", "rerun_budget_s")
 
 
 def make_code_reward(settings: Mapping[str, Any] | None = None) -> Any:

@@ -16,15 +16,19 @@ from typing import Any, NamedTuple
 
 from grpo.rewards.accuracy import accuracy_reward
 from grpo.rewards.code import as_io_tests, as_list, check_code, code_limits
+from grpo.rewards.outcomes import Ungraded
 
 CHECK_COLUMNS = ("answer", "tests", "io_tests", "setup", "language")  # the row columns `check_rows` reads
 
 
 class RowCheck(NamedTuple):
-    correct: list[bool | None]  # per completion; None: its row has no tests and no readable reference
+    correct: list[bool | None]  # per completion; None: its row has no tests and no readable reference, or ungraded
     by_tests: list[bool]  # its row was checked by running tests (else by the reference answer)
     passed: list[int]  # tests its program passed (0 for rows checked by answer)
     total: list[int]  # tests in its row (0 for rows checked by answer)
+    # per completion: why the check could not say (`grpo.rewards.outcomes`: a timeout, a sandbox failure); None
+    # where it said, or does not apply. Neither right nor wrong: counted apart
+    ungraded: list[str | None] | None = None
 
 
 def has_tests(tests: Any = None, io_tests: Any = None) -> bool:
@@ -51,6 +55,7 @@ def check_rows(completions: Sequence[Any], answer: Sequence[Any] | None = None, 
     setup, language = _cells(setup, n), _cells(language, n)
     by_tests = [has_tests(t, io) for t, io in zip(tests, io_tests)]
     correct: list[bool | None] = [None] * n
+    ungraded: list[str | None] = [None] * n
     passed, total = [0] * n, [0] * n
 
     coded = [i for i in range(n) if by_tests[i]]
@@ -61,16 +66,24 @@ def check_rows(completions: Sequence[Any], answer: Sequence[Any] | None = None, 
                             [io_tests[i] for i in coded], [setup[i] for i in coded],
                             language=[language[i] if isinstance(language[i], str) else default_language
                                       for i in coded],
-                            limits=code_limits(settings), workers=settings.get("workers", 0))
-        for i, ok, count in zip(coded, report.passed, report.total):
-            correct[i], passed[i], total[i] = ok == count, ok, count
+                            limits=code_limits(settings), workers=settings.get("workers", 0),
+                            **{k: settings[k] for k in ("rerun_factor", "rerun_budget_s") if k in settings})
+        for i, ok, count, score in zip(coded, report.passed, report.total, report.scores):
+            passed[i], total[i] = ok, count
+            if isinstance(score, Ungraded):
+                ungraded[i] = score.reason
+            else:
+                correct[i] = ok == count
 
     referenced = [i for i in range(n) if not by_tests[i] and _reference(answers[i]) is not None]
     if referenced:
         scores = accuracy_reward([completions[i] for i in referenced], [_reference(answers[i]) for i in referenced])
         for i, s in zip(referenced, scores):
-            correct[i] = None if s is None else s == 1.0  # None: a reference the check cannot read
-    return RowCheck(correct, by_tests, passed, total)
+            if isinstance(s, Ungraded):
+                ungraded[i] = s.reason
+            else:
+                correct[i] = None if s is None else s == 1.0  # None: a reference the check cannot read
+    return RowCheck(correct, by_tests, passed, total, ungraded)
 
 
 def _reference(value: Any) -> str | None:

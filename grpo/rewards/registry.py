@@ -16,6 +16,7 @@ from grpo.rewards.accuracy import accuracy_reward
 from grpo.rewards.code import code_reward
 from grpo.rewards.format import format_reward, format_reward_strict, tag_count_reward
 from grpo.rewards.language import language_consistency_reward
+from grpo.rewards.outcomes import NOT_A_NUMBER, RAISED, WRONG_LENGTH, Ungraded
 from grpo.rewards.overlong import overlong_penalty
 from grpo.rewards.sandbox import SandboxUnavailable
 
@@ -58,10 +59,45 @@ class UnknownRewardError(KeyError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RewardScores:
-    per_function: dict[str, list[float | None]]  # None: the function does not apply, or it failed
+    """A batch's scores, per reward function and weighted. Three outcomes a completion: a score; None, the
+    function does not apply to it (counted in `skipped`, adds 0.0); ungraded (`grpo.rewards.outcomes`), the function
+    should have graded it and could not (a timeout, a sandbox or judge failure, a raise, a non-number): its reason in
+    `ungraded`, and the completion is not `graded` if any weighted function left it so. An ungraded completion's
+    `total` counts the functions that did grade it; it is not a reward, and the loops leave it out."""
+
+    per_function: dict[str, list[float | None]]  # None: the function does not apply, or it could not grade
     total: list[float]  # sum of weight * score, a None counting as 0.0
     failures: dict[str, int]  # completions each function failed on (raised, NaN/inf/non-number, wrong length)
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # completions it returned None for
+    # per function, per completion: why it could not grade it (None where it did, or does not apply)
+    ungraded: dict[str, list[str | None]] = dataclasses.field(default_factory=dict)
+    graded: list[bool] | None = None  # per completion: every weighted function graded it (None: all were)
+
+    @property
+    def graded_rows(self) -> list[bool]:
+        return [True] * len(self.total) if self.graded is None else self.graded
+
+    def reasons(self) -> list[str]:
+        """Per completion, why it is ungraded ("accuracy: timeout; code: sandbox_error"), "" where it is not."""
+        return ["; ".join(f"{name}: {why[i]}" for name, why in self.ungraded.items() if why[i] is not None)
+                for i in range(len(self.total))]
+
+    def ungraded_counts(self) -> dict[tuple[str, str], int]:
+        """(function, reason): completions it left ungraded for that reason."""
+        counts: dict[tuple[str, str], int] = {}
+        for name, why in self.ungraded.items():
+            for reason in why:
+                if reason is not None:
+                    counts[name, reason] = counts.get((name, reason), 0) + 1
+        return counts
+
+    def take(self, rows: list[int]) -> RewardScores:
+        """These completions' scores, in this order (the counts of failures and skips stay the batch's)."""
+        return RewardScores(
+            per_function={name: [v[i] for i in rows] for name, v in self.per_function.items()},
+            total=[self.total[i] for i in rows], failures=dict(self.failures), skipped=dict(self.skipped),
+            ungraded={name: [v[i] for i in rows] for name, v in self.ungraded.items()},
+            graded=None if self.graded is None else [self.graded[i] for i in rows])
 
 
 def _normalize_specs(
@@ -83,49 +119,45 @@ def _normalize_specs(
     return [(name, float(weight)) for name, weight in items]
 
 
-_FAILED = object()  # a score that could not be had, as opposed to a function's own None ("does not apply")
-
-
 def _clean_score(value: Any) -> Any:
-    """A finite float; None for None (the function does not apply); _FAILED for NaN/inf/non-numbers.
-
-    0-d arrays/tensors are unwrapped.
-    """
-    if value is None:
-        return None
+    """A finite float; None for None (the function does not apply); an `Ungraded` as it came, or one for
+    NaN/inf/non-numbers (`NOT_A_NUMBER`). 0-d arrays/tensors are unwrapped."""
+    if value is None or isinstance(value, Ungraded):
+        return value
     if not isinstance(value, numbers.Real) and hasattr(value, "item"):
         try:
             value = value.item()
         except Exception:
-            return _FAILED
+            return Ungraded(NOT_A_NUMBER, type(value).__name__)
     if isinstance(value, numbers.Real):
         value = float(value)
-        return value if math.isfinite(value) else _FAILED
-    return _FAILED
+        return value if math.isfinite(value) else Ungraded(NOT_A_NUMBER, repr(value))
+    return Ungraded(NOT_A_NUMBER, type(value).__name__)
 
 
 def _call_reward(
     fn: Callable, completions: list, columns: Mapping[str, Any], log_level: int = logging.WARNING
-) -> list[Any] | None:
-    """The function's cleaned scores (see _clean_score), or None if it raised. Wrong length: all _FAILED."""
+) -> list[Any] | Ungraded:
+    """The function's cleaned scores (see _clean_score), or an `Ungraded` (RAISED) if it raised. Wrong length: all
+    ungraded (WRONG_LENGTH)."""
     name = getattr(fn, "__name__", repr(fn))
     try:
         raw = list(fn(completions, **columns))
     except SandboxUnavailable:  # not a bad completion: nothing can be scored here, and training must stop
         raise
-    except Exception:
+    except Exception as e:
         logger.log(log_level, "reward %s raised", name, exc_info=True)
-        return None
+        return Ungraded(RAISED, f"{type(e).__name__}: {e}"[:200])
     if len(raw) != len(completions):
         logger.warning("reward %s returned %d scores for %d completions", name, len(raw), len(completions))
-        return [_FAILED] * len(completions)
+        return [Ungraded(WRONG_LENGTH, f"{len(raw)} scores for {len(completions)}")] * len(completions)
     return [_clean_score(v) for v in raw]
 
 
 def _score_one_function(fn: Callable, completions: list, columns: Mapping[str, Any]) -> list[Any]:
     """Whole batch first; if that raises, completion by completion so a bad one fails alone."""
     scores = _call_reward(fn, completions, columns)
-    if scores is not None:
+    if not isinstance(scores, Ungraded):
         return scores
     n = len(completions)
     out: list[Any] = []
@@ -135,7 +167,7 @@ def _score_one_function(fn: Callable, completions: list, columns: Mapping[str, A
             k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in columns.items()
         }
         single = _call_reward(fn, [completions[i]], single_columns, log_level=logging.DEBUG)
-        out.append(single[0] if single else _FAILED)
+        out.append(single if isinstance(single, Ungraded) else single[0])
     return out
 
 
@@ -157,11 +189,11 @@ def score_completions(
     UnknownRewardError, also a KeyError) before anything is scored. After that
     nothing raises but SandboxUnavailable (the code reward cannot run programs
     here, and never runs them unsandboxed): a score is None when its function returned None (it does
-    not apply to that completion, counted in ``skipped``), raised for it,
-    returned NaN/inf/a non-number, or returned the wrong number of scores
-    (then all its scores are None); the last three are counted in
-    ``failures``. A None adds 0.0 to ``total``, so a failure never poisons the
-    other rewards with NaN.
+    not apply to that completion, counted in ``skipped``), and the completion is ungraded by it (its reason in
+    ``ungraded``) when the function answered `Ungraded` for it, raised for it, returned NaN/inf/a non-number, or
+    returned the wrong number of scores (then all of them); the last three are also counted in ``failures``. A
+    completion a weighted function left ungraded is not ``graded``. Neither adds to ``total``, so a failure never
+    poisons the other rewards with NaN.
     """
     registry = REWARD_FUNCTIONS if registry is None else registry
     specs = _normalize_specs(reward_specs, registry)
@@ -176,14 +208,21 @@ def score_completions(
     per_function: dict[str, list[float | None]] = {}
     failures: dict[str, int] = {}
     skipped: dict[str, int] = {}
+    ungraded: dict[str, list[str | None]] = {}
+    graded = [True] * len(completions)
     total = [0.0] * len(completions)
     for name, weight in specs:
         raw = _score_one_function(registry[name], completions, columns)
-        failures[name] = sum(s is _FAILED for s in raw)
+        failures[name] = sum(isinstance(s, Ungraded) and s.reason in (RAISED, NOT_A_NUMBER, WRONG_LENGTH)
+                             for s in raw)
         skipped[name] = sum(s is None for s in raw)
-        scores = [None if s is _FAILED else s for s in raw]
+        ungraded[name] = [s.reason if isinstance(s, Ungraded) else None for s in raw]
+        scores = [None if isinstance(s, Ungraded) else s for s in raw]
         per_function[name] = scores
-        for i, s in enumerate(scores):
-            if s is not None:
+        for i, s in enumerate(raw):
+            if isinstance(s, Ungraded):
+                graded[i] = graded[i] and weight == 0
+            elif s is not None:
                 total[i] += weight * s
-    return RewardScores(per_function=per_function, total=total, failures=failures, skipped=skipped)
+    return RewardScores(per_function=per_function, total=total, failures=failures, skipped=skipped,
+                        ungraded=ungraded, graded=graded)

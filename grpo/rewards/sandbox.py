@@ -31,6 +31,7 @@ verdict is kept out of the program's reach, is in `grpo.rewards.code_harness` an
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -80,8 +81,11 @@ class RunResult(NamedTuple):
     stdout: bytes  # at most max_output_bytes (+1 when it was cut)
     stderr: bytes  # the first few KiB
     exit_code: int | None  # the program's exit status; None when it was killed from here
-    killed: str | None  # why it was killed from here: "wall time" or "output limit"; None otherwise
+    killed: str | None  # why it was killed from here: "wall time", "output limit" or "start failed"; None otherwise
     wall_s: float  # seconds from start to the last process gone
+    # the sandbox's own failure, when it never started the program (bwrap could not make its namespaces, fork
+    # failed, ...): what it said. The program is not to blame: its tests are not failed but ungraded
+    sandbox_error: str | None = None
 
 
 # Runs first inside the sandbox: limits that only setrlimit can set, then the program, with its own argv. The
@@ -180,7 +184,9 @@ def run_python(source: str, args: list[str] | tuple[str, ...] = (), stdin: bytes
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     pass_fds=(status_w,), env={}, start_new_session=True, **_host_user())
         except OSError as e:  # E2BIG: a program too long for one argument (128 KiB)
-            return RunResult(b"", f"cannot start the sandbox: {e}".encode(), None, "start failed", 0.0)
+            # a program too long for one argument is the program's fault (it fails); anything else, the machine's
+            failed = None if e.errno == errno.E2BIG else f"cannot start the sandbox: {e}"
+            return RunResult(b"", f"cannot start the sandbox: {e}".encode(), None, "start failed", 0.0, failed)
         finally:
             os.close(status_w)
         return _communicate(proc, status_r, stdin, limits, start)
@@ -246,7 +252,11 @@ def _communicate(proc: subprocess.Popen, status_r: int, stdin: bytes, limits: Li
         if not f.closed:
             f.close()
     code = None if killed else proc.returncode
-    return RunResult(bytes(out[:limits.max_output_bytes + 1]), bytes(err), code, killed, time.monotonic() - start)
+    failed = None  # bwrap reports the program's pid once it has started it: without one it never ran
+    if killed is None and _child_pid(status) is None:
+        failed = f"bubblewrap exited {code} before starting the program: {bytes(err).decode(errors='replace')[:300]}"
+    return RunResult(bytes(out[:limits.max_output_bytes + 1]), bytes(err), code, killed, time.monotonic() - start,
+                     failed)
 
 
 def _kill_tree(proc: subprocess.Popen, status: bytearray) -> None:

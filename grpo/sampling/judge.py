@@ -28,6 +28,7 @@ from typing import NamedTuple, Protocol
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import GenerationConfig, JudgeConfig, SamplingConfig
+from grpo.rewards.outcomes import JUDGE_HTTP_ERROR, JUDGE_NO_VERDICT, JUDGE_TIMEOUT
 from grpo.sampling.engines import build_engine
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint
 from grpo.texts import NO_REFERENCE
@@ -36,8 +37,16 @@ from grpo.texts import NO_REFERENCE
 class Verdict(NamedTuple):
     """What a judge said about one response."""
 
-    accepted: bool | None  # True = correct, False = wrong, None = the judge's output had no verdict we could read
+    accepted: bool | None  # True = correct, False = wrong, None = no verdict (see `ungraded`)
     rationale: str  # the judge's whole reply, stripped, so a logged table shows exactly what it said
+    # when `accepted` is None, why (`grpo.rewards.outcomes`): judge_timeout, judge_http_error (the request failed
+    # after its retries, or the reply was not the OpenAI schema), judge_no_verdict (a reply without one)
+    ungraded: str | None = None
+
+
+def verdict_ungraded(verdict: Verdict | None) -> str:
+    """Why a verdict without a decision is one: its own reason, else judge_no_verdict."""
+    return getattr(verdict, "ungraded", None) or JUDGE_NO_VERDICT
 
 
 class JudgeUnavailable(EndpointError):
@@ -80,10 +89,10 @@ def parse_verdict(text: str) -> Verdict:
     if "</think>" in answer:
         answer = answer.rsplit("</think>", 1)[1]
     elif "<think>" in answer:
-        return Verdict(None, rationale)
+        return Verdict(None, rationale, JUDGE_NO_VERDICT)
     match = _VERDICT_LINE.search(answer) or _BARE_ANSWER.match(answer)
     if match is None:
-        return Verdict(None, rationale)
+        return Verdict(None, rationale, JUDGE_NO_VERDICT)
     return Verdict(match.group(1).lower() == "yes", rationale)
 
 
@@ -138,7 +147,16 @@ class HTTPJudge:
         return served
 
     def judge(self, prompt: str, response: str, reference: str | None) -> Verdict:
-        text = self._complete(render_judge_prompt(self.cfg.prompt_template, prompt, response, reference))
+        """The endpoint's verdict; a request that fails after its retries (a timeout, a server error, a reply
+        outside the schema) is a verdict-less one saying why, so one bad request loses one sample's grade, not the
+        shard. A refusal (HTTP 4xx: a wrong key, an unknown model) or nothing listening at the address still
+        raises: no request would pass."""
+        try:
+            text = self._complete(render_judge_prompt(self.cfg.prompt_template, prompt, response, reference))
+        except JudgeUnavailable as e:
+            if not getattr(e, "transient", False) or getattr(e, "refused", False):
+                raise
+            return Verdict(None, str(e), JUDGE_TIMEOUT if getattr(e, "timed_out", False) else JUDGE_HTTP_ERROR)
         return parse_verdict(text)
 
     def judge_many(self, items: list[tuple[str, str, str | None]]) -> list[Verdict]:
@@ -161,8 +179,10 @@ class HTTPJudge:
         try:
             content = body["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
-            raise JudgeUnavailable(f"judge at {self.base_url}/chat/completions answered outside the OpenAI schema "
-                                   f"(expected choices[0].message.content): {str(body)[:200]}") from None
+            error = JudgeUnavailable(f"judge at {self.base_url}/chat/completions answered outside the OpenAI "
+                                     f"schema (expected choices[0].message.content): {str(body)[:200]}")
+            error.transient = True  # this reply; the next may be right
+            raise error from None
         return content or ""  # some servers send null content for an empty reply
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:

@@ -31,9 +31,11 @@ class Retryable(Exception):
     takes as the endpoint being gone rather than busy; `status` is the HTTP status of a 5xx or 429 reply.
     """
 
-    def __init__(self, cause: str, wait_s: float | None = None, refused: bool = False, status: int | None = None):
+    def __init__(self, cause: str, wait_s: float | None = None, refused: bool = False, status: int | None = None,
+                 timed_out: bool = False):
         super().__init__(cause)
         self.cause, self.wait_s, self.refused, self.status = cause, wait_s, refused, status
+        self.timed_out = timed_out  # no reply within the endpoint's timeout
 
 
 class OpenAIEndpoint:
@@ -65,8 +67,11 @@ class OpenAIEndpoint:
                 backoff = backoff_s * 2**attempt
                 # a server's Retry-After wins over our schedule, within reason
                 time.sleep(backoff if failure.wait_s is None else min(max(failure.wait_s, backoff), 60.0))
-        raise self.error(f"could not reach {self.label} at {self.base_url}{path}: {failure.cause} after {tries} "
-                         f"{'try' if tries == 1 else 'tries'}")
+        error = self.error(f"could not reach {self.label} at {self.base_url}{path}: {failure.cause} after {tries} "
+                           f"{'try' if tries == 1 else 'tries'}")
+        error.transient = True  # the kind of failure that passes (a timeout, a reset, a 5xx or 429): not a refusal
+        error.timed_out, error.refused = failure.timed_out, failure.refused
+        raise error
 
     def send(self, method: str, path: str, payload: dict | None = None) -> dict:
         """One try: the parsed JSON reply, Retryable for a failure that may pass, else `self.error`."""
@@ -86,17 +91,19 @@ class OpenAIEndpoint:
             message = f"{self.label} at {url} refused the request: HTTP {e.code} {detail}".rstrip()
             raise self.error(message + hint) from None
         except urllib.error.URLError as e:  # refused, unknown host, or a timeout while connecting
-            raise Retryable(describe(e.reason, self.timeout_s),
-                            refused=isinstance(e.reason, ConnectionRefusedError)) from None
+            raise Retryable(describe(e.reason, self.timeout_s), refused=isinstance(e.reason, ConnectionRefusedError),
+                            timed_out=isinstance(e.reason, TimeoutError)) from None
         except (TimeoutError, ConnectionError) as e:  # a timeout or reset while reading the reply
-            raise Retryable(describe(e, self.timeout_s)) from None
+            raise Retryable(describe(e, self.timeout_s), timed_out=isinstance(e, TimeoutError)) from None
         except http.client.HTTPException as e:  # the server went away mid-reply (IncompleteRead, a bad status line)
             raise Retryable(f"the reply was cut off ({type(e).__name__})") from None
         try:
             return json.loads(raw)
         except ValueError:
             message = f"{self.label} at {url} answered with something other than JSON: {raw[:200]!r}"
-        raise self.error(message)
+        error = self.error(message)
+        error.transient = True  # this reply was garbage; the next may not be
+        raise error
 
     def served_models(self, *, retries: int = 0, backoff_s: float = 1.0) -> list[dict]:
         """GET /models: the entries of `data` (each has at least `id`), `self.error` if the reply has none."""

@@ -92,18 +92,54 @@ SCALERS: dict[str, Scaler] = {
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4, graded: Tensor | None = None
 ) -> Tensor:
     """Group-relative advantages ``[B*G] -> [B*G]``, in the same order as ``rewards``.
 
     scale: "group" divides by each group's std + eps, "batch" by the whole
     batch's std + eps, "none" only subtracts the group mean. Groups of one get 0.
 
+    graded: ``[B*G]`` bool, the rows whose reward could be had (`grpo.rewards.outcomes`); the others are no
+    reward at all. Each group's mean and std are then over its graded rows only (the batch's std over the rows
+    it trains on), an ungraded row's advantage is 0, and so is every row of a group with fewer than two graded
+    rows: it has nothing to be compared against. All graded: the same numbers as without the mask.
+
     >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, scale="none")
     tensor([ 0.5000, -0.5000, -0.5000,  0.5000])
+    >>> group_advantages(torch.tensor([1.0, 0.0, 9.0, 0.0, 0.0, 1.0]), 3, scale="none",
+    ...                  graded=torch.tensor([True, True, False, True, False, True]))
+    tensor([ 0.5000, -0.5000,  0.0000, -0.5000,  0.0000,  0.5000])
     """
     if scale not in SCALERS:
         raise ValueError(f"unknown scale {scale!r}; expected one of {sorted(SCALERS)}")
+    if graded is not None and not bool(graded.all()):
+        return _graded_advantages(_grouped(rewards, group_size), graded.bool().view(-1, group_size), scale, eps)
     grouped = _grouped(rewards, group_size)  # [B, G]
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # [B, G]
     return SCALERS[scale](centered, grouped, eps).flatten()  # [B*G]
+
+
+def _graded_advantages(grouped: Tensor, graded: Tensor, scale: str, eps: float) -> Tensor:
+    """`group_advantages` over the graded rows (`graded` [B, G] bool) of each group; 0 elsewhere."""
+    out = torch.zeros_like(grouped)  # [B, G]
+    trains = graded & (graded.sum(1, keepdim=True) >= 2)  # [B, G] graded rows of groups with two or more
+    every = grouped[trains]  # the rewards the batch trains on, for scale "batch"
+    batch_std = _std(every) if every.numel() else torch.zeros((), dtype=grouped.dtype)
+    for b in range(grouped.size(0)):
+        rows = graded[b]
+        if int(rows.sum()) < 2:  # nothing to compare against: trains nothing
+            continue
+        values = grouped[b, rows]  # [g]
+        centered = values - values.mean()
+        if scale == "group":
+            centered = centered / (_std(values) + eps)
+        elif scale == "batch":
+            centered = centered / (batch_std + eps)
+        out[b, rows] = centered
+    return out.flatten()  # [B*G]
+
+
+def trained_rows(graded: list[bool], group_size: int) -> Tensor:
+    """``[B*G]`` bool: the rows a step trains on, its `graded` rows in groups with at least two of them."""
+    mask = torch.tensor(graded, dtype=torch.bool).view(-1, group_size)  # [B, G]
+    return (mask & (mask.sum(1, keepdim=True) >= 2)).flatten()

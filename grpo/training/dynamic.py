@@ -11,10 +11,15 @@ import torch
 from grpo.sampling.engines import Rollout, cat_padded
 
 
-def spread_groups(total: list[float], G: int) -> list[int]:
-    """Indices of groups whose rewards differ (the only ones that carry a gradient)."""
-    groups = torch.tensor(total).view(-1, G)  # [B, G]
-    return [g for g in range(groups.size(0)) if groups[g].max() > groups[g].min()]
+def spread_groups(total: list[float], G: int, graded: list[bool] | None = None) -> list[int]:
+    """Indices of groups whose rewards differ (the only ones that carry a gradient), over their `graded` rows."""
+    graded = [True] * len(total) if graded is None else graded
+    spread = []
+    for g in range(len(total) // G):
+        values = [total[i] for i in range(g * G, (g + 1) * G) if graded[i]]
+        if len(values) >= 2 and max(values) > min(values):
+            spread.append(g)
+    return spread
 
 
 def concat_groups(parts, G: int, want: int, pad_id: int):
@@ -43,14 +48,16 @@ def concat_groups(parts, G: int, want: int, pad_id: int):
         truncated=torch.cat([r.truncated[rows(g)] for r, _, g, _ in chosen]),
         texts=[t for r, _, g, _ in chosen for t in r.texts[rows(g)]],
     )
-    first = chosen[0][1]
+    # the kept groups' scores, and every draw's counts of failures and skips
+    kept = [s.take(list(range(g * G, (g + 1) * G))) for _, s, g, _ in chosen]
+    draws = {id(p[1]): p[1] for p in parts}.values()
+    first = kept[0]
     scores = type(first)(
-        per_function={name: [v for _, s, g, _ in chosen for v in s.per_function[name][rows(g)]]
-                      for name in first.per_function},
-        total=[v for _, s, g, _ in chosen for v in s.total[rows(g)]],
-        failures={name: sum(s.failures.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
-                  for name in first.failures},
-        skipped={name: sum(s.skipped.get(name, 0) for s in {id(p[1]): p[1] for p in parts}.values())
-                 for name in first.skipped},
+        per_function={name: [v for k in kept for v in k.per_function[name]] for name in first.per_function},
+        total=[v for k in kept for v in k.total],
+        failures={name: sum(s.failures.get(name, 0) for s in draws) for name in first.failures},
+        skipped={name: sum(s.skipped.get(name, 0) for s in draws) for name in first.skipped},
+        ungraded={name: [v for k in kept for v in k.ungraded[name]] for name in first.ungraded},
+        graded=[v for k in kept for v in k.graded_rows],
     )
     return rollout, [i for *_, i in chosen], scores

@@ -193,12 +193,19 @@ def check_token_budget(cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, who: s
 def rollout_metrics(rollout: Rollout, scores, elapsed: float, t_gen: float, t_ref: float,
                     learning_rate: float) -> dict[str, float]:
     """A step's reward, length and time figures (the loop adds its own: group spread, the optimizer's stats)."""
-    total = torch.tensor(scores.total)  # [N]
+    graded = getattr(scores, "graded_rows", None) or [True] * len(scores.total)
+    # the reward of the rows that have one: an ungraded row's total is only what its other functions gave
+    total = torch.tensor([t for t, g in zip(scores.total, graded) if g] or [math.nan])  # [graded rows]
     lengths = rollout.completion_mask.sum(-1).float()  # [N]
     m = {f"reward/{name}": _mean_scored(vals) for name, vals in scores.per_function.items()}
     m.update({f"reward_failures/{name}": float(n) for name, n in scores.failures.items()})
     # a reward that does not apply to some rows (accuracy without a reference, say): how many it sat out
     m.update({f"reward_skipped/{name}": float(n) for name, n in scores.skipped.items() if n})
+    # rows a grader could not grade (grpo.rewards.outcomes): their share, and how many each function left, why
+    m["reward/ungraded_share"] = 1 - sum(graded) / max(len(graded), 1)
+    if hasattr(scores, "ungraded_counts"):
+        m.update({f"reward_ungraded/{name}/{reason}": float(n)
+                  for (name, reason), n in scores.ungraded_counts().items()})
     m.update({
         "reward/total": total.mean().item(),
         "completion_length": lengths.mean().item(),
@@ -219,6 +226,10 @@ def samples_table(cells: list, rollout: Rollout, idx: list[int], scores, n: int)
             "completion": rollout.texts, "reward": scores.total}
     for name, vals in scores.per_function.items():
         rows[f"reward/{name}"] = vals
+    reasons = scores.reasons() if hasattr(scores, "reasons") else []
+    if any(reasons):  # why a row has no reward: its total is not one
+        rows["ungraded"] = reasons
+        rows["reward"] = [None if why else t for t, why in zip(scores.total, reasons)]
     return pd.DataFrame(rows)
 
 

@@ -19,13 +19,16 @@ Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import pandas as pd
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -41,12 +44,13 @@ from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.sampling.rollout import decode_figures
 from grpo.training.accelerator import make_accelerator
-from grpo.training.advantages import group_advantages
+from grpo.training.advantages import group_advantages, trained_rows
 from grpo.training.batches import prompt_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (check_split, gather_table, local_processes, matched_chunks, process_share,
                                        process_weight, sampling_seed)
 from grpo.training.dynamic import concat_groups, spread_groups
+from grpo.training.grading import GradingStop, GradingWatch, StepGrading
 from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
 from grpo.training.loss import AGGREGATORS, grpo_loss
@@ -165,6 +169,9 @@ class GRPOTrainer:
         self.version = 0  # optimizer steps taken: the version of the weights pushed to the samplers
         self.generation = generation or GenerationConfig()
         self.push_s = 0.0
+        # the run's grading: a stop when graders keep failing, a line when groups stop carrying signal
+        self.grading = GradingWatch(cfg.max_ungraded_share, cfg.ungraded_window, cfg.no_signal_steps,
+                                    cfg.stop_without_signal, stage="GRPO")
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
@@ -193,7 +200,7 @@ class GRPOTrainer:
         stats = {"dynamic/refill_rounds": 0.0}
         if not self.cfg.dynamic_sampling:
             return rollout, idx, scores, {**stats, **decode_figures(self.engine)}
-        parts = [(rollout, scores, idx, spread_groups(scores.total, G))]
+        parts = [(rollout, scores, idx, spread_groups(scores.total, G, scores.graded_rows))]
         # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too
         stats["dynamic/first_draw_reward"] = sum(scores.total) / len(scores.total)
         stats["dynamic/first_draw_zero_std_groups"] = 1 - len(parts[0][3]) / len(idx)
@@ -204,7 +211,7 @@ class GRPOTrainer:
                                                         self.cfg.seed, draw))
             r = self.sample(more)
             s = self.score(r, more)
-            parts.append((r, s, more, spread_groups(s.total, G)))
+            parts.append((r, s, more, spread_groups(s.total, G, s.graded_rows)))
             stats["dynamic/refill_rounds"] = float(draw)
         rollout, idx, scores = concat_groups(parts, G, want, self.tokenizer.pad_token_id)
         stats["dynamic/groups"] = float(len(idx))
@@ -228,14 +235,20 @@ class GRPOTrainer:
             metrics.update(step_metrics(steps))
         return steps
 
-    def build_batch(self, rollout: Rollout, rewards: list[float], steps: StepRewards | None = None) -> Batch:
+    def build_batch(self, rollout: Rollout, rewards: list[float], steps: StepRewards | None = None,
+                    graded: list[bool] | None = None) -> Batch:
+        """The step's batch. `graded` (per row): rows whose reward could be had (`RewardScores.graded`); the others
+        are left out of their group's statistics and train nothing, nor does a group with fewer than two graded
+        rows."""
         cfg = self.cfg
         C = rollout.completion_ids.size(1)
+        trains = None if graded is None or all(graded) else trained_rows(graded, cfg.num_generations)  # [N]
         if self.coefficients is not None:  # `rewards` are already each sample's coefficient: no baseline, no scale
             advantages = torch.tensor(rewards, dtype=torch.float32)  # [N]
         elif steps is None:
             advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.num_generations,
-                                          scale=cfg.scale_rewards)  # [N]
+                                          scale=cfg.scale_rewards,
+                                          graded=None if trains is None else torch.tensor(graded))  # [N]
         else:
             advantages = process_advantages(steps.rewards, steps.ends, cfg.num_generations, C,
                                             scale=cfg.scale_rewards)  # [N, C]
@@ -259,6 +272,9 @@ class GRPOTrainer:
         completion_mask = rollout.completion_mask.float()  # [N, C]
         if cfg.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
             completion_mask = completion_mask * (~rollout.truncated).float()[:, None]
+        if trains is not None:  # ungraded rows, and groups with fewer than two graded: no loss, no KL
+            completion_mask = completion_mask * trains.float()[:, None]
+            advantages = advantages * (trains.float() if advantages.dim() == 1 else trains.float()[:, None])
         sampler_logps = getattr(rollout, "logprobs", None)  # for truncated importance sampling and its metrics
         if sampler_logps is not None:
             sampler_logps = sampler_logps.to(self.acc.device)  # [N, C]
@@ -408,12 +424,13 @@ class GRPOTrainer:
             torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
+            self.watch_grading(step, scores, ckpt_root)  # may stop the run here, its steps kept
             steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
             t_gen = time.perf_counter() - t0
             rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
             if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise
                 metrics["rft/correct"] = sum(rewards) / len(rewards)
-            batch = self.build_batch(rollout, rewards, steps)
+            batch = self.build_batch(rollout, rewards, steps, scores.graded_rows)
             # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
             # the policy itself has nothing to compare)
             k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))
@@ -438,13 +455,32 @@ class GRPOTrainer:
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
 
+    def watch_grading(self, step: int, scores, ckpt_root: Path) -> None:
+        """Hand the step's grading (every process's rows) to the watch; when it stops the run, the steps done so
+        far are saved first, so the same command resumes here."""
+        G = self.cfg.num_generations
+        graded = scores.graded_rows
+        mine = StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()),
+                           len(graded) // G, len(spread_groups(scores.total, G, graded)))
+        every = mine
+        if self.acc.num_processes > 1:  # the same verdict on every process: a stop there is a collective save
+            every = functools.reduce(StepGrading.plus, [StepGrading(*g) for g in gather_object([tuple(mine)])])
+        try:
+            self.grading.observe(step, every)
+        except GradingStop:
+            if step > 0 and not (ckpt_root / f"step-{step}").exists():
+                self._save(ckpt_root, step)
+            raise
+
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
         G = self.cfg.num_generations
         m = rollout_metrics(rollout, scores, elapsed, t_gen, t_ref, self.scheduler.get_last_lr()[0])
-        groups = torch.tensor(scores.total).view(-1, G)  # [B, G]
-        m["reward/std"] = groups.std(-1).mean().item() if G > 1 else 0.0
-        m["reward/zero_std_groups"] = (groups.max(-1).values == groups.min(-1).values).float().mean().item()
+        graded = scores.graded_rows
+        groups = [[scores.total[i] for i in range(g * G, (g + 1) * G) if graded[i]] for g in range(len(graded) // G)]
+        stds = [torch.tensor(v).std().item() for v in groups if len(v) >= 2]  # over each group's graded rows
+        m["reward/std"] = sum(stds) / len(stds) if stds else 0.0
+        m["reward/zero_std_groups"] = 1 - len(spread_groups(scores.total, G, graded)) / max(len(groups), 1)
         m.update(opt)
         return m
 

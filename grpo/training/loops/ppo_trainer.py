@@ -152,9 +152,10 @@ class PPOTrainer:
         rollout = self.sample(idx)
         return rollout, idx, self.score(rollout, idx), {}
 
-    def build_batch(self, rollout: Rollout, rewards: list[float]) -> PPOBatch:
+    def build_batch(self, rollout: Rollout, rewards: list[float], graded: list[bool] | None = None) -> PPOBatch:
         """The step's batch: per-token rewards (the outcome at the last token, the KL on each), the critic's values,
-        GAE advantages whitened over the global batch's tokens, and the critic's targets."""
+        GAE advantages whitened over the global batch's tokens, and the critic's targets. Rows not `graded` (no
+        reward could be had: `grpo.rewards.outcomes`) have no loss token, for the policy or the critic."""
         cfg, ppo = self.cfg, self.ppo
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
@@ -179,6 +180,8 @@ class PPOTrainer:
         loss_mask = token_mask
         if cfg.mask_truncated_completions:  # in the returns, but no gradient of their own
             loss_mask = token_mask * (~rollout.truncated).float().to(self.acc.device)[:, None]
+        if graded is not None and not all(graded):
+            loss_mask = loss_mask * torch.tensor(graded, dtype=torch.float32, device=self.acc.device)[:, None]
         scores = torch.tensor(rewards, dtype=torch.float32, device=self.acc.device)  # [N]
         per_token = token_rewards(scores, token_mask, old_logps, ref_logps, cfg.beta if kl_reward else 0.0)  # [N, C]
         advantages, returns = gae_advantages(per_token, old_values, token_mask, ppo.gamma, ppo.lam)  # [N, C]
@@ -299,7 +302,7 @@ class PPOTrainer:
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
             t_gen = time.perf_counter() - t0
-            batch = self.build_batch(rollout, scores.total)
+            batch = self.build_batch(rollout, scores.total, scores.graded_rows)
             # the sampler's copy against the policy on a few of the rows it sampled
             k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))
             metrics.update(self.strategy.check_sampler(batch.input_ids[:k], batch.attention_mask[:k],

@@ -95,7 +95,8 @@ def label_steps(engine: TransformersBackend, rows: pd.DataFrame, completions: Se
                             answer=[answers[i] for i, _ in owners for _ in range(k)])
     labels: dict[int, list[int]] = {}
     for n, (i, j) in enumerate(owners):
-        labels.setdefault(i, [0] * len(steps[i].ends))[j] = int(any(right[n * k : (n + 1) * k]))
+        # a step is good when some rollout from it reaches the answer (an ungraded check is no such rollout)
+        labels.setdefault(i, [0] * len(steps[i].ends))[j] = int(any(r == 1.0 for r in right[n * k : (n + 1) * k]))
     return pd.DataFrame([{"prompt": rows["prompt"].iloc[i], "completion": completions[i],
                           "step_ends": list(steps[i].ends), "labels": labels[i]} for i in sorted(labels)])
 

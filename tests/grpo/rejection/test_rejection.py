@@ -52,7 +52,7 @@ def changed(cfg: RejectionConfig, **changes) -> RejectionConfig:
 
 
 def adds_up(counts: Counts) -> bool:
-    return counts.generated == counts.kept + sum(counts.dropped.values())
+    return counts.generated == counts.kept + sum(counts.dropped.values()) + sum((counts.ungraded or {}).values())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -181,7 +181,10 @@ def test_rows_without_an_answer_go_to_the_judge():
     assert result.kept["judge_rationale"].tolist() == ["answer '4', reference '4'"]
     c = result.counts
     assert (c.judge_asked, c.judge_accepted, c.judge_unparseable) == (3, 1, 1)
-    assert c.dropped["judge_rejected"] == 1 and c.dropped["judge_unparseable"] == 1 and adds_up(c)
+    # no verdict is no grade: neither kept nor rejected, counted apart by why
+    assert c.dropped["judge_rejected"] == 1 and c.ungraded == {"judge_no_verdict": 1} and adds_up(c)
+    assert "judge_unparseable" not in c.dropped
+    assert result.samples["ungraded"].tolist() == ["", "", "judge_no_verdict"]
 
     never = curate(rows, changed(CFG, judge_when="never"), judge := ExactMatchJudge())
     assert judge.asked == 0 and never.counts.dropped["unverifiable"] == 3 and never.counts.kept == 0

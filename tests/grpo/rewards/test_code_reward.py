@@ -16,6 +16,7 @@ from grpo.config import CodeConfig, DataConfig, GRPOConfig
 from grpo.data.tables import DataError, load_rl_data
 from grpo.rewards import REWARD_FUNCTIONS, check_code, check_reward_columns, extract_program, score_completions
 from grpo.rewards.code import code_limits, make_code_reward, parse_test
+from grpo.rewards.outcomes import reason_of
 from grpo.rewards.sandbox import Limits, SandboxUnavailable
 
 
@@ -105,14 +106,15 @@ def test_the_registry_weights_code_like_any_reward(bwrap):
 
 
 def test_settings_bind_limits_and_scoring(bwrap):
-    cfg = GRPOConfig(rewards={"code": 1.0}, code=CodeConfig(all_or_nothing=True, wall_time_s=1.0))
+    cfg = GRPOConfig(rewards={"code": 1.0}, code=CodeConfig(all_or_nothing=True, wall_time_s=1.0, rerun_factor=1.5))
     assert code_limits(CodeConfig().model_dump()) == Limits()  # the recipe's defaults are the sandbox's
     reward = make_code_reward(cfg.code.model_dump())
     assert reward([answer(WRONG), answer(RIGHT)], tests=[ADD_TESTS] * 2) == [0.0, 1.0]
-    slow = "import time\ntime.sleep(2)\n" + RIGHT  # past the recipe's 1 s of wall time
+    slow = "import time\ntime.sleep(2)\n" + RIGHT  # past the recipe's 1 s of wall time, and its rerun's 1.5 s
     assert reward([answer(slow)], tests=[ADD_TESTS]) == [0.0]
     # a dataset's columns named like settings change nothing: only the recipe sets how programs are run and scored
-    columns = {"all_or_nothing": [False] * 3, "workers": [64] * 3, "limits": [None] * 3, "answer_tags": [None] * 3}
+    columns = {"all_or_nothing": [False] * 3, "workers": [64] * 3, "limits": [None] * 3, "answer_tags": [None] * 3,
+               "rerun_factor": [100.0] * 3, "rerun_budget_s": [1e9] * 3}
     assert reward([answer(WRONG), answer(RIGHT), answer(slow)], tests=[ADD_TESTS] * 3, **columns) == [0.0, 1.0, 0.0]
     with pytest.raises(ValidationError, match="python"):
         CodeConfig(language="cpp")
@@ -185,3 +187,51 @@ def test_no_tests_column_for_the_code_reward_is_an_error(tmp_path):
         check_reward_columns({"code": 1.0}, train.columns, "math.jsonl")
     with pytest.raises(DataError, match="missing column\\(s\\) \\['test_list'\\]"):
         load_rl_data(DataConfig(source=path, columns={"tests": "test_list"}, num_heldout=0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tests the sandbox could not run: a second run alone, and "ungraded" where it cannot say
+
+
+def test_a_program_killed_for_wall_time_beside_others_runs_again_alone_before_it_fails(bwrap):
+    """Four programs that each sleep 1.5 s past a 1 s limit, side by side: all killed; each then runs again alone
+    with twice the limit, where it finishes and passes. One that sleeps past the longer limit too fails (0), and a
+    rerun that does not fit the call's budget leaves its completion ungraded, neither passed nor failed."""
+    slow = "import time\ntime.sleep(1.5)\n" + RIGHT
+    forever = "import time\ntime.sleep(60)\n" + RIGHT
+    limits = Limits(wall_time_s=1.0)
+    report = check_code([answer(slow)] * 2 + [answer(forever)], tests=[ADD_TESTS[:1], ADD_TESTS[1:2], ADD_TESTS[:1]],
+                        limits=limits, workers=3)
+    assert report.scores == [1.0, 1.0, 0.0] and report.reruns == 3
+    no_time = check_code([answer(slow)], tests=[ADD_TESTS[:1]], limits=limits, rerun_budget_s=0.5)
+    assert [reason_of(s) for s in no_time.scores] == ["timeout_under_load"] and no_time.reruns == 0
+
+
+SANDBOX_STARVED = """
+import resource, sys
+sys.path[:0] = {paths!r}
+from grpo.rewards.code import check_code
+from grpo.rewards.sandbox import check_sandbox
+
+check_sandbox()  # the sandbox works here; then this process may start no more processes as the sandbox's user
+resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
+report = check_code({completions!r}, tests={tests!r})
+print(repr([str(s) for s in report.scores]))
+"""
+
+
+def test_a_sandbox_that_cannot_start_a_program_leaves_it_ungraded_not_failed(bwrap, tmp_path):
+    """A real failure of the sandbox itself (no process left to the sandbox's user: bubblewrap cannot start, or
+    cannot create its namespaces) grades nothing: the completion is ungraded with bubblewrap's own words, never 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    script = tmp_path / "starved.py"
+    script.write_text(SANDBOX_STARVED.format(paths=[str(root)], completions=[answer(RIGHT)], tests=[ADD_TESTS]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [score] = eval(out.stdout.strip().splitlines()[-1])
+    # bubblewrap's words when its namespaces fail, or the kernel's when the sandbox's user may not start it at all
+    assert score.startswith("sandbox_error: ") and "Resource temporarily unavailable" in score, score

@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from grpo.rewards.outcomes import TIMEOUT, Ungraded, reason_of
 from grpo.rewards import (
     accuracy_reward,
     check_accuracy,
@@ -190,7 +191,7 @@ def test_pathological_input_times_out_in_worker_process():
     report = check_accuracy([f"<answer>{slow}</answer>", "<answer>3</answer>"], [slow + "+1", "3"], timeout_s=0.2,
                             symbolic_backend="process")
     elapsed = time.perf_counter() - start
-    assert report.scores == [0.0, 1.0]
+    assert report.scores == [Ungraded(TIMEOUT, "math-verify ran past 0.2 s"), 1.0]  # not wrong: ungraded
     assert report.timeouts == 1
     assert elapsed < 5.0  # without the limit this parse takes far longer
 
@@ -204,7 +205,7 @@ def test_hung_check_in_thread_fallback_is_abandoned(monkeypatch):
     start = time.perf_counter()
     report = check_accuracy(["<answer>\\sqrt[3]{8}</answer>"], ["2"], timeout_s=0.1, symbolic_backend="thread")
     assert time.perf_counter() - start < 2.0
-    assert report.scores == [0.0] and report.timeouts == 1
+    assert [reason_of(s) for s in report.scores] == [TIMEOUT] and report.timeouts == 1
 
 
 def test_stuck_pool_is_killed_and_counted_as_timeouts(monkeypatch):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from grpo.rewards.outcomes import TIMEOUT, Ungraded
 from grpo.rewards import (
     REWARD_FUNCTIONS,
     RewardScores,
@@ -261,6 +262,24 @@ def test_score_completions_isolates_a_raising_completion():
     assert result.per_function["picky"] == [2.0, None, 2.0]
     assert result.failures == {"picky": 1, "format": 0}
     assert result.total == [2.0, 0.0, 2.0]
+    # the completion it raised on is ungraded, not scored 0: the loops leave it out
+    assert result.ungraded == {"picky": [None, "raised", None], "format": [None, None, None]}
+    assert result.graded == [True, False, True]
+    assert result.reasons() == ["", "picky: raised", ""]
+    assert result.ungraded_counts() == {("picky", "raised"): 1}
+
+
+def test_a_reward_answering_ungraded_and_one_of_weight_0():
+    def unsure(completions, **_):
+        return [1.0, Ungraded(TIMEOUT, "too slow"), None]
+
+    result = score_completions(["a", "b", "c"], {"unsure": 1.0, "watch": 0.0},
+                               registry=_registry(unsure=unsure, watch=lambda completions, **_: 1 / 0))
+    assert result.per_function["unsure"] == [1.0, None, None]
+    assert result.ungraded["unsure"] == [None, "timeout", None] and result.skipped["unsure"] == 1
+    # a function of weight 0 adds nothing to a reward, so its failures leave the rows graded (and are counted)
+    assert result.graded == [True, False, True] and result.ungraded["watch"] == ["raised"] * 3
+    assert result.take([2, 1]).graded == [True, False] and result.take([2, 1]).ungraded["unsure"] == [None, "timeout"]
 
 
 def test_score_completions_nan_inf_non_numbers_and_none():
@@ -270,6 +289,7 @@ def test_score_completions_nan_inf_non_numbers_and_none():
     result = score_completions(list("abcde"), {"odd": 2.0}, registry=_registry(odd=odd))
     assert result.per_function["odd"] == [None, None, None, None, 0.5]
     assert result.failures == {"odd": 3}  # NaN, inf and a string failed...
+    assert result.ungraded["odd"] == ["not_a_number"] * 3 + [None, None] and result.graded == [False] * 3 + [True] * 2
     assert result.skipped == {"odd": 1}  # ...while None says the reward does not apply there
     assert result.total == [0.0, 0.0, 0.0, 0.0, 1.0]
 
@@ -287,8 +307,8 @@ def test_score_completions_wrong_length_fails_every_completion():
         [GOOD, GOOD], {"short": 1.0, "format": 1.0}, registry=_registry(short=lambda completions, **_: [1.0])
     )
     assert result.per_function["short"] == [None, None]
-    assert result.failures["short"] == 2
-    assert result.total == [1.0, 1.0]  # only format counts
+    assert result.failures["short"] == 2 and result.ungraded["short"] == ["wrong_length"] * 2
+    assert result.total == [1.0, 1.0] and result.graded == [False, False]  # only format counted: no reward
 
 
 def test_score_completions_passes_columns_per_completion_on_fallback():

@@ -267,9 +267,11 @@ def test_hostile_programs_score_what_they_honestly_passed_and_nothing_escapes(bw
         cases = catalogue(marker, listener.getsockname()[1], str(secret_file), str(outside))
         assert len(cases) >= 15
         completions = [f"<answer>```python\n# {marker}\n{program}\n```</answer>" for _, program, _ in cases]
-        # the same limits a recipe gets by default, two programs at a time (two cores)
+        # the same limits a recipe gets by default, two programs at a time (two cores); no second runs of those
+        # killed for wall time (what they passed is what the first run shows; tests/grpo/rewards/test_code_reward.py
+        # has the rerun)
         start = time.monotonic()
-        report = check_code(completions, tests=[ADD_TESTS] * len(cases), workers=2)
+        report = check_code(completions, tests=[ADD_TESTS] * len(cases), workers=2, rerun_budget_s=0)
         took = time.monotonic() - start
         with pytest.raises(BlockingIOError):
             listener.accept()  # no connection reached the caller's listener

@@ -61,7 +61,7 @@ KEY = "test-key-123"
 ])
 def test_parse_verdict(text, accepted):
     verdict = parse_verdict(text)
-    assert verdict == Verdict(accepted, text.strip())
+    assert verdict == Verdict(accepted, text.strip(), None if accepted is not None else "judge_no_verdict")
 
 
 def test_the_prompt_shows_question_reference_and_response():
@@ -284,6 +284,52 @@ def test_retries_only_what_may_pass(status, fail_first, hits, accepted):
         else:
             assert judge.judge(*ITEMS[0]) == Verdict(True, "VERDICT: yes\nREASON: matches")
         assert handler.hits == hits
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+class _Faulty(BaseHTTPRequestHandler):
+    """A judge endpoint that goes wrong in one way: it stalls past the client's timeout, answers with something that
+    is not JSON, fails every try with a 503, or answers the schema without a verdict."""
+
+    fault = "stall"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.fault == "stall":
+            time.sleep(1.0)
+        code, data = 200, json.dumps({"choices": [{"message": {"content": "Hmm, hard to say."}}]}).encode()
+        if self.fault == "nonsense":
+            data = b"<html>gateway says hello</html>"
+        elif self.fault == "503":
+            code, data = 503, b'{"error": {"message": "overloaded"}}'
+        try:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client gave up on a stalled reply
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("fault, reason", [("stall", "judge_timeout"), ("nonsense", "judge_http_error"),
+                                           ("503", "judge_http_error"), ("no verdict", "judge_no_verdict")])
+def test_a_judge_that_stalls_or_answers_nonsense_leaves_the_item_ungraded_and_says_why(fault, reason):
+    """A request that fails after its retries, or a reply without a verdict, is no verdict with its reason: one
+    sample loses its grade, the batch goes on (a refusal or nothing listening still raises, above)."""
+    handler = type("Handler", (_Faulty,), {"fault": fault})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        judge = HTTPJudge(_http_cfg(f"http://127.0.0.1:{srv.server_address[1]}/v1", max_retries=1, timeout_s=0.3,
+                                    max_workers=2))
+        verdicts = judge.judge_many(ITEMS[:2])
+        assert [(v.accepted, v.ungraded) for v in verdicts] == [(None, reason)] * 2
+        assert all(v.rationale for v in verdicts)  # what went wrong, for the samples table
     finally:
         srv.shutdown()
         srv.server_close()

@@ -106,3 +106,28 @@ def test_zero_std_fraction_all_differ_and_all_agree():
 def test_zero_std_fraction_bad_length_raises():
     with pytest.raises(ValueError):
         zero_std_fraction(torch.zeros(5), 2)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_over_graded_rows_equal_the_formula_on_those_rows(scale):
+    """Ungraded rows (no reward could be had) are left out of their group's statistics and get 0; a group with one
+    graded row has nothing to compare against and gets 0 everywhere; all graded, the mask changes nothing."""
+    from grpo.training.advantages import trained_rows
+
+    torch.manual_seed(0)
+    rewards = torch.randn(12)
+    graded = torch.tensor([1, 1, 0, 1,  0, 0, 1, 0,  1, 1, 1, 1], dtype=torch.bool)  # groups of 4
+    out = group_advantages(rewards, 4, scale=scale, graded=graded)
+    kept = [0, 1, 3, 8, 9, 10, 11]
+    # the formula by hand, over the graded rows of the groups that have two or more of them
+    expected = torch.zeros(12)
+    spread = rewards[kept].std() if scale == "batch" else None
+    for rows in ([0, 1, 3], [8, 9, 10, 11]):
+        values = rewards[rows]
+        centered = values - values.mean()
+        expected[rows] = centered / (values.std() + 1e-4) if scale == "group" else (
+            centered / (spread + 1e-4) if scale == "batch" else centered)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    assert trained_rows(graded.tolist(), 4).tolist() == [True, True, False, True] + [False] * 4 + [True] * 4
+    assert torch.equal(group_advantages(rewards, 4, scale=scale, graded=torch.ones(12, dtype=torch.bool)),
+                       group_advantages(rewards, 4, scale=scale))

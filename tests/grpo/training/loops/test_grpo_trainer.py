@@ -47,12 +47,13 @@ REGISTRY = {**REWARD_FUNCTIONS, "digits": digits, "constant": constant, "raises"
             "wrong_length": wrong_length}
 
 
-def make_trainer(tmp_path, rewards, **overrides):
+def make_trainer(tmp_path, rewards, registry=None, **overrides):
     model, tok = load_model_and_tokenizer(SMALL)
     cfg = GRPOConfig(**{"max_steps": 1, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
                         "sampling": SamplingConfig(max_new_tokens=8), "rewards": rewards, **overrides})
     seen = {}
-    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, reward_functions=REGISTRY, progress=False,
+    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, reward_functions={**REGISTRY, **(registry or {})},
+                          progress=False,
                           on_metrics=lambda step, m: seen.__setitem__(step, m))
     return trainer, seen
 
@@ -130,12 +131,100 @@ def test_every_completion_truncated_is_reported_and_harmless(tmp_path, masked):
         assert m["train/loss"] == 0.0 and m["grad_norm"] == 0.0
 
 
-@pytest.mark.parametrize("bad", ["raises", "nan", "wrong_length"])
-def test_a_broken_reward_function_is_counted_not_fatal(tmp_path, bad):
+@pytest.mark.parametrize("bad, reason", [("raises", "raised"), ("nan", "not_a_number"),
+                                         ("wrong_length", "wrong_length")])
+def test_a_broken_reward_function_is_counted_not_fatal(tmp_path, bad, reason):
     trainer, seen = make_trainer(tmp_path, {bad: 1.0, "digits": 1.0}, beta=0.0)
     trainer.train()
-    assert seen[1][f"reward_failures/{bad}"] == 8.0  # 2 prompts x 4 completions, every one unscorable
-    assert math.isnan(seen[1][f"reward/{bad}"]) and math.isfinite(seen[1]["reward/total"])
+    m = seen[1]
+    assert m[f"reward_failures/{bad}"] == 8.0  # 2 prompts x 4 completions, every one unscorable
+    # ungraded, not 0: no row has a reward, so none trains (and the step says so)
+    assert m[f"reward_ungraded/{bad}/{reason}"] == 8.0 and m["reward/ungraded_share"] == 1.0
+    assert math.isnan(m[f"reward/{bad}"]) and math.isnan(m["reward/total"])
+    assert m["train/loss"] == 0.0 and m["grad_norm"] == 0.0
+
+
+def flaky(completions, **_):
+    """Grades the first half of its rows; the others it cannot (a check that timed out)."""
+    from grpo.rewards.outcomes import TIMEOUT, Ungraded
+
+    half = len(completions) // 2
+    return [float(sum(ch.isdigit() for ch in c)) if i % 4 < 2 else Ungraded(TIMEOUT) for i, c in
+            enumerate(completions)][:half * 2] + [Ungraded(TIMEOUT)] * (len(completions) - half * 2)
+
+
+def test_ungraded_rows_train_nothing_and_their_groups_use_the_graded_rows(tmp_path):
+    """Rows 2-3 of each group of 4 ungraded: the advantages are the formula over rows 0-1 alone, the ungraded rows
+    have no loss token, and the step reports the share and the reason."""
+    from grpo.training.advantages import group_advantages
+
+    trainer, seen = make_trainer(tmp_path, {"flaky": 1.0}, {"flaky": flaky}, beta=0.04)
+    rollout = trainer.sample([0, 1])
+    scores = trainer.score(rollout, [0, 1])
+    assert scores.graded == [True, True, False, False] * 2
+    batch = trainer.build_batch(rollout, scores.total, None, scores.graded)
+    graded = torch.tensor([scores.total[i] for i in (0, 1, 4, 5)])
+    expected = group_advantages(graded, 2)  # the formula on the graded rows alone
+    assert torch.equal(batch.advantages[[0, 1, 4, 5]].cpu(), expected)
+    assert batch.advantages[[2, 3, 6, 7]].abs().sum() == 0 and batch.completion_mask[[2, 3, 6, 7]].sum() == 0
+    assert torch.equal(batch.completion_mask[[0, 1, 4, 5]].cpu(), rollout.completion_mask[[0, 1, 4, 5]].float())
+
+    trainer.train()
+    m = seen[1]
+    assert m["reward/ungraded_share"] == 0.5 and m["reward_ungraded/flaky/timeout"] == 4.0
+    table = trainer._samples_table(rollout, [0, 1], scores)
+    assert table["ungraded"].tolist() == ["", "", "flaky: timeout", "flaky: timeout"] * 2
+    assert table["reward"].isna().tolist() == [False, False, True, True] * 2
+
+
+def test_past_the_ungraded_limit_the_stage_stops_in_one_line_keeps_its_steps_and_resumes(tmp_path):
+    """A grader that breaks at step 3 of 6: the stage stops once the window's ungraded share passes the limit,
+    naming the grader and its reason, with steps 1-3 saved; fixed, the same trainer resumes at step 4."""
+    from grpo.training.grading import GradingStop
+
+    broken = {"from": 3}
+
+    def grader(completions, **_):
+        broken["calls"] = broken.get("calls", 0) + 1
+        if broken["calls"] > broken["from"]:
+            raise RuntimeError("the verifier's service is down")
+        return digits(completions)
+
+    def run():
+        return make_trainer(tmp_path, {"grader": 1.0}, {"grader": grader}, max_steps=6, max_ungraded_share=0.05,
+                            ungraded_window=2)
+
+    trainer, seen = run()
+    with pytest.raises(GradingStop) as stop:
+        trainer.train()
+    line = str(stop.value)
+    assert "\n" not in line and line.startswith("GRPO stopped before step 4: 8 of the last 16 rows (50%, over 2 steps)")
+    assert "the grader 'grader' most often, for raised (8 rows)" in line and "resumes at step 4" in line
+    assert sorted(seen) == [1, 2, 3] and (tmp_path / "checkpoints" / "step-3").is_dir()
+
+    broken["from"] = 10**9  # fixed
+    trainer, seen = run()
+    trainer.train()
+    assert sorted(seen) == [4, 5, 6] and all(seen[s]["reward/ungraded_share"] == 0.0 for s in seen)
+
+
+def test_a_run_without_reward_spread_says_so_and_stops_where_asked(tmp_path, caplog):
+    trainer, seen = make_trainer(tmp_path / "says", {"constant": 1.0}, max_steps=3, no_signal_steps=2)
+    with caplog.at_level("WARNING", logger="grpo.training.grading"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "no learning signal" in r.getMessage()]
+    assert lines == ["GRPO: no learning signal for 2 steps in a row (steps 1-2): every group's rewards tie, so every "
+                     "advantage is 0 and only the KL term acts. The prompts may be too hard or too easy for the "
+                     "policy, or a reward may score everything alike"]
+    assert sorted(seen) == [1, 2, 3]
+
+    from grpo.training.grading import GradingStop
+
+    trainer, seen = make_trainer(tmp_path / "stops", {"constant": 1.0}, max_steps=3, no_signal_steps=2,
+                                 stop_without_signal=True)
+    with pytest.raises(GradingStop, match=r"no learning signal for 2 steps .* stopped \(grpo.stop_without_signal\)"):
+        trainer.train()
+    assert sorted(seen) == [1]
 
 
 def test_an_empty_completion_is_scored_and_trained_on(tmp_path):
