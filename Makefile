@@ -38,6 +38,7 @@ CONSTRAIN ?= -c $(LOCK)
 TORCH = $(shell grep -s '^torch==' $(LOCK) || echo torch)
 
 $(CORE): pyproject.toml $(LOCK)
+	@echo "installing into $(VENV): torch, transformers, Prefect, MLflow and the rest (a few minutes on a new machine)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
@@ -46,10 +47,12 @@ $(CORE): pyproject.toml $(LOCK)
 		echo "no GPU: installing the CPU build of torch first"; \
 		$(PY) -m pip install -q $(CONSTRAIN) '$(TORCH)'; \
 	fi
+	@echo "installing the project and its libraries"
 	$(PY) -m pip install -q $(CONSTRAIN) -e .
 	touch $(CORE)
 
 $(DEV): $(CORE)
+	@echo "installing what the tests also need (TRL, Ray, peft, bitsandbytes, selenium)"
 	$(PY) -m pip install -q $(CONSTRAIN) -e '.[dev]'
 	touch $(DEV)
 

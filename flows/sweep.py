@@ -35,7 +35,7 @@ from flows.r1_pipeline import r1_pipeline
 from flows.sweep_launch import Deployment, Processes, side_by_side
 from grpo.interrupts import is_interrupt
 from grpo.recipe import STAGES, apply_overrides, load_recipe
-from grpo.sweep import expand, seeds_reach
+from grpo.sweep import expand, seeds_reach, with_fixed
 from grpo.sweep_config import SweepConfig
 from tasks import sweep as results
 from tasks import tracking
@@ -68,16 +68,17 @@ def sweep_settings(recipe, grid: dict[str, list] | None, seeds: int | None, seed
 @flow(name="r1_sweep", flow_run_name=sweep_run_name, log_prints=True)
 def r1_sweep(recipe: str = "tiny", grid: dict[str, list[Any]] | None = None, seeds: int | None = None,
              seed_stages: list[str] | None = None, stages: list[str] | None = None, deployment: str | None = None,
-             parallel: int = 1) -> SweepResult:
+             parallel: int = 1, overrides: dict[str, Any] | None = None) -> SweepResult:
     """Run every point of the sweep not yet finished, then log its table and plots on the sweep's MLflow run.
 
     `grid` maps recipe paths to the values they take; `seeds` runs each setting with seeds 0..seeds-1 (added to the
     training seeds of `seed_stages`); each overrides the recipe's `sweep:` section where given. `deployment` runs
     the points as that pipeline deployment's flow runs, `parallel` at once; without it they run here, in turn, or
-    with `parallel` above 1 as that many processes at once."""
-    cfg = load_recipe(recipe)
+    with `parallel` above 1 as that many processes at once. `overrides` are settings every point shares (`r1 sweep
+    --set`): part of the sweep's recipe and of each point's overrides, not an axis."""
+    cfg = apply_overrides(load_recipe(recipe), overrides or {})
     sweep = sweep_settings(cfg, grid, seeds, seed_stages, stages)
-    points = expand(cfg, sweep)  # every point checked before anything runs
+    points = with_fixed(expand(cfg, sweep), overrides or {})  # every point checked before anything runs
     order = [s for s in STAGES if any(s in p.stages for p in points)]  # every stage some point runs
     log = get_run_logger()
     key = results.sweep_key(cfg, sweep, order)
@@ -102,7 +103,9 @@ def r1_sweep(recipe: str = "tiny", grid: dict[str, list[Any]] | None = None, see
                                      **{f"grid.{path}": ",".join(map(str, values))
                                         for path, values in sweep.grid.items()},
                                      **{f"variant.{name}": json.dumps(settings, default=str)[:6000]
-                                        for name, settings in sweep.variants.items()}})
+                                        for name, settings in sweep.variants.items()},
+                                     **{f"set.{path}": json.dumps(value, default=str)[:6000]
+                                        for path, value in (overrides or {}).items()}})
         done = {}
     tracking.set_tags(run_id, {"r1.sweep.seeds_reach": seeds_reach(cfg, sweep)})
     runs: dict[int, str] = {}

@@ -116,6 +116,12 @@ def _get(data: dict, path: str) -> Any:
     return data
 
 
+def with_fixed(points: list[Point], fixed: dict[str, Any]) -> list[Point]:
+    """The points, each also given the settings every point shares (`r1 sweep --set`); a point's own (its grid
+    settings, its variant's, its seed) win where both name a path."""
+    return [p._replace(overrides={**fixed, **p.overrides}) for p in points] if fixed else points
+
+
 def expand(recipe, sweep: SweepConfig) -> list[Point]:
     """The sweep's points, each checked as the recipe checks overrides; a SweepError naming the setting and the value
     for the first that fails, before anything runs."""

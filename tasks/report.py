@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks import tracking
+from tasks import tracking, ui_links
 from tasks.stage import StageResult, record_result
 
 
@@ -10,7 +10,7 @@ def mlflow_run_url(run_id: str, experiment_id: str, tracking_uri: str) -> str | 
     """The run's page in the MLflow UI when tracking goes to a server; None for a local SQLite store."""
     if not tracking_uri.startswith(("http://", "https://")):
         return None
-    return tracking.ui_links({run_id: experiment_id}, tracking_uri)[run_id]
+    return ui_links.ui_links({run_id: experiment_id}, tracking_uri)[run_id]
 
 
 def stage_report_markdown(result: StageResult, experiment_id: str, tracking_uri: str) -> str:
@@ -18,7 +18,7 @@ def stage_report_markdown(result: StageResult, experiment_id: str, tracking_uri:
     run = f"[`{result.run_id}`]({url})" if url else f"`{result.run_id}` in `{tracking_uri}`"
     lines = [f"## {result.stage}", "", f"MLflow run: {run}", ""]
     if not url:  # a local store has no server to link to: say how to open one
-        lines += [f"Browse it: `{tracking.ui_command(tracking_uri)}`", ""]
+        lines += [f"Browse it: `{ui_links.ui_command(tracking_uri)}`", ""]
     if result.metrics:
         lines += ["| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" for k, v in sorted(result.metrics.items())] + [""]

@@ -11,8 +11,9 @@ Logged on the sweep run once the points are done:
   pipeline run and every headline number its stages recorded (`<stage>/<metric>`);
 - `sweep/summary.csv` and `sweep/summary.json`: one row per setting, the final held-out numbers' mean and spread
   (standard deviation over the seeds; 0 with one seed) and the seed count;
-- `sweep/plots/<metric>--<setting>.png`: each final held-out number against each swept setting, a line per value
-  of the other settings, every seed a dot, the mean joined; `sweep/plots/curves--<stage>.png`: the stage's training
+- `sweep/plots/<metric>--<setting>.png`: each final held-out number against each swept setting that takes two
+  values or more, a line per value of the other settings, every seed a dot, the mean joined (a flat line on an axis
+  of its own scale, not noise filling it); `sweep/plots/curves--<stage>.png`: the stage's training
   curve (GRPO's reward, SFT's loss) of every point overlaid, where the points' runs of it differ.
 """
 
@@ -150,11 +151,11 @@ def setting_plots(table: pd.DataFrame, settings: list[str], metrics: list[str]) 
     plots, short = {}, short_names(settings)
     for metric in metrics:
         for setting in settings:
+            table_m = table[table[metric].notna()] if metric in table else table.iloc[:0]
+            if table_m.empty or table_m[setting].nunique(dropna=False) < 2:  # nothing to set side by side
+                continue
             fig = _figure()
             ax = fig.add_subplot()
-            table_m = table[table[metric].notna()] if metric in table else table.iloc[:0]
-            if table_m.empty:
-                continue
             values = list(dict.fromkeys(table_m[setting]))  # in the sweep's order
             x = {v: i for i, v in enumerate(values)}
             others = [s for s in settings if s != setting]
@@ -168,7 +169,13 @@ def setting_plots(table: pd.DataFrame, settings: list[str], metrics: list[str]) 
             ax.set_xticks(range(len(values)), [_short(v) for v in values])
             ax.set_xlabel(setting)
             ax.set_ylabel(metric)
-            ax.set_title(f"{metric} by {short[setting]} (dots: seeds, line: their mean)", fontsize=10)
+            title = f"{metric} by {short[setting]} (dots: seeds, line: their mean)"
+            low, high = float(table_m[metric].min()), float(table_m[metric].max())
+            if high - low <= 1e-9 * max(1.0, abs(high)):  # all equal: a flat line, not noise magnified to fill the axis
+                pad = max(abs(high) * 0.1, 0.05)
+                ax.set_ylim(low - pad, high + pad)
+                title += f": all {_short(high)}"
+            ax.set_title(title, fontsize=10)
             if others:
                 ax.legend(fontsize=8)
             fig.tight_layout()

@@ -2,7 +2,9 @@
 side, and the MLflow UI's pages for each and for their comparison. A sweep run (`r1 sweep`) stands for its points.
 
 A pipeline run is an MLflow parent run; its stages are the child runs tagged `stage=<name>`. Upstream URIs
-(`input.*` params) differ between any two runs by construction, so they are left out of the diff.
+(`input.*` params) differ between any two runs by construction, so they are left out of the diff; a stage one run
+reused from another is compared by the params of the run that did the work; the machine's `system/*` figures are
+left to the MLflow UI.
 """
 
 from __future__ import annotations
@@ -10,9 +12,25 @@ from __future__ import annotations
 from mlflow.entities import Run
 
 from grpo.recipe import STAGES
-from tasks import tracking
+from tasks import tracking, ui_links
 
 HIDDEN_PARAMS = ("input.",)  # always differ (each run points at its own upstream runs)
+# the machine's figures (CPU, memory, GPU use over time): not results, and in the MLflow UI's system metrics tab
+HIDDEN_METRICS = ("system/",)
+
+
+def _worked(run: Run | None) -> Run | None:
+    """The run that did a stage's work: a reused stage's run (`r1.reused_from`) holds no params of its own, so
+    its params are the run it reused."""
+    from tasks.reuse import REUSED_FROM
+
+    origin = run.data.tags.get(REUSED_FROM) if run is not None else None
+    if not origin:
+        return run
+    try:
+        return tracking.client().get_run(origin)
+    except Exception:  # deleted since: what the reusing run holds
+        return run
 
 
 def stage_runs(parent_run_id: str) -> dict[str, Run]:
@@ -97,16 +115,23 @@ def compare(*run_ids: str) -> str:
     order = {}
     for runs in stages:  # the first run's order, then stages only later runs ran
         order.update(dict.fromkeys(runs))
+    from tasks.reuse import REUSED_FROM
+
     for stage in order:
         these = [runs.get(stage) for runs in stages]
-        ran = ", ".join(f"{x} {r.info.run_id if r else '(not run)'}" for x, r in zip(letters, these))
+        ran = ", ".join(f"{x} {r.info.run_id if r else '(not run)'}"
+                        + (f" (reused {r.data.tags[REUSED_FROM]})" if r and r.data.tags.get(REUSED_FROM) else "")
+                        for x, r in zip(letters, these))
         lines += ["", f"== {stage}  ({ran})"]
-        params = diff_params(*(r.data.params if r else {} for r in these))
+        worked = [_worked(r) for r in these]
+        params = diff_params(*(r.data.params if r else {} for r in worked))
         lines.append(head("params that differ") if params else "  params that differ: none")
         lines += [row(k, values) for k, *values in params]
         lines.append(head("metrics (last value)", "  B-A" if two else ""))
-        for k, *values in side_by_side(*(r.data.metrics if r else {} for r in these)):
+        shown = [{k: v for k, v in (r.data.metrics if r else {}).items() if not k.startswith(HIDDEN_METRICS)}
+                 for r in these]
+        for k, *values in side_by_side(*shown):
             delta = f"  {values[1] - values[0]:+.4g}" if two and None not in values else ""
             lines.append(row(k, values, delta))
-    lines += ["", tracking.ui_text(dict(zip(letters, ids)))]
+    lines += ["", ui_links.ui_text(dict(zip(letters, ids)))]
     return "\n".join(lines)

@@ -241,3 +241,24 @@ def check_from_run(run_id: str) -> dict[str, str]:
     return uris
 
 
+def parse_overrides(given: list[str]) -> dict:
+    """`--set PATH=VALUE` flags as {path: value}, each value read as YAML (50 a number, true a bool, [a, b] a list).
+
+    YAML reads 2e-5 (no dot) as a string; the recipe's number fields take numeric strings, so it still works.
+    """
+    import yaml
+
+    from flows.checks import UsageError
+
+    overrides = {}
+    for item in given:
+        path, sep, text = item.partition("=")
+        if not sep or not path.strip():
+            raise UsageError(f"--set {item!r}: expected PATH=VALUE, such as reasoning_grpo.grpo.learning_rate=2e-5")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or e
+            raise UsageError(f"--set {item!r}: the value is not valid YAML: {problem}") from None
+        overrides[path.strip()] = value
+    return overrides

@@ -29,14 +29,14 @@ from grpo.recipe import STAGES
 
 
 def _where() -> str:
-    from tasks import tracking
+    from tasks import tracking, ui_links
 
     uri = tracking.tracking_uri()
     lines = [f"state folder : {tracking.r1_home()}", f"MLflow       : {uri}"]
     if uri.startswith("sqlite:"):
-        lines.append(f"  browse it  : {tracking.ui_command(uri)}   (then {tracking.ui_base(uri)})")
+        lines.append(f"  browse it  : {ui_links.ui_command(uri)}   (then {ui_links.ui_base(uri)})")
     elif uri.startswith(("http://", "https://")):
-        lines.append(f"  browse it  : {tracking.ui_base(uri)}")
+        lines.append(f"  browse it  : {ui_links.ui_base(uri)}")
     api = os.environ.get("PREFECT_API_URL")
     home = os.environ.get('PREFECT_HOME', '~/.prefect')
     from flows.cli.credentials import credentials_path
@@ -44,27 +44,38 @@ def _where() -> str:
     if credentials_path().exists():
         lines.append(f"logins       : {credentials_path()}   (`r1 up`'s stack; mode 0600)")
     lines.append(f"Prefect      : {api or 'temporary local API, database under ' + home}")
-    if not api:
-        lines.append("  browse it  : prefect server start   (then http://127.0.0.1:4200)")
+    if not api:  # the UI over this very database: `r1 up`'s server uses PREFECT_HOME, or a bare server on it
+        prefect = ui_links.tool_command("prefect")
+        lines.append(f"  browse it  : {ui_links.tool_command('r1')} up   (both UIs: http://127.0.0.1:4200 and "
+                     f"{ui_links.ui_base(uri)}), or PREFECT_HOME={home} {prefect} server start")
     return "\n".join(lines)
 
 
+HEADLINE = ("eval/accuracy", "eval/accuracy_before", "eval/pass_at_k", "eval/format_rate")  # a stage's line first
+PER_LINE = 4  # the stage's other figures, this many a line under it
+
+
 def _print_stage(name: str, result) -> None:
+    rest: list[str] = []
     if name == "rejection_sampling":  # dozens of counters, most of them zero: what was kept, and why the rest went
         from grpo.rejection.filters import summary_line
 
         metrics = summary_line(result.metrics)
     else:
-        metrics = ", ".join(f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()))
+        first = [k for k in HEADLINE if k in result.metrics]
+        metrics = ", ".join(f"{k}={result.metrics[k]:.3f}" for k in first)
+        rest = [f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()) if k not in first]
     print(f"  {name:<20} run {result.run_id}  {metrics}")
+    for i in range(0, len(rest), PER_LINE):
+        print(f"  {'':<20} " + ", ".join(rest[i:i + PER_LINE]))
     for key, uri in result.uris.items():
         print(f"  {'':<20} {key}: {uri}")
 
 
 def _print_links(runs: dict[str, str]) -> None:
-    from tasks import tracking
+    from tasks import ui_links
 
-    print("\n" + tracking.ui_text(runs))
+    print("\n" + ui_links.ui_text(runs))
 
 
 def _log_requests() -> None:
@@ -303,6 +314,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     from grpo.recipe import apply_overrides, load_recipe
 
     # everything that can be checked is checked here, before a server or a run starts
+    from flows.cli.preflight import parse_overrides
+
     recipe = apply_overrides(load_recipe(args.recipe), parse_overrides(getattr(args, "overrides", [])))
     if args.command == "plan":
         from flows.cli.plan import plan_text
@@ -331,29 +344,6 @@ def _dispatch(args: argparse.Namespace) -> int:
     return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
 
 
-def parse_overrides(given: list[str]) -> dict:
-    """`--set PATH=VALUE` flags as {path: value}, each value read as YAML (50 a number, true a bool, [a, b] a list).
-
-    YAML reads 2e-5 (no dot) as a string; the recipe's number fields take numeric strings, so it still works.
-    """
-    import yaml
-
-    from flows.checks import UsageError
-
-    overrides = {}
-    for item in given:
-        path, sep, text = item.partition("=")
-        if not sep or not path.strip():
-            raise UsageError(f"--set {item!r}: expected PATH=VALUE, such as reasoning_grpo.grpo.learning_rate=2e-5")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            problem = getattr(e, "problem", None) or e
-            raise UsageError(f"--set {item!r}: the value is not valid YAML: {problem}") from None
-        overrides[path.strip()] = value
-    return overrides
-
-
 def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
     from flows.cli import preflight
 
@@ -368,7 +358,7 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
 
     result = _until_stopped(lambda: r1_pipeline(recipe=args.recipe, stages=stages if args.stages else None,
                                                 from_run=args.from_run, fresh=args.fresh,
-                                                overrides=parse_overrides(args.overrides) or None),
+                                                overrides=preflight.parse_overrides(args.overrides) or None),
                             "the same `r1 run` resumes where it stopped (--fresh starts over)")
     if result is None:
         return 130
@@ -386,6 +376,10 @@ def _until_stopped(run, resumes: str):
     from flows.cli.local_api import local_prefect_api
     from grpo.interrupts import is_interrupt, stop_on_signals
 
+    # what was asked for is checked; say so before the silent part (the local API, the stores, a stage's imports)
+    where = os.environ.get("PREFECT_API_URL") or "Prefect's local API"
+    print(f"r1: checked; starting on {where} (the first progress bar may take half a minute on a new home)",
+          flush=True)
     try:
         with stop_on_signals(), local_prefect_api():
             return run()

@@ -27,6 +27,10 @@ def add_parser(sub, parents) -> None:
     sweep.add_argument("--seed-stages", default=None,
                        help="comma-separated stages a seed reaches (default: every stage the sweep runs)")
     sweep.add_argument("--stages", default=None, help="comma-separated stages each point runs (default: all five)")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                       help="a recipe field every point shares, by its dotted path, the value read as YAML "
+                            "(cold_start_sft.train.max_steps=20); repeatable. Not an axis: a --grid of the same "
+                            "path wins")
     sweep.add_argument("--deployment", default=None,
                        help="run the points as flow runs of this pipeline deployment (r1_pipeline/placed, say: its "
                             "stages on their pools) on the Prefect server PREFECT_API_URL names")
@@ -39,11 +43,13 @@ def run(args: argparse.Namespace, until_stopped) -> int:
     """The command; `until_stopped(run, resumes)` runs the flow as `r1 run` does (flows.cli.r1._until_stopped)."""
     from flows.checks import UsageError
     from flows.cli import preflight
+    from flows.cli.preflight import parse_overrides
     from flows.sweep import sweep_settings
     from grpo.recipe import STAGES, apply_overrides, load_recipe
-    from grpo.sweep import SweepError, expand, parse_grid, seeds_reach
+    from grpo.sweep import SweepError, expand, parse_grid, seeds_reach, with_fixed
 
-    recipe = load_recipe(args.recipe)
+    fixed = parse_overrides(args.overrides)
+    recipe = apply_overrides(load_recipe(args.recipe), fixed)  # every point's settings, checked once
     if args.seeds is not None and args.seeds < 1:
         raise UsageError(f"--seeds {args.seeds}: expected 1 or more")
     if args.parallel < 1:
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace, until_stopped) -> int:
     seed_stages = preflight.check_stages(_names(args.seed_stages)) if args.seed_stages else None
     try:
         sweep = sweep_settings(recipe, parse_grid(args.grid), args.seeds, seed_stages, stages)
-        points = expand(recipe, sweep)
+        points = with_fixed(expand(recipe, sweep), fixed)
     except SweepError as e:
         raise UsageError(str(e)) from None
     order = preflight.check_stages([s for s in STAGES if any(s in p.stages for p in points)])
@@ -73,13 +79,14 @@ def run(args: argparse.Namespace, until_stopped) -> int:
     grid = "; ".join([*([f"variants {', '.join(sweep.variants)}"] if sweep.variants else []),
                       *(f"{path} in {', '.join(_short(v) for v in values)}" for path, values in sweep.grid.items())]) \
         or "no grid"
+    shared = f"; every point with {', '.join(f'{k}={_short(v)}' for k, v in fixed.items())}" if fixed else ""
     print(f"sweep of recipe {recipe.name!r}: {len(points)} points ({grid}; {seeds_reach(recipe, sweep)}); "
-          f"stages {', '.join(order)}", flush=True)
+          f"stages {', '.join(order)}{shared}", flush=True)
     from flows.sweep import r1_sweep
 
     result = until_stopped(lambda: r1_sweep(recipe=args.recipe, grid=sweep.grid, seeds=sweep.seeds,
                                             seed_stages=sweep.seed_stages, stages=order, deployment=args.deployment,
-                                            parallel=args.parallel),
+                                            parallel=args.parallel, overrides=fixed or None),
                             "the same `r1 sweep` goes on with the point it stopped in")
     if result is None:
         return 130
@@ -95,14 +102,14 @@ def run(args: argparse.Namespace, until_stopped) -> int:
 
 def links(sweep_run_id: str, point_runs: list[str]) -> str:
     """The MLflow UI's pages of a sweep: its run (the points nested under it) and the points compared."""
-    from tasks import tracking
+    from tasks import tracking, ui_links
 
     c = tracking.client()
     experiment = c.get_run(sweep_run_id).info.experiment_id
-    pages = tracking.ui_links({sweep_run_id: experiment, **{run_id: experiment for run_id in point_runs}})
+    pages = ui_links.ui_links({sweep_run_id: experiment, **{run_id: experiment for run_id in point_runs}})
     uri = tracking.tracking_uri()
-    where = "" if uri.startswith(("http://", "https://")) else f" (serve it first: {tracking.ui_command(uri)})"
-    compared = tracking.ui_links({run_id: experiment for run_id in point_runs}).get("compare", "-")
+    where = "" if uri.startswith(("http://", "https://")) else f" (serve it first: {ui_links.ui_command(uri)})"
+    compared = ui_links.ui_links({run_id: experiment for run_id in point_runs}).get("compare", "-")
     return "\n".join([f"MLflow UI{where}:", f"  the sweep run (its points nested) : {pages[sweep_run_id]}",
                       f"  the points' pipeline runs compared : {compared}"])
 

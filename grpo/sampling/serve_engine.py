@@ -265,10 +265,17 @@ class BatchingEngine:
             self._fail(job, e)
             return
         longest = max(map(len, job.prompt_ids))
-        # an over-long budget is trimmed rather than refused (vLLM refuses); the reply then ends "length"
         job.limit = r.sampling.max_new_tokens
-        if self.max_len is not None:
-            job.limit = min(job.limit, self.max_len - longest)
+        if self.max_len is not None and longest + job.limit > self.max_len:
+            field = r.budget_field
+            if field is None:  # the default budget: what the context leaves (the reply then ends "length")
+                job.limit = self.max_len - longest
+            else:  # a budget the request named: refused, as OpenAI and vLLM do
+                self._fail(job, RequestError(
+                    400, f"{field} is {job.limit}, and with the prompt's {longest} tokens that is "
+                         f"{longest + job.limit}; this model takes at most {self.max_len} tokens of prompt and "
+                         f"completion together: ask for at most {self.max_len - longest}", field))
+                return
         rows = len(texts) * r.n
         job.rows_left = rows
         if r.sampling.temperature > 0:

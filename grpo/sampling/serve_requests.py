@@ -41,13 +41,16 @@ class Request:
     chat: bool  # prompts are chat messages, rendered with the chat template (else text continued as it is)
     prompts: tuple  # chat: one list of {role, content}; completions: the prompt texts
     n: int  # samples per prompt
-    sampling: SamplingConfig  # max_new_tokens is the request's max_tokens (trimmed to the model's length later)
+    sampling: SamplingConfig  # max_new_tokens is the request's max_tokens, or DEFAULT_MAX_TOKENS
     seed: int | None  # the rows' streams come from a generator seeded with it: the same tokens however busy
     stop: tuple[str, ...]  # the text ends before the first of these; the row stops there
     logprobs: bool  # each sampled token's log-prob in the reply (/v1/completions' logprobs: 0; serve._token_logprobs)
     add_special_tokens: bool  # completions: the tokenizer's BOS etc. around the prompt text (chat: False)
     stream: bool  # server-sent events, a chunk as text comes
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+    # the field that set the completion budget (max_tokens or max_completion_tokens), None where the request named
+    # none: a named budget past the model's context is refused, the default one trimmed to what is left
+    budget_field: str | None = None
 
 
 def parse_chat(body, model_name: str) -> Request:
@@ -57,7 +60,7 @@ def parse_chat(body, model_name: str) -> Request:
     if body.get("n", 1) != 1:
         raise RequestError(400, f"n must be 1 (one choice per request), got {body['n']!r}", "n")
     return Request(True, (messages,), 1, *_common(body), logprobs=False, add_special_tokens=False,
-                   **_streaming(body))
+                   **_streaming(body), budget_field=_budget_field(body))
 
 
 def parse_completion(body, model_name: str) -> Request:
@@ -91,7 +94,7 @@ def parse_completion(body, model_name: str) -> Request:
     if streaming["stream"] and logprobs is not None:
         raise RequestError(400, "logprobs with stream=true is not supported; ask without streaming", "logprobs")
     return Request(False, tuple(prompts), n, *_common(body), logprobs=logprobs is not None,
-                   add_special_tokens=add_special_tokens, **streaming)
+                   add_special_tokens=add_special_tokens, **streaming, budget_field=_budget_field(body))
 
 
 def _check_model(body, model_name: str) -> None:
@@ -111,6 +114,14 @@ def _streaming(body: dict) -> dict:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
     return {"stream": bool(stream), "include_usage": bool(options.get("include_usage"))}
+
+
+def _budget_field(body: dict) -> str | None:
+    """The field that names the completion budget, if any."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        if body.get(field) is not None:
+            return field
+    return None
 
 
 def _common(body: dict) -> tuple[SamplingConfig, int | None, tuple[str, ...]]:

@@ -74,10 +74,12 @@ def recipe(tmp_path) -> Path:
 
 def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(prefect_harness, mlflow_client,
                                                                                  recipe, capsys):
-    args = ["sweep", "--recipe", str(recipe), *GRID, "--stages", "cold_start_sft,reasoning_grpo"]
+    args = ["sweep", "--recipe", str(recipe), *GRID, "--stages", "cold_start_sft,reasoning_grpo",
+            "--set", "reasoning_grpo.eval.num_prompts=2"]  # a setting every point shares, not an axis
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "4 points" in out and "4 run now, 0 finished before" in out
+    assert "every point with reasoning_grpo.eval.num_prompts=2" in out
     [sweep] = mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()],
                                         "tags.`r1.sweep.recipe` = 'sweep-test'")
     assert sweep.info.status == "FINISHED" and sweep.data.params["points"] == "4"
@@ -90,6 +92,7 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
     assert len(trained(grpo)) == 4
     assert sorted((r.data.params["grpo.beta"], r.data.params["grpo.learning_rate"]) for r in grpo) == \
         [("0.0", "0.0001"), ("0.0", "1e-05"), ("0.04", "0.0001"), ("0.04", "1e-05")]
+    assert {r.data.params["eval.num_prompts"] for r in grpo} == {"2"}
 
     # the table: four rows, each point's settings and its pipeline run's numbers
     folder = Path(mlflow_client.download_artifacts(sweep.info.run_id, "sweep", str(recipe.parent / "got")))
@@ -108,6 +111,7 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
     assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.beta.png" in plots
     assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.learning_rate.png" in plots
     assert "curves--reasoning_grpo.png" in plots and "curves--cold_start_sft.png" not in plots
+    assert not [p for p in plots if "num_prompts" in p]  # a shared setting gets no plot of its own
     assert all(png_size(folder / "plots" / p) == (640, 400) for p in plots)
     assert "sweep/points.json" in {a.path for a in mlflow_client.list_artifacts(sweep.info.run_id, "sweep")}
     assert "compare-runs" in out and "eval/accuracy" in out  # the links, the table
@@ -130,6 +134,8 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
     ([], "the sweep is empty"),
     (["--grid", "reasoning_grpo.grpo.beta=0,1", "--seeds", "0"], "--seeds 0: expected 1 or more"),
     (["--grid", "reasoning_grpo.grpo.beta=0,1", "--stages", "cold_start"], "unknown stage(s) ['cold_start']"),
+    (["--grid", "reasoning_grpo.grpo.beta=0,1", "--set", "reasoning_grpo.grpo.betta=0"],
+     "override 'reasoning_grpo.grpo.betta': reasoning_grpo.grpo has no field 'betta'"),
 ])
 def test_a_sweep_asked_wrongly_is_one_line_before_anything_runs(recipe, flags, said, capsys):
     assert main(["sweep", "--recipe", str(recipe), *flags]) == 2
@@ -140,7 +146,7 @@ def test_a_sweep_asked_wrongly_is_one_line_before_anything_runs(recipe, flags, s
 
 def test_seeds_say_which_stages_they_reach(recipe):
     from grpo.recipe import load_recipe
-    from grpo.sweep import expand, seeds_reach
+    from grpo.sweep import expand, seeds_reach, with_fixed
     from grpo.sweep_config import SweepConfig
 
     r = load_recipe(recipe)
@@ -151,6 +157,9 @@ def test_seeds_say_which_stages_they_reach(recipe):
     points = expand(r, late)
     assert [(p.settings["reasoning_grpo.grpo.beta"], p.seed) for p in points] == [(0, 0), (0, 1), (0.04, 0), (0.04, 1)]
     assert points[1].overrides == {"reasoning_grpo.grpo.beta": 0, "reasoning_grpo.grpo.seed": 1}  # GRPO's seed only
+    shared = with_fixed(points, {"reasoning_grpo.grpo.beta": 9, "cold_start_sft.train.max_steps": 3})
+    assert shared[1].overrides == {"reasoning_grpo.grpo.beta": 0, "cold_start_sft.train.max_steps": 3,
+                                   "reasoning_grpo.grpo.seed": 1}  # the point's own setting wins
     every = SweepConfig(seeds=3, stages=["cold_start_sft", "reasoning_grpo"])
     assert "each seed trains its own cold_start_sft" in seeds_reach(r, every)
     assert expand(r, every)[2].overrides == {"cold_start_sft.train.seed": 43, "reasoning_grpo.grpo.seed": 2}

@@ -11,7 +11,7 @@ import pytest
 from mlflow.entities import Metric
 
 from grpo.interrupts import stop_on_signals
-from tasks import tracking
+from tasks import tracking, ui_links
 
 KIND = "mlflow.experimentKind"
 
@@ -35,17 +35,17 @@ def test_an_older_experiment_gets_the_kind_and_a_chosen_one_is_kept(mlflow_clien
 
 def test_the_links_point_at_the_tracking_server_or_the_local_mlflow_ui():
     runs = {"a" * 32: "3", "b" * 32: "3"}
-    served = tracking.ui_links(runs, "https://mlflow.team:8443/")
+    served = ui_links.ui_links(runs, "https://mlflow.team:8443/")
     assert served == {
         "runs": "https://mlflow.team:8443/#/experiments/3/runs?workflowType=machine_learning",
         "a" * 32: f"https://mlflow.team:8443/#/experiments/3/runs/{'a' * 32}?workflowType=machine_learning",
         "b" * 32: f"https://mlflow.team:8443/#/experiments/3/runs/{'b' * 32}?workflowType=machine_learning",
         "compare": f"https://mlflow.team:8443/#/compare-runs?runs=%5B%22{'a' * 32}%22%2C%22{'b' * 32}%22%5D"
                    "&experiments=%5B%223%22%5D&workflowType=machine_learning"}
-    local = tracking.ui_links({"c" * 32: "1"}, "sqlite:////tmp/mlflow.db")
+    local = ui_links.ui_links({"c" * 32: "1"}, "sqlite:////tmp/mlflow.db")
     assert set(local) == {"runs", "c" * 32}  # one run: nothing to compare
     assert all(url.startswith("http://127.0.0.1:5000/#/experiments/1/runs") for url in local.values())
-    assert tracking.ui_command("sqlite:////tmp/mlflow.db").endswith("--port 5000")
+    assert ui_links.ui_command("sqlite:////tmp/mlflow.db").endswith("--port 5000")
 
 
 def test_ctrl_c_during_a_write_to_the_sqlite_store_lands_after_it_and_the_run_can_still_be_ended(mlflow_client):

@@ -68,3 +68,22 @@ def test_compare_takes_three_runs_or_a_sweep_run_for_its_points(capsys):
     lonely = tracking.start_run("r1_sweep:tiny", tags={"r1.sweep.key": "k2"})
     assert main(["compare", lonely]) == 2
     assert "0 pipeline run(s) to compare; give two or more" in capsys.readouterr().err
+
+
+def test_a_reused_stage_is_compared_by_the_run_that_did_its_work_and_system_figures_stay_out():
+    """B reused A's cold start (its run holds metrics, no params): no param "differs" there; the machine's system/*
+    figures are not results and are not listed."""
+    a = make_pipeline("0.001", 0.25)
+    worked = stage_runs(a)["cold_start_sft"].info.run_id
+    b = tracking.start_run("r1_pipeline:tiny", tags={"recipe": "tiny"})
+    tracking.log_params(b, {"recipe": "tiny", "stages": "cold_start_sft"})
+    reused = tracking.start_run("cold_start_sft", tags={"stage": "cold_start_sft", "r1.reused_from": worked},
+                                parent_run_id=b)
+    log = tracking.MetricsLogger(reused)
+    log(4, {"eval/accuracy": 0.25, "system/cpu_utilization_percentage": 93.0})
+    tracking.end_run(reused)
+    tracking.end_run(b)
+    cold = compare(a, b).split("== cold_start_sft")[1].split("==")[0]
+    assert f"(reused {worked})" in cold.splitlines()[0]
+    assert "params that differ: none" in cold
+    assert "system/" not in cold and ["eval/accuracy", "0.25", "0.25", "+0"] in [l.split() for l in cold.splitlines()]

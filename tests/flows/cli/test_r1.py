@@ -26,7 +26,7 @@ def test_unknown_stage_lists_the_stages(capsys):
 
 
 def test_set_flags_become_overrides_read_as_yaml():
-    from flows.cli.r1 import parse_overrides
+    from flows.cli.preflight import parse_overrides
 
     given = ["cold_start_sft.train.max_steps=50", "reasoning_grpo.eval_before=false",
              "reasoning_grpo.grpo.rewards={accuracy: 1.0, format: 0.25}", "cold_start_sft.data.source=a=b.jsonl"]

@@ -228,3 +228,27 @@ def test_a_bad_request_is_refused_naming_the_field(server, body, status, param):
 def test_a_body_too_large_is_refused_before_it_is_read(server):
     r = httpx.post(f"{server.url}/completions", content=b"x" * (8 * 2**20 + 1), timeout=60)
     assert r.status_code == 413 and "at most" in r.json()["error"]["message"]
+
+
+def test_a_budget_past_the_models_context_is_refused_and_the_default_one_trimmed(server, tiny):
+    """max_tokens 100000 on a model that takes 512 tokens: HTTP 400 naming the field and what would fit (as OpenAI
+    and vLLM answer), nothing sampled. A request that names no budget gets what the context leaves instead."""
+    model, _ = tiny
+    context = model.config.max_position_embeddings
+    r = post(server, "completions", {"prompt": "Hello", "max_tokens": 100000, "temperature": 0})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and f"at most {context} tokens" in error["message"]
+    assert error["message"].startswith("max_tokens is 100000, and with the prompt's ")
+    r = post(server, "chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                           "max_completion_tokens": context, "temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    ok = post(server, "completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 4
+    _, tok = tiny
+    long = " ".join(["word"] * 400)
+    prompt_tokens = len(tok(long)["input_ids"])
+    assert context - prompt_tokens < 256  # less room than the default budget
+    trimmed = post(server, "completions", {"prompt": long, "temperature": 0})
+    assert trimmed.status_code == 200, trimmed.text
+    assert trimmed.json()["usage"]["completion_tokens"] <= context - prompt_tokens
