@@ -6,6 +6,7 @@ Pure Python; must not depend on torch, Prefect or MLflow.
 from __future__ import annotations
 
 import logging
+import re
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -48,7 +49,7 @@ def _reference_text(reference: Any) -> str | None:
     if "####" in s:
         s = s.rsplit("####", 1)[1]
     boxed = extract_boxed(s) if "\\boxed" in s else None
-    s = (boxed if boxed is not None else s).strip()
+    s = _without_currency((boxed if boxed is not None else s).strip())
     return s or None
 
 
@@ -56,7 +57,17 @@ def _prediction_text(completion: Any, answer_tags: Sequence[str]) -> str | None:
     answer = extract_answer(completion_text(completion), answer_tags)
     if answer and "\\boxed" in answer:  # <answer>… \boxed{x} …</answer>
         answer = extract_boxed(answer) or answer
-    return answer or None
+    return _without_currency(answer) if answer else None
+
+
+# a dollar sign before an amount: "\$12.50" (LaTeX's escaped dollar), or "$12.50" with no closing "$" (not math mode)
+_CURRENCY = re.compile(r"^(?:\\\$|\$(?=[^$]*$))\s*(?=[-+]?[\d.,])")
+
+
+def _without_currency(text: str) -> str:
+    """An amount without its dollar sign, which math-verify cannot read ("\\$272.62" is 272.62); anything else as is.
+    Found by the audit set (grpo/rewards/audit.py): every currency pair was missed before."""
+    return _CURRENCY.sub("", text.strip())
 
 
 def check_accuracy(

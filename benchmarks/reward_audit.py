@@ -1,0 +1,64 @@
+"""Benchmark: how often the answer checkers are right, on the project's labelled audit set (grpo/rewards/audit.py).
+
+    .venv/bin/python benchmarks/reward_audit.py [--seed 0]
+
+Prints, for each checker, precision (of the pairs it accepted, the share that are equivalent) and recall (of the
+equivalent pairs, the share it accepted), overall and by kind of answer form, then one JSON line:
+
+* rule: the accuracy reward as training uses it (`grpo.rewards.accuracy_reward`: its fast paths, then math-verify;
+  an ungraded check counts as not accepted);
+* math-verify: `verify(parse(reference), parse(completion))`, the library by itself: its own `parse` finds the
+  answer in each text (a boxed one, else the last one it can read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo.rewards import accuracy_reward  # noqa: E402
+from grpo.rewards.audit import audit, audit_pairs  # noqa: E402
+
+
+def rule(references: list[str], completions: list[str]) -> list[bool | None]:
+    return [s == 1.0 for s in accuracy_reward(completions, references, timeout_s=5.0)]
+
+
+def math_verify_alone(references: list[str], completions: list[str]) -> list[bool | None]:
+    """math-verify by itself: its own `parse` finds the answer in the reference and in the whole completion."""
+    import math_verify
+
+    out = []
+    for reference, completion in zip(references, completions):
+        try:
+            out.append(bool(math_verify.verify(math_verify.parse(reference), math_verify.parse(completion))))
+        except Exception:
+            out.append(None)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    pairs = audit_pairs(args.seed)
+    figures = {}
+    for name, check in (("rule", rule), ("math-verify", math_verify_alone)):
+        result = audit(check, pairs)
+        figures[name] = {"precision": round(result.precision, 4), "recall": round(result.recall, 4),
+                         "undecided": result.undecided}
+        print(f"{name}: precision {result.precision:.3f}, recall {result.recall:.3f} ({result.accepted} accepted, "
+              f"{result.positives} equivalent of {len(pairs)} pairs, {result.undecided} undecided)")
+        for kind, (p, r) in result.by_kind.items():
+            print(f"  {kind:<24} precision {p:.3f}  recall {r:.3f}")
+    print(json.dumps({"pairs": len(pairs), "seed": args.seed, **figures}))
+
+
+if __name__ == "__main__":
+    main()
