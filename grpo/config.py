@@ -274,6 +274,8 @@ class GRPOConfig(BaseModel):
     # line; with stop_without_signal it also stops there, its steps kept
     no_signal_steps: int = Field(20, ge=1)
     stop_without_signal: bool = False
+    # a judge that looks again at the answers the accuracy rule scored 0.0 (grpo.training.appeal): it may only raise
+    appeal: JudgeConfig | None = None
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
     # each micro-batch's rows as one row without padding (grpo.training.packing), the same numbers: "auto" where the
     # model's attention takes packed rows exactly (Qwen2/Llama on SDPA or eager, any model on flash attention)
@@ -393,6 +395,9 @@ class JudgeConfig(BaseModel):
         return url.rstrip("/")
 
 
+GRPOConfig.model_rebuild()  # `appeal` names JudgeConfig, defined after it
+
+
 class GenerationConfig(BaseModel):
     """Which engine samples a stage's completions (`grpo.sampling.engines`): the model in this process, or (rejection
     sampling only) OpenAI-compatible servers."""
@@ -453,8 +458,9 @@ class RejectionConfig(BaseModel):
     max_line_repeats: int = Field(3, ge=1)  # a line or sentence (8+ chars) seen more often than this is looping
     min_compression_ratio: float = Field(0.1, ge=0, le=1)  # zlib size / text size below this is looping
     # "no_reference": judge rows without an answer; "always": also ask it where the rule decides, to measure their
-    # agreement; "never": drop rows without an answer
-    judge_when: Literal["no_reference", "always", "never"] = "no_reference"
+    # agreement; "appeal": also ask it where the rule says incorrect, and keep what it accepts (the rule's positives
+    # stand); "never": drop rows without an answer
+    judge_when: Literal["no_reference", "always", "appeal", "never"] = "no_reference"
     # how rows with tests (code) are checked: each sample's program must pass all of its row's tests in the sandbox
     code: CodeConfig = Field(default_factory=CodeConfig)
     dedupe: bool = True  # drop samples whose normalised text repeats an earlier one of the same prompt

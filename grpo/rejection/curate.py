@@ -177,9 +177,11 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
             references[i] = (f"(no reference answer: the program in the response passed {check.passed[j]} of "
                              f"its {check.total[j]} tests)" if check.by_tests[j] else answers[i])
 
-    # the judge: where the rule has no verdict, or everywhere with judge_when="always"
+    # the judge: where the rule has no verdict, or everywhere with judge_when="always", or also where the rule says
+    # incorrect with judge_when="appeal"
     ask = [] if cfg.judge_when == "never" else [
-        i for i in alive if cfg.judge_when == "always" or rule.get(i) is None]
+        i for i in alive if cfg.judge_when == "always" or rule.get(i) is None
+        or (cfg.judge_when == "appeal" and rule.get(i) is False)]
     verdicts: dict[int, Verdict] = {}
     if ask:
         if judge is None:
@@ -195,7 +197,9 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
         r, v = rule.get(i), verdicts.get(i)
         if v is not None:
             judge_accepted[i], rationale[i] = v.accepted, v.rationale
-        if r is not None:  # the rule decides wherever it can: it is exact, the judge is a model
+        if r is False and cfg.judge_when == "appeal" and v is not None and v.accepted is True:
+            source[i], reason[i] = "appeal", ""  # a right answer the rule could not read: the judge's yes keeps it
+        elif r is not None:  # the rule decides wherever it can: it is exact, the judge is a model
             source[i], reason[i] = "rule", "" if r else INCORRECT
         elif v is not None and v.accepted is not None:
             source[i], reason[i] = "judge", "" if v.accepted else JUDGE_REJECTED
@@ -233,5 +237,6 @@ def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = No
         both_checked=len(both),
         agreed=sum(rule[i] == verdicts[i].accepted for i in both),
         ungraded=dict(Counter(why for why in ungraded if why)),
+        appeal_upheld=sum(s == "appeal" for s in source),
     )
     return ShardResult(kept, df, counts)

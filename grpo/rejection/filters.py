@@ -176,6 +176,7 @@ class Counts(NamedTuple):
     both_checked: int  # samples with a verdict from both the rule and the judge (judge_when="always")
     agreed: int  # of those, the verdicts agree
     ungraded: dict[str, int] | None = None  # reason -> samples no check could grade (None: none, older counts)
+    appeal_upheld: int = 0  # judge_when="appeal": samples the rule said incorrect and the judge's yes kept
 
     @classmethod
     def zero(cls, cfg: RejectionConfig) -> "Counts":

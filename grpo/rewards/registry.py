@@ -72,6 +72,9 @@ class RewardScores:
     # per function, per completion: why it could not grade it (None where it did, or does not apply)
     ungraded: dict[str, list[str | None]] = dataclasses.field(default_factory=dict)
     graded: list[bool] | None = None  # per completion: every weighted function graded it (None: all were)
+    # what functions report of their own work ("<function>/<figure>": a count), from a `take_figures()` they carry
+    # (the accuracy reward's appeal to a judge: its calls, and the negatives it turned)
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def graded_rows(self) -> list[bool]:
@@ -97,7 +100,7 @@ class RewardScores:
             per_function={name: [v[i] for i in rows] for name, v in self.per_function.items()},
             total=[self.total[i] for i in rows], failures=dict(self.failures), skipped=dict(self.skipped),
             ungraded={name: [v[i] for i in rows] for name, v in self.ungraded.items()},
-            graded=None if self.graded is None else [self.graded[i] for i in rows])
+            graded=None if self.graded is None else [self.graded[i] for i in rows], figures=dict(self.figures))
 
 
 def _normalize_specs(
@@ -211,8 +214,12 @@ def score_completions(
     ungraded: dict[str, list[str | None]] = {}
     graded = [True] * len(completions)
     total = [0.0] * len(completions)
+    figures: dict[str, float] = {}
     for name, weight in specs:
         raw = _score_one_function(registry[name], completions, columns)
+        take = getattr(registry[name], "take_figures", None)
+        if callable(take):
+            figures.update({f"{name}/{key}": float(value) for key, value in take().items()})
         failures[name] = sum(isinstance(s, Ungraded) and s.reason in (RAISED, NOT_A_NUMBER, WRONG_LENGTH)
                              for s in raw)
         skipped[name] = sum(s is None for s in raw)
@@ -225,4 +232,4 @@ def score_completions(
             elif s is not None:
                 total[i] += weight * s
     return RewardScores(per_function=per_function, total=total, failures=failures, skipped=skipped,
-                        ungraded=ungraded, graded=graded)
+                        ungraded=ungraded, graded=graded, figures=figures)

@@ -129,7 +129,7 @@ def reduce_sum(acc: Accelerator, value: float) -> float:
 
 # How each metric combines across processes; anything not named is the mean over processes that have it (each
 # process holds an equal share of rows, so a mean of means is the global mean), NaN ignored.
-SUMMED = ("reward_failures/", "reward_skipped/", "reward_ungraded/", "tokens_per_s", "dynamic/groups")
+SUMMED = ("reward_failures/", "reward_skipped/", "reward_ungraded/", "reward_figures/", "tokens_per_s", "dynamic/groups")
 MAXED = ("time/",)
 
 

@@ -59,5 +59,6 @@ def concat_groups(parts, G: int, want: int, pad_id: int):
         skipped={name: sum(s.skipped.get(name, 0) for s in draws) for name in first.skipped},
         ungraded={name: [v for k in kept for v in k.ungraded[name]] for name in first.ungraded},
         graded=[v for k in kept for v in k.graded_rows],
+        figures={key: sum(s.figures.get(key, 0.0) for s in draws) for key in {k for s in draws for k in s.figures}},
     )
     return rollout, [i for *_, i in chosen], scores

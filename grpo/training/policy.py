@@ -63,6 +63,14 @@ def reward_registry(cfg: GRPOConfig, prompts: pd.DataFrame, reward_functions: Ma
         settings = cfg.code.model_dump()
         check_sandbox(code_limits(settings))  # refuses here, before any sampling, where it cannot sandbox
         registry["code"] = make_code_reward(settings)
+    if cfg.appeal is not None and "accuracy" in cfg.rewards:  # the rule's negatives to a judge (grpo.training.appeal)
+        from grpo.sampling.judge import HTTPJudge, build_judge
+        from grpo.training.appeal import appealed
+
+        judge = build_judge(cfg.appeal)
+        if isinstance(judge, HTTPJudge):
+            judge.check_available()  # an endpoint that is not there fails now, not at the first negative
+        registry["accuracy"] = appealed(registry["accuracy"], judge)
     return registry
 
 
@@ -206,6 +214,7 @@ def rollout_metrics(rollout: Rollout, scores, elapsed: float, t_gen: float, t_re
     if hasattr(scores, "ungraded_counts"):
         m.update({f"reward_ungraded/{name}/{reason}": float(n)
                   for (name, reason), n in scores.ungraded_counts().items()})
+    m.update({f"reward_figures/{key}": value for key, value in getattr(scores, "figures", {}).items()})
     m.update({
         "reward/total": total.mean().item(),
         "completion_length": lengths.mean().item(),
