@@ -28,6 +28,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from grpo.rewards.outcomes import RAISED
 from grpo.rewards.steps import Steps, StepVerifier, check_steps
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class StepRewards(NamedTuple):
     ends: list[list[int]]  # per completion: index of the last completion token of each step, increasing
     rewards: list[list[float]]  # per completion: one reward per step; the last is the outcome reward
     checked: list[int]  # per completion: how many steps a step verifier checked (0: the outcome fallback)
+    # per completion: why the step verifier could not check it (it raised: `grpo.rewards.outcomes`), else None;
+    # such a completion is ungraded, and trains nothing
+    ungraded: list[str | None] | None = None
 
 
 def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Sequence[Sequence[int]],
@@ -161,8 +165,24 @@ def score_steps(verifier: StepVerifier, texts: Sequence[str], columns: Mapping[s
     A completion with no recognisable step falls back to the outcome reward alone; how many did is logged here and
     counted in `step_metrics`.
     """
-    steps = check_steps(verifier(list(texts), **columns), len(texts), name)
-    result = step_rewards(steps, outcome, token_chars)
+    texts = list(texts)
+    failed: list[str | None] = [None] * len(texts)
+    try:
+        raw = verifier(texts, **columns)
+    except Exception:  # one by one, so a completion the verifier cannot check fails alone
+        logger.warning("process supervision: the %s raised on the batch; checking its completions one by one", name,
+                       exc_info=True)
+        raw = []
+        for i, text in enumerate(texts):
+            single = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == len(texts) else v
+                      for k, v in columns.items()}
+            try:
+                raw += list(verifier([text], **single))
+            except Exception:
+                raw.append(Steps())
+                failed[i] = RAISED
+    steps = check_steps(raw, len(texts), name)
+    result = step_rewards(steps, outcome, token_chars)._replace(ungraded=failed)
     fallback = sum(n == 0 for n in result.checked)
     if fallback:
         logger.info("process supervision: %d of %d completions had no step %s recognised; they take the outcome "
@@ -177,4 +197,5 @@ def step_metrics(steps: StepRewards) -> dict[str, float]:
     n = max(len(steps.checked), 1)
     return {"process/steps_per_completion": len(checked) / n,
             "process/step_accuracy": sum(checked) / len(checked) if checked else float("nan"),
-            "process/fallback": float(sum(c == 0 for c in steps.checked))}
+            "process/fallback": float(sum(c == 0 for c in steps.checked)),
+            "reward_ungraded/step_verifier/raised": float(sum(why is not None for why in steps.ungraded or []))}

@@ -430,7 +430,10 @@ class GRPOTrainer:
             rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
             if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise
                 metrics["rft/correct"] = sum(rewards) / len(rewards)
-            batch = self.build_batch(rollout, rewards, steps, scores.graded_rows)
+            graded = scores.graded_rows
+            if steps is not None and steps.ungraded and any(steps.ungraded):  # the step verifier could not check
+                graded = [g and why is None for g, why in zip(graded, steps.ungraded)]
+            batch = self.build_batch(rollout, rewards, steps, graded)
             # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
             # the policy itself has nothing to compare)
             k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))

@@ -110,7 +110,20 @@ def test_the_answer_step_carries_the_outcome_and_stepless_completions_fall_back(
     assert result.rewards == [[1.0, 0.0, 1.5], [0.5]]
     assert result.checked == [2, 0]
     assert step_metrics(result) == {"process/steps_per_completion": 1.0, "process/step_accuracy": 0.5,
-                                    "process/fallback": 1.0}
+                                    "process/fallback": 1.0, "reward_ungraded/step_verifier/raised": 0.0}
+
+
+def test_a_step_verifier_that_raises_on_a_completion_leaves_it_ungraded_and_checks_the_others():
+    from grpo.training.process import score_steps
+
+    def picky(texts, **_):
+        if any("boom" in t for t in texts):
+            raise RuntimeError("the verifier's model is gone")
+        return [Steps((2,), (1.0,)) for _ in texts]
+
+    result = score_steps(picky, ["ok text", "boom", "fine"], {}, [1.0, 0.0, 1.0], [[2, 4, 7], [3, 4], [2, 4]])
+    assert result.ungraded == [None, "raised", None] and result.checked == [1, 0, 1]
+    assert step_metrics(result)["reward_ungraded/step_verifier/raised"] == 1.0
 
 
 def test_step_ends_map_to_the_token_that_holds_their_last_character():
