@@ -378,7 +378,8 @@ def _until_stopped(run, resumes: str):
 
     # what was asked for is checked; say so before the silent part (the local API, the stores, a stage's imports)
     where = os.environ.get("PREFECT_API_URL") or "Prefect's local API"
-    print(f"r1: checked; starting on {where} (the first progress bar may take half a minute on a new home)",
+    # (not "r1: ...": that prefix is kept for the one line a fault or a stop ends with)
+    print(f"checked; starting on {where} (the first progress bar may take half a minute on a new home)",
           flush=True)
     try:
         with stop_on_signals(), local_prefect_api():

@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 
+RETRY_FACTOR = 5.0  # a check past its time limit is made again, alone, with this many times the limit
+
+
 class AccuracyReport(NamedTuple):
     scores: list[float | None | Ungraded]
     fast_path: int  # decided without math-verify (plain numbers, LaTeX shortcut, no answer)
@@ -109,11 +112,16 @@ def check_accuracy(
             pending.setdefault((gold, pred), []).append(i)
 
     pairs = list(pending)
+    codes = dict(zip(pairs, symbolic_verdicts(pairs, timeout_s, symbolic_backend)))
+    slow = [pair for pair, code in codes.items() if code == TIMEOUT]
+    if slow:  # once more, by themselves, with RETRY_FACTOR times the time: a busy machine's slowness is not theirs
+        codes.update(zip(slow, symbolic_verdicts(slow, timeout_s * RETRY_FACTOR, symbolic_backend)))
     timeouts = 0
-    for pair, code in zip(pairs, symbolic_verdicts(pairs, timeout_s, symbolic_backend)):
+    for pair, code in codes.items():
         for i in pending[pair]:
             if code == TIMEOUT:  # not a wrong answer: the check could not say (a busy machine, a huge expression)
-                scores[i] = Ungraded(UNGRADED_TIMEOUT, f"math-verify ran past {timeout_s:g} s")
+                scores[i] = Ungraded(UNGRADED_TIMEOUT, f"math-verify ran past {timeout_s:g} s, "
+                                                       f"then {timeout_s * RETRY_FACTOR:g} s")
                 timeouts += 1
             else:
                 scores[i] = None if code == BAD_REFERENCE else float(code == EQUAL)
@@ -141,8 +149,9 @@ def accuracy_reward(
     a worker process (``"process"``: stuck checks can be killed and checks spread
     over cores, but the calling script needs an ``if __name__ == "__main__":``
     guard since workers are started with "spawn"), at most ``timeout_s`` per
-    parse+verify. A timed-out check is ungraded (``Ungraded("timeout")``,
-    logged), not wrong; a reference that math-verify cannot parse scores None.
+    parse+verify; a check past it is made once more, apart from the others, with
+    ``RETRY_FACTOR`` (5) times the limit, and one still past that is ungraded
+    (``Ungraded("timeout")``, logged), not wrong; a reference that math-verify cannot parse scores None.
     Safe to call from any thread.
     """
     report = check_accuracy(
