@@ -19,13 +19,17 @@ def stage_pools(recipe: Recipe, pool: str | None = None) -> dict[str, str]:
     return {name: where for name, where in found.items() if where}
 
 
-def deploy_stages(recipe: Recipe, pool: str | None = None) -> list[str]:
-    """Create or update each stage's deployment on its pool; returns their names (`<stage>/<pool>`)."""
+def deploy_stages(recipe: Recipe, pool: str | None = None, keep_existing: bool = False) -> list[str]:
+    """Create or update each stage's deployment on its pool; returns their names (`<stage>/<pool>`). With
+    `keep_existing` (`r1 up`), a deployment already on the server is left as it is: what `r1 deploy --set` or the UI
+    made of it survives a `r1 down` and `r1 up`."""
     from prefect.deployments.runner import EntrypointType
 
     made = []
     for name, where in stage_pools(recipe, pool).items():
         stage, config = declared()[name], getattr(recipe, name)
+        if keep_existing and _exists(f"{stage.flow.name}/{where}"):
+            continue
         summary = (stage.flow.description or name).strip().splitlines()[0]
         deployment = stage.flow.to_deployment(
             name=where, work_pool_name=where, job_variables=config.resources.as_job_variables(),
@@ -35,3 +39,15 @@ def deploy_stages(recipe: Recipe, pool: str | None = None) -> list[str]:
         deployment.apply()
         made.append(f"{name}/{where}")
     return made
+
+
+def _exists(deployment: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            return False
+    return True

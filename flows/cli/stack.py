@@ -270,18 +270,19 @@ def deploy_all(api_url: str, timeout: float = 300, auth: dict[str, str] | None =
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout + "\n".join(f"deployed {name}" for name in deploy_stages_on(api_url, "tiny", PROCESS_POOL,
-                                                                                   auth))
+    made = deploy_stages_on(api_url, "tiny", PROCESS_POOL, auth, keep_existing=True)  # a user's settings stay
+    return proc.stdout + "\n".join(f"deployed {name}" for name in made)
 
 
-def deploy_stages_on(api_url: str, recipe: str, pool: str | None = None, auth: dict[str, str] | None = None
-                     ) -> list[str]:
-    """`r1 deploy --recipe <recipe> [--pool <pool>]` against the server at `api_url`."""
+def deploy_stages_on(api_url: str, recipe: str, pool: str | None = None, auth: dict[str, str] | None = None,
+                     keep_existing: bool = False) -> list[str]:
+    """`r1 deploy --recipe <recipe> [--pool <pool>]` against the server at `api_url` (`keep_existing`: see
+    flows.cli.deploy.deploy_stages)."""
     from flows.cli.deploy import deploy_stages
     from grpo.recipe import load_recipe
 
     with prefect_api(api_url, auth):
-        return deploy_stages(load_recipe(recipe), pool)
+        return deploy_stages(load_recipe(recipe), pool, keep_existing=keep_existing)
 
 
 # ---------------------------------------------------------------------------------------------- r1 up / r1 down

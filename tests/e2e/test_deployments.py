@@ -248,3 +248,30 @@ def test_promotion_from_a_deployment_suspends_for_approval_and_resumes_through_t
     assert run.data.tags["promotion.reason"].startswith("approved in the Prefect UI (read the samples)")
     stage_runs = mlflow.search_runs([run.info.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
     assert [r.info.run_id for r in stage_runs] == [run.info.run_id]  # trained once, before the suspension
+
+
+def test_r1_up_keeps_the_stage_deployments_a_user_changed(servers):
+    """`r1 deploy --set cold_start_sft.train.max_steps=20` made the stage's deployment run 20 steps; `r1 up` (after
+    `r1 down`) deploys the stages again only where none is on the server, so the 20 stays."""
+    from prefect.client.orchestration import get_client
+
+    from flows.cli.deploy import deploy_stages
+    from grpo.recipe import apply_overrides, load_recipe
+
+    api = servers["api"]
+
+    def max_steps() -> int:
+        with stack.prefect_api(api, None), get_client(sync_client=True) as client:
+            return client.read_deployment_by_name("cold_start_sft/r1-process").parameters["config"]["train"]["max_steps"]
+
+    default = max_steps()
+    try:
+        with stack.prefect_api(api, None):
+            deploy_stages(apply_overrides(load_recipe("tiny"), {"cold_start_sft.train.max_steps": default + 7}),
+                          stack.PROCESS_POOL)
+        assert max_steps() == default + 7
+        assert stack.deploy_stages_on(api, "tiny", stack.PROCESS_POOL, keep_existing=True) == []  # what r1 up does
+        assert max_steps() == default + 7
+    finally:
+        stack.deploy_stages_on(api, "tiny", stack.PROCESS_POOL)  # as the session made it, for the other tests
+    assert max_steps() == default
