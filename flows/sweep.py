@@ -110,6 +110,13 @@ def r1_sweep(recipe: str = "tiny", grid: dict[str, list[Any]] | None = None, see
     tracking.set_tags(run_id, {"r1.sweep.seeds_reach": seeds_reach(cfg, sweep)})
     runs: dict[int, str] = {}
     ran: list[int] = []
+    ended: list[str] = []
+
+    def end(e: BaseException) -> None:  # once: KILLED when stopped (Ctrl-C, a cancel), FAILED otherwise
+        if not ended:
+            ended.append(run_id)
+            tracking.end_run(run_id, "KILLED" if is_interrupt(e) else "FAILED")
+
     try:
         for point in points:
             if point.key() in done:
@@ -120,7 +127,7 @@ def r1_sweep(recipe: str = "tiny", grid: dict[str, list[Any]] | None = None, see
             launcher = Deployment(deployment, recipe, cfg.name, run_id) if deployment else \
                 Processes(recipe, run_id, _work(run_id), parallel)
             ran = side_by_side(launcher, points, todo, leaders(cfg, points), run_id, parallel, runs,
-                               lambda point: _where(point, points))
+                               lambda point: _where(point, points), before_stop=lambda e: end(e))
         for point in ([] if deployment or parallel > 1 else todo):
             print(f"{_where(point, points)}: running")
             result = r1_pipeline(recipe=recipe, stages=list(point.stages), overrides=point.overrides,
@@ -130,7 +137,7 @@ def r1_sweep(recipe: str = "tiny", grid: dict[str, list[Any]] | None = None, see
             print(f"{_where(point, points)}: done, pipeline run {result.run_id}")
         table, files = results.log_results(run_id, points, runs, order, _work(run_id))
     except BaseException as e:
-        tracking.end_run(run_id, "KILLED" if is_interrupt(e) else "FAILED")
+        end(e)
         raise
     tracking.end_run(run_id, "FINISHED")
     log.info("MLflow sweep run %s finished: %d points, %d run now", run_id, len(points), len(ran))

@@ -41,10 +41,12 @@ def pipeline_run(sweep_run_id: str, point, status: str | None = None) -> str | N
 
 
 def side_by_side(launcher, points, todo, leading: dict[int, tuple[int, list[str]]], sweep_run_id: str,
-                 parallel: int, runs: dict[int, str], where: Callable[[Any], str]) -> list[int]:
+                 parallel: int, runs: dict[int, str], where: Callable[[Any], str],
+                 before_stop: Callable[[BaseException], None] | None = None) -> list[int]:
     """Run the `todo` points with `launcher`, up to `parallel` at once, each once its leader (`leading`: the earlier
     point it shares its first stages with, and those stages) has finished them; fills `runs`, returns the points
-    run. Whatever it started is stopped when it stops."""
+    run. Whatever it started is stopped when it stops, after `before_stop(why)`: the sweep's own run is ended
+    first, as stopping the points may take longer than whoever stops this process waits."""
     from flows.stages import finished_stages
 
     def ready(point) -> bool:  # its leader has finished the stages they share (or is gone: then it trains them)
@@ -88,8 +90,12 @@ def side_by_side(launcher, points, todo, leading: dict[int, tuple[int, list[str]
                 pending.remove(point)
             if pending or running:
                 time.sleep(POLL_S)
-    except BaseException:
-        launcher.stop(list(running.values()))  # what this sweep started stops with it
+    except BaseException as e:
+        try:
+            if before_stop is not None:
+                before_stop(e)
+        finally:
+            launcher.stop(list(running.values()))  # what this sweep started stops with it
         raise
     return ran
 

@@ -42,9 +42,12 @@ def test_a_stage_that_fails_on_a_full_disk_is_retried_and_resumes_once_there_is_
         # 600 steps (20 s at 30 steps/s, the fastest seen): still training when the test, polling MLflow on a busy
         # machine, has seen a checkpoint and filled the disk (80 and then 240 steps ended before the disk was full)
         run = r1(*cold_start(tmp_path, {"retries": 1, "retry_delays_s": [8], "timeout_s": 600}, max_steps=600))
-        folder = run.wait_for("cold-start training", lambda: (rs := stage_runs(run)) and
-                              rs[0].data.tags.get("r1.work_dir.cold_start_sft"))
-        run.wait_for("a checkpoint", lambda: resumable_step(Path(folder)))
+        # the first checkpoint, seen on the disk itself (polling MLflow for the work folder first took long enough
+        # on a busy machine for all 600 steps to end before the disk was filled)
+        checkpoint = run.wait_for("a checkpoint", lambda: next(
+            (p for p in work.rglob("step-*") if p.parent.name == "checkpoints" and resumable_step(p.parent.parent)),
+            None))
+        folder = checkpoint.parent.parent
         filler = fill(work, leave=64 * 1024)
         run.wait_for("the first attempt to fail", lambda: (rs := stage_runs(run)) and rs[0].info.status == "FAILED")
         step = resumable_step(Path(folder))
