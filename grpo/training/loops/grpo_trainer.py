@@ -424,7 +424,7 @@ class GRPOTrainer:
             torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
-            self.watch_grading(step, scores, ckpt_root)  # may stop the run here, its steps kept
+            self.watch_grading(step, scores, ckpt_root, start)  # may stop the run here, its steps kept
             steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
             t_gen = time.perf_counter() - t0
             rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
@@ -458,9 +458,10 @@ class GRPOTrainer:
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
 
-    def watch_grading(self, step: int, scores, ckpt_root: Path) -> None:
+    def watch_grading(self, step: int, scores, ckpt_root: Path, start: int) -> None:
         """Hand the step's grading (every process's rows) to the watch; when it stops the run, the steps done so
-        far are saved first, so the same command resumes here."""
+        far are saved first (unless a checkpoint of them is there: the one this run resumed from, or the loop's
+        own), so the same command resumes here."""
         G = self.cfg.num_generations
         graded = scores.graded_rows
         mine = StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()),
@@ -471,7 +472,8 @@ class GRPOTrainer:
         try:
             self.grading.observe(step, every)
         except GradingStop:
-            if step > 0 and not (ckpt_root / f"step-{step}").exists():
+            every_n = self.cfg.checkpoint_every
+            if step > start and not (every_n and step % every_n == 0):  # decided alike on every process
                 self._save(ckpt_root, step)
             raise
 
