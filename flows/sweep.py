@@ -117,6 +117,13 @@ def r1_sweep(recipe: str = "tiny", grid: dict[str, list[Any]] | None = None, see
             ended.append(run_id)
             tracking.end_run(run_id, "KILLED" if is_interrupt(e) else "FAILED")
 
+    def end_before_points(e: BaseException) -> None:
+        # stopped by a supervisor (a worker cancelling the flow run, a SIGTERM), which kills this process after its
+        # grace: the sweep's run ends first. A terminal's Ctrl-C reached the points too, and is waited for: they
+        # end their own runs first, and the sweep's after them
+        if not isinstance(e, KeyboardInterrupt):
+            end(e)
+
     try:
         for point in points:
             if point.key() in done:
@@ -127,7 +134,7 @@ def r1_sweep(recipe: str = "tiny", grid: dict[str, list[Any]] | None = None, see
             launcher = Deployment(deployment, recipe, cfg.name, run_id) if deployment else \
                 Processes(recipe, run_id, _work(run_id), parallel)
             ran = side_by_side(launcher, points, todo, leaders(cfg, points), run_id, parallel, runs,
-                               lambda point: _where(point, points), before_stop=lambda e: end(e))
+                               lambda point: _where(point, points), before_stop=end_before_points)
         for point in ([] if deployment or parallel > 1 else todo):
             print(f"{_where(point, points)}: running")
             result = r1_pipeline(recipe=recipe, stages=list(point.stages), overrides=point.overrides,

@@ -98,22 +98,8 @@ def client() -> MlflowClient:
         c = MlflowClient(tracking_uri=uri)
         c.search_experiments(max_results=1)  # creates the tracking tables
         c.search_registered_models(max_results=1)  # and the registry's
-        _write_ahead(db)
     _ready.add(uri)
     return _RetryingClient(c)  # type: ignore[return-value]
-
-
-def _write_ahead(db: Path) -> None:
-    """Put a SQLite store in write-ahead-log mode (once: the mode is kept in the file). Processes that share the
-    store (a sweep's points, the stages of pipelines side by side, a UI reading it) then read while one writes; in
-    SQLite's default mode a reader held every writer off, and writes that met at a stop ("database is locked") could
-    outlast `retry_locked`'s patience. The log sits beside the file (mlflow.db-wal) until the last connection
-    checkpoints it: copy a home's folder whole, as `tasks.home` expects."""
-    import sqlite3
-
-    with contextlib.closing(sqlite3.connect(db, timeout=30)) as con:
-        if con.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-            con.execute("PRAGMA journal_mode=WAL")
 
 
 def experiment_id(name: str | None = None) -> str:
