@@ -32,6 +32,7 @@ from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_fault, disk_full_line, 
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
 from tasks.env import PROJECT_ROOT
+from tasks import store_copies
 from tasks.home import reroot_embedded_store
 
 DEFAULT_EXPERIMENT = "r1-pipeline"
@@ -95,6 +96,7 @@ def client() -> MlflowClient:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if uri == embedded_uri():  # the embedded store, whose home may have moved (tasks.home)
             reroot_embedded_store(db, r1_home())
+        store_copies.seed_mlflow(db)  # a new database: from the migrated copy, not by every migration
         c = MlflowClient(tracking_uri=uri)
         c.search_experiments(max_results=1)  # creates the tracking tables
         c.search_registered_models(max_results=1)  # and the registry's
@@ -337,7 +339,14 @@ def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, contex
 
         dataset = mlflow.data.from_pandas(shown, source=CodeDatasetSource(tags={"source": source}), name=name)
     inp = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
-    client().log_inputs(run_id, datasets=[inp])
+    for attempt in range(3):
+        try:
+            return client().log_inputs(run_id, datasets=[inp])
+        except mlflow.exceptions.MlflowException as e:
+            # MLflow looks the dataset up, then inserts it: two runs of one recipe logging the same data at once
+            # both find none and the second insert breaks the digest's uniqueness; again, it finds the first's row
+            if "UNIQUE constraint failed: datasets." not in str(e) or attempt == 2:
+                raise
 
 
 def _is_local_path(source: str) -> bool:

@@ -19,7 +19,9 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from flows.cli import prefect_db
 from grpo.interrupts import die_with_parent
@@ -48,15 +50,28 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-@contextmanager
-def local_prefect_api() -> Iterator[str | None]:
-    """Within the block, Prefect talks to a local API this process started (its URL is yielded); with
-    an API already configured (`PREFECT_API_URL`: a real server), nothing starts and None is yielded."""
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+@dataclass
+class _Starting:
+    """A local API's server process, started and not yet answering; the home's lock held until it answers."""
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    lock: IO[str]
+    db: Path | None
+    new: bool  # a new home's database made by Prefect's migrations: a copy is kept once the server answers
 
-    if get_current_settings().api.url:  # a server in the environment (or a test harness's)
-        yield None
-        return
+
+_early: _Starting | None = None  # started by `start_early`, taken by the next `local_prefect_api`
+
+
+def _configured() -> bool:
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)  # a server in the environment or a profile (or a test harness's)
+
+
+def _start() -> _Starting:
+    from prefect.settings import get_current_settings
 
     home = Path(os.environ["PREFECT_HOME"]).expanduser()
     home.mkdir(parents=True, exist_ok=True)
@@ -68,7 +83,8 @@ def local_prefect_api() -> Iterator[str | None]:
     log = home / "local-api.log"
     # a server migrates its database as it starts: two `r1` starting at once on one home would both create its
     # tables, and one would fail; the second waits until the first answers, then finds the tables made
-    with (home / "local-api.lock").open("a") as lock:
+    lock = (home / "local-api.lock").open("a")
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         db = prefect_db.default_database(home)
         new = db is not None and not db.exists() and not prefect_db.seed(db)  # a new home, and no migrated copy
@@ -78,14 +94,60 @@ def local_prefect_api() -> Iterator[str | None]:
                                      str(port), "--log-level", "error", "--lifespan", "on"], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     preexec_fn=_die_with_parent)
-        try:
-            _wait_healthy(url, proc, log, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
-                                                               120)))
-        except BaseException:
-            _stop(proc)
-            raise
-        if new:
-            prefect_db.keep(db)
+    except BaseException:
+        lock.close()
+        raise
+    return _Starting(proc, url, log, lock, db, new)
+
+
+def _answering(starting: _Starting) -> str:
+    """Wait until the server answers (its lock released either way); its URL. A server that does not is stopped."""
+    try:
+        _wait_healthy(starting.url, starting.proc, starting.log,
+                      float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 120)))
+        if starting.new:
+            prefect_db.keep(starting.db)
+    except BaseException:
+        _stop(starting.proc)
+        raise
+    finally:
+        starting.lock.close()  # and with it the lock
+    return starting.url
+
+
+def start_early() -> None:
+    """Start the local API now where a run will need it (no server configured), so that it comes up while `r1` loads
+    the stages' libraries (~5 s of a 2-core CPU each): `local_prefect_api` takes it. `stop_early` stops it if no
+    run came to take it (a check failed)."""
+    global _early
+    if _early is None and not _configured():
+        _early = _start()
+
+
+def stop_early() -> None:
+    global _early
+    if _early is not None:
+        _stop(_early.proc)
+        _early.lock.close()
+        _early = None
+
+
+@contextmanager
+def local_prefect_api() -> Iterator[str | None]:
+    """Within the block, Prefect talks to a local API this process started (its URL is yielded; the one
+    `start_early` started, if it did); with an API already configured (`PREFECT_API_URL`: a real server), nothing
+    starts and None is yielded."""
+    global _early
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    starting, _early = _early, None
+    if starting is None:
+        if _configured():
+            yield None
+            return
+        starting = _start()
+    url = _answering(starting)
+    proc = starting.proc
     try:
         os.environ["PREFECT_API_URL"] = os.environ[LOCAL_API] = url  # for what this process starts, too
         try:

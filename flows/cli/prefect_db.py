@@ -4,10 +4,10 @@ A Prefect server that starts on a home with no database creates it and runs ever
 block types: about 18 s on a 2-core CPU, where a server on a migrated database answers in about 6. Each new home
 (`r1 run` or `r1 up` on a new R1_HOME, every test that runs `r1` on a fresh folder) paid it. So the first server
 that makes a database leaves a copy of it, taken once it answers (migrations and block types, no runs), in the
-user's cache (`R1_CACHE`, else `$XDG_CACHE_HOME/r1`, else `~/.cache/r1`), named by Prefect's version; a new home's
-database starts as that copy, and the server finds its migrations done. A home with a database keeps it, and a
+user's cache (tasks.store_copies: `R1_CACHE`, else `$XDG_CACHE_HOME/r1`, else `~/.cache/r1`), named by Prefect's
+version; a new home's database starts as that copy, and the server finds its migrations done. A home with a database keeps it, and a
 database configured elsewhere (`PREFECT_SERVER_DATABASE_CONNECTION_URL`, Postgres) is left alone: only the default
-SQLite file in the home is made this way. `R1_PREFECT_DB_CACHE=0` turns it off.
+SQLite file in the home is made this way. `R1_PREFECT_DB_CACHE=0` (or `R1_STORE_CACHE=0`) turns it off.
 """
 
 from __future__ import annotations
@@ -18,25 +18,21 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
+from tasks.store_copies import cache_dir, copy_new, enabled
+
 CACHE_OFF = "R1_PREFECT_DB_CACHE"
-
-
-def _cache() -> Path:
-    if os.environ.get("R1_CACHE"):
-        return Path(os.environ["R1_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()) / "r1"
 
 
 def _template() -> Path:
     import prefect
 
-    return _cache() / f"prefect-{prefect.__version__}.db"
+    return cache_dir() / f"prefect-{prefect.__version__}.db"
 
 
 def default_database(home: Path, url: str | None = None) -> Path | None:
     """The home's own SQLite file where the server will use it (the default, or `url` naming that file); None for a
     database configured elsewhere, or with the cache turned off."""
-    if os.environ.get(CACHE_OFF, "1") == "0":
+    if os.environ.get(CACHE_OFF, "1") == "0" or not enabled():
         return None
     db = home / "prefect.db"
     if url is None:
@@ -52,22 +48,7 @@ def default_database(home: Path, url: str | None = None) -> Path | None:
 def seed(db: Path | None) -> bool:
     """Make `db` from the migrated copy, where `db` does not exist yet and a copy does; whether it was made. The copy
     lands under another name and is renamed, so a server never opens half a file."""
-    if db is None or db.exists():
-        return False
-    template = _template()
-    if not template.is_file():
-        return False
-    db.parent.mkdir(parents=True, exist_ok=True)
-    fd, part = tempfile.mkstemp(prefix=".prefect-", suffix=".db", dir=db.parent)
-    try:
-        with os.fdopen(fd, "wb") as out, template.open("rb") as src:
-            out.write(src.read())
-        os.replace(part, db)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(part)
-        return False
-    return True
+    return db is not None and copy_new(_template(), db)
 
 
 def keep(db: Path | None) -> None:

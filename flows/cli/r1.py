@@ -248,7 +248,11 @@ def _fault(e: BaseException):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        try:
+            return _dispatch(args)
+        finally:
+            if "flows.cli.local_api" in sys.modules:  # a local API started early that no run took (a check failed)
+                sys.modules["flows.cli.local_api"].stop_early()
     except KeyboardInterrupt:  # before a run started (a run's own Ctrl-C is told in _until_stopped)
         print("r1: interrupted", file=sys.stderr)
         return 130
@@ -333,6 +337,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         stages = preflight.check_stages([s.strip() for s in args.stages.split(",")] if args.stages else STAGES)
     else:
         stages = preflight.check_stages([args.name])
+    from flows.cli.local_api import start_early
+
+    start_early()  # the local Prefect API comes up while the checks below load the stages' libraries
     preflight.check_servers()  # first: the recipe's runs:/ URIs are looked up on the tracking server
     if args.command == "run":
         from flows.placement import check_placement

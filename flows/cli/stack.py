@@ -163,7 +163,10 @@ def start_mlflow_server(db: Path, artifacts: Path, port: int, log_dir: Path, aut
     login in `auth` (flows.cli.credentials) where given; returns it and its tracking URI."""
     from flows.cli.credentials import mlflow_server_env
 
+    from tasks import store_copies
+
     artifacts.mkdir(parents=True, exist_ok=True)
+    store_copies.seed_mlflow(db)  # a new database from the migrated copy: the server starts without its migrations
     login = ["--app-name", "basic-auth"] if auth else []
     p = start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
                                         "--artifacts-destination", str(artifacts), "--serve-artifacts",
