@@ -19,6 +19,7 @@ from one, and an attempt past its limit that was stopped inside a write left eve
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -146,3 +147,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` is still there (one that started this one, say, where the parent is a fork server)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

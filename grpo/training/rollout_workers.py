@@ -3,10 +3,13 @@
 The GRPO loop (`grpo.training.loops.grpo_trainer`) with `rollout.mode: async` takes each step's groups from
 `RolloutWorkers` instead of sampling them itself:
 
-- **Workers.** `rollout.workers` processes on this machine (spawned; each on its device, with its own copy of the
-  policy and its own engine, `grpo.sampling.engines`). Worker w samples steps w, w + W, w + 2W, ... in order: each
+- **Workers.** `rollout.workers` processes on this machine (each on its device, with its own copy of the policy and
+  its own engine, `grpo.sampling.engines`). Worker w samples steps w, w + W, w + 2W, ... in order: each
   step's prompts are the ones the synchronous loop would take (`prompt_order`), sampled under the same seed
-  (`sampling_seed`), so a worker draws the tokens the synchronous loop would draw from the same weights.
+  (`sampling_seed`), so a worker draws the tokens the synchronous loop would draw from the same weights. Workers
+  are forked from a server process that imported torch and this module once (multiprocessing's forkserver, where
+  the system has it): a new worker, or one replacing a lost one, starts in a fraction of a second instead of the
+  ~5 s of a 2-core CPU that a spawned one spent importing; it gets the trainer's environment of the moment.
 - **Versions and the bound.** A version is the count of optimizer steps behind a set of weights. A step's groups
   are trained at version step x num_iterations, so a worker samples step s only with weights of version at least
   s x num_iterations - max_staleness (AReaL's capacity rule: nothing is generated that would break the bound); it
@@ -56,7 +59,7 @@ import torch
 
 from grpo import cores
 from grpo.config import GenerationConfig, SamplingConfig
-from grpo.interrupts import die_with_parent
+from grpo.interrupts import alive, die_with_parent
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import GemmPlan, fp32_gemm
 from grpo.kernels.mlp import compact_mlp
@@ -72,7 +75,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # seconds between a worker's heartbeats
 POLL_S = 0.002  # seconds between a worker's looks for newer weights while it waits for them
-STARTUP_S = 120.0  # seconds a new worker may take to beat first (spawned: it imports torch and the model's code)
+STARTUP_S = 120.0  # seconds a new worker may take to beat first (the first imports torch and the model's code)
 
 # Fault injection, for the tests: R1_ROLLOUT_FAULTS="<point>:<stop|kill>,..." makes the first sampler (process or
 # Ray actor) that reaches a point SIGSTOP or SIGKILL itself there, once for the run (a file per fired fault in
@@ -211,9 +214,18 @@ def worker_steps(worker: int, workers: int, first: int, max_steps: int) -> range
 def _heartbeat(beats, index: int, parent: int, stop: threading.Event) -> None:
     while not stop.is_set():
         beats[index] = time.time()
-        if os.getppid() != parent:  # the trainer is gone (where PR_SET_PDEATHSIG is not there)
+        if not alive(parent):  # the trainer is gone, where PR_SET_PDEATHSIG is not there (or names the fork server)
             os._exit(1)
         stop.wait(HEARTBEAT_S)
+
+
+def worker_context() -> mp.context.BaseContext:
+    """Forked from a server that imported this module once where the system has one (Linux), spawned elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the server starts: torch and the model's code, once
+    return ctx
 
 
 def sampler_model(plan: Plan, skeleton: torch.nn.Module, tokenizer, device: str) -> tuple[torch.nn.Module, Engine]:
@@ -274,9 +286,12 @@ def sample_steps(index: int, plan: Plan, model: torch.nn.Module, engine: Engine,
 
 
 def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, tokenizer, shared: SharedWeights,
-                 beats, out: Connection, first: int, workers: int, device: str, threads: int, parent: int) -> None:
+                 beats, out: Connection, first: int, workers: int, device: str, threads: int, parent: int,
+                 environ: dict[str, str]) -> None:
     """One sampler process: its steps in order, each sampled once weights new enough are in."""
-    die_with_parent(signal.SIGKILL)  # the kernel kills this process when the trainer's exits
+    os.environ.clear()  # the trainer's environment when it started this worker (a fork server's is its own)
+    os.environ.update(environ)
+    die_with_parent(signal.SIGKILL)  # the kernel kills this process when its parent exits (trainer or fork server)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the workers
     torch.set_num_threads(threads)
     stop = threading.Event()
@@ -335,7 +350,7 @@ class RolloutWorkers:
         # the host's cores split between its trainer processes and each one's workers
         self._books(cfg, plan, tokenizer, first_step, timeout_s, devices,
                     cfg.threads or cores.share(trainers_here * (cfg.workers + 1)))
-        self.ctx = mp.get_context("spawn")
+        self.ctx = worker_context()
         self.shared = SharedWeights(model, self.ctx)
         # the module the workers copy: the model's structure on the CPU, its parameters the first shared copy's
         memo = {id(p): torch.nn.Parameter(self.shared.copies[0][n], requires_grad=False)
@@ -373,10 +388,11 @@ class RolloutWorkers:
     def _start(self, w: int, first: int) -> None:
         reader, writer = self.ctx.Pipe(duplex=False)
         self.beats[w] = -time.time()  # not yet started (negative): its imports may take longer than the timeout
-        p = self.ctx.Process(target=_worker_main, name=f"r1-rollout-{self.plan.process_index}-{w}", daemon=True,
-                             args=(w, w, self.plan, self.skeleton, self.tokenizer, self.shared, self.beats, writer,
-                                   first, self.cfg.workers, self.devices[w], self.threads, os.getpid()))
         with cores.children_share(self.threads):  # its wait policy too, read when its OpenMP loads
+            p = self.ctx.Process(target=_worker_main, name=f"r1-rollout-{self.plan.process_index}-{w}", daemon=True,
+                                 args=(w, w, self.plan, self.skeleton, self.tokenizer, self.shared, self.beats,
+                                       writer, first, self.cfg.workers, self.devices[w], self.threads, os.getpid(),
+                                       dict(os.environ)))
             p.start()
         writer.close()
         thread = threading.Thread(target=_read, args=(reader, self.inbox), name=f"r1-rollout-reader-{w}", daemon=True)

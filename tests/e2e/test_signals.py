@@ -150,7 +150,8 @@ def test_sigterm_to_r1_alone_stops_an_asynchronous_stage_and_its_sampler_process
             family = psutil.Process(run.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        return [p for p in family if "multiprocessing.spawn" in " ".join(p.cmdline())]
+        # the sampler processes and the fork server they came from (multiprocessing's start, either way)
+        return [p for p in family if any(m in " ".join(p.cmdline()) for m in ("multiprocessing.spawn", "forkserver"))]
 
     run.wait_for("a training step", lambda: (r := stage_run(run, "reasoning_grpo")) and
                  run.mlflow.get_metric_history(r.info.run_id, "async/staleness_max"))

@@ -286,7 +286,8 @@ if __name__ == "__main__":
 
 def test_a_trainer_killed_leaves_no_worker_behind(tmp_path):
     """SIGKILL to the trainer's process once it has trained on its sampler's units: the sampler process ends with it
-    (the kernel's parent-death signal, and the heartbeat's check of its parent), within the timeout."""
+    (the kernel's parent-death signal, and the heartbeat's check of the trainer), within the timeout, and so does
+    the fork server it was forked from."""
     import psutil
 
     root = Path(__file__).resolve().parents[3]
@@ -299,8 +300,12 @@ def test_a_trainer_killed_leaves_no_worker_behind(tmp_path):
         while not marker.exists() and time.time() < deadline and trainer.poll() is None:
             time.sleep(0.2)
         assert marker.exists(), trainer.communicate(timeout=30)[1][-3000:] if trainer.poll() is not None else "slow"
-        workers = [c for c in psutil.Process(trainer.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        # the samplers, and the fork server they were forked from (multiprocessing's, where the system has one)
+        started = [c for c in psutil.Process(trainer.pid).children(recursive=True)
+                   if any(m in " ".join(c.cmdline()) for m in ("forkserver", "spawn_main"))]
+        workers = [c for c in started if c.ppid() != trainer.pid or "spawn_main" in " ".join(c.cmdline())]
         assert workers, "no sampler process"
+        workers = started
         trainer.kill()
         trainer.wait(30)
         _, left = psutil.wait_procs(workers, timeout=3.0 + 5.0)  # the run's timeout_s, and a margin for a busy machine
