@@ -10,7 +10,7 @@ from grpo.config import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine
-from tasks import tracking
+from tasks import eval_reuse, tracking
 from tasks.data import read_frame
 from tasks.stage import resolve_model
 
@@ -21,13 +21,23 @@ def evaluate_model(run_id: str, checkpoint_uri: str, model_cfg: ModelConfig, hel
                    generation: GenerationConfig = GenerationConfig()) -> dict[str, float]:
     """Load the checkpoint back with from_pretrained, score it on the held-out rows, log metrics and samples.
     Rows with tests run in the sandbox under `code` (the stage's grpo.code; default limits when None); completions
-    come from the stage's engine (`generation`)."""
+    come from the stage's engine (`generation`). Where the run that made the checkpoint scored it the same way
+    (tasks.eval_reuse), its figures and samples are logged instead, without loading the model."""
+    rows, samples_file = read_frame(heldout_uri), f"eval/samples_step_{step}.json"
+    keys = eval_reuse.eval_keys(checkpoint_uri, model_cfg, rows, cfg, code, generation, torch.cuda.is_available())
+    found = eval_reuse.earlier(checkpoint_uri, keys)
+    if found is not None:  # the stage that made the checkpoint scored it the same way: its figures, not again
+        metrics = eval_reuse.reuse(run_id, step, *found, samples_file)
+        get_run_logger().info("held-out at step %d, as run %s scored the same checkpoint the same way: %s", step,
+                              found[0], ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+        return metrics
     model, tokenizer = load_model_and_tokenizer(resolve_model(model_cfg, checkpoint_uri))
     if torch.cuda.is_available():
         model = model.cuda()
     engine = build_engine(generation, model, tokenizer, who="held-out evaluation")
-    result = evaluate(engine, read_frame(heldout_uri), cfg, code)
+    result = evaluate(engine, rows, cfg, code)
     tracking.MetricsLogger(run_id)(step, result.metrics)
-    tracking.log_table(run_id, result.samples, f"eval/samples_step_{step}.json")
+    tracking.log_table(run_id, result.samples, samples_file)
+    eval_reuse.record(run_id, checkpoint_uri, keys, result.metrics, samples_file)
     get_run_logger().info("held-out at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in result.metrics.items()))
     return result.metrics

@@ -122,10 +122,16 @@ def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
         if stopped:  # shard tasks in other threads stop too, so the flow's end does not wait for them
             interrupt_threads()
         try:
-            try:
-                system_metrics.stop(monitor)
-            finally:  # a second Ctrl-C while the figures are written still ends the run
-                tracking.end_run_if_room(run_id, "KILLED" if stopped else "FAILED")
+            if stopped:  # a stop has seconds: the run's end first, then its figures (to a run that has ended)
+                try:
+                    tracking.end_run_if_room(run_id, "KILLED")
+                finally:
+                    system_metrics.stop(monitor)
+            else:
+                try:
+                    system_metrics.stop(monitor)
+                finally:
+                    tracking.end_run_if_room(run_id, "FAILED")
         finally:
             release_work_dirs(run_id)
         # a full disk under any of its writes (a checkpoint, a dataset, MLflow's SQLite) is told as one

@@ -320,6 +320,11 @@ class MetricsLogger:
             self.client.log_batch(self.run_id, metrics=batch)
 
 
+# MLflow's advice, whenever it infers a schema, on a model signature's integer columns: a dataset input or a table
+# of samples is no model signature
+INTEGER_HINT = "Hint: Inferred schema contains integer column"
+
+
 def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, context: str) -> None:
     """Record `df` as a dataset input of the run (MLflow's Datasets tab), with a digest that tells versions apart."""
     shown = df.copy()
@@ -327,18 +332,19 @@ def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, contex
         if shown[col].dtype == object:  # one scalar type per column (and an empty frame cannot be inferred)
             shown[col] = shown[col].astype(str)
     dataset = None
-    if "://" in source or _is_local_path(source):  # a URI or a local file MLflow knows how to describe
-        with warnings.catch_warnings():
-            # mlflow registers its local-file source for two schemes ("" and "file"), so every local path matches
-            # it twice and it warns that the source is ambiguous: both are the same class
-            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple")
+    with warnings.catch_warnings():
+        # mlflow registers its local-file source for two schemes ("" and "file"), so every local path matches it
+        # twice and it warns that the source is ambiguous: both are the same class
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple")
+        warnings.filterwarnings("ignore", message=INTEGER_HINT)
+        if "://" in source or _is_local_path(source):  # a URI or a local file MLflow knows how to describe
             with contextlib.suppress(mlflow.exceptions.MlflowException):  # a scheme it has no source for (runs:/)
                 dataset = mlflow.data.from_pandas(shown, source=source, name=name)
-    if dataset is None:  # generated in code (the synthetic task, a run's output) or a hub name: not a path here
-        from mlflow.data.code_dataset_source import CodeDatasetSource
+        if dataset is None:  # generated in code (the synthetic task, a run's output) or a hub name: not a path here
+            from mlflow.data.code_dataset_source import CodeDatasetSource
 
-        dataset = mlflow.data.from_pandas(shown, source=CodeDatasetSource(tags={"source": source}), name=name)
-    inp = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+            dataset = mlflow.data.from_pandas(shown, source=CodeDatasetSource(tags={"source": source}), name=name)
+        inp = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
     for attempt in range(3):
         try:
             return client().log_inputs(run_id, datasets=[inp])
@@ -358,7 +364,9 @@ def _is_local_path(source: str) -> bool:
 
 
 def log_table(run_id: str, df: pd.DataFrame, artifact_file: str) -> None:
-    client().log_table(run_id, data=df, artifact_file=artifact_file)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=INTEGER_HINT)
+        client().log_table(run_id, data=df, artifact_file=artifact_file)
 
 
 def log_dir(run_id: str, local_dir: str | Path, artifact_path: str) -> str:

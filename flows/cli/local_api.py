@@ -28,6 +28,8 @@ from grpo.interrupts import die_with_parent
 from grpo.ports import free_port
 from tasks.env import LOCAL_API
 
+LOCAL_UI_PORT = 4200  # where `r1 up` (and a bare `prefect server start` on the home) serves the Prefect UI
+
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()  # a session (and process group) of its own: a terminal's signals to ours do not reach it
@@ -138,7 +140,7 @@ def local_prefect_api() -> Iterator[str | None]:
     `start_early` started, if it did); with an API already configured (`PREFECT_API_URL`: a real server), nothing
     starts and None is yielded."""
     global _early
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
     starting, _early = _early, None
     if starting is None:
@@ -148,15 +150,22 @@ def local_prefect_api() -> Iterator[str | None]:
         starting = _start()
     url = _answering(starting)
     proc = starting.proc
+    # Prefect's "View at <UI>/runs/flow-run/<id>" lines would name this temporary API's port, where no UI is served
+    # and nothing answers once the run ends: they name the UI that serves this home's runs instead (`r1 where`)
+    users_ui = os.environ.get("PREFECT_UI_URL")
+    ui = users_ui or f"http://127.0.0.1:{LOCAL_UI_PORT}"
     try:
         os.environ["PREFECT_API_URL"] = os.environ[LOCAL_API] = url  # for what this process starts, too
+        os.environ["PREFECT_UI_URL"] = ui
         try:
-            with temporary_settings({PREFECT_API_URL: url}):
+            with temporary_settings({PREFECT_API_URL: url, PREFECT_UI_URL: ui}):
                 yield url
         finally:
             _drain_prefect_clients()  # what the run logged and emitted reaches the API before the API stops
-            os.environ.pop("PREFECT_API_URL", None)
-            os.environ.pop(LOCAL_API, None)
+            for name in ("PREFECT_API_URL", LOCAL_API, "PREFECT_UI_URL"):
+                os.environ.pop(name, None)
+            if users_ui:
+                os.environ["PREFECT_UI_URL"] = users_ui
     finally:
         _stop(proc)
 

@@ -217,8 +217,19 @@ async def _create_work_pools(api_url: str, auth_string: str | None) -> None:
              INFERENCE_POOL: ("kubernetes", json.loads(GPU_JOB_TEMPLATE.read_text()))}
     async with PrefectClient(api_url, auth_string=auth_string) as client:
         for name, (kind, template) in pools.items():
-            await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template),
-                                          overwrite=True)
+            await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template,
+                                                         description=pool_description(name)), overwrite=True)
+
+
+def pool_description(pool: str) -> str:
+    """What the UI shows under a pool: which worker serves it, and for those `r1 up` starts none, how to start one
+    (the UI marks a pool no worker polls "Not Ready", with no word why)."""
+    if pool == PROCESS_POOL:
+        return ("Flow runs as processes on this machine. `r1 up` starts its worker (its log: "
+                "<R1_HOME>/stack/logs/worker-r1-process.log); `r1 down` stops it.")
+    return (f"Kubernetes jobs from deployments/k8s-gpu-job-template.json. `r1 up` starts no worker for it, so it shows "
+            f"Not Ready and its runs wait (Late) until one polls: in the cluster, with PREFECT_API_URL pointing at this "
+            f"server, `pip install prefect-kubernetes` and `prefect worker start --pool {pool} --type kubernetes`.")
 
 
 ZOMBIE_AUTOMATION = "r1: crash flow runs whose heartbeat stopped"

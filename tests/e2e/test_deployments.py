@@ -88,6 +88,23 @@ def test_every_deployment_is_registered_with_typed_parameters(servers):
         assert d.parameters["config"] == getattr(tiny, stage).model_dump(mode="json"), stage
 
 
+async def _pools(client):
+    return await client.read_work_pools()
+
+
+def test_a_pool_and_a_deployment_that_wait_for_a_worker_up_does_not_start_say_how_to_start_one(servers):
+    pools = {p.name: p for p in call(servers["api"], _pools)}
+    assert "`r1 up` starts its worker" in pools[stack.PROCESS_POOL].description
+    for name in (stack.GPU_POOL, stack.INFERENCE_POOL):
+        assert "Not Ready" in pools[name].description, name
+        assert f"prefect worker start --pool {name} --type kubernetes" in pools[name].description, name
+    waiting = [d for d, _ in call(servers["api"], _deployments) if d.work_pool_name == stack.GPU_POOL]
+    assert {d.name for d in waiting} >= {"gpu", "placed", "ray"}
+    for d in waiting:
+        if d.name in ("gpu", "placed", "ray"):  # the pipeline's own; a stage's says its pool in its name
+            assert f"prefect worker start --pool {stack.GPU_POOL} --type kubernetes" in d.description, d.name
+
+
 def _job_configuration_class():
     from prefect.workers.base import BaseJobConfiguration
 

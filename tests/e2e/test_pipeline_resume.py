@@ -321,6 +321,13 @@ def test_two_runs_at_once_on_one_embedded_home(tmp_path):
     outputs = _two_runs_at_once(tmp_path, {"R1_HOME": str(home), "MLFLOW_TRACKING_URI": "", "PREFECT_HOME": "",
                                            "PREFECT_API_URL": ""})
     _check_nothing_crossed(MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}"), outputs)
+    # Prefect's links to each flow run name the UI that serves this home (`r1 up`'s, or `prefect server start` on
+    # it), not the temporary API's port, where no UI is served and nothing answers once the run ends
+    import re
+
+    for out in outputs:
+        links = re.findall(r"View at (http://[^/\s]+)/runs/flow-run/", out)
+        assert links and set(links) == {"http://127.0.0.1:4200"}, out[-3000:]
 
 
 def test_two_runs_at_once_against_a_prefect_server_and_an_mlflow_server(deployed_server, tmp_path):
