@@ -334,12 +334,17 @@ def _running_points(recipe_name: str, count: int):
     return [parents[r.data.tags["mlflow.parentRunId"]] for r in grpo] if len(grpo) >= count else None
 
 
-def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness, tmp_path, request):
+def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness, tmp_path, request, monkeypatch):
     """Ctrl-C in the terminal (SIGINT to the process group) while two point processes train: `r1 sweep` exits 130
     within the 30 s a stop may take, no point process is left, and the sweep and its points are KILLED."""
     from prefect.settings import PREFECT_API_URL
 
     from tasks import tracking
+
+    # a store of its own: twice in CI both points' ends waited out SQLite's 20 s for a lock held elsewhere, and the
+    # session's store is written by the other worker's test files too (the sweep, its points and this test share it)
+    monkeypatch.setenv("R1_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")
 
     recipe = _sweep_recipe(tmp_path, "sweep-ctrl-c", 48, 500)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
