@@ -100,8 +100,9 @@ def run_engine(args, label: str) -> dict:
 
     step_module._decode = counted
     engine = build_engine(GenerationConfig(), model, tok)
-    if label == "engine static":  # the static cache, stepped eagerly (keep_captures is what selects it)
+    if label == "engine static":  # the static cache, stepped eagerly over the positions written so far
         engine.sampler.keep_captures, engine.sampler.full_cache_attention, engine.sampler.buckets = True, False, False
+        engine.sampler.kv_layout = "static"
     sampling = SamplingConfig(max_new_tokens=args.budget, temperature=1.0, batch_size=args.slots)
     torch.manual_seed(1)
     engine.generate(prompts[:8], args.samples, sampling)  # warm-up

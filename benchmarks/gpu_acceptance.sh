@@ -10,6 +10,7 @@
 #   benchmarks/gpu_acceptance.sh compare-0.5b   # GRPO step vs TRL 1.16 (bench compare.py --pairs 2; R1_GPU_PAIRS=1)
 #   benchmarks/gpu_acceptance.sh compare-1.5b
 #   benchmarks/gpu_acceptance.sh lora-7b        # the qwen2.5-7b preset trains with LoRA on one 80 GB GPU
+#   benchmarks/gpu_acceptance.sh longtail       # the paged KV cache at budgets 512 to 16384, against the static rows
 #
 # On a machine with no network: copy the shared bench's gpu/ folder to .gpu/bench and the wheels that machine lacks
 # (trl, datasets, pydantic, ...; see that folder's README) to .gpu/wheels, or unpack them into .gpu/site, which goes
@@ -18,7 +19,7 @@
 # the GPU's name (`nvidia-smi -L`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?"usage: $0 smoke|decode|compare-0.5b|compare-1.5b|lora-7b"}
+PART=${1:?"usage: $0 smoke|decode|compare-0.5b|compare-1.5b|lora-7b|longtail"}
 PY=${PYTHON:-python}
 BENCH=${R1_GPU_BENCH:-.gpu/bench}
 WHEELS=${R1_GPU_WHEELS:-.gpu/wheels}
@@ -87,13 +88,23 @@ EOF
       --ours "$PY benchmarks/grpo_step.py --gradient-checkpointing" | tee /dev/stderr | tail -1 \
       | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'part': '$PART', **r}))"
     ;;
+  longtail)
+    # the paged KV cache at budgets its rows never reach (one length mix, rows capped at 500 tokens), against the
+    # static P + budget rows captured steps read before; first one layer's attention alone (0.5b and 7b shapes)
+    m=$(model qwen2.5-0.5b)
+    $PY benchmarks/paged_attention.py --shapes 0.5b,7b --budgets "${R1_LONGTAIL_BUDGETS:-512,2048,8192,16384}" >&2
+    $PY benchmarks/long_budgets.py --model "$m" --device cuda --dtype bfloat16 --clock wall --kv-gib 40 \
+      --budgets "${R1_LONGTAIL_BUDGETS:-512,2048,8192,16384}" --ways paged,static --prompts 128 --samples 4 \
+      --slots 128 | tee /dev/stderr | tail -1 \
+      | $PY -c "import json,sys; print(json.dumps({'part': 'longtail', **json.loads(sys.stdin.read())}))"
+    ;;
   lora-7b)
     m=$(model qwen2.5-7b gpu-bf16)
     $PY benchmarks/grpo_step.py "$m" --workload "$BENCH/workload.json" --gradient-checkpointing --lora 16 \
       --weights-dtype bfloat16 | tail -1 | $PY -c "import json,sys; print(json.dumps({'part': 'lora-7b', **json.loads(sys.stdin.read())}))"
     ;;
   *)
-    echo "unknown part $PART: smoke|decode|compare-0.5b|compare-1.5b|lora-7b" >&2
+    echo "unknown part $PART: smoke|decode|compare-0.5b|compare-1.5b|lora-7b|longtail" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,7 @@
 """GRPO step speed and memory with the project's trainer on a shared-bench workload (the TRL peers' twin).
 
 usage: python benchmarks/grpo_step.py MODEL_DIR [--workload PATH] [--gradient-checkpointing] [--device auto|cpu|cuda]
-                                      [--smoke] [--lora R] [--weights-dtype float32|bfloat16]
+                                      [--smoke] [--lora R] [--weights-dtype float32|bfloat16] [--memory-at-peak PATH]
 MODEL_DIR comes from the shared bench's make_tiny_model.py (CPU workloads: workload.json, workload_wide.json) or
 gpu/make_model.py (the GPU workload, gpu/workload.json): a random-weight Qwen2 model, its tokenizer, prompts.jsonl.
 Prints, as its last line, the JSON figures the peers print: median step seconds, completion tokens per second
@@ -89,6 +89,9 @@ def main() -> None:
                     help="train rank-R LoRA adapters on every linear layer instead of the whole model (needs peft)")
     ap.add_argument("--weights-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="bfloat16: bf16 weights with fp32 master copies in the optimizer")
+    ap.add_argument("--memory-at-peak", metavar="PATH",
+                    help="on CUDA: record every allocation and write to PATH (JSON) what held the memory at its peak, "
+                         "by the line of the project that asked for it")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: the trainer then finds no GPU
@@ -101,6 +104,8 @@ def main() -> None:
     steps: list[dict] = []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        if args.memory_at_peak:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     with tempfile.TemporaryDirectory() as out:
         GRPOTrainer(model, tok, rows, cfg, out, reward_functions={"sum": sum_reward}, progress=False,
                     on_metrics=lambda step, m: steps.append(m)).train()
@@ -124,7 +129,52 @@ def main() -> None:
     }
     if cuda:
         figures["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if args.memory_at_peak:
+            Path(args.memory_at_peak).write_text(json.dumps(memory_at_peak(torch.cuda.memory._snapshot()), indent=1))
+            torch.cuda.memory._record_memory_history(enabled=None)
     print(json.dumps(figures))
+
+
+def memory_at_peak(snapshot: dict, top: int = 15) -> dict:
+    """From a recorded snapshot (`torch.cuda.memory._snapshot()`): the moment the allocated bytes peaked, and the
+    allocations alive then, summed by the innermost frame of the project (else of transformers or torch) that asked
+    for them, largest first (GiB)."""
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    live, total, peak, peak_at = {}, 0, 0, -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
+            total -= live.pop(e["addr"])
+    held = {}
+    for e in events[: peak_at + 1]:
+        if e["action"] == "alloc":
+            held[e["addr"]] = e
+        elif e["action"] in ("free_requested", "free_completed"):
+            held.pop(e["addr"], None)
+    groups: dict[str, int] = {}
+    for e in held.values():
+        groups[_asker(e.get("frames") or [])] = groups.get(_asker(e.get("frames") or []), 0) + e["size"]
+    order = sorted(groups.items(), key=lambda kv: -kv[1])
+    return {"peak_gib": round(peak / 2**30, 3), "events": len(events),
+            "by_asker_gib": {k: round(v / 2**30, 3) for k, v in order[:top]},
+            "rest_gib": round(sum(v for _, v in order[top:]) / 2**30, 3)}
+
+
+def _asker(frames: list[dict]) -> str:
+    """The innermost frame in the project's code (grpo/, tasks/, benchmarks/), else in transformers, peft or
+    torch.optim, as 'file:line function'."""
+    for marks in (("/grpo/", "/tasks/", "/benchmarks/"), ("/transformers/", "/peft/", "/torch/optim/")):
+        for f in frames:
+            name = f.get("filename", "")
+            if any(m in name for m in marks):
+                mark = next(m for m in marks if m in name)
+                short = mark.strip('/') + '/' + name.split(mark)[-1]
+                return f"{short}:{f.get('line')} {f.get('name')}"
+    return "(no frame: CUDA init, the allocator, or C++)"
 
 
 if __name__ == "__main__":

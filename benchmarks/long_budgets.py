@@ -20,6 +20,8 @@ at the smallest, and paged over static at each budget.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import math
 import json
 import os
 import subprocess
@@ -31,59 +33,116 @@ ROOT = Path(__file__).resolve().parent.parent
 LONGEST = 500  # the longest row: under the smallest budget
 
 
-def run(args) -> dict:
+def load(args):
+    """The model and tokenizer: the embedded recipe's shape (a context of the largest budget + 128), or a folder
+    (`--model`, a preset that the shared bench's gpu/make_model.py built) on `--device`."""
+    import torch
+
+    if args.model:
+        from grpo.config import ModelConfig
+        from grpo.models import load_model_and_tokenizer
+
+        model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=args.model, dtype=args.dtype))
+        longest = max(int(b) for b in str(args.budget).split(","))
+        model.config.max_position_embeddings = max(model.config.max_position_embeddings, longest + 128)  # rotary
+        return model.to(args.device).eval(), tok
+    from grpo.config import TinyModelConfig
+    from grpo.tiny import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer()
+    longest = max(int(b) for b in str(args.budget).split(","))
+    model = build_tiny_model(TinyModelConfig(max_position_embeddings=longest + 128), tok).eval()
+    return model.to(getattr(torch, args.dtype)), tok
+
+
+def run(args) -> list[dict]:
+    """One way at each budget of `args.budget` (comma-separated), in this process: a fresh sampler each."""
+    import gc
     import resource
 
     import torch
 
-    from grpo.config import SamplingConfig, TinyModelConfig
+    from grpo.config import SamplingConfig
     from grpo.sampling.draws import draw_streams
     from grpo.sampling.slots import SlotBatch
     from grpo.sampling.static_sampler import StaticSampler
-    from grpo.tiny import build_tiny_model, build_tokenizer
 
     torch.set_num_threads(args.threads)
-    tok = build_tokenizer()
-    model = build_tiny_model(TinyModelConfig(max_position_embeddings=args.budget + 128), tok).eval()
+    model, tok = load(args)
+    cuda = model.device.type == "cuda"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.tensor(tok(f"Question {i}: what is {10 + i % 90} plus {20 + (7 * i) % 70}? Think first.")
                             ["input_ids"]) for i in range(args.prompts)]
     rows = args.prompts * args.samples
-    limits = torch.distributions.LogNormal(torch.tensor(60.0).log(), 1.0).sample((rows,)).ceil().clamp(1, LONGEST)
+    limits = (torch.randn(rows, generator=g) + math.log(60.0)).exp().ceil().clamp(1, LONGEST)  # seeded log-normal
     streams = draw_streams(rows, generator=g)  # [rows] each row's random stream
-    static = args.way == "static"
-    sampler = StaticSampler(model, **(dict(keep_captures=True, full_cache_attention=False, buckets=False)
-                                      if static else {}))
-    s = SamplingConfig(max_new_tokens=args.budget, temperature=1.0)
     P = max(len(p) for p in prompts)
+    budget_bytes = None if args.kv_gib is None else int(args.kv_gib * 2**30)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = []
+    for budget in [int(b) for b in str(args.budget).split(",")]:
+        if args.way == "static" and not cuda:  # the static cache, stepped eagerly over the positions written so far
+            kw = dict(keep_captures=True, full_cache_attention=False, buckets=False, kv_layout="static")
+        elif args.way == "static":  # the static cache as CUDA captured it before paging: P + C positions a slot
+            kw = dict(kv_layout="static")
+        else:  # the engine as it is: eager steps over dense rows on a CPU, captured steps over the pages on CUDA
+            kw = {}
+        sampler = StaticSampler(model, memory_budget=budget_bytes, **kw)
+        s = SamplingConfig(max_new_tokens=budget, temperature=1.0)
 
-    def call(n_prompts: int) -> int:
-        batch = SlotBatch(sampler, args.slots, P, s, [], tok.pad_token_id)  # no end token: rows stop at their limit
-        for i in range(n_prompts):
-            for j in range(args.samples):
-                row = i * args.samples + j
-                batch.submit(prompts[i], streams=streams[row:row + 1], limit=int(limits[row]))
-        tokens = 0
-        while batch.busy:
-            tokens += sum(int(e.alive.sum()) for e in batch.step())
-        return tokens
+        digests = []  # the sampled tokens' digest, the same at every budget its rows do not reach
 
-    with torch.inference_mode():
-        call(4)  # warm-up
-        sampler.counts = type(sampler.counts)()
-        clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        t = clock()
-        tokens = call(args.prompts)
-        took = clock() - t
-    cfg = model.config
-    position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    c = sampler.counts
-    return {"way": args.way, "budget": args.budget, "clock": args.clock, "threads": args.threads, "tokens": tokens,
-            "seconds": round(took, 2), "tokens_per_s": round(tokens / took, 1),
-            "kv_mb_allocated": round(c.kv_bytes_allocated / 2**20, 1),
-            "kv_read_kb_per_token": round(c.kv_positions_read * position / tokens / 1024, 1),
-            "pages_high_water": c.pages_high_water, "preemptions": c.preemptions,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        def call(n_prompts: int) -> int:
+            batch = SlotBatch(sampler, args.slots, P, s, [], tok.pad_token_id)  # no end token: rows stop at limits
+            for i in range(n_prompts):
+                for j in range(args.samples):
+                    row = i * args.samples + j
+                    batch.submit(prompts[i], streams=streams[row:row + 1], limit=int(limits[row]))
+            tokens, digest = 0, hashlib.sha256()
+            got = {}
+            while batch.busy:
+                for e in batch.step():
+                    tokens += int(e.alive.sum())
+                    got[e.key] = e.ids[e.alive].tolist()
+            for key in sorted(got):
+                digest.update(repr(got[key]).encode())
+            digests.append(digest.hexdigest()[:12])
+            return tokens
+
+        with torch.inference_mode():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            call(4)  # warm-up (on CUDA: the captures)
+            if cuda and not out:
+                call(args.prompts)  # the process's first budget: every kernel and allocation warm, as for the next
+            sampler.counts = type(sampler.counts)()
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            sync()
+            t = clock()
+            tokens = call(args.prompts)
+            sync()
+            took = clock() - t
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * sampler.dtype.itemsize
+        c = sampler.counts
+        row = {"way": args.way, "budget": budget, "device": torch.cuda.get_device_name() if cuda else "cpu",
+               "dtype": str(sampler.dtype).removeprefix("torch."), "clock": args.clock, "threads": args.threads,
+               "tokens": tokens, "tokens_digest": digests[-1], "seconds": round(took, 2), "tokens_per_s": round(tokens / took, 1),
+               "kv_mb_allocated": round(c.kv_bytes_allocated / 2**20, 1),
+               "kv_mb_written": round(c.pages_high_water * 16 * position / 2**20, 1) if sampler.paged else None,
+               "kv_read_kb_per_token": round(c.kv_positions_read * position / tokens / 1024, 1),
+               "pages_high_water": c.pages_high_water, "preemptions": c.preemptions,
+               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        if cuda:
+            row["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+        del sampler
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
 
 
 def main() -> None:
@@ -95,23 +154,37 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--model", help="a model folder (gpu/make_model.py's presets) instead of the embedded shape")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", help="the weights' and the cache's dtype (bfloat16 on a GPU)")
+    ap.add_argument("--kv-gib", type=float, default=None, help="the KV cache's budget (default: the engine's)")
     ap.add_argument("--way", help=argparse.SUPPRESS)
-    ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--budget", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.way:
-        print(json.dumps(run(args)), flush=True)
+        run(args)
         return
     got = {}
-    for budget in [int(b) for b in args.budgets.split(",")]:
+    # each (way, budget) in a process of its own on a CPU (its peak RSS is the figure); on a GPU a way's budgets
+    # share one (the peak is reset for each, the model loads once)
+    budgets = args.budgets.split(",")
+    groups = [[b] for b in budgets] if args.device == "cpu" else [budgets]
+    for group in groups:
         for way in args.ways.split(","):
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--way", way, "--budget",
-                                  str(budget), "--prompts", str(args.prompts), "--samples", str(args.samples),
-                                  "--slots", str(args.slots), "--threads", str(args.threads), "--clock", args.clock],
-                                 env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, check=True,
-                                 capture_output=True, text=True)
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            print(json.dumps(row), flush=True)
-            got[way, budget] = row
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--way", way, "--budget", ",".join(group),
+                   "--prompts", str(args.prompts), "--samples", str(args.samples), "--slots", str(args.slots),
+                   "--threads", str(args.threads), "--clock", args.clock, "--device", args.device,
+                   "--dtype", args.dtype]
+            cmd += (["--model", args.model] if args.model else []) + (
+                ["--kv-gib", str(args.kv_gib)] if args.kv_gib is not None else [])
+            out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                 [str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x])), cwd=ROOT, check=True,
+                                 stdout=subprocess.PIPE, text=True)
+            for line in out.stdout.strip().splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    print(json.dumps(row), flush=True)
+                    got[way, row["budget"]] = row
     budgets = sorted({b for _, b in got})
     ways = sorted({w for w, _ in got})
     summary = {f"{w}: {budgets[-1]} over {budgets[0]}": round(got[w, budgets[-1]]["tokens_per_s"]

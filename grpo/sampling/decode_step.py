@@ -17,8 +17,11 @@ row's random stream, limit and done flag, its chosen tokens and their log-probs.
   `torch.cuda.CUDAGraph` for each of `row_buckets(S)` and replayed, and a slot that ended between the host's checks
   writes a dump column and stays as it was.
 
-The eager path keeps its keys and values in pages instead (`grpo.sampling.pages.PagedState`, the same per-slot
-fields): the step asks its state where each slot's token goes and what attention reads (`attention(kv_len)`).
+The sampler keeps its keys and values in pages (`grpo.sampling.pages.PagedState`, the same per-slot fields; this
+static `_State` stays for `kv_layout="static"`, what benchmarks compare with): the step asks its state where each
+slot's token goes and what attention reads (`attention(kv_len)`). A captured step over pages is made again when the
+page pools grow (they move): `_Capture.run` sees the pools' version change and captures anew, keeping the slots'
+fields as they were.
 
 Must not depend on Prefect or MLflow.
 """
@@ -275,25 +278,46 @@ class _Capture:
     of `row_buckets(S)` (views of one state: the graphs share its memory)."""
 
     def __init__(self, state: _State, step, graph: bool):
-        self.state, self.step, self.graphs = state, step, {}
+        self.state, self.step, self.graphs, self.version = state, step, {}, None
         if not graph:
             return
-        st = state
-        for m in row_buckets(st.S):  # all up front: a warm-up writes the state, so none is made mid-call
+        self._capture()
+        state.done.fill_(True)
+        state.n.zero_()
+
+    def _pools_version(self) -> int | None:
+        pools = getattr(self.state, "pools", None)
+        return None if pools is None else pools.version
+
+    def _capture(self) -> None:
+        """A graph for each of `row_buckets(S)`, over the state's tensors as they are now (the pools' addresses
+        included). The warm-up and capture steps write the per-slot fields: the caller resets or restores them."""
+        st = self.state
+        self.version = self._pools_version()
+        for m in row_buckets(st.S):  # all up front: a warm-up writes the state
             view = st.rows(m)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture: lazy inits and autotuning happen here
                 for _ in range(2):
                     st.n.fill_(1)  # warm-up steps write slot P and read uniform 1: inside the buffers
-                    step(view, st.T)
+                    self.step(view, st.T)
             torch.cuda.current_stream().wait_stream(side)
             self.graphs[m] = torch.cuda.CUDAGraph()
             st.n.fill_(1)
             with torch.cuda.graph(self.graphs[m]):
-                step(view, st.T)
-        st.done.fill_(True)
-        st.n.zero_()
+                self.step(view, st.T)
+
+    def _recapture(self) -> None:
+        """The graphs again after the page pools grew (they moved), mid-call: every per-slot field kept as it was,
+        and the block tables emptied while the warm-up steps write, so they write into the null page alone."""
+        st = self.state
+        kept = {name: getattr(st, name).clone() for name in st._PER_SLOT}
+        st.table.zero_()
+        self.graphs = {}
+        self._capture()
+        for name, value in kept.items():
+            getattr(st, name).copy_(value)
 
     def rows_run(self, m: int) -> int:
         """How many slots a step over the first m live ones computes: m eagerly, its bucket when replayed."""
@@ -304,8 +328,10 @@ class _Capture:
         else run eagerly over kv_len cache slots."""
         if not self.graphs:
             self.step(self.state.rows(m), kv_len)
-        else:
-            self.graphs[self.rows_run(m)].replay()
+            return
+        if self._pools_version() != self.version:  # the pools grew since the capture
+            self._recapture()
+        self.graphs[self.rows_run(m)].replay()
 
 
 def _choose(st: _State, logits: torch.Tensor, s: SamplingConfig, eos: torch.Tensor, pad_id: int,

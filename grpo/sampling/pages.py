@@ -13,8 +13,12 @@ layout CPU attention reads fastest); a slot has a block table, the pages it read
 - a step writes each slot's new keys and values at its own position (page and offset from its table) and attends
   over the pages the furthest of the live slots has, each slot's own positions opened by its lengths, so no step
   reads past a live slot's written length by more than the longest row's pages;
-- the pool (`PagePool`) is sized by the KV cache budget (`memory_budget`, `generation.kv_cache_mb`) or, with no
-  budget, grows as rows need (doubling); with a budget, `slots.SlotBatch` admits a row when its prompt's pages and
+- attention reads, on the eager path (`layout="dense"`), dense rows kept from step to step; in the captured layout
+  (`layout="kernel"`, what CUDA graphs replay) the pages themselves, each slot as far as it has written
+  (`paged_attention.paged_decode`), the pools shared by a sampler's kept states (`SharedPools`);
+- the pool (`PagePool`) starts at each slot's prompt and two pages and grows as rows need (doubling, never past
+  what the slots could hold at the budget), up to the KV cache budget (`memory_budget`, `generation.kv_cache_mb`)
+  when there is one; with a budget, `slots.SlotBatch` admits a row when its prompt's pages and
   one more fit, and when the pool runs dry mid-decode it preempts the newest row, which later resumes from its
   prompt and the tokens it had chosen (recomputed by one forward; its tokens depend on its prompt and stream
   alone, as before).
@@ -30,6 +34,7 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo.sampling.decode_step import _State, decoder
+from grpo.sampling.paged_attention import paged_decode
 
 PAGE_TOKENS = 16  # positions a page holds (vLLM's default block size): a row wastes fewer than this at its end
 
@@ -79,6 +84,10 @@ class PagePool:
         self.high_water = max(self.high_water, self.in_use)
         return pages
 
+    def clear(self, size: int) -> None:
+        """Every page free again, the pool `size` pages."""
+        self.__init__(size, self.limit)
+
     def grow(self, new_size: int) -> None:
         self.free = list(range(new_size - 1, self.size - 1, -1)) + self.free
         self.refs += [0] * (new_size - self.size)
@@ -99,6 +108,34 @@ class PagePool:
                 raise RuntimeError(f"page {p} released more often than it was held")
 
 
+class SharedPools:
+    """The page pools of every layer ([Hkv, pages x page, D] keys and values each), which the kept states of one
+    sampler share (one call at a time decodes, and each starts with every page free): a budget's cache is allocated
+    once, not once per captured shape. The lists are shared, so a pool grown by one state is seen by all."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], page: int):
+        self.k, self.v, self.page = k, v, page
+        self.version = 0  # bumped when the pools move (grown): a captured step made before reads the old ones
+
+    @classmethod
+    def allocate(cls, st: "PagedState", pages: int) -> "SharedPools":
+        k = [torch.zeros(st.n_kv, pages * st.page, st.head_dim, dtype=st.dtype, device=st.device)
+             for _ in range(st.n_layers)]
+        return cls(k, [torch.zeros_like(t) for t in k], st.page)
+
+    @property
+    def size(self) -> int:
+        return self.k[0].size(1) // self.page
+
+    def grow(self, pages: int) -> None:
+        for pools in (self.k, self.v):
+            for i, t in enumerate(pools):
+                grown = t.new_zeros(t.size(0), pages * self.page, t.size(2))
+                grown[:, : t.size(1)] = t
+                pools[i] = grown
+        self.version += 1
+
+
 class PagedState(_State):
     """A `_State` whose keys and values are pages of a pool. Per slot, on the device: its block table [S, max pages],
     its prefix's valid length (`plen`: the prompt, or for a resumed row the prompt and the tokens it had chosen),
@@ -111,19 +148,23 @@ class PagedState(_State):
                  "start", "base")
 
     def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device,
-                 max_pages: int | None = None, page: int = PAGE_TOKENS):
+                 max_pages: int | None = None, page: int = PAGE_TOKENS, layout: str = "dense",
+                 pools: "SharedPools | None" = None):
+        if layout not in ("dense", "kernel"):
+            raise ValueError(f"layout must be 'dense' or 'kernel', got {layout!r}")
         self._slot_fields(model, S, P, C, dtype, device)
-        self.page = page
+        self.page, self.layout = page, layout
         self.max_pages_a_row = pages_for(P, page) + pages_for(C, page) + 1  # a resumed row's prefix may end mid-page
         if max_pages is not None and max_pages - 1 < self.max_pages_a_row:
             raise ValueError(f"a KV cache of {max_pages - 1} pages holds no row: one row of {P} prompt and {C} new "
                              f"tokens takes up to {self.max_pages_a_row} pages of {page}; raise generation.kv_cache_mb "
                              f"or shorten max_new_tokens")
-        first = max_pages if max_pages is not None else 1 + S * (pages_for(P, page) + 2)  # each slot's prompt + 2
-        self.pool = PagePool(first, limit=max_pages)
-        self.k = [torch.zeros(self.n_kv, first * page, self.head_dim, dtype=dtype, device=device)
-                  for _ in range(self.n_layers)]  # [Hkv, pages * page, D] each
-        self.v = [torch.zeros_like(k) for k in self.k]
+        if pools is None:  # each slot's prompt and two pages to start with; grown as rows need, to the budget
+            first = 1 + S * (pages_for(P, page) + 2)
+            pools = SharedPools.allocate(self, first if max_pages is None else min(first, max_pages))
+        self.pools = pools
+        self.pool = PagePool(pools.size, limit=max_pages)
+        self.k, self.v = pools.k, pools.v  # [Hkv, pages * page, D] each: the same lists, a grown pool seen by all
         self.table = torch.zeros(S, self.max_pages_a_row, dtype=torch.long, device=device)  # [S, pages a row]
         self.plen = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         self.start = torch.zeros(S, dtype=torch.long, device=device)  # [S]
@@ -133,14 +174,30 @@ class PagedState(_State):
         self.chosen_in_prefix = [0] * S  # slot -> tokens of its row its prefix holds (a resumed row's)
         self.resident: dict[object, list[int]] = {}  # prompt -> the pages its prefix is in, while rows read them
         self.positions = torch.arange(self.max_pages_a_row * page, device=device)  # [L max]
+        self.stats = {"positions_read": 0}  # the last step's, shared by the views
+        self.stale: set[int] = set()
+        if layout == "kernel":  # attention reads the pages themselves (`paged_attention`): no dense rows
+            self.dense_k = self.dense_v = []
+            return
         # the rows attention reads: per layer [S, Hkv, capacity, D], each slot's pages laid out in order, kept from
         # step to step (a step writes its token into them as into the pages), read again from the pages only for a
         # slot that took a new row (`stale`); the capacity follows the live rows' pages, not the budget
         self.dense_k = [torch.zeros(S, self.n_kv, (pages_for(P, page) + 2) * page, self.head_dim, dtype=dtype,
                                     device=device) for _ in range(self.n_layers)]
         self.dense_v = [torch.zeros_like(k) for k in self.dense_k]
-        self.stale: set[int] = set()
-        self.stats = {"positions_read": 0}  # the last step's, shared by the views
+
+    def reset(self) -> None:
+        """Every slot free and every page back in the pool (a kept state at the start of a call: its pools may have
+        been written by another shape's state since, so no prompt's pages are taken as resident)."""
+        self.pool.clear(self.pools.size)  # in place, as every other field: the state's views share them
+        self.prefix[:] = [[] for _ in range(self.S)]
+        self.own[:] = [[] for _ in range(self.S)]
+        self.chosen_in_prefix[:] = [0] * self.S
+        self.resident.clear()
+        self.stale.clear()
+        self.table.zero_()
+        self.done.fill_(True)
+        self.n.zero_()
 
     def _cut_cache(self, view: _State, m: int) -> None:
         """A view of the first m slots shares the pools and dense rows (the same list objects: a grown pool is seen
@@ -159,14 +216,16 @@ class PagedState(_State):
     # pages
 
     def _take(self, k: int) -> list[int] | None:
-        """k pages, growing the pool's tensors when it has no limit; None when a limited pool has no room."""
-        if k > len(self.pool.free) and self.pool.limit is None:
-            new = max(2 * self.pool.size, self.pool.size + k)
-            for pools in (self.k, self.v):
-                for i, t in enumerate(pools):
-                    grown = t.new_zeros(t.size(0), new * self.page, t.size(2))
-                    grown[:, : t.size(1)] = t
-                    pools[i] = grown
+        """k pages, growing the pool's tensors (doubling, up to its limit) when too few are free; None when a
+        limited pool has no room."""
+        limit = self.pool.limit
+        if k > len(self.pool.free) and (limit is None or self.pool.size < limit):
+            # doubling, but never past what this state's slots could hold at once at its budget (the static
+            # layout's size): a pool doubled to 4,104 pages where 2,433 were the most its rows could take held 0.3
+            # GiB more at a GRPO step's peak (benchmarks/grpo_step.py --memory-at-peak)
+            new = max(min(2 * self.pool.size, 1 + self.S * self.max_pages_a_row), self.pool.size + k)
+            new = new if limit is None else min(new, limit)
+            self.pools.grow(new)
             self.pool.grow(new)
         return self.pool.take(k)
 
@@ -282,13 +341,16 @@ class PagedState(_State):
 
     def kv_len(self, m: int, full: bool) -> int:
         """Positions a step over the first m slots reads: the pages of the slot that has the most (every page a row
-        could have when `full`)."""
+        could have when `full`). In the kernel layout each slot reads its own pages alone, counted in `stats`."""
+        held = [len(self.prefix[s]) + len(self.own[s]) for s in range(m)]
+        if self.layout == "kernel":
+            self.stats["positions_read"] = sum(held) * self.page
         if full:
             return self.max_pages_a_row * self.page
-        return max(len(self.prefix[s]) + len(self.own[s]) for s in range(m)) * self.page or self.page
+        return max(held) * self.page or self.page
 
-    def attention(self, kv_len: int) -> "_PagedAttention":
-        return _PagedAttention(self, kv_len)
+    def attention(self, kv_len: int) -> "_PagedAttention | _KernelAttention":
+        return _KernelAttention(self, kv_len) if self.layout == "kernel" else _PagedAttention(self, kv_len)
 
 
 class _PagedAttention:
@@ -330,3 +392,29 @@ class _PagedAttention:
         return torch.nn.functional.scaled_dot_product_attention(
             q, st.dense_k[i][: self.S, :, : self.L], st.dense_v[i][: self.S, :, : self.L], attn_mask=self.bias,
             scale=st.scale)
+
+
+class _KernelAttention:
+    """One step's cache access in the kernel layout (what a captured CUDA step runs): each slot's new K/V written at
+    position base + n - 1 of its pages, then `paged_attention.paged_decode` over each slot's own positions, read
+    from the pages (a slot that has ended reads nothing). Everything it computes is on the device, from the state's
+    tensors, so a graph replays it as the rows grow."""
+
+    def __init__(self, st: PagedState, kv_len: int):
+        page = st.page
+        at = st.base + st.n - 1  # [S] the new token's position in the slot's pages
+        row_page = st.table.gather(1, (at // page).clamp(min=0, max=st.table.size(1) - 1)[:, None]).squeeze(1)
+        self.flat = row_page * page + at % page  # [S] into a pool's positions
+        self.at = at.masked_fill(st.done, -1)  # [S]
+        self.st, self.kv_len = st, kv_len
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [S, Hkv, D]: each slot's new token's, at its position."""
+        self.st.k[i].index_copy_(1, self.flat, k.transpose(0, 1))
+        self.st.v[i].index_copy_(1, self.flat, v.transpose(0, 1))
+
+    def attend(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """q [S, Hkv, Hq/Hkv, D] over layer i's pages, each slot its own positions: [S, Hkv, Hq/Hkv, D]."""
+        st = self.st
+        return paged_decode(q, st.k[i], st.v[i], st.table, st.plen, st.start, self.at, st.scale, st.page,
+                            kv_len=self.kv_len)

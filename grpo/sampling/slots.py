@@ -58,8 +58,11 @@ class SlotBatch:
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)  # [E]
         self.cap = sampler._capture(self.model, S, P, s, self.eos, pad_id, want_logprobs)
         st = self.state = self.cap.state
-        st.done.fill_(True)  # every slot free
-        st.n.zero_()
+        if st.paged:  # every slot free, every page back in the pool (a kept state's pools are shared)
+            st.reset()
+        else:
+            st.done.fill_(True)  # every slot free
+            st.n.zero_()
         self.S, self.P, self.C = S, P, s.max_new_tokens
         self.slot_row: list[int | None] = [None] * S  # slot -> the key of the row in it
         self.waiting: collections.deque[int] = collections.deque()  # keys, in the order they take slots

@@ -12,11 +12,13 @@ One call samples a set of left-padded prompt rows by continuous batching:
   (eager steps gain nothing from a bucket and skip it);
 - each distinct prompt is prefilled once by the model's own forward (the G samples of a prompt share it), in
   chunks as its rows come up, and its keys and values copied into the slot each row takes;
-- the keys and values live in pages (`grpo.sampling.pages`) where steps are stepped eagerly (a CPU, or
-  `graphs=False`): a row takes a page each 16 tokens it writes and gives them back when it ends, a prompt's pages
-  are written once and read by its G rows, and the cache's size follows the rows' lengths, not the budget; under a
-  budget (`memory_budget`) rows are admitted by free pages and the newest is preempted when they run out (it
-  resumes with the same tokens). Kept, captured steps (CUDA) still use the static layout: P + C positions a slot;
+- the keys and values live in pages (`grpo.sampling.pages`): a row takes a page each 16 tokens it writes and gives
+  them back when it ends, a prompt's pages are written once and read by its G rows, and the cache's size follows
+  the rows' lengths, not the budget; under a budget (`memory_budget`) rows are admitted by free pages and the
+  newest is preempted when they run out (it resumes with the same tokens). Eager steps (a CPU) attend over dense
+  rows kept from step to step; kept, captured steps (CUDA) over the pages themselves, each row as far as it has
+  written (`paged_attention`), their pool shared by every kept shape. `kv_layout="static"` keeps the layout
+  captured steps had before (P + C positions a slot, attended in full), for the benchmarks to compare against;
 - each decode step (`grpo.sampling.decode_step`) reads the weights straight from the model, each slot at its own
   position, and samples inside the step, each row from its own counter-based random stream (`draws`: one 64-bit
   stream a row, drawn up front; tests inject them): a row's tokens depend on its prompt and its stream, not on its
@@ -52,7 +54,7 @@ from grpo.sampling.cpu_decoder import _STATIC_ROPE, lora_reason
 from grpo.sampling.decode_step import (CDF_BLOCK, F, _Capture, _read_weights, _State, _step, _Weights,
                                        _weight_tensors, choose_tokens, decoder, distinct_rows, inverse_cdf)
 from grpo.sampling.draws import draw_streams
-from grpo.sampling.pages import PagedState, page_bytes
+from grpo.sampling.pages import PagedState, SharedPools, page_bytes
 from grpo.sampling.slots import SlotBatch
 
 __all__ = ["CDF_BLOCK", "Group", "Sampled", "SlotBatch", "StaticSampler", "choose_tokens", "decoder", "distinct_rows",
@@ -169,7 +171,8 @@ class StaticSampler:
     dtype: the weights it samples with (None: the model's own; another: a copy in that dtype, made on first use and
     refreshed by `sync_weights`). memory_budget: bytes the KV cache may take (None: `GPU_FREE_SHARE` of a GPU's free
     memory, no limit on a CPU): the page pool's size (rows wait for pages, and are preempted when they run out), or
-    with kept captures the static cache's, a batch whose cache would not fit sampled in parts of as many rows as fit.
+    with `kv_layout="static"` the static cache's, a batch whose cache would not fit sampled in parts of as many rows
+    as fit.
     check_every: decode steps between the host's checks that every row has ended (on CUDA; on CPU it checks every
     step, which costs nothing there). graphs: capture the step as a CUDA graph (None: on CUDA). keep_captures: keep
     each shape's state and step for the next calls, their weights refreshed in place by `sync_weights` (None: with
@@ -182,9 +185,11 @@ class StaticSampler:
 
     def __init__(self, model: PreTrainedModel, *, dtype: torch.dtype | None = None, memory_budget: int | None = None,
                  check_every: int = 16, graphs: bool | None = None, full_cache_attention: bool | None = None,
-                 buckets: bool | None = None, keep_captures: bool | None = None):
+                 buckets: bool | None = None, keep_captures: bool | None = None, kv_layout: str = "paged"):
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1, got {check_every}")
+        if kv_layout not in ("paged", "static"):
+            raise ValueError(f"kv_layout must be 'paged' or 'static', got {kv_layout!r}")
         if memory_budget is not None and memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes or None, got {memory_budget}")
         self.model, self._dtype = model, dtype
@@ -198,6 +203,9 @@ class StaticSampler:
         self._copy: PreTrainedModel | None = None  # the model in self.dtype, when that is not its own
         self._weights: _Weights | None = None  # kept while captures read them (refreshed in place)
         self._captures: dict[tuple, _Capture] = {}
+        self.kv_layout = kv_layout
+        self._pools: SharedPools | None = None  # the kept states' page pools (allocated once, by the budget)
+        self._max_pages: int | None = None
         self._seen = None  # the policy's parameters (addresses and versions) at the last sync
         self.counts = DecodeCounts()
 
@@ -210,7 +218,7 @@ class StaticSampler:
         seen = _fingerprint(model)
         if model is not self.model or self._seen is None or [a for a, _ in seen] != [a for a, _ in self._seen]:
             # another model, or parameters moved (cast, to another device): rebuild everything from it
-            self.model, self._weights, self._captures = model, None, {}
+            self.model, self._weights, self._captures, self._pools = model, None, {}, None
             self.device, self._copy = next(model.parameters()).device, None
             self.dtype = self._dtype or next(model.parameters()).dtype  # None follows the model's own
         # inference mode: the kept weights were made in it (inside `sample`), and only it may update them in place
@@ -222,7 +230,7 @@ class StaticSampler:
                 fresh = _read_weights(self._sampling_model(), self._weights.head.rows, pack=False)
                 olds, news = _weight_tensors(self._weights), _weight_tensors(fresh)
                 if [t.shape for t in olds] != [t.shape for t in news]:  # adapters merged or turned off: new steps
-                    self._weights, self._captures = None, {}
+                    self._weights, self._captures, self._pools = None, {}, None
                 else:
                     for old, new in zip(olds, news):
                         if old is not new:
@@ -323,9 +331,9 @@ class StaticSampler:
 
     @property
     def paged(self) -> bool:
-        """Whether calls decode with a paged KV cache (`pages.PagedState`): where steps are not kept for the next
-        call (eager steps); kept, captured steps still use the static layout."""
-        return not self.keep_captures
+        """Whether calls decode with a paged KV cache (`pages.PagedState`): always, unless `kv_layout="static"` asks
+        for the layout captured steps had before (P + C positions a slot), which benchmarks compare against."""
+        return self.kv_layout == "paged"
 
     def _kv_budget(self) -> int | None:
         """Bytes the KV cache may take: `memory_budget`, else on a GPU a share of what is free now (the trainer's
@@ -337,6 +345,19 @@ class StaticSampler:
             budget = int(GPU_FREE_SHARE * (free + torch.cuda.memory_reserved(self.device)
                                            - torch.cuda.memory_allocated(self.device)))
         return budget
+
+    def _kernel_state(self, model: PreTrainedModel, S: int, P: int, C: int) -> PagedState:
+        """A kept state in the kernel layout over the sampler's pools: allocated by the first, at the budget's size
+        (a captured step's pool cannot grow: its graphs hold the addresses), and shared by every kept shape."""
+        if self._pools is None:
+            budget = self._kv_budget()
+            self._max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
+            if self._max_pages is None and self.graphs:
+                raise ValueError("captured decode steps need a KV cache budget (memory_budget) to size their pages")
+        st = PagedState(model, S, P, C, self.dtype, self.device, max_pages=self._max_pages, layout="kernel",
+                        pools=self._pools)
+        self._pools = st.pools
+        return st
 
     def _rows_per_part(self, B: int, T: int) -> int:
         budget = self._kv_budget()
@@ -375,7 +396,8 @@ class StaticSampler:
                  want_logprobs: bool) -> _Capture:
         """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
-        if self.paged:  # made afresh each call, its pool at the budget's size (which it never outgrows) or growing
+        if self.paged and not self.keep_captures:  # made afresh each call, its pool at the budget's size (which it
+            # never outgrows) or growing; attention reads dense rows kept from step to step (fastest on a CPU)
             budget = self._kv_budget()
             max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
             st = PagedState(model, S, P, C, self.dtype, self.device, max_pages=max_pages)
@@ -388,7 +410,11 @@ class StaticSampler:
                 self._weights = _read_weights(model, S, pack=False)
             while len(self._captures) >= _MAX_CAPTURES:
                 self._captures.pop(next(iter(self._captures)))  # the oldest shape first
-            st, w, eos = _State(model, S, P, C, self.dtype, self.device), self._weights, eos.clone()
+            w, eos = self._weights, eos.clone()
+            if self.paged:  # kept states read their pages in place (`paged_attention`), one pool shared by all
+                st = self._kernel_state(model, S, P, C)
+            else:
+                st = _State(model, S, P, C, self.dtype, self.device)
             self._captures[key] = _Capture(
                 st, lambda view, kv_len: _step(view, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
                 self.graphs)

@@ -14,7 +14,8 @@ from grpo.sampling.static_sampler import StaticSampler
 from tiny_decoders import EOS, PAD, fp32_gap, left_padded, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
-STATIC = dict(keep_captures=True, full_cache_attention=False, buckets=False)  # the static cache, stepped eagerly
+STATIC = dict(keep_captures=True, full_cache_attention=False, buckets=False, kv_layout="static")  # the static cache,
+# stepped eagerly
 
 
 def long_tailed(budget: int = 40, seed: int = 12, positions: int = 512):
@@ -130,3 +131,36 @@ def test_the_counts_a_stage_logs_add_up():
     assert f["sampler/kv_read_per_token"] == counts.kv_positions_read / decoded
     assert f["sampler/preemptions"] == counts.preemptions > 0 and f["sampler/pages_high_water"] <= 7
     assert counts.figures() and sampler.counts.figures() == {}  # nothing decoded since the take
+
+
+AS_CUDA = dict(keep_captures=True, full_cache_attention=True, buckets=True)  # the captured layout, stepped eagerly
+
+
+@pytest.mark.parametrize("slots", [None, 4])
+def test_the_captured_layout_reads_each_rows_own_pages_and_samples_the_static_caches_tokens(slots):
+    """What a CUDA graph replays (kept states whose attention reads the pages in place, `paged_attention`), stepped
+    eagerly: the static cache's tokens and log-probs, and each step reads the slots' own pages, not the budget."""
+    model, ids, mask, s, u = long_tailed(budget=200, positions=256)
+    captured, static = StaticSampler(model, **AS_CUDA), StaticSampler(model, **AS_CUDA, kv_layout="static")
+    got = captured.sample(ids, mask, s, EOS, PAD, streams=u, slots=slots)
+    assert_same_rows(got, static.sample(ids, mask, s, EOS, PAD, streams=u, slots=slots))  # P + C positions a slot
+    st = next(iter(captured._captures.values())).state
+    assert isinstance(st, PagedState) and st.layout == "kernel" and not st.dense_k
+    assert got.completion_mask.sum(1).max() < 100  # rows end well within the budget
+    read, static_read = captured.counts.kv_positions_read, static.counts.kv_positions_read
+    assert 0 < read < static_read / 3, (read, static_read)
+    assert st.pool.in_use == 0 and not st.resident  # every page back after the call
+
+
+def test_kept_shapes_share_one_pool_and_each_call_starts_with_every_page_free():
+    model, ids, mask, s, u = long_tailed()
+    sampler = StaticSampler(model, memory_budget=40 * page_bytes(model, torch.float32), **AS_CUDA)
+    short = SamplingConfig(max_new_tokens=24, temperature=1.0)
+    first = sampler.sample(ids, mask, s, EOS, PAD, streams=u)
+    sampler.sample(ids, mask, short, EOS, PAD, streams=u)  # another shape: its own state, the same pages
+    states = [c.state for c in sampler._captures.values()]
+    assert len(states) == 2 and states[0].k is states[1].k and states[0].pools is states[1].pools
+    assert states[0].pools.size <= 40  # grown as rows needed, never past the budget
+    again = sampler.sample(ids, mask, s, EOS, PAD, streams=u)  # the first shape again, over pages the second wrote
+    assert_same_rows(again, first)
+    assert all(st.pool.in_use == 0 for st in states)
