@@ -159,8 +159,9 @@ class PagedState(_State):
             raise ValueError(f"a KV cache of {max_pages - 1} pages holds no row: one row of {P} prompt and {C} new "
                              f"tokens takes up to {self.max_pages_a_row} pages of {page}; raise generation.kv_cache_mb "
                              f"or shorten max_new_tokens")
-        if pools is None:  # each slot's prompt and two pages to start with; grown as rows need, to the budget
-            first = 1 + S * (pages_for(P, page) + 2)
+        start_pages = min(pages_for(P, page), 2) + 2  # a slot's to start with: a short prompt's and two of its own
+        if pools is None:  # grown as rows need, to the budget (P may be a whole context: `r1 serve` on a paged cache)
+            first = 1 + S * start_pages
             pools = SharedPools.allocate(self, first if max_pages is None else min(first, max_pages))
         self.pools = pools
         self.pool = PagePool(pools.size, limit=max_pages)
@@ -182,7 +183,7 @@ class PagedState(_State):
         # the rows attention reads: per layer [S, Hkv, capacity, D], each slot's pages laid out in order, kept from
         # step to step (a step writes its token into them as into the pages), read again from the pages only for a
         # slot that took a new row (`stale`); the capacity follows the live rows' pages, not the budget
-        self.dense_k = [torch.zeros(S, self.n_kv, (pages_for(P, page) + 2) * page, self.head_dim, dtype=dtype,
+        self.dense_k = [torch.zeros(S, self.n_kv, start_pages * page, self.head_dim, dtype=dtype,
                                     device=device) for _ in range(self.n_layers)]
         self.dense_v = [torch.zeros_like(k) for k in self.dense_k]
 
