@@ -27,7 +27,8 @@ pool's pages, or the static cache's S rows of prompt + budget positions), `kv_re
 positions the decode steps' attention read, summed over slots and steps, times a position's bytes over every layer,
 per completion token), `pages_high_water` and `preemptions` (paged), and `peak_rss_mb` (the process's, warm-up and
 model included). `--static` adds the engine with the static cache (the captured layout, stepped eagerly over the
-positions written so far, as before paging) in the same code. The model's context is the budget + 128 positions.
+positions written so far, as before paging), from `STATIC_REV` (the last commit that had it) checked out in a
+worktree. The model's context is the budget + 128 positions.
 
 `--clock cpu` times with the process's CPU time instead of the wall clock: on a machine shared with other jobs,
 with `--threads 1`, it is what the work costs whatever else runs (a wall clock there measures the neighbours).
@@ -36,6 +37,7 @@ with `--threads 1`, it is what the work costs whatever else runs (a wall clock t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -46,6 +48,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "5fcd545"  # main before the sampler streamed rows through slots
+STATIC_REV = "2f2b6ce"  # the last commit whose sampler could still decode with a static cache (kv_layout="static")
+
+
+@contextlib.contextmanager
+def worktree(rev: str):
+    """The repository at `rev`, checked out in a temporary folder (removed after)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / rev
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
+                       capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def workload(args):
@@ -100,7 +116,7 @@ def run_engine(args, label: str) -> dict:
 
     step_module._decode = counted
     engine = build_engine(GenerationConfig(), model, tok)
-    if label == "engine static":  # the static cache, stepped eagerly over the positions written so far
+    if label == "engine static":  # (at STATIC_REV) the static cache, stepped eagerly over the positions written
         engine.sampler.keep_captures, engine.sampler.full_cache_attention, engine.sampler.buckets = True, False, False
         engine.sampler.kv_layout = "static"
     sampling = SamplingConfig(max_new_tokens=args.budget, temperature=1.0, batch_size=args.slots)
@@ -183,7 +199,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", default=BEFORE, help="the commit to compare against ('' to skip)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
-    ap.add_argument("--static", action="store_true", help="also the engine with the static cache, in this code")
+    ap.add_argument("--static", action="store_true", help="also the engine with the static cache (at STATIC_REV)")
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--slots", type=int, default=64)
@@ -215,17 +231,11 @@ def main() -> None:
 
     rows = {}
     if args.before:
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = Path(tmp) / "before"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.before],
-                           check=True, capture_output=True)
-            try:
-                rows["before"] = one("engine", f"engine at {args.before}", tree)
-            finally:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
-                               capture_output=True)
+        with worktree(args.before) as tree:
+            rows["before"] = one("engine", f"engine at {args.before}", tree)
     if args.static:
-        rows["static"] = one("engine", "engine static", ROOT)
+        with worktree(STATIC_REV) as tree:
+            rows["static"] = one("engine", "engine static", tree)
     rows["now"] = one("engine", "engine now", ROOT)
     if not args.no_peer:
         rows["peer"] = one("peer", "peer", ROOT)

@@ -28,8 +28,6 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--weights", choices=["bf16", "fp32", "fp32-autocast"], default="bf16")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--kv-layout", choices=["paged", "static"], default="paged",
-                    help="the engine's paged KV cache, or the static P + C positions a slot it had before")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -56,8 +54,6 @@ def main() -> None:
     # where the loop computes in bf16), with logprobs off as GRPO asks without truncated importance sampling
     precision = "bf16" if args.weights == "fp32-autocast" else "no"
     backend = build_engine(GenerationConfig(), model, tok, dtype=sampling_dtype(precision))
-    if getattr(backend, "sampler", None) is not None:
-        backend.sampler.kv_layout = args.kv_layout
 
     def run(batch: int) -> tuple[float, int]:
         enc = tok(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -74,7 +70,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         s, new = run(batch)
         row = {"way": f"r1-pipeline-{args.weights}", "device": torch.cuda.get_device_name() if cuda else "cpu",
-               "kv_layout": args.kv_layout, "batch": batch, "new_tokens": new, "tokens_per_s": round(batch * new / s),
+               "batch": batch, "new_tokens": new, "tokens_per_s": round(batch * new / s),
                "ms_per_step": round(1000 * s / new, 2)}
         if cuda:
             row["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

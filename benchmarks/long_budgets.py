@@ -1,5 +1,6 @@
 """What a budget the rows never reach costs the sampler: the same rows at budgets 512, 4096 and 16384, with the
-paged KV cache (the engine now) and with the static cache (the captured layout, stepped eagerly, as before paging).
+paged KV cache (the engine now) and with the static cache it replaced (P + budget positions a slot: stepped eagerly
+on a CPU, captured on CUDA), run from `STATIC_REV`, the last commit that had it, checked out in a worktree.
 
 usage: python benchmarks/long_budgets.py [--budgets 512,4096,16384] [--ways paged,static] [--prompts 64]
                                          [--samples 4] [--slots 64] [--threads 1] [--clock cpu|wall]
@@ -20,17 +21,33 @@ at the smallest, and paged over static at each budget.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LONGEST = 500  # the longest row: under the smallest budget
+STATIC_REV = "2f2b6ce"  # the last commit whose sampler could still decode with a static cache (the `static` way)
+
+
+@contextlib.contextmanager
+def worktree(rev: str):
+    """The repository at `rev`, checked out in a temporary folder (removed after)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / rev
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
+                       capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def load(args):
@@ -81,9 +98,10 @@ def run(args) -> list[dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = []
     for budget in [int(b) for b in str(args.budget).split(",")]:
-        if args.way == "static" and not cuda:  # the static cache, stepped eagerly over the positions written so far
+        if args.way == "static" and not cuda:  # (at STATIC_REV) the static cache, stepped eagerly over the
+            # positions written so far
             kw = dict(keep_captures=True, full_cache_attention=False, buckets=False, kv_layout="static")
-        elif args.way == "static":  # the static cache as CUDA captured it before paging: P + C positions a slot
+        elif args.way == "static":  # (at STATIC_REV) the static cache as CUDA captured it: P + C positions a slot
             kw = dict(kv_layout="static")
         else:  # the engine as it is: eager steps over dense rows on a CPU, captured steps over the pages on CUDA
             kw = {}
@@ -128,9 +146,10 @@ def run(args) -> list[dict]:
         c = sampler.counts
         row = {"way": args.way, "budget": budget, "device": torch.cuda.get_device_name() if cuda else "cpu",
                "dtype": str(sampler.dtype).removeprefix("torch."), "clock": args.clock, "threads": args.threads,
-               "tokens": tokens, "tokens_digest": digests[-1], "seconds": round(took, 2), "tokens_per_s": round(tokens / took, 1),
+               "tokens": tokens, "tokens_digest": digests[-1], "seconds": round(took, 2),
+               "tokens_per_s": round(tokens / took, 1),
                "kv_mb_allocated": round(c.kv_bytes_allocated / 2**20, 1),
-               "kv_mb_written": round(c.pages_high_water * 16 * position / 2**20, 1) if sampler.paged else None,
+               "kv_mb_written": round(c.pages_high_water * 16 * position / 2**20, 1) if c.pages_high_water else None,
                "kv_read_kb_per_token": round(c.kv_positions_read * position / tokens / 1024, 1),
                "pages_high_water": c.pages_high_water, "preemptions": c.preemptions,
                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
@@ -143,6 +162,24 @@ def run(args) -> list[dict]:
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def _one(args, way: str, group: list[str], code: Path, got: dict) -> None:
+    """One way at the budgets of `group`, in a process of its own, run from the code at `code`."""
+    cmd = [sys.executable, str(code / "benchmarks" / "long_budgets.py"), "--way", way, "--budget", ",".join(group),
+           "--prompts", str(args.prompts), "--samples", str(args.samples), "--slots", str(args.slots),
+           "--threads", str(args.threads), "--clock", args.clock, "--device", args.device,
+           "--dtype", args.dtype]
+    cmd += (["--model", args.model] if args.model else []) + (
+        ["--kv-gib", str(args.kv_gib)] if args.kv_gib is not None else [])
+    out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                         [str(code)] + [x for x in [os.environ.get("PYTHONPATH")] if x])), cwd=code, check=True,
+                         stdout=subprocess.PIPE, text=True)
+    for line in out.stdout.strip().splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            print(json.dumps(row), flush=True)
+            got[way, row["budget"]] = row
 
 
 def main() -> None:
@@ -169,22 +206,12 @@ def main() -> None:
     # share one (the peak is reset for each, the model loads once)
     budgets = args.budgets.split(",")
     groups = [[b] for b in budgets] if args.device == "cpu" else [budgets]
-    for group in groups:
-        for way in args.ways.split(","):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--way", way, "--budget", ",".join(group),
-                   "--prompts", str(args.prompts), "--samples", str(args.samples), "--slots", str(args.slots),
-                   "--threads", str(args.threads), "--clock", args.clock, "--device", args.device,
-                   "--dtype", args.dtype]
-            cmd += (["--model", args.model] if args.model else []) + (
-                ["--kv-gib", str(args.kv_gib)] if args.kv_gib is not None else [])
-            out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                 [str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x])), cwd=ROOT, check=True,
-                                 stdout=subprocess.PIPE, text=True)
-            for line in out.stdout.strip().splitlines():
-                if line.startswith("{"):
-                    row = json.loads(line)
-                    print(json.dumps(row), flush=True)
-                    got[way, row["budget"]] = row
+    ways = args.ways.split(",")
+    with contextlib.ExitStack() as stack:
+        static_tree = stack.enter_context(worktree(STATIC_REV)) if "static" in ways else None
+        for group in groups:
+            for way in ways:
+                _one(args, way, group, static_tree if way == "static" else ROOT, got)
     budgets = sorted({b for _, b in got})
     ways = sorted({w for w, _ in got})
     summary = {f"{w}: {budgets[-1]} over {budgets[0]}": round(got[w, budgets[-1]]["tokens_per_s"]

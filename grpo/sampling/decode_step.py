@@ -1,27 +1,21 @@
-"""The static sampler's decode step: S slots of a static KV cache, each at its own point, one step for them all.
+"""The sampler's decode step: S slots over a paged KV cache, each at its own point, one step for them all.
 
 For Llama-family decoders (Qwen2, Qwen3, Llama, Mistral: RMSNorm, rotary, grouped-query attention, SwiGLU MLP).
-The state (`_State`) is allocated once per shape (S slots, prompt bucket P, budget C): one [S, kv_heads, P + C,
-head_dim] tensor per layer for keys and for values, and per slot its token count, its prompt's next position, its
-row's random stream, limit and done flag, its chosen tokens and their log-probs. A step (`_decode` then `_choose`):
+The slots' fields (`_State`) are allocated once per shape (S slots, prompt bucket P, budget C): per slot its token
+count, its prompt's next position, its row's random stream, limit and done flag, its chosen tokens and their
+log-probs; the keys and values live in pages (`grpo.sampling.pages.PagedState`). A step (`_decode` then `_choose`):
 
 - reads the weights straight from the model (`cpu_decoder`'s fused and packed linears);
-- feeds each slot's last token, writes its K/V at the slot's own cache position P + n - 1 (a scatter: the slots are
-  at different points) and opens it in the slot's validity mask, attends over the cache under that mask (left
-  padding and not-yet-written positions masked), then samples inside the step: temperature, top-k and top-p, and
-  the inverse CDF at the slot's draw for that token (`draws.uniform_at`: its row's stream and the token's count),
-  so the random state, the counters and the done flags all live on the device and a slot's tokens depend on its
-  own row alone;
+- feeds each slot's last token, writes its K/V at the slot's own position in its pages (the slots are at different
+  points), attends over what its state says it reads (`attention(kv_len)`: each slot its own positions), then
+  samples inside the step: temperature, top-k and top-p, and the inverse CDF at the slot's draw for that token
+  (`draws.uniform_at`: its row's stream and the token's count), so the random state, the counters and the done flags
+  all live on the device and a slot's tokens depend on its own row alone;
 - runs over the first m slots (`_State.rows(m)`, views of the same storage), so the scheduler (`slots.SlotBatch`),
   which keeps live slots at the front, computes no ended row eagerly; on CUDA the step is captured as a
   `torch.cuda.CUDAGraph` for each of `row_buckets(S)` and replayed, and a slot that ended between the host's checks
-  writes a dump column and stays as it was.
-
-The sampler keeps its keys and values in pages (`grpo.sampling.pages.PagedState`, the same per-slot fields; this
-static `_State` stays for `kv_layout="static"`, what benchmarks compare with): the step asks its state where each
-slot's token goes and what attention reads (`attention(kv_len)`). A captured step over pages is made again when the
-page pools grow (they move): `_Capture.run` sees the pools' version change and captures anew, keeping the slots'
-fields as they were.
+  writes a dump column and stays as it was. A captured step is made again when the page pools grow (they move):
+  `_Capture.run` sees the pools' version change and captures anew, keeping the slots' fields as they were.
 
 Must not depend on Prefect or MLflow.
 """
@@ -160,24 +154,16 @@ def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
 
 
 class _State:
-    """Everything one decode step reads and writes for S slots, allocated once per shape (S slots, prompt bucket P,
-    budget C). Each slot holds one sample at its own point: `n` tokens chosen, its prompt's positions, its stream.
-    Slots are kept packed at the front (`rows(m)` is the first m of every tensor, views of the same storage), so a
-    step over the live slots is a step over a prefix.
+    """The slots' own fields, which every decode step reads and writes, allocated once per shape (S slots, prompt
+    bucket P, budget C): each slot holds one sample at its own point: `n` tokens chosen, its prompt's positions, its
+    stream, its limit, its chosen tokens and their log-probs. Slots are kept packed at the front (`rows(m)` is the
+    first m of every tensor, views of the same storage), so a step over the live slots is a step over a prefix.
 
-    The cache here is static: each slot owns a row of P + C positions per layer, its prompt right-aligned in the
-    first P (the CUDA step's captured layout). `pages.PagedState` keeps the same per-slot fields and puts the keys
-    and values in pages instead; both answer `place`, `release`, `kv_len` and `attention` for `slots.SlotBatch`."""
-
-    paged = False
+    The keys and values are the subclass's (`pages.PagedState`): it answers `place`, `release`, `kv_len`,
+    `kv_bytes` and `attention` for `slots.SlotBatch` and the step."""
 
     def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device):
         self._slot_fields(model, S, P, C, dtype, device)
-        T = self.T
-        self.k = [torch.zeros(S, self.n_kv, T, self.head_dim, dtype=dtype, device=device)
-                  for _ in range(self.n_layers)]  # [S, Hkv, T, D] each
-        self.v = [torch.zeros_like(k) for k in self.k]
-        self.bias = torch.zeros(S, 1, 1, T, dtype=dtype, device=device)  # 0 where a key may be read, min elsewhere
 
     def _slot_fields(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype,
                      device: torch.device) -> None:
@@ -205,7 +191,7 @@ class _State:
         self.S, self.P, self.C, self.T = S, P, C, T
         self._views: dict[int, _State] = {}
 
-    _PER_SLOT = ("bias", "next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs")
+    _PER_SLOT = ("next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs")
 
     def rows(self, m: int) -> "_State":
         """The first m slots: the same object's tensors cut to their first m rows (views, so steps write through)."""
@@ -213,54 +199,11 @@ class _State:
             return self
         if m not in self._views:
             view = copy.copy(self)
-            self._cut_cache(view, m)
             for name in self._PER_SLOT:
                 setattr(view, name, getattr(self, name)[:m])
             view.S, view._views = m, {}
             self._views[m] = view
         return self._views[m]
-
-    def _cut_cache(self, view: "_State", m: int) -> None:
-        view.k, view.v = [k[:m] for k in self.k], [v[:m] for v in self.v]
-
-    def move(self, src: int, dst: int) -> None:
-        """Slot `src`'s sample into slot `dst` (which is free); `src` is left free."""
-        for t in self.k + self.v:
-            t[dst] = t[src]
-        for name in self._PER_SLOT:
-            t = getattr(self, name)
-            t[dst] = t[src]
-        self.done[src] = True
-
-    def place(self, slots: list[int], prompts: list[int], prefilled: list[tuple], mask: torch.Tensor) -> None:
-        """Each prompt's keys and values (`prefilled`: per layer [Hkv, width, D] lists, right-aligned, padding where
-        `mask` [r, P] is 0) into its slot's prompt part, which opens where the mask says."""
-        P = self.P
-        for slot, (keys, values) in zip(slots, prefilled):
-            width = keys[0].size(1)
-            for i in range(len(self.k)):
-                self.k[i][slot, :, P - width : P] = keys[i]
-                self.v[i][slot, :, P - width : P] = values[i]
-        # additive, which SDPA on CPU runs faster than a bool mask; completion slots open as they are written
-        floor = torch.finfo(self.bias.dtype).min
-        bias = torch.full((len(slots), self.T), floor, dtype=self.bias.dtype, device=self.device)  # [r, T]
-        bias[:, :P].masked_fill_(mask.bool(), 0.0)
-        self.bias[torch.tensor(slots, device=self.device), 0, 0] = bias
-
-    def release(self, slot: int) -> None:
-        """The slot's row has left (nothing to give back: its cache row is the slot's own)."""
-
-    def kv_len(self, m: int, full: bool) -> int:
-        """Positions a step over the first m slots attends over: the whole row (`full`, the captured shape) or as far
-        as the furthest of them has written."""
-        return self.T if full else self.P + int(self.n[:m].max())
-
-    def kv_bytes(self) -> int:
-        """Bytes the keys and values take."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def attention(self, kv_len: int) -> "_StaticAttention":
-        return _StaticAttention(self, kv_len)
 
 
 def row_buckets(S: int) -> list[int]:
@@ -360,8 +303,8 @@ def _step(st: _State, w: _Weights, cfg, s: SamplingConfig, eos: torch.Tensor, pa
 
 
 def _decode(st, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
-    """The logits [S, V] after each slot's last chosen token, whose keys and values go into the slot's cache (a
-    `_State`'s row at P + n - 1, a `pages.PagedState`'s page), attending over what `st.attention` says it reads."""
+    """The logits [S, V] after each slot's last chosen token, whose keys and values go into the slot's pages
+    (`pages.PagedState`), attending over what `st.attention` says it reads."""
     S, D, Hkv, Hq, eps = st.tok.size(0), st.head_dim, st.n_kv, cfg.num_attention_heads, cfg.rms_norm_eps
     pos = (st.next_pos + (st.n - 1)).clamp(min=0)  # [S] (a free slot's count may be 0)
     cos, sin = st.cos.index_select(0, pos)[:, None], st.sin.index_select(0, pos)[:, None]  # [S, 1, D]
@@ -382,29 +325,6 @@ def _decode(st, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
         gate, up = layer.gate_up(h).chunk(2, -1)  # [S, I] each
         x = x + layer.down(F.silu(gate) * up)
     return w.head(_rms_norm(x, w.norm, eps))  # [S, V]
-
-
-class _StaticAttention:
-    """One step's cache access in a `_State`: each slot's new K/V at its row's P + n - 1 (a scatter), attention over
-    the first kv_len positions of every row under the rows' validity bias."""
-
-    def __init__(self, st: "_State", kv_len: int):
-        S = st.tok.size(0)
-        slot = (st.n + (st.P - 1)).view(S, 1, 1, 1)  # [S, 1, 1, 1] each slot at its own place
-        st.bias.scatter_(-1, slot, 0.0)  # the new token's cache slot opens, in each slot's own row
-        self.st, self.kv_len = st, kv_len
-        self.bias = st.bias[..., :kv_len]  # [S, 1, 1, kv_len]
-        self.at = slot.expand(S, st.n_kv, 1, st.head_dim)  # [S, Hkv, 1, D]
-
-    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.st.k[i].scatter_(2, self.at, k[:, :, None])  # [S, Hkv, 1, D] into [S, Hkv, T, D]
-        self.st.v[i].scatter_(2, self.at, v[:, :, None])
-
-    def attend(self, i: int, q: torch.Tensor) -> torch.Tensor:
-        """q [S, Hkv, Hq/Hkv, D] over layer i's first kv_len positions of each row: [S, Hkv, Hq/Hkv, D]."""
-        st = self.st
-        return F.scaled_dot_product_attention(q, st.k[i][:, :, : self.kv_len], st.v[i][:, :, : self.kv_len],
-                                              attn_mask=self.bias, scale=st.scale)
 
 
 def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

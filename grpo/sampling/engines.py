@@ -13,7 +13,7 @@ one per stage in the recipe):
 
 The engines:
 - `local` (`grpo.sampling.backend.TransformersBackend`): the model in this process. With `sampler: auto`,
-  Qwen2/Qwen3/Llama/Mistral-style decoders sample through the static-cache sampler (`grpo.sampling.static_sampler`:
+  Qwen2/Qwen3/Llama/Mistral-style decoders sample through the static-shape sampler (`grpo.sampling.static_sampler`:
   a KV cache allocated once, sampling inside the step, CUDA graphs on a GPU, a bf16 copy of fp32 weights where the
   stage computes in bf16); any other model, or one the static step cannot compute exactly, decodes through its own
   forward, step by step (logged once). `sampler: loop` always takes the latter.

@@ -1,7 +1,8 @@
 """A paged KV cache for the decode step: keys and values in fixed-size pages that rows take as they grow.
 
-A slot's static cache row (`decode_step._State`) holds P + C positions whatever its row writes, so memory and the
-work of each step follow the budget. Here (`PagedState`) each layer's keys and values live in one pool of pages of
+A static cache row of P + C positions a slot (what the captured step had before) holds the budget whatever its row
+writes, so memory and the work of each step follow the budget. Here (`PagedState`, the slots' fields of
+`decode_step._State` and the cache) each layer's keys and values live in one pool of pages of
 `PAGE_TOKENS` positions ([kv_heads, pages x PAGE_TOKENS, head_dim]: a head's page is one block of memory, so the
 pages a step gathers line up as [kv_heads, slots, positions, head_dim] with each slot's positions contiguous, the
 layout CPU attention reads fastest); a slot has a block table, the pages it reads in order, and takes a page each
@@ -137,13 +138,14 @@ class SharedPools:
 
 
 class PagedState(_State):
-    """A `_State` whose keys and values are pages of a pool. Per slot, on the device: its block table [S, max pages],
-    its prefix's valid length (`plen`: the prompt, or for a resumed row the prompt and the tokens it had chosen),
+    """The slots' fields (`_State`) and their keys and values, in pages of a pool (a view of the first m slots,
+    `rows(m)`, shares the pools and dense rows: the same list objects, so a grown pool is seen by every view). Per
+    slot, on the device: its block table [S, max pages], its prefix's valid length (`plen`: the prompt, or for a
+    resumed row the prompt and the tokens it had chosen),
     where its own tokens start (`start`: a page boundary) and `base` (start less the chosen tokens its prefix holds):
     token j of the row sits at position base + j of the slot's pages. Host-side: the pages each slot reads (`prefix`,
     shared with the other rows of its prompt) and owns (`own`), and the pages each prompt's prefix is in."""
 
-    paged = True
     _PER_SLOT = ("next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs", "table", "plen",
                  "start", "base")
 
@@ -199,10 +201,6 @@ class PagedState(_State):
         self.table.zero_()
         self.done.fill_(True)
         self.n.zero_()
-
-    def _cut_cache(self, view: _State, m: int) -> None:
-        """A view of the first m slots shares the pools and dense rows (the same list objects: a grown pool is seen
-        by every view)."""
 
     def move(self, src: int, dst: int) -> None:
         for name in self._PER_SLOT:

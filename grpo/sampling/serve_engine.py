@@ -12,13 +12,11 @@ Batching rules. One SlotBatch has one sampling setting (temperature, top_k, top_
 C. A request joins the running batch at once, its rows queued for slots inside it, when its setting is the
 batch's, its longest prompt fits P and its max_tokens (trimmed to the model's length) fits C. One that does not
 fit waits, and every request after it waits behind it (first come, first served: nothing starves), until the
-batch drains. With a paged KV cache (eager steps: a CPU) a batch is as wide as the model (P = C = its length, every
-log-prob kept): K/V follows what rows write, so every request of the batch's setting fits, and rows are admitted
-as slots and pages free. Otherwise (captured steps, a static cache of P + C positions a slot) a batch is shaped
-for the waiting requests of the first one's setting: P = `static_sampler.prompt_bucket` of their longest prompt,
-C = their largest max_tokens rounded up to a power of two (at least 16, at most the model's length), so requests
-of similar budgets share a batch and the shapes, and on a GPU their captured steps, repeat. Slots: `slots`
-(default 64), fewer where the KV cache budget holds fewer.
+batch drains. The KV cache is paged, so a batch is as wide as the model (P = C = its length, every log-prob kept):
+K/V follows what rows write, so every request of the batch's setting fits, and rows are admitted as slots and
+pages free. A model with no known length gets a batch shaped for the waiting requests of the first one's setting:
+P = `static_sampler.prompt_bucket` of their longest prompt, C = their largest max_tokens rounded up to a power of
+two (at least 16). Slots: `slots` (default 64).
 
 A row's tokens depend only on its prompt and its random stream: a request's are drawn from a `torch.Generator` seeded
 with its `seed` (the engine's own generator when none), as `TransformersBackend.generate_from_text` under
@@ -317,7 +315,7 @@ class BatchingEngine:
         """A batch for the waiting requests of the first one's setting (see the module docstring)."""
         setting = self._pending[0].setting
         jobs = [j for j in self._pending if j.setting == setting]
-        if self.sampler.paged and self.max_len is not None:
+        if self.max_len is not None:
             # a paged cache holds what rows write, not P + C a slot: one batch as wide as the model takes every
             # request of this setting, whatever its prompt and max_tokens, as slots and pages free
             P = C = self.max_len
@@ -325,9 +323,7 @@ class BatchingEngine:
         else:
             P = prompt_bucket(max(len(ids) for j in jobs for ids in j.prompt_ids))
             C = max(MIN_BUDGET, 1 << (max(j.limit for j in jobs) - 1).bit_length())
-            if self.max_len is not None:
-                C = min(C, self.max_len)
-            S = min(self.slots, self.sampler._rows_per_part(self.slots, P + C))  # fewer where the KV budget says so
+            S = self.slots
             logprobs = any(j.request.logprobs for j in jobs)
         s = self._pending[0].request.sampling.model_copy(update={"max_new_tokens": C})
         eos, pad = self.backend.eos_ids, self.tokenizer.pad_token_id

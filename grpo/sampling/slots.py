@@ -1,4 +1,4 @@
-"""Continuous batching: rows that come and go through the slots of one static-cache decode step (`SlotBatch`).
+"""Continuous batching: rows that come and go through the slots of one paged decode step (`SlotBatch`).
 
 The scheduler on the host: which row each slot holds, the queue of waiting rows, the prompts' prefills shared by
 their rows, and what is handed back as rows end (`Ended`) or as tokens come (`new_tokens`, for streaming). The step
@@ -38,10 +38,9 @@ class SlotBatch:
 
     A slot whose row ends takes the next waiting row before the next step: its prompt's keys and values (prefilled
     once per submitted prompt, its G rows sharing them; prompts are prefilled in chunks, the next S waiting rows'
-    at once) written into the slot's prompt part (a paged cache: into pages once, read by the prompt's rows), its
-    first token chosen from the prefill's logits. In a paged cache (`pages.PagedState`) a row is admitted when its
-    prompt's pages and one more fit, each row gets the pages its next steps write before they run, and when a
-    budget's pool has too few the newest rows are preempted: back to the front of the queue with the tokens they
+    at once) written into pages once, read by the prompt's rows, its first token chosen from the prefill's logits.
+    A row is admitted when its prompt's pages and one more fit (`pages.PagedState`), each row gets the pages its
+    next steps write before they run, and when a budget's pool has too few the newest rows are preempted: back to the front of the queue with the tokens they
     chose, to resume from a forward over their prompt and those tokens, ending as they would have. Once no row
     waits, the live slots are moved to the front and a step computes those alone (a captured step: the smallest
     bucket of `row_buckets` that holds them). A row's tokens depend on its prompt and its random stream only, not on its
@@ -58,11 +57,7 @@ class SlotBatch:
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)  # [E]
         self.cap = sampler._capture(self.model, S, P, s, self.eos, pad_id, want_logprobs)
         st = self.state = self.cap.state
-        if st.paged:  # every slot free, every page back in the pool (a kept state's pools are shared)
-            st.reset()
-        else:
-            st.done.fill_(True)  # every slot free
-            st.n.zero_()
+        st.reset()  # every slot free, every page back in the pool (a kept state's pools are shared)
         self.S, self.P, self.C = S, P, s.max_new_tokens
         self.slot_row: list[int | None] = [None] * S  # slot -> the key of the row in it
         self.waiting: collections.deque[int] = collections.deque()  # keys, in the order they take slots
@@ -183,24 +178,20 @@ class SlotBatch:
                 st.move(last, hole)
                 self.slot_row[hole], self.slot_row[last] = self.slot_row[last], None
         every = self.sampler.check_every if self.device.type == "cuda" else 1  # a check syncs only on a device
-        if st.paged:
-            self._pages_ahead(every)
+        self._pages_ahead(every)
         taken = [i for i, row in enumerate(self.slot_row) if row is not None]
         if not taken:
             return out
         m = taken[-1] + 1
         counts = self.sampler.counts
-        kv_len = st.kv_len(m, self.sampler.full_cache_attention)  # a paged cache's covers the pages taken ahead
+        kv_len = st.kv_len(m, self.sampler.full_cache_attention)  # covers the pages taken ahead
         for _ in range(every):
             self.cap.run(m, kv_len)
             counts.steps += 1
             counts.rows_computed += self.cap.rows_run(m)
-            counts.kv_positions_read += st.stats["positions_read"] if st.paged else self.cap.rows_run(m) * kv_len
-            if not st.paged:
-                kv_len = min(kv_len + 1, st.T)
+            counts.kv_positions_read += st.stats["positions_read"]
         counts.kv_bytes_allocated = max(counts.kv_bytes_allocated, st.kv_bytes())
-        if st.paged:
-            counts.pages_high_water = max(counts.pages_high_water, st.pool.high_water)
+        counts.pages_high_water = max(counts.pages_high_water, st.pool.high_water)
         return out
 
     def _pages_ahead(self, steps: int) -> None:
@@ -243,29 +234,27 @@ class SlotBatch:
         return out
 
     def _admit(self, free: list[int]) -> list[int]:
-        """Fill `free` slots with the next waiting rows (in a paged cache, while their pages fit); returns the slots
-        filled."""
+        """Fill `free` slots with the next waiting rows, while their pages fit; returns the slots filled."""
         st = self.state
         pairs, resumed = [], []
-        room = st.room() if st.paged else 0
+        room = st.room()
         placed: set = set()  # prompts whose pages this admission already counted
         while free[len(pairs) + len(resumed):] and self.waiting:
             key = self.waiting[0]
-            if st.paged:
-                if key in self._resume:
-                    prompt, chosen, _ = self._resume[key]
-                    need = st.pages_to_place(("resumed", key), prompt.numel() + chosen.numel() - 1)
-                else:
-                    u = self._rows[key][0]
-                    need = 1 if u in placed else st.pages_to_place(u, int(self._prompts[u][1].sum()))
-                if need > room:
-                    if not self.live and not pairs and not resumed:
-                        raise RuntimeError(f"a row needs {need} pages and the KV cache has {room} free with no row "
-                                           f"decoding")
-                    break
-                room -= need
-                if key not in self._resume:
-                    placed.add(self._rows[key][0])
+            if key in self._resume:
+                prompt, chosen, _ = self._resume[key]
+                need = st.pages_to_place(("resumed", key), prompt.numel() + chosen.numel() - 1)
+            else:
+                u = self._rows[key][0]
+                need = 1 if u in placed else st.pages_to_place(u, int(self._prompts[u][1].sum()))
+            if need > room:
+                if not self.live and not pairs and not resumed:
+                    raise RuntimeError(f"a row needs {need} pages and the KV cache has {room} free with no row "
+                                       f"decoding")
+                break
+            room -= need
+            if key not in self._resume:
+                placed.add(self._rows[key][0])
             slot = free[len(pairs) + len(resumed)]
             (resumed if key in self._resume else pairs).append((slot, self.waiting.popleft()))
         for slot, key in resumed:
@@ -293,9 +282,8 @@ class SlotBatch:
             heads.append(u)
             streams.append(stream)
             limits.append(limit)
-            if st.paged:
-                ids, mask = self._prompts[u][0], self._prompts[u][1]
-                self._row_prompt[key] = ids[mask.bool()]
+            ids, mask = self._prompts[u][0], self._prompts[u][1]
+            self._row_prompt[key] = ids[mask.bool()]
         mask = torch.stack([self._prompts[u][1] for u in heads])  # [r, P]
         logits = torch.stack([self._prefilled[u][2] for u in heads])  # [r, V]
         st.place(slots, heads, [self._prefilled[u][:2] for u in heads], mask)

@@ -1,4 +1,4 @@
-"""The static-cache sampler: every decode step the same shapes, its state on the device, so a GPU can replay it.
+"""The static-shape sampler: every decode step the same shapes, its state on the device, so a GPU can replay it.
 
 For Llama-family decoders (Qwen2, Qwen3, Llama, Mistral: RMSNorm, rotary, grouped-query attention, SwiGLU MLP).
 One call samples a set of left-padded prompt rows by continuous batching:
@@ -17,8 +17,8 @@ One call samples a set of left-padded prompt rows by continuous batching:
   the rows' lengths, not the budget; under a budget (`memory_budget`) rows are admitted by free pages and the
   newest is preempted when they run out (it resumes with the same tokens). Eager steps (a CPU) attend over dense
   rows kept from step to step; kept, captured steps (CUDA) over the pages themselves, each row as far as it has
-  written (`paged_attention`), their pool shared by every kept shape. `kv_layout="static"` keeps the layout
-  captured steps had before (P + C positions a slot, attended in full), for the benchmarks to compare against;
+  written (`paged_attention`), their pool shared by every kept shape (the static cache of P + C positions a slot,
+  attended in full, that captured steps had before is gone: BENCHMARKS.md, "Long budgets", compares the two);
 - each decode step (`grpo.sampling.decode_step`) reads the weights straight from the model, each slot at its own
   position, and samples inside the step, each row from its own counter-based random stream (`draws`: one 64-bit
   stream a row, drawn up front; tests inject them): a row's tokens depend on its prompt and its stream, not on its
@@ -51,7 +51,7 @@ from transformers import PreTrainedModel
 
 from grpo.config import SamplingConfig
 from grpo.sampling.cpu_decoder import _STATIC_ROPE, lora_reason
-from grpo.sampling.decode_step import (CDF_BLOCK, F, _Capture, _read_weights, _State, _step, _Weights,
+from grpo.sampling.decode_step import (CDF_BLOCK, F, _Capture, _read_weights, _step, _Weights,
                                        _weight_tensors, choose_tokens, decoder, distinct_rows, inverse_cdf)
 from grpo.sampling.draws import draw_streams
 from grpo.sampling.pages import PagedState, SharedPools, page_bytes
@@ -134,7 +134,7 @@ class DecodeCounts:
         self.kv_positions_read = 0  # cache positions those steps' attention read, summed over their slots and steps
         self.preemptions = 0  # rows a paged cache put back in the queue for want of pages
         self.pages_high_water = 0  # the most pages of a paged cache in use at once
-        self.kv_bytes_allocated = 0  # the largest KV cache a call held: a paged pool's pages, or S static rows
+        self.kv_bytes_allocated = 0  # the largest KV cache a call held: its page pool (and dense rows, eagerly)
 
     def take(self) -> "DecodeCounts":
         """What was counted since the last take (or the start), and a fresh count from here."""
@@ -170,9 +170,8 @@ class StaticSampler:
 
     dtype: the weights it samples with (None: the model's own; another: a copy in that dtype, made on first use and
     refreshed by `sync_weights`). memory_budget: bytes the KV cache may take (None: `GPU_FREE_SHARE` of a GPU's free
-    memory, no limit on a CPU): the page pool's size (rows wait for pages, and are preempted when they run out), or
-    with `kv_layout="static"` the static cache's, a batch whose cache would not fit sampled in parts of as many rows
-    as fit.
+    memory, no limit on a CPU): the page pool's size at most (rows wait for pages, and are preempted when they run
+    out).
     check_every: decode steps between the host's checks that every row has ended (on CUDA; on CPU it checks every
     step, which costs nothing there). graphs: capture the step as a CUDA graph (None: on CUDA). keep_captures: keep
     each shape's state and step for the next calls, their weights refreshed in place by `sync_weights` (None: with
@@ -185,11 +184,9 @@ class StaticSampler:
 
     def __init__(self, model: PreTrainedModel, *, dtype: torch.dtype | None = None, memory_budget: int | None = None,
                  check_every: int = 16, graphs: bool | None = None, full_cache_attention: bool | None = None,
-                 buckets: bool | None = None, keep_captures: bool | None = None, kv_layout: str = "paged"):
+                 buckets: bool | None = None, keep_captures: bool | None = None):
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1, got {check_every}")
-        if kv_layout not in ("paged", "static"):
-            raise ValueError(f"kv_layout must be 'paged' or 'static', got {kv_layout!r}")
         if memory_budget is not None and memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes or None, got {memory_budget}")
         self.model, self._dtype = model, dtype
@@ -203,7 +200,6 @@ class StaticSampler:
         self._copy: PreTrainedModel | None = None  # the model in self.dtype, when that is not its own
         self._weights: _Weights | None = None  # kept while captures read them (refreshed in place)
         self._captures: dict[tuple, _Capture] = {}
-        self.kv_layout = kv_layout
         self._pools: SharedPools | None = None  # the kept states' page pools (allocated once, by the budget)
         self._max_pages: int | None = None
         self._seen = None  # the policy's parameters (addresses and versions) at the last sync
@@ -272,8 +268,7 @@ class StaticSampler:
             # what the decode loop in `backend` draws for a batch of `slots` rows, so a seed samples the same tokens
             # whether rows are decoded a batch at a time or streamed through slots
             streams = draw_streams(B, self.device, per=slots or B)  # [B]
-        # a paged cache admits rows by its free pages; a static one holds as many slots as the budget has rows
-        S = min(B, slots or B) if self.paged else min(B, slots or B, self._rows_per_part(B, P + C))
+        S = min(B, slots or B)  # the pages' budget admits rows as their pages fit
         return ids, mask, streams.to(torch.long), S
 
     @torch.inference_mode()
@@ -329,12 +324,6 @@ class StaticSampler:
                     torch.stack([x[2] for x in members])[:, :used].cpu() if return_logprobs else None,
                     torch.stack([x[3] for x in members]).cpu()))
 
-    @property
-    def paged(self) -> bool:
-        """Whether calls decode with a paged KV cache (`pages.PagedState`): always, unless `kv_layout="static"` asks
-        for the layout captured steps had before (P + C positions a slot), which benchmarks compare against."""
-        return self.kv_layout == "paged"
-
     def _kv_budget(self) -> int | None:
         """Bytes the KV cache may take: `memory_budget`, else on a GPU a share of what is free now (the trainer's
         activations are gone between steps; its weights, gradients and optimizer state stay: the rest is left to
@@ -358,18 +347,6 @@ class StaticSampler:
                         pools=self._pools)
         self._pools = st.pools
         return st
-
-    def _rows_per_part(self, B: int, T: int) -> int:
-        budget = self._kv_budget()
-        if budget is None:
-            return B
-        inner = decoder(self.model)
-        cfg, attn = inner.config, inner.model.layers[0].self_attn
-        per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * T * attn.head_dim * self.dtype.itemsize
-        if per_row > budget:
-            raise ValueError(f"a KV cache budget of {budget} bytes holds no row's KV cache: one row of {T} tokens "
-                             f"takes {per_row} bytes; raise generation.kv_cache_mb or shorten max_new_tokens")
-        return min(B, budget // per_row)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, streams: torch.Tensor, s: SamplingConfig,
              eos_ids: list[int], pad_id: int, want_logprobs: bool, S: int) -> Iterator[tuple]:
@@ -396,7 +373,7 @@ class StaticSampler:
                  want_logprobs: bool) -> _Capture:
         """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
-        if self.paged and not self.keep_captures:  # made afresh each call, its pool at the budget's size (which it
+        if not self.keep_captures:  # made afresh each call, its pool at the budget's size (which it
             # never outgrows) or growing; attention reads dense rows kept from step to step (fastest on a CPU)
             budget = self._kv_budget()
             max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
@@ -411,10 +388,7 @@ class StaticSampler:
             while len(self._captures) >= _MAX_CAPTURES:
                 self._captures.pop(next(iter(self._captures)))  # the oldest shape first
             w, eos = self._weights, eos.clone()
-            if self.paged:  # kept states read their pages in place (`paged_attention`), one pool shared by all
-                st = self._kernel_state(model, S, P, C)
-            else:
-                st = _State(model, S, P, C, self.dtype, self.device)
+            st = self._kernel_state(model, S, P, C)  # reads its pages in place (`paged_attention`), one pool for all
             self._captures[key] = _Capture(
                 st, lambda view, kv_len: _step(view, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
                 self.graphs)

@@ -173,22 +173,25 @@ def test_two_level_inverse_cdf_picks_what_a_full_float64_cumsum_picks(V):
     assert widest.most <= B * max(min(V, static_sampler.CDF_BLOCK), -(-V // static_sampler.CDF_BLOCK))
 
 
-def test_a_memory_budget_splits_the_batch_into_the_same_tokens():
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_memory_budget_admits_rows_as_their_pages_fit_with_the_same_tokens(captured):
     model = make_model()
     ids, mask = left_padded([5, 11, 3, 9], repeat=2)
     s = SamplingConfig(max_new_tokens=16, temperature=1.0)
     u = draw_streams(8, generator=torch.Generator().manual_seed(6))
-    whole = StaticSampler(model, buckets=True).sample(ids, mask, s, EOS, PAD, streams=u)
-    # one row's cache: 2 layers x (K and V) x 2 KV heads x (32 + 16) slots x 16 dims x 4 bytes = 24,576 bytes
-    row = 2 * 2 * 2 * 48 * 16 * 4
-    split = StaticSampler(model, memory_budget=3 * row, buckets=True)
-    assert split._rows_per_part(8, 48) == 3
-    parts = split.sample(ids, mask, s, EOS, PAD, streams=u)
+    kw = dict(keep_captures=True, full_cache_attention=True) if captured else {}
+    whole = StaticSampler(model, buckets=True, **kw).sample(ids, mask, s, EOS, PAD, streams=u)
+    # a row's pages: its prompt's (up to 32 positions: 2 of 16) and its 16 tokens' (1), and one a resumed row may
+    # need more: 4 pages of 2 layers x (K and V) x 2 KV heads x 16 positions x 16 dims x 4 bytes = 8,192 bytes each
+    page = 2 * 2 * 2 * 16 * 16 * 4
+    tight = StaticSampler(model, memory_budget=9 * page, buckets=True, **kw)  # room for two rows at a time
+    parts = tight.sample(ids, mask, s, EOS, PAD, streams=u)
     assert torch.equal(whole.completion_ids, parts.completion_ids)
     assert torch.equal(whole.completion_mask, parts.completion_mask) and torch.equal(whole.truncated, parts.truncated)
-    assert torch.allclose(whole.logprobs, parts.logprobs, atol=1e-5)  # a smaller batch may round a matmul apart
+    assert torch.allclose(whole.logprobs, parts.logprobs, atol=1e-5)  # fewer rows a step may round a matmul apart
+    assert tight.counts.pages_high_water <= 8  # page 0 is never handed out
     with pytest.raises(ValueError, match="holds no row"):
-        StaticSampler(model, memory_budget=row - 1, buckets=True).sample(ids, mask, s, EOS, PAD)
+        StaticSampler(model, memory_budget=4 * page - 1, buckets=True, **kw).sample(ids, mask, s, EOS, PAD)
 
 
 def test_logprobs_only_when_asked():
