@@ -37,31 +37,17 @@ with `--threads 1`, it is what the work costs whatever else runs (a wall clock t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from worktrees import STATIC_REV, worktree
+
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "5fcd545"  # main before the sampler streamed rows through slots
-STATIC_REV = "2f2b6ce"  # the last commit whose sampler could still decode with a static cache (kv_layout="static")
-
-
-@contextlib.contextmanager
-def worktree(rev: str):
-    """The repository at `rev`, checked out in a temporary folder (removed after)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / rev
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
-                       capture_output=True)
-        try:
-            yield tree
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def workload(args):

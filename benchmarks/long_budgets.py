@@ -28,26 +28,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from worktrees import STATIC_REV, worktree
+
 ROOT = Path(__file__).resolve().parent.parent
 LONGEST = 500  # the longest row: under the smallest budget
-STATIC_REV = "2f2b6ce"  # the last commit whose sampler could still decode with a static cache (the `static` way)
-
-
-@contextlib.contextmanager
-def worktree(rev: str):
-    """The repository at `rev`, checked out in a temporary folder (removed after)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / rev
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
-                       capture_output=True)
-        try:
-            yield tree
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def load(args):
@@ -130,7 +117,7 @@ def run(args) -> list[dict]:
         with torch.inference_mode():
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            call(4)  # warm-up (on CUDA: the captures)
+            call(min(4, args.prompts))  # warm-up (on CUDA: the captures)
             if cuda and not out:
                 call(args.prompts)  # the process's first budget: every kernel and allocation warm, as for the next
             sampler.counts = type(sampler.counts)()
