@@ -4,6 +4,7 @@ continuous batching (`generate_batch`), on the same model and prompts, one after
 usage: python benchmarks/continuous_batching.py [--before REV] [--static] [--no-peer] [--prompts 128]
                                                 [--samples 4] [--slots 64] [--budget 256] [--eos-scale 10]
                                                 [--repeats 1] [--threads 2] [--clock wall|cpu]
+                                                [--model DIR --dtype bfloat16] [--peer-timeout S]
 
 The workload (the same for every way):
 - the embedded recipe's model shape (Qwen2, hidden 256, 4 layers, 2.97M parameters, its 1,024-entry BPE tokenizer),
@@ -53,11 +54,21 @@ BEFORE = "5fcd545"  # main before the sampler streamed rows through slots
 def workload(args):
     import torch
 
-    from grpo.config import TinyModelConfig
-    from grpo.tiny import build_tiny_model, build_tokenizer
+    if args.model:  # a preset folder (gpu/make_model.py), on the GPU where there is one
+        from grpo.config import ModelConfig
+        from grpo.models import load_model_and_tokenizer
 
-    tok = build_tokenizer()
-    model = build_tiny_model(TinyModelConfig(max_position_embeddings=args.budget + 128), tok).eval()
+        model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=args.model, dtype=args.dtype or "float32"))
+        model.config.max_position_embeddings = max(model.config.max_position_embeddings, args.budget + 128)
+        model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        if tok.chat_template is None:  # the presets' prompts are plain text
+            tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    else:
+        from grpo.config import TinyModelConfig
+        from grpo.tiny import build_tiny_model, build_tokenizer
+
+        tok = build_tokenizer()
+        model = build_tiny_model(TinyModelConfig(max_position_embeddings=args.budget + 128), tok).eval()
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] *= args.eos_scale  # tied: the embedding row too (never an input)
     prompts = [[{"role": "user", "content": f"What is {10 + i % 90} + {20 + (7 * i) % 70}?"}]
@@ -194,6 +205,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--model", help="a model folder (the shared bench's gpu/make_model.py) instead of the embedded one")
+    ap.add_argument("--dtype", default=None,
+                    help="with --model: the weights' dtype (default float32; bfloat16 on a GPU)")
+    ap.add_argument("--peer-timeout", type=float, default=None,
+                    help="seconds the peer may take; past them it is stopped and its line says so")
     ap.add_argument("--way", choices=["engine", "peer"], help=argparse.SUPPRESS)  # one way, in this process
     ap.add_argument("--label", default="engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -205,12 +221,21 @@ def main() -> None:
         return
 
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-              if k in ("prompts", "samples", "slots", "budget", "eos_scale", "repeats", "threads", "clock")]
+              if k in ("prompts", "samples", "slots", "budget", "eos_scale", "repeats", "threads", "clock", "model",
+                       "dtype") and v is not None]
 
     def one(way: str, label: str, code: Path) -> dict:
-        env = dict(os.environ, PYTHONPATH=str(code))
-        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--way", way, "--label", label,
-                              *passed], env=env, cwd=code, check=True, capture_output=True, text=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code)] + [x for x in [os.environ.get("PYTHONPATH")]
+                                                                         if x]))
+        try:
+            out = subprocess.run([sys.executable, str(code / "benchmarks" / "continuous_batching.py"), "--way", way,
+                                  "--label", label, *passed], env=env, cwd=code, check=True, capture_output=True,
+                                 text=True, timeout=args.peer_timeout if way == "peer" else None)
+        except subprocess.TimeoutExpired:
+            row = {"way": "transformers generate_batch", "finished": False, "seconds": args.peer_timeout,
+                   "tokens_per_s": None}
+            print(json.dumps(row), flush=True)
+            return row
         row = json.loads(out.stdout.strip().splitlines()[-1])
         print(json.dumps(row), flush=True)
         return row
@@ -226,7 +251,10 @@ def main() -> None:
     if not args.no_peer:
         rows["peer"] = one("peer", "peer", ROOT)
     now = rows["now"]["tokens_per_s"]
-    summary = {f"now/{k}": round(now / r["tokens_per_s"], 2) for k, r in rows.items() if k != "now"}
+    summary = {f"now/{k}": round(now / r["tokens_per_s"], 2) for k, r in rows.items()
+               if k != "now" and r["tokens_per_s"]}
+    summary.update({f"now/{k}": f"> {round(now * r['seconds'] / rows['now']['tokens'], 2)} (did not finish)"
+                    for k, r in rows.items() if k != "now" and not r["tokens_per_s"]})
     print(json.dumps({"tokens_per_s_ratio": summary}))
 
 

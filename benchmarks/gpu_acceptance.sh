@@ -10,7 +10,9 @@
 #   benchmarks/gpu_acceptance.sh compare-0.5b   # GRPO step vs TRL 1.16 (bench compare.py --pairs 2; R1_GPU_PAIRS=1)
 #   benchmarks/gpu_acceptance.sh compare-1.5b
 #   benchmarks/gpu_acceptance.sh lora-7b        # the qwen2.5-7b preset trains with LoRA on one 80 GB GPU
-#   benchmarks/gpu_acceptance.sh longtail       # the paged KV cache at budgets 512 to 16384, against the static rows
+#   benchmarks/gpu_acceptance.sh longtail       # the paged KV cache at budgets 512 to 16384, against the static rows,
+#                                               # and against transformers' generate_batch at 2048
+#   benchmarks/gpu_acceptance.sh slots-7b       # the 7b preset's rows at once at a 16k budget in 40 GiB of K/V
 #
 # On a machine with no network: copy the shared bench's gpu/ folder to .gpu/bench and the wheels that machine lacks
 # (trl, datasets, pydantic, ...; see that folder's README) to .gpu/wheels, or unpack them into .gpu/site, which goes
@@ -19,7 +21,7 @@
 # the GPU's name (`nvidia-smi -L`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?"usage: $0 smoke|decode|compare-0.5b|compare-1.5b|lora-7b|longtail"}
+PART=${1:?"usage: $0 smoke|decode|compare-0.5b|compare-1.5b|lora-7b|longtail|slots-7b"}
 PY=${PYTHON:-python}
 BENCH=${R1_GPU_BENCH:-.gpu/bench}
 WHEELS=${R1_GPU_WHEELS:-.gpu/wheels}
@@ -97,6 +99,25 @@ EOF
       --budgets "${R1_LONGTAIL_BUDGETS:-512,2048,8192,16384}" --ways paged,static --prompts 128 --samples 4 \
       --slots 128 | tee /dev/stderr | tail -1 \
       | $PY -c "import json,sys; print(json.dumps({'part': 'longtail', **json.loads(sys.stdin.read())}))"
+    # transformers' own continuous batching at a 2048 budget (goal: ours >= 10x): lengths from the end token's
+    # output row scaled by 40 (both sample until it comes; on the preset, fp32 on a CPU, 32 rows at a 256 budget:
+    # lengths p10 24, p50 77, p90 216, 3 at the budget), the peer stopped after R1_PEER_S seconds
+    $PY benchmarks/continuous_batching.py --model "$m" --dtype bfloat16 --before "" --budget 2048 --prompts 64 \
+      --samples 4 --slots 128 --eos-scale "${R1_EOS_SCALE:-40}" --peer-timeout "${R1_PEER_S:-150}" \
+      | tee /dev/stderr | tail -1 \
+      | $PY -c "import json,sys; print(json.dumps({'part': 'longtail-peer', **json.loads(sys.stdin.read())}))"
+    ;;
+  slots-7b)
+    # rows decoding at once at a 16k budget in 40 GiB of K/V, R1-like lengths (median 3,000, to 16k), against the
+    # rows the static cache it replaced held there (P + 16k positions each); the qwen2.5-7b preset built on the GPU
+    m=$(model qwen2.5-7b gpu-bf16)
+    $PY benchmarks/long_budgets.py --model "$m" --device cuda --dtype bfloat16 --clock wall --kv-gib 40 \
+      --budgets 16384 --ways paged --mix r1 --prompts 128 --samples 4 --slots 512 --max-seconds "${R1_SLOTS_S:-150}" \
+      | tee /dev/stderr | grep '"way"' | $PY -c "import json,sys; r=json.loads(sys.stdin.read())
+print(json.dumps({'part': 'slots-7b', 'live_rows': r['live_rows_median_second_half'],
+                  'static_rows': r['static_rows_in_budget'], 'preemptions': r['preemptions'],
+                  'x_static': round(r['live_rows_median_second_half'] / r['static_rows_in_budget'], 2),
+                  'tokens_per_s': r['tokens_per_s']}))"
     ;;
   lora-7b)
     m=$(model qwen2.5-7b gpu-bf16)
@@ -104,7 +125,7 @@ EOF
       --weights-dtype bfloat16 | tail -1 | $PY -c "import json,sys; print(json.dumps({'part': 'lora-7b', **json.loads(sys.stdin.read())}))"
     ;;
   *)
-    echo "unknown part $PART: smoke|decode|compare-0.5b|compare-1.5b|lora-7b|longtail" >&2
+    echo "unknown part $PART: smoke|decode|compare-0.5b|compare-1.5b|lora-7b|longtail|slots-7b" >&2
     exit 2
     ;;
 esac

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import hashlib
 import math
+import statistics
 import json
 import os
 import subprocess
@@ -35,6 +36,7 @@ from worktrees import STATIC_REV, worktree
 
 ROOT = Path(__file__).resolve().parent.parent
 LONGEST = 500  # the longest row: under the smallest budget
+R1_LONGEST = 16384  # `--mix r1`'s longest row (open-r1's cap)
 
 
 def load(args):
@@ -78,7 +80,10 @@ def run(args) -> list[dict]:
     prompts = [torch.tensor(tok(f"Question {i}: what is {10 + i % 90} plus {20 + (7 * i) % 70}? Think first.")
                             ["input_ids"]) for i in range(args.prompts)]
     rows = args.prompts * args.samples
-    limits = (torch.randn(rows, generator=g) + math.log(60.0)).exp().ceil().clamp(1, LONGEST)  # seeded log-normal
+    if args.mix == "r1":  # R1-like traces: median 3,000, a long tail to 16k (mean ~4.6k, ~84% within 8k)
+        limits = (torch.randn(rows, generator=g) + math.log(3000.0)).exp().ceil().clamp(1, R1_LONGEST)
+    else:  # short rows: median 60, a few at 500 (under the smallest budget)
+        limits = (torch.randn(rows, generator=g) + math.log(60.0)).exp().ceil().clamp(1, LONGEST)
     streams = draw_streams(rows, generator=g)  # [rows] each row's random stream
     P = max(len(p) for p in prompts)
     budget_bytes = None if args.kv_gib is None else int(args.kv_gib * 2**30)
@@ -96,19 +101,27 @@ def run(args) -> list[dict]:
         s = SamplingConfig(max_new_tokens=budget, temperature=1.0)
 
         digests = []  # the sampled tokens' digest, the same at every budget its rows do not reach
+        live: list[int] = []  # rows decoding after each `step` of the timed call
 
-        def call(n_prompts: int) -> int:
+        def call(n_prompts: int, seconds: float | None = None) -> int:
             batch = SlotBatch(sampler, args.slots, P, s, [], tok.pad_token_id)  # no end token: rows stop at limits
             for i in range(n_prompts):
                 for j in range(args.samples):
                     row = i * args.samples + j
-                    batch.submit(prompts[i], streams=streams[row:row + 1], limit=int(limits[row]))
+                    batch.submit(prompts[i], streams=streams[row:row + 1], limit=min(budget, int(limits[row])))
             tokens, digest = 0, hashlib.sha256()
             got = {}
+            live.clear()
+            until = None if seconds is None else time.perf_counter() + seconds
             while batch.busy:
                 for e in batch.step():
                     tokens += int(e.alive.sum())
                     got[e.key] = e.ids[e.alive].tolist()
+                live.append(batch.live)
+                if until is not None and time.perf_counter() > until:  # cut: the live rows' tokens so far count
+                    taken = [i for i, key in enumerate(batch.slot_row) if key is not None]
+                    tokens += int(batch.state.n[taken].sum()) if taken else 0
+                    break
             for key in sorted(got):
                 digest.update(repr(got[key]).encode())
             digests.append(digest.hexdigest()[:12])
@@ -118,13 +131,13 @@ def run(args) -> list[dict]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             call(min(4, args.prompts))  # warm-up (on CUDA: the captures)
-            if cuda and not out:
+            if cuda and not out and args.max_seconds is None:
                 call(args.prompts)  # the process's first budget: every kernel and allocation warm, as for the next
             sampler.counts = type(sampler.counts)()
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
             sync()
             t = clock()
-            tokens = call(args.prompts)
+            tokens = call(args.prompts, args.max_seconds)
             sync()
             took = clock() - t
         cfg = model.config
@@ -139,6 +152,10 @@ def run(args) -> list[dict]:
                "kv_mb_written": round(c.pages_high_water * 16 * position / 2**20, 1) if c.pages_high_water else None,
                "kv_read_kb_per_token": round(c.kv_positions_read * position / tokens / 1024, 1),
                "pages_high_water": c.pages_high_water, "preemptions": c.preemptions,
+               "live_rows_max": max(live, default=0),
+               # what the static cache it replaced held in the same budget: P + budget positions a row
+               "static_rows_in_budget": None if budget_bytes is None else budget_bytes // ((P + budget) * position),
+               "live_rows_median_second_half": statistics.median(live[len(live) // 2:]) if live else 0,
                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         if cuda:
             row["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -159,6 +176,8 @@ def _one(args, way: str, group: list[str], code: Path, got: dict) -> None:
            "--dtype", args.dtype]
     cmd += (["--model", args.model] if args.model else []) + (
         ["--kv-gib", str(args.kv_gib)] if args.kv_gib is not None else [])
+    cmd += (["--mix", args.mix] if args.mix != "short" else []) + (
+        ["--max-seconds", str(args.max_seconds)] if args.max_seconds is not None else [])
     out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                          [str(code)] + [x for x in [os.environ.get("PYTHONPATH")] if x])), cwd=code, check=True,
                          stdout=subprocess.PIPE, text=True)
@@ -182,6 +201,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="the weights' and the cache's dtype (bfloat16 on a GPU)")
     ap.add_argument("--kv-gib", type=float, default=None, help="the KV cache's budget (default: the engine's)")
+    ap.add_argument("--mix", choices=["short", "r1"], default="short",
+                    help="the rows' lengths: short (median 60, capped at 500) or r1 (median 3,000, capped at 16k)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="stop the timed call after this long (its rows' tokens so far count): for long mixes")
     ap.add_argument("--way", help=argparse.SUPPRESS)
     ap.add_argument("--budget", help=argparse.SUPPRESS)
     args = ap.parse_args()

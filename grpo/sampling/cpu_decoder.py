@@ -87,10 +87,13 @@ class _Linear:
         linears = [base for base, _ in split]
         self.lora_a, self.lora_b = _low_rank([adapters for _, adapters in split], [m.out_features for m in linears],
                                              linears[0].weight)
-        if len(linears) > 1 and not copies:
+        fused = fused_view([m.weight for m in linears]) if len(linears) > 1 else None
+        if len(linears) > 1 and fused is None and not copies:
             self.parts = [(m.weight, m.bias) for m in linears]
             return
-        self.weight = linears[0].weight if len(linears) == 1 else torch.cat([m.weight for m in linears])  # [out, in]
+        if fused is None:
+            fused = linears[0].weight if len(linears) == 1 else torch.cat([m.weight for m in linears])  # [out, in]
+        self.weight = fused
         self.bias = _cat_bias(*linears)  # [out] or None
         if copies and _mkl_packing() and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
@@ -122,6 +125,22 @@ class _LeanLayer(NamedTuple):
     ln2: torch.Tensor  # [H] post-attention RMSNorm weight
     gate_up: _Linear  # [H] -> [2 I]: gate and up projections
     down: _Linear  # [I] -> [H]
+
+
+def fused_view(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The [sum(out), in] matrix of `weights` laid out one after another in one storage (the sampler's own copy makes
+    q/k/v and gate/up so: `StaticSampler._sampling_model`), as a view: a fused projection with no copy. None when
+    they are not."""
+    if any(type(w) not in (torch.Tensor, torch.nn.Parameter) for w in weights):
+        return None  # a DTensor (a sharded model), a quantized or meta weight: no storage of its own to lay out
+    w0, at = weights[0], weights[0].storage_offset()
+    for w in weights:
+        if (w.dim() != 2 or not w.is_contiguous() or w.size(1) != w0.size(1) or w.storage_offset() != at
+                or w.device != w0.device or w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr()):
+            return None
+        at += w.numel()
+    return w0.detach().as_strided((sum(w.size(0) for w in weights), w0.size(1)), (w0.size(1), 1),
+                                  w0.storage_offset())
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:

@@ -229,7 +229,7 @@ class StaticSampler:
                     self._weights, self._captures, self._pools = None, {}, None
                 else:
                     for old, new in zip(olds, news):
-                        if old is not new:
+                        if old is not new and old.data_ptr() != new.data_ptr():  # (a fused view is its own)
                             old.copy_(new)
         self._seen = seen
 
@@ -242,10 +242,29 @@ class StaticSampler:
                 # the model's own dtype ever exists (a 7B fp32 model: +14 GB of bf16, not +28 GB then a cast);
                 # parameters only: `.to(dtype)` would also round the rotary frequencies, whose error grows with
                 # the position. A tied weight is one parameter, so it stays tied.
-                made = {id(p): torch.nn.Parameter(p.detach().to(self.dtype, copy=True), requires_grad=False)
-                        for p in self.model.parameters()}
+                made = self._fused_projections()
+                made.update({id(p): torch.nn.Parameter(p.detach().to(self.dtype, copy=True), requires_grad=False)
+                             for p in self.model.parameters() if id(p) not in made})
                 self._copy = copy.deepcopy(self.model, made).eval()
         return self._copy
+
+    def _fused_projections(self) -> dict[int, torch.nn.Parameter]:
+        """The copy's q/k/v and gate/up weights of each layer made in one block of memory each, as views into it
+        (`cpu_decoder.fused_view`): the step reads them fused with no second copy (0.44 GiB at 0.5B in bf16)."""
+        made = {}
+        for layer in decoder(self.model).model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+                if not all(type(x) is torch.nn.Linear for x in group):
+                    continue  # a LoRA projection: its base is read as it is
+                w = group[0].weight
+                fused = w.new_empty(sum(x.out_features for x in group), w.size(1), dtype=self.dtype)  # [out, in]
+                at = 0
+                for x in group:  # each cast into its rows: no cast copy made on the way
+                    fused[at : at + x.out_features].copy_(x.weight.detach())
+                    made[id(x.weight)] = torch.nn.Parameter(fused[at : at + x.out_features], requires_grad=False)
+                    at += x.out_features
+        return made
 
     def _prepare(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, pad_id: int,
                  streams: torch.Tensor | None, slots: int | None) -> tuple[torch.Tensor, ...]:

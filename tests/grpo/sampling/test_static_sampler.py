@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling import static_sampler
+from grpo.sampling.decode_step import _read_weights
 from grpo.sampling.draws import draw_streams
 from grpo.sampling.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
 from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model, recorded_logits,
@@ -323,6 +324,12 @@ def test_the_bf16_copy_is_made_without_a_copy_in_the_models_dtype(tied):
     for a, b in zip(half.parameters(), cast_copy.parameters(), strict=True):
         assert torch.equal(a, b) and a.dtype == torch.bfloat16 and not a.requires_grad
     assert half.model.rotary_emb.inv_freq.dtype == torch.float32  # rounded, it would be off at long positions
+    # the copy's q/k/v and gate/up are each one block of memory, which the step reads fused with no copy of its own
+    step = _read_weights(half, 4, pack=False)
+    for layer, got in zip(half.model.layers, step.layers):
+        assert got.qkv.weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr() and got.qkv.parts is None
+        assert got.gate_up.weight.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+        assert torch.equal(got.gate_up.weight, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
     ids, mask = left_padded([5, 11, 3], repeat=2)
     s = SamplingConfig(max_new_tokens=8, temperature=0.8)
     u = draw_streams(6, generator=torch.Generator().manual_seed(10))
