@@ -7,7 +7,8 @@
 #
 #   benchmarks/gpu_acceptance.sh smoke          # benchmarks/gpu_smoke.py on the qwen2.5-0.5b preset
 #   benchmarks/gpu_acceptance.sh decode         # our sampler vs transformers' generate (dynamic, static+compiled)
-#   benchmarks/gpu_acceptance.sh compare-0.5b   # GRPO step vs TRL 1.16 (bench compare.py --pairs 2; R1_GPU_PAIRS=1)
+#   benchmarks/gpu_acceptance.sh compare-0.5b   # GRPO step vs TRL 1.16 (bench compare.py --pairs 2; R1_GPU_PAIRS=1;
+#                                               # R1_MEMORY_AT_PEAK=PATH: what held our peak, as JSON there)
 #   benchmarks/gpu_acceptance.sh compare-1.5b
 #   benchmarks/gpu_acceptance.sh lora-7b        # the qwen2.5-7b preset trains with LoRA on one 80 GB GPU
 #   benchmarks/gpu_acceptance.sh longtail       # the paged KV cache at budgets 512 to 16384, against the static rows,
@@ -87,7 +88,8 @@ EOF
   compare-0.5b | compare-1.5b)
     preset=qwen2.5-${PART#compare-}
     $PY "$BENCH/compare.py" --pairs "${R1_GPU_PAIRS:-2}" --preset "$preset" \
-      --ours "$PY benchmarks/grpo_step.py --gradient-checkpointing" | tee /dev/stderr | tail -1 \
+      --ours "$PY benchmarks/grpo_step.py --gradient-checkpointing${R1_MEMORY_AT_PEAK:+ --memory-at-peak $R1_MEMORY_AT_PEAK}" \
+      | tee /dev/stderr | tail -1 \
       | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'part': '$PART', **r}))"
     ;;
   longtail)
