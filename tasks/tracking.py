@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import os
 import shutil
 import socket
@@ -86,6 +87,10 @@ def client() -> MlflowClient:
         return MlflowClient(tracking_uri=uri)
     if uri in _ready:
         return _RetryingClient(MlflowClient(tracking_uri=uri))  # type: ignore[return-value]
+    # a stop signal that lands inside a read of the store raises there, and SQLAlchemy then fails to close the
+    # cursor of a database already closed and prints that second error with its traceback ("Error closing cursor"):
+    # the first error is the stop, which ends the run KILLED with its one line; the pool's own errors say no more
+    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
     # two processes opening a new database at once (two `r1 run` on a fresh home) race in MLflow's schema
     # migration and one fails with "table ... already exists": open it one process at a time
     import fcntl
