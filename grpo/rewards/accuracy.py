@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from grpo.rewards.answers import extract_answer, extract_boxed
+from grpo.rewards.forms import rewrite, word, word_verdict
 from grpo.rewards.math_fast import fast_verdict, parse_plain
 from grpo.rewards.math_latex import latex_value
 from grpo.rewards.outcomes import TIMEOUT as UNGRADED_TIMEOUT
@@ -52,7 +53,7 @@ def _reference_text(reference: Any) -> str | None:
     if "####" in s:
         s = s.rsplit("####", 1)[1]
     boxed = extract_boxed(s) if "\\boxed" in s else None
-    s = _without_currency((boxed if boxed is not None else s).strip())
+    s = rewrite(_without_currency((boxed if boxed is not None else s).strip()))
     return s or None
 
 
@@ -60,7 +61,7 @@ def _prediction_text(completion: Any, answer_tags: Sequence[str]) -> str | None:
     answer = extract_answer(completion_text(completion), answer_tags)
     if answer and "\\boxed" in answer:  # <answer>… \boxed{x} …</answer>
         answer = extract_boxed(answer) or answer
-    return _without_currency(answer) if answer else None
+    return rewrite(_without_currency(answer)) if answer else None
 
 
 # a dollar sign before an amount: "\$12.50" (LaTeX's escaped dollar), or "$12.50" with no closing "$" (not math mode)
@@ -98,13 +99,15 @@ def check_accuracy(
             continue  # no reference: not scorable
         pred = _prediction_text(completion, answer_tags)
         if pred is None:
-            if parse_plain(gold) is not None or latex_value(gold) is not None:  # surely parseable
+            if parse_plain(gold) is not None or latex_value(gold) is not None or word(gold):  # surely gradable
                 scores[i] = 0.0
                 fast += 1
             else:  # 0.0 unless the reference itself turns out unparseable
                 pending.setdefault((gold, None), []).append(i)
             continue
-        verdict = fast_verdict(gold, pred)
+        verdict = word_verdict(gold, pred)  # a one-word reference ("Monday", "yes"): compared as a word
+        if verdict is None:
+            verdict = fast_verdict(gold, pred)
         if verdict is not None:
             scores[i] = float(verdict)
             fast += 1

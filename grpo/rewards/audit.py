@@ -1,7 +1,8 @@
 """A labelled set for auditing answer checkers: pairs of a reference and a completion's answer, each marked equivalent
 or not, in the forms graders miss (fractions against decimals, percentages, LaTeX spellings, units, intervals, sets,
 expressions, thousands separators, GSM8K's "#### n" tails, answers in `\\boxed{}`, currency, scientific notation,
-"x = n", degrees, signed fractions, mixed numbers).
+"x = n", degrees, signed fractions, mixed numbers; and, added once the rule read them, plain e-notation, thousands
+split by spaces, plain mixed numbers "3 1/2", numbers in words, one-word answers).
 
 Built here, from templates and a seeded generator, not copied from any dataset. Each pair's label follows from how it
 was built: an equivalent pair writes one value two ways; a non-equivalent pair changes the value (or an endpoint, an
@@ -233,6 +234,76 @@ def _mixed_number_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
     return out
 
 
+_NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                 "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+_TENS_WORDS = ["twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+
+
+def _in_words(n: int) -> str:
+    if n < 20:
+        return _NUMBER_WORDS[n]
+    tens, units = divmod(n, 10)
+    return _TENS_WORDS[tens - 2] + (f"-{_NUMBER_WORDS[units]}" if units else "")
+
+
+def _e_notation_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
+    out = []
+    for _ in range(6):
+        m, e = rng.randrange(11, 99) / 10, rng.randrange(2, 6)
+        value = round(m * 10**e)
+        out.append((f"{value}", f"{m:g}e{e}", True))
+        out.append((f"{m:g}E+{e:02d}", f"{value}", True))
+        out.append((f"{value}", f"{m:g}e{e + 1}", False))
+    return out
+
+
+def _spaced_thousands_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
+    out = []
+    for _ in range(6):
+        n = rng.randrange(1000, 10**7)
+        spaced = _thousands(n).replace(",", rng.choice([" ", "\\,", "\\ "]))
+        out.append((f"{n}", spaced, True))
+        out.append((spaced, f"{n}", True))
+        out.append((spaced, f"{n + rng.randrange(1, 9) * 1000}", False))
+    return out
+
+
+def _plain_mixed_number_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
+    out = []
+    for _ in range(6):
+        whole, den = rng.randrange(1, 9), rng.choice([2, 3, 4, 5])
+        num = rng.randrange(1, den)
+        improper = Fraction(whole * den + num, den)
+        out.append((f"\\frac{{{improper.numerator}}}{{{improper.denominator}}}", f"{whole} {num}/{den}", True))
+        out.append((f"{whole} {num}/{den}", f"{float(improper):g}" if den in (2, 4, 5) else f"{improper}", True))
+        out.append((f"{whole} {num}/{den}", f"{whole + 1} {num}/{den}", False))
+    return out
+
+
+def _number_word_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
+    out = []
+    for _ in range(6):
+        n = rng.randrange(0, 100)
+        words = _in_words(n)
+        out.append((f"{n}", rng.choice([words, words.capitalize(), words.replace("-", " ")]), True))
+        out.append((words, f"{n}", True))
+        out.append((f"{n}", _in_words((n + rng.randrange(1, 9)) % 100), False))
+    return out
+
+
+def _word_answer_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
+    words = ["Monday", "Tuesday", "yes", "no", "blue", "Alice", "even", "odd", "triangle", "square", "north",
+             "impossible", "undefined", "always", "never"]
+    out = []
+    for _ in range(6):
+        w, other = rng.sample(words, 2)
+        out.append((rng.choice([w, f"\\text{{{w}}}"]), rng.choice([w.lower(), w.upper(), f"\\text{{{w}}}", f"{w}."]),
+                    True))
+        out.append((f"\\text{{{w}}}", w.capitalize(), True))
+        out.append((w, rng.choice([other, f"\\text{{{other}}}"]), False))
+    return out
+
+
 KINDS: dict[str, Callable[[random.Random], list[tuple[str, str, bool]]]] = {
     "fractions_and_decimals": _fraction_pairs,
     "percentages": _percent_pairs,
@@ -250,6 +321,11 @@ KINDS: dict[str, Callable[[random.Random], list[tuple[str, str, bool]]]] = {
     "degrees": _degree_pairs,
     "signed_fractions": _signed_fraction_pairs,
     "mixed_numbers": _mixed_number_pairs,
+    "e_notation": _e_notation_pairs,
+    "spaced_thousands": _spaced_thousands_pairs,
+    "plain_mixed_numbers": _plain_mixed_number_pairs,
+    "number_words": _number_word_pairs,
+    "word_answers": _word_answer_pairs,
 }
 
 

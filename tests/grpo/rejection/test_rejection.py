@@ -204,19 +204,19 @@ def test_judge_when_always_lets_the_rule_decide_and_measures_agreement():
 
 
 def test_judge_when_appeal_keeps_what_the_judge_accepts_of_the_rules_negatives_and_never_drops_a_positive():
-    """The rule misses "twelve" (and rightly rejects 7); the judge, asked only about those two with the reference,
+    """The rule misses "XII" (and rightly rejects 7); the judge, asked only about those two with the reference,
     accepts the first: kept as an appeal. The rule's 12 stands without asking."""
     q = "Ava has 8 apples and buys 4. How many?"
-    rows = samples([(q, "12", said("12", "a")), (q, "12", said("twelve", "b")), (q, "12", said("7", "c"))])
+    rows = samples([(q, "12", said("12", "a")), (q, "12", said("XII", "b")), (q, "12", said("7", "c"))])
 
     class Lenient(ExactMatchJudge):
         def judge(self, prompt, response, reference):
             self.asked += 1
-            return Verdict(extract_answer(response) in ("twelve", reference), "reads words too")
+            return Verdict(extract_answer(response) in ("XII", reference), "reads words too")
 
     result = curate(rows, changed(CFG, judge_when="appeal", max_kept_per_prompt=0), judge := Lenient())
     assert judge.asked == 2  # the two negatives; never the rule's positive
-    assert result.kept["response"].tolist() == [said("12", "a"), said("twelve", "b")]
+    assert result.kept["response"].tolist() == [said("12", "a"), said("XII", "b")]
     assert result.kept["verdict_source"].tolist() == ["rule", "appeal"]
     assert result.counts.appeal_upheld == 1 and result.counts.dropped["incorrect"] == 1 and adds_up(result.counts)
 

@@ -136,6 +136,10 @@ def test_extract_boxed_nested_and_escaped_braces():
         ("x(x+3)", "x^2+3x"),  # exact LaTeX shortcut
         ("\\sqrt[3]{8}", "2"),  # symbolic path
         ("\\frac{2}{1+\\sqrt{3}}", "\\sqrt{3}-1"),  # symbolic path
+        # whole answers in forms math-verify cannot read, rewritten first (grpo/rewards/forms.py)
+        ("1e3", "1000"), ("-2.5E-4", "-0.00025"), ("1 000", "1000"), ("1\\,000", "1000"), ("3 1/2", "\\frac{7}{2}"),
+        ("seven", "7"), ("Twenty-one", "21"), ("∞", "\\infty"),
+        ("Monday.", "\\text{Monday}"), ("\\textbf{Yes}", "yes"),  # a one-word reference: compared as a word
     ],
 )
 def test_accuracy_equivalences(pred, gold):
@@ -151,6 +155,8 @@ def test_accuracy_equivalences(pred, gold):
         ("-277", "277"),
         ("\\sqrt{3}", "\\sqrt{2}"),
         ("x^2+2x", "x^2+3x"),
+        ("1e4", "1000"), ("1 0000", "1000"), ("3 1/4", "3.5"), ("seventy", "7"), ("twenty-two", "21"),
+        ("Tuesday", "\\text{Monday}"), ("no", "yes"), ("3", "pi"),
     ],
 )
 def test_accuracy_wrong_answers(pred, gold):
@@ -160,11 +166,11 @@ def test_accuracy_wrong_answers(pred, gold):
 def test_accuracy_missing_answer_bad_reference_and_chat_input():
     chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "so \\boxed{12}"}]
     scores = accuracy_reward(
-        ["no answer at all", chat, "<answer>5</answer>", "<answer>5</answer>"],
-        ["5", "12", "the answer", None],
+        ["no answer at all", chat, "<answer>5</answer>", "<answer>5</answer>", "no answer at all"],
+        ["5", "12", "the answer", None, "Monday"],
         trainer_state=object(),  # unknown kwargs are ignored
     )
-    assert scores == [0.0, 1.0, None, None]
+    assert scores == [0.0, 1.0, None, None, 0.0]
 
 
 def test_accuracy_gsm8k_style_reference():
