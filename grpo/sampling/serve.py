@@ -56,6 +56,28 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 2**20  # larger bodies are refused before they are read
 SLOTS = 64  # rows decoded at once (fewer where the KV cache budget holds fewer)
 MAX_WAITING = 256  # requests waiting for a slot; one more is answered 429
+# on SIGINT or SIGTERM (or `shutdown()`): new connections are refused at once, the requests in flight get this long to
+# finish, then each still decoding is cut with a 503 ("the server is shutting down"; an error event when streamed)
+SHUTDOWN_GRACE_S = 2.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown also cuts the engine's requests past SHUTDOWN_GRACE_S: uvicorn by itself
+    waits for every open request, and a long completion under load kept `r1 serve` up for its whole graceful
+    timeout after Ctrl-C."""
+
+    def __init__(self, config: uvicorn.Config, engine: BatchingEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        cut = threading.Timer(SHUTDOWN_GRACE_S, self.engine.stop)
+        cut.daemon = True
+        cut.start()
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
 _GONE = object()  # what a request's event queue gets when its client disconnects
 
 
@@ -78,8 +100,8 @@ class ChatServer:
         self.socket = socket.create_server(address, family=family)  # bound now: the url is known before serving
         self.server_address = self.socket.getsockname()
         config = uvicorn.Config(_AccessLog(build_app(self)), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=10)
-        self._uvicorn = uvicorn.Server(config)
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2)
+        self._uvicorn = _Server(config, self.engine)
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -111,7 +133,8 @@ class ChatServer:
         return self
 
     def shutdown(self) -> None:
-        """Stop serving (requests in flight finish first, for up to 10 s) and wait until it has stopped."""
+        """Stop serving (requests in flight finish first, for up to SHUTDOWN_GRACE_S, then are cut with a 503) and
+        wait until it has stopped."""
         if self._uvicorn.started or (self._thread is not None and self._thread.is_alive()):
             self._uvicorn.should_exit = True
             self._stopped.wait()

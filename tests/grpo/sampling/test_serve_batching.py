@@ -252,3 +252,38 @@ def test_a_budget_past_the_models_context_is_refused_and_the_default_one_trimmed
     trimmed = post(server, "completions", {"prompt": long, "temperature": 0})
     assert trimmed.status_code == 200, trimmed.text
     assert trimmed.json()["usage"]["completion_tokens"] <= context - prompt_tokens
+
+
+def test_a_stop_mid_request_answers_what_ends_in_the_grace_and_cuts_the_rest_with_503(tiny, monkeypatch):
+    """Ctrl-C or SIGTERM (`shutdown()`, which uvicorn's signal handlers call) while requests decode: each still
+    decoding after SHUTDOWN_GRACE_S ends with a 503 saying the server is shutting down (an error event when streamed)
+    and the server is gone, instead of waiting for every long completion."""
+    from grpo.sampling import serve
+
+    monkeypatch.setattr(serve, "SHUTDOWN_GRACE_S", 0.2)
+    srv = make_server(*tiny, port=0, model_name="tiny", slots=16).start()
+    streamed: list[str] = []
+
+    def stream_long():
+        with httpx.stream("POST", f"{srv.url}/completions", json={"model": "tiny", **LONG, "stream": True},
+                          timeout=60) as r:
+            streamed.extend(line for line in r.iter_lines() if line)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            whole = pool.submit(post, srv, "completions", LONG)
+            parts = pool.submit(stream_long)
+            _wait_for(lambda: srv.engine.live == 16)  # both requests' 8 rows decoding
+            t0 = time.monotonic()
+            srv.shutdown()
+            stopped_in = time.monotonic() - t0
+            reply = whole.result(timeout=30)
+            parts.result(timeout=30)
+    finally:
+        srv.stop()
+    assert stopped_in < 30  # a bound on a hang; its time on a quiet machine is a few tenths of a second
+    assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
+    last = json.loads(streamed[-1][6:])
+    assert "shutting down" in last["error"]["message"] and len(streamed) > 1  # text came, then the error
+    with pytest.raises(httpx.ConnectError):  # and nothing answers any more
+        post(srv, "completions", {"prompt": "Next", "max_tokens": 4})
