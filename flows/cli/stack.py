@@ -372,7 +372,8 @@ def summary(state: dict) -> str:
         f"  export MLFLOW_TRACKING_URI={state['mlflow_ui']}",
         *export,
         "",
-        "run a deployment:  prefect deployment run cold_start_sft/r1-process   (or from the UI: Deployments)",
+        f"run a deployment:  {BIN / 'prefect'} deployment run cold_start_sft/r1-process --flow-run-name "
+        "cold_start_sft   (or from the UI: Deployments)",
         "stop everything :  r1 down",
     ])
 
