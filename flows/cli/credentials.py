@@ -102,6 +102,25 @@ def prefect_server_env(values: dict[str, str]) -> dict[str, str]:
             "PREFECT_API_AUTH_STRING": values["PREFECT_API_AUTH_STRING"]}
 
 
+# Prefect's UI asks for the login only on its root page: a deep link (a run's page, a deployment's) opened without
+# one shows "Oops. Something went wrong." over an empty page (its calls answered 401). This runs first in the UI's
+# page of a server that asks for a login: without the login the UI keeps (`prefect-password`, as its login form
+# stores it), it goes to that form, which opens the deep link once the login is taken.
+_LOGIN_FIRST = ("<script>/* r1: a deep link without a login goes to the login form */(function(){try{"
+                "var p=location.pathname;if(localStorage.getItem('prefect-password')||/\\/login\\/?$/.test(p))return;"
+                "location.replace('/login?redirect='+encodeURIComponent(p+location.search+location.hash));"
+                "}catch(e){}})();</script>")
+
+
+def prefect_ui_login_first(static_root: Path) -> None:
+    """Put _LOGIN_FIRST at the head of the UI pages a Prefect server with a login serves from `static_root` (its
+    PREFECT_UI_STATIC_DIRECTORY, which it fills as it starts); a page that has it already is left as it is."""
+    for page in static_root.glob("v1/index.html"):
+        html = page.read_text()
+        if _LOGIN_FIRST not in html:
+            page.write_text(html.replace("<head>", "<head>" + _LOGIN_FIRST, 1))
+
+
 def mlflow_server_env(values: dict[str, str]) -> dict[str, str]:
     """The MLflow basic-auth app's environment, its settings file written beside the user store."""
     ini = auth_dir() / "mlflow-auth.ini"

@@ -135,7 +135,7 @@ def start_prefect_server(home: Path, port: int, log_dir: Path, auth: dict[str, s
                          ) -> tuple[Started, str]:
     """`prefect server start` with its own PREFECT_HOME and SQLite database, asking every API call for the
     credential in `auth` (flows.cli.credentials) where given; returns it and its API URL."""
-    from flows.cli.credentials import prefect_server_env
+    from flows.cli.credentials import prefect_server_env, prefect_ui_login_first
 
     from flows.cli import prefect_db
 
@@ -145,13 +145,17 @@ def start_prefect_server(home: Path, port: int, log_dir: Path, auth: dict[str, s
     new = not db.exists() and not prefect_db.seed(prefect_db.default_database(home, f"sqlite+aiosqlite:///{db}"))
     # the UI's pages call the API at this URL; left unset it is built from the default port (4200), whatever
     # --port says, and the UI on any other port cannot reach its own server
-    env = base_env(PREFECT_HOME=str(home), PREFECT_SERVER_UI_API_URL=api,
+    # with a login, the UI's pages are served from a folder of this home's, where a deep link is sent to the login
+    ui = {"PREFECT_UI_STATIC_DIRECTORY": str(home / "ui")} if auth else {}
+    env = base_env(PREFECT_HOME=str(home), PREFECT_SERVER_UI_API_URL=api, **ui,
                    PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
                    PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false", **(prefect_server_env(auth) if auth else {}))
     env.pop("PREFECT_API_URL", None)
     p = start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                                          "--port", str(port)], env, log_dir)
     wait_http(f"{api}/health", p)
+    if auth:
+        prefect_ui_login_first(home / "ui")
     if new:
         prefect_db.keep(prefect_db.default_database(home, f"sqlite+aiosqlite:///{db}"))
     return p, api

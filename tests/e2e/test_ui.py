@@ -259,3 +259,26 @@ def test_the_printed_mlflow_links_show_the_runs(on_mlflow_ui, browser, capsys):
         body = lambda: browser.find_element("tag name", "body").text  # noqa: E731
         wait_for(f"{label} ({url}) to show {expected[label]}", lambda: all(x in body() for x in expected[label]),
                  60, browser)
+
+
+def test_a_deep_link_without_a_login_opens_the_login_form_then_the_page(browser, tmp_path):
+    """A Prefect server with a login (as `r1 up` starts it): a page's address opened in a browser with no login
+    shows the login form (not an empty page with "Oops"), and the login opens the page asked for."""
+    import secrets
+
+    from selenium.webdriver.common.by import By
+
+    login = f"r1:{secrets.token_urlsafe(24)}"
+    server, api = stack.start_prefect_server(tmp_path / "prefect", stack.free_port(), tmp_path / "logs",
+                                             auth={"PREFECT_API_AUTH_STRING": login})
+    try:
+        browser.get(f"{api.removesuffix('/api')}/deployments")
+        [field] = wait_for("the login form", lambda: "/login" in browser.current_url and browser.find_elements(
+            By.XPATH, "//input"), 60, browser)
+        assert "redirect=%2Fdeployments" in browser.current_url
+        field.send_keys(login)
+        wait_for("the Login button", lambda: click(browser, "//button[normalize-space()='Login']"), 30, browser)
+        wait_for("the deployments page", lambda: browser.current_url.rstrip("/").endswith("/deployments") and
+                 browser.find_elements(By.XPATH, "//*[contains(normalize-space(), 'Create a deployment')]"), 60, browser)
+    finally:
+        stack.stop_process(server)
