@@ -273,8 +273,8 @@ def test_a_deep_link_without_a_login_opens_the_login_form_then_the_page(browser,
                                              auth={"PREFECT_API_AUTH_STRING": login})
     try:
         browser.get(f"{api.removesuffix('/api')}/deployments")
-        [field] = wait_for("the login form", lambda: "/login" in browser.current_url and browser.find_elements(
-            By.XPATH, "//input"), 60, browser)
+        field = wait_for("the login form", lambda: "/login" in browser.current_url and browser.find_elements(
+            By.XPATH, "//input"), 60, browser)[0]
         assert "redirect=%2Fdeployments" in browser.current_url
         field.send_keys(login)
         wait_for("the Login button", lambda: click(browser, "//button[normalize-space()='Login']"), 30, browser)
