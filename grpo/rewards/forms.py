@@ -31,7 +31,8 @@ _WORDS |= {"a hundred": 100, "one hundred": 100, "hundred": 100, "a thousand": 1
 # a one-word answer ("Monday", "yes", "\text{blue}"): compared as words, not as math (which reads it as a product
 # of symbols); names math-verify reads as constants stay with it
 _TEXT_WRAP = re.compile(r"^\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{(?P<inner>[^{}]*)\}$")
-_ONE_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]{2,}")
+_ONE_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]{3,}")  # four letters or more: "abc" may be a product of symbols
+_SHORT_WORDS = {"yes", "no", "odd"}
 _MATH_NAMES = {"pi", "infty", "inf", "infinity", "sqrt", "frac", "cdot", "times", "sin", "cos", "tan", "log", "exp"}
 
 
@@ -63,7 +64,7 @@ def word(text: str) -> str | None:
     s = strip_answer_wrapping(text)
     inner = _TEXT_WRAP.match(s)
     s = (inner["inner"] if inner else s).strip().rstrip(".!").strip()
-    if not _ONE_WORD.fullmatch(s) or s.lower() in _MATH_NAMES:
+    if not (_ONE_WORD.fullmatch(s) or s.lower() in _SHORT_WORDS) or s.lower() in _MATH_NAMES:
         return None
     return s.lower()
 

@@ -139,7 +139,8 @@ def test_extract_boxed_nested_and_escaped_braces():
         # whole answers in forms math-verify cannot read, rewritten first (grpo/rewards/forms.py)
         ("1e3", "1000"), ("-2.5E-4", "-0.00025"), ("1 000", "1000"), ("1\\,000", "1000"), ("3 1/2", "\\frac{7}{2}"),
         ("seven", "7"), ("Twenty-one", "21"), ("∞", "\\infty"),
-        ("Monday.", "\\text{Monday}"), ("\\textbf{Yes}", "yes"),  # a one-word reference: compared as a word
+        ("Monday.", "\\text{Monday}"), ("\\textbf{Yes}", "yes"), ("No.", "no"),  # a one-word reference: as a word
+        ("cab", "abc"),  # three letters may be a product of symbols: still math-verify's
     ],
 )
 def test_accuracy_equivalences(pred, gold):
