@@ -4,7 +4,7 @@ usage: python benchmarks/gemm_libraries.py [--workload PATH] [--threads 1 2] [--
 
 Times each of a linear layer's three GEMMs (forward `x W^T`, input gradient `g W`, weight gradient `g^T x`) on both
 libraries with `grpo.kernels.gemm.measure` (the loops' own measurement), at the training shapes of
-../shared/bench/workload.json's model (a micro-batch of 32 rows x 65 positions) and at decode's (32 rows), on each
+benchmarks/peers/workload.json's model (a micro-batch of 32 rows x 65 positions) and at decode's (32 rows), on each
 thread count asked. Prints the CPU (`grpo.kernels.gemm.cpu_model`), then one JSON line per thread count and shape
 class: GFLOP/s by "<kind>/<library>", oneDNN's rate over MKL's per kind, and the plan `auto` would make from them
 (oneDNN where at least `ONEDNN_MARGIN` times MKL's rate).

@@ -15,23 +15,24 @@
 #                                               # and against transformers' generate_batch at 2048
 #   benchmarks/gpu_acceptance.sh slots-7b       # the 7b preset's rows at once at a 16k budget in 40 GiB of K/V
 #
-# On a machine with no network: copy the shared bench's gpu/ folder to .gpu/bench and the wheels that machine lacks
-# (trl, datasets, pydantic, ...; see that folder's README) to .gpu/wheels, or unpack them into .gpu/site, which goes
-# on PYTHONPATH as it is (no install; .gitignore keeps .gpu/ out of git).
+# The peers (TRL's GRPOTrainer, transformers' generate) run from benchmarks/peers/gpu. On a machine with no network:
+# copy the wheels that machine lacks (trl, datasets, pydantic, ...; see benchmarks/peers/gpu/README.md) to
+# .gpu/wheels, or unpack them into .gpu/site, which goes on PYTHONPATH as it is (no install; .gitignore keeps .gpu/
+# out of git).
 # Models are built once under $R1_GPU_MODELS (default /tmp/r1-gpu-models). Record the lines in BENCHMARKS.md with
 # the GPU's name (`nvidia-smi -L`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:?"usage: $0 smoke|decode|compare-0.5b|compare-1.5b|lora-7b|longtail|slots-7b"}
 PY=${PYTHON:-python}
-BENCH=${R1_GPU_BENCH:-.gpu/bench}
+BENCH=${R1_GPU_BENCH:-benchmarks/peers/gpu}
 WHEELS=${R1_GPU_WHEELS:-.gpu/wheels}
 SITE=${R1_GPU_SITE:-.gpu/site}
 MODELS=${R1_GPU_MODELS:-/tmp/r1-gpu-models}
 [ -d "$SITE" ] && PYTHONPATH="$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1
 
-[ -f "$BENCH/make_model.py" ] || { echo "no bench in $BENCH: copy the shared bench's gpu/ folder there" >&2; exit 2; }
+[ -f "$BENCH/make_model.py" ] || { echo "no bench in $BENCH (R1_GPU_BENCH): benchmarks/peers/gpu has it" >&2; exit 2; }
 if compgen -G "$WHEELS/*.whl" >/dev/null; then  # what this machine lacks, without an index
   $PY -m pip install -q --no-deps --no-index --find-links "$WHEELS" "$WHEELS"/*.whl
 fi

@@ -4,7 +4,7 @@ rejection-sampling generation, reward-model steps; and the static sampler's deco
 against the same steps run eagerly (batch 128, 256 tokens, the same random streams: the same tokens, and the time of
 each). A check that the GPU path runs and learns something; the only timing is the graphs' against eager.
 
-usage: python ../shared/bench/gpu/make_model.py qwen2.5-0.5b /tmp/m && python benchmarks/gpu_smoke.py /tmp/m
+usage: python benchmarks/peers/gpu/make_model.py qwen2.5-0.5b /tmp/m && python benchmarks/gpu_smoke.py /tmp/m
        python benchmarks/gpu_smoke.py MODEL_DIR --device cpu      (the same code path on the CPU, for a tiny model)
 MODEL_DIR is any folder `from_pretrained` opens with a `prompts.jsonl` of {prompt, answer} rows (gpu/make_model.py
 makes one: random weights, a tokenizer that covers the whole vocabulary). On CUDA the loops run under bf16 autocast

@@ -2,7 +2,7 @@
 
 usage: python benchmarks/matmul_floor.py [--workload PATH] [--prompt-tokens 16] [--vocab 258]
 
-Counts the multiply-adds of one GRPO step on ../shared/bench/workload.json's model and batch (decoding, the
+Counts the multiply-adds of one GRPO step on benchmarks/peers/workload.json's model and batch (decoding, the
 reference forward, the policy forward and backward, with each prompt run once), times `a @ b` at the step's
 shapes on one thread and on all of them, and prints one JSON line: GFLOP per part, GFLOP/s per shape, and the
 seconds the step's matmuls take at those rates. That is a floor for the step in fp32: the rest of the step's time

@@ -1,7 +1,7 @@
 """Where a GRPO step goes, for the project and for TRL, on the shared bench's workload: the phase split.
 
 usage: python benchmarks/phases.py MODEL_DIR [--workload PATH] [--side ours trl]
-MODEL_DIR comes from ../shared/bench/make_tiny_model.py. Each side runs in a process of its own (as compare.py
+MODEL_DIR comes from benchmarks/peers/make_tiny_model.py. Each side runs in a process of its own (as compare.py
 runs them): the project's `benchmarks/grpo_step.py`, or the shared bench's `trl_grpo_peer.py` (trl==1.16.0, in the
 dev extra), with timers put around the same phases on both sides:
 

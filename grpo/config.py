@@ -300,7 +300,7 @@ class GRPOConfig(BaseModel):
     samples_every: int = Field(25, ge=0)  # steps between sample-completion tables (0 = none)
     checkpoint_every: int = Field(50, ge=0)  # steps between resumable checkpoints (0 = only the final model)
     seed: int = 0  # prompt order and sampling
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # sync, or async sampler workers (README)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # sync, or async sampler workers (docs/sampling.md)
 
     @field_validator("rewards")
     @classmethod

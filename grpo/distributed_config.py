@@ -16,8 +16,7 @@ COLLECTIVE_TIMEOUT = "R1_COLLECTIVE_TIMEOUT_S"
 
 
 class FSDPConfig(BaseModel):
-    """The sharded strategy's settings (`distributed.strategy: fsdp`; README: "Training across processes and
-    machines")."""
+    """The sharded strategy's settings (`distributed.strategy: fsdp`; docs/distributed.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -37,8 +36,7 @@ class DistributedConfig(BaseModel):
     """How many processes a stage's training loops run on: one, inside the stage's own process, by default.
 
     With more, the stage task runs the loop under `accelerate launch` (DDP: gloo on CPU, NCCL with one GPU per
-    process) and the batch sizes stay global: each process takes an equal share (README: "Training across
-    processes").
+    process) and the batch sizes stay global: each process takes an equal share (docs/distributed.md).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -48,7 +46,7 @@ class DistributedConfig(BaseModel):
     num_processes: int | Literal["auto"] = 1
     # machines (pods, nodes) the processes span, each starting num_processes of them: a multi-pod job whose pods
     # find each other through R1_MACHINE_RANK, R1_MAIN_PROCESS_IP, R1_MAIN_PROCESS_PORT and R1_JOIN_DIR
-    # (README: "Training across processes and machines"); the global batches split over all of them
+    # (docs/distributed.md); the global batches split over all of them
     num_machines: int = Field(1, ge=1)
     # an accelerate config file for the launch (its own settings: dynamo, NUMA, ...); not one that shards (FSDP,
     # DeepSpeed): `strategy` does that

@@ -31,7 +31,7 @@ from grpo import cores
 from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
 from grpo.ports import free_port
 
-# what a multi-machine job tells each of its machines (README: "Training across processes and machines")
+# what a multi-machine job tells each of its machines (docs/distributed.md)
 MACHINE_RANK, MAIN_IP, MAIN_PORT, JOIN_DIR = ("R1_MACHINE_RANK", "R1_MAIN_PROCESS_IP", "R1_MAIN_PROCESS_PORT",
                                               "R1_JOIN_DIR")
 ANNOUNCEMENT = "job.json"  # in R1_JOIN_DIR: where machine 0's launch tells the others which job file to run

@@ -108,10 +108,10 @@ def test_with_the_http_backend_plan_measures_the_recipes_endpoints():
     assert "from 1 endpoint(s) serving 'policy', 4 requests" in text and _rate(text) > 0
 
 
-def test_the_readme_shows_what_r1_plan_prints_for_the_800k_recipe():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_what_r1_plan_prints_for_the_800k_recipe():
+    readme = (ROOT / "docs" / "rejection-at-scale.md").read_text()
     block = re.search(r"```\n\$ r1 plan --recipe r1-800k (.*?)\n(.*?)\n```", readme, re.S)
-    assert block, "the README's worked example of r1 plan is gone"
+    assert block, "docs/rejection-at-scale.md's worked example of r1 plan is gone"
     flags = dict(zip(*[iter(block.group(1).split())] * 2))
     recipe = load_recipe("r1-800k")
     printed = plan_text(recipe.rejection_sampling, tokens_per_s=float(flags["--tokens-per-s"]),
