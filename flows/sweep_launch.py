@@ -11,7 +11,10 @@ Both run up to `parallel` points at once, each started once the stages it shares
   share of the machine's cores as its threads and a wait policy that does not spin (`grpo.cores`; what the user set
   in OMP_NUM_THREADS or OMP_WAIT_POLICY wins). Stopping the
   sweep stops them as Ctrl-C stops `r1 run` (they end their runs KILLED); one that has not ended 30 s later is
-  killed. They die with the sweep's process.
+  killed. Each leads a process group of its own: a supervisor that stops the sweep's group (a Prefect worker
+  cancelling its flow run sends SIGTERM, then SIGKILL 30 s later) reaches the sweep, which stops them, and does not
+  kill a point halfway through ending its runs. They stop with the sweep's process, and one whose sweep is gone
+  exits within a minute whatever it is doing (flows/cli/point.py).
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ class Processes:
         with log.open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "flows.cli.point", json.dumps(job)], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=die_with_parent)
+                                    preexec_fn=die_with_parent, start_new_session=True)
         proc.log = log  # type: ignore[attr-defined]
         return proc
 
@@ -199,7 +202,7 @@ class Processes:
         return code == 0, f"its process ended with exit code {code}{': ' + last[0] if last else ''} ({proc.log})"
 
     def stop(self, procs: list) -> None:
-        for proc in procs:  # as Ctrl-C stops `r1 run` (a terminal's Ctrl-C reached them already: then a no-op)
+        for proc in procs:  # as Ctrl-C stops `r1 run` (a terminal's Ctrl-C reaches the sweep only: own groups)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_S

@@ -12,8 +12,10 @@ KeyboardInterrupt, so a run cancelled by a worker or killed by a scheduler is KI
 Some calls must not stop halfway: a write to a SQLite tracking store stopped inside its transaction leaves the
 database locked for the rest of the process, so the run could not even be ended KILLED. Inside
 `signals_deferred` the main thread's stop waits for the block's end (a single database call: milliseconds), and so
-does a SIGALRM handler someone set: Prefect's time limit on a flow run (a stage's `resources.timeout_s`) raises
-from one, and an attempt past its limit that was stopped inside a write left every later write "database is locked".
+do a SIGALRM and a SIGTERM handler someone else set: Prefect's time limit on a flow run (a stage's
+`resources.timeout_s`) raises from the first, and an attempt past its limit that was stopped inside a write left
+every later write "database is locked"; inside a flow run Prefect's own SIGTERM handler raises TerminationSignal,
+which did the same to a sweep's point stopped by its sweep in the middle of a write.
 """
 
 from __future__ import annotations
@@ -70,44 +72,48 @@ def interrupt_threads() -> int:
 @contextmanager
 def signals_deferred() -> Iterator[None]:
     """In the main thread, a stop signal that arrives within the block raises its KeyboardInterrupt at the block's
-    end instead of inside it, and a SIGALRM handler (a flow run's time limit) runs there too (elsewhere signals do
-    not land, and nothing changes). For short calls only."""
+    end instead of inside it, and a SIGALRM or SIGTERM handler someone else set (a flow run's time limit, Prefect's
+    TerminationSignal) runs there too (elsewhere signals do not land, and nothing changes). For short calls only."""
     global _deferring
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _deferring += 1
-    alarm = _hold_alarm() if _deferring == 1 else None
+    holds = [_hold(sig) for sig in _HELD] if _deferring == 1 else []
     try:
         yield
     finally:
         _deferring -= 1
-        rang = _release_alarm(alarm)
+        arrived = [(hold[1], rang) for hold in holds if (rang := _release(hold)) is not None]
         if not _deferring and _deferred:
             _deferred.clear()
             raise KeyboardInterrupt
-        if rang is not None:
-            alarm[0](*rang)  # the time limit's handler, now the call is whole: it raises its own error
+        for handler, rang in arrived:
+            handler(*rang)  # the handler, now the call is whole: it raises its own error (the first one does)
 
 
-def _hold_alarm():
-    """(the SIGALRM handler, the arrivals held) while a handler someone set is replaced by one that holds them."""
-    if not hasattr(signal, "SIGALRM"):
-        return None
-    handler = signal.getsignal(signal.SIGALRM)
-    if not callable(handler):  # none set (SIG_DFL, SIG_IGN): nothing of Python's to run halfway
+# signals whose handler someone else may have set (Prefect's time limit, its TerminationSignal), held in the block
+_HELD = tuple(getattr(signal, name) for name in ("SIGALRM", "SIGTERM") if hasattr(signal, name))
+
+
+def _hold(sig: int):
+    """(sig, its handler, the arrivals held) while a handler someone set is replaced by one that holds them; None
+    where none is (SIG_DFL, SIG_IGN: nothing of Python's to run halfway) or the handler is `stop_on_signals`' own,
+    which defers by itself."""
+    handler = signal.getsignal(sig)
+    if not callable(handler) or getattr(handler, "defers", False):
         return None
     held: list[tuple] = []
-    signal.signal(signal.SIGALRM, lambda signum, frame: held.append((signum, frame)))
-    return handler, held
+    signal.signal(sig, lambda signum, frame: held.append((signum, frame)))
+    return sig, handler, held
 
 
-def _release_alarm(alarm) -> tuple | None:
-    """Put the SIGALRM handler back; the first arrival held, if one came."""
-    if alarm is None:
+def _release(hold) -> tuple | None:
+    """Put a held handler back; the first arrival held, if one came."""
+    if hold is None:
         return None
-    handler, held = alarm
-    signal.signal(signal.SIGALRM, handler)
+    sig, handler, held = hold
+    signal.signal(sig, handler)
     return held[0] if held else None
 
 
@@ -127,6 +133,7 @@ def stop_on_signals() -> Iterator[None]:
             return
         raise KeyboardInterrupt
 
+    handler.defers = True  # type: ignore[attr-defined]  (signals_deferred leaves it in place)
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     _stopping.clear()
     _deferred.clear()

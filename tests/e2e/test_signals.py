@@ -9,6 +9,7 @@ runs are KILLED, its Prefect flow runs Crashed (read from the local API's own da
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -132,6 +133,31 @@ def test_a_time_limit_that_rings_inside_a_store_call_lands_when_the_call_ends():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_sigterm_handler_someone_set_waits_for_the_store_call_then_raises():
+    # inside a flow run Prefect's SIGTERM handler raises TerminationSignal; one raised inside a SQLite commit (a
+    # sweep's point stopped by its sweep mid-write) left its runs RUNNING, "database is locked"
+    from grpo.interrupts import signals_deferred
+
+    class Terminated(Exception):
+        pass
+
+    def prefects(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, prefects)
+    finished = []
+    try:
+        with pytest.raises(Terminated):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # it arrives here, and waits
+                finished.append(True)
+        assert finished == [True]
+        assert signal.getsignal(signal.SIGTERM) is prefects
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_sigterm_to_r1_alone_stops_an_asynchronous_stage_and_its_sampler_processes(r1, tmp_path, answering_checkpoint):
