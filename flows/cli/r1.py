@@ -84,7 +84,7 @@ def _log_requests() -> None:
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    log = logging.getLogger("grpo.sampling.serve")
+    log = logging.getLogger("flows.cli.serve")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False  # the root logger's handlers (if any) would print it twice
@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     path = args.checkpoint
     if path.startswith("runs:/") or looks_like_a_path(path):  # else a hub name, "tiny" or a registry URI
         check_uri("CHECKPOINT", path)
-    from grpo.sampling.serve import load_checkpoint, make_server, serve_until_interrupted
+    from flows.cli.serve import load_checkpoint, make_server, serve_until_interrupted
 
     if path.startswith(("runs:/", "models:/")):
         from mlflow.exceptions import MlflowException

@@ -8,7 +8,7 @@ questions, its concurrent requests decoded together.
 
 It exists so the pipeline's judge and rejection sampling's generation can be a model this project trained, reached
 the same way as a vLLM or hosted endpoint (`HTTPJudge`, `HTTPGenerationBackend`). FastAPI on uvicorn; every
-request's rows go through one engine thread that batches them continuously (`grpo.sampling.serve_engine`: the
+request's rows go through one engine thread that batches them continuously (`grpo.sampling.batcher`: the
 batching rules, seeds, stop strings), and the handlers wait on it in asyncio. Streaming is OpenAI's: server-sent
 `data: {...}` chunks, then `data: [DONE]`. `stop` strings end the text before them (finish_reason "stop"), the row's
 slot freed at once; a client that goes away has its request cancelled; past `max_waiting` requests waiting for a
@@ -48,8 +48,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import GenerationConfig, ModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine
-from grpo.sampling.serve_engine import BatchingEngine, Delta, Failed, Finished, QueueFull
-from grpo.sampling.serve_requests import Request, RequestError, parse_chat, parse_completion
+from grpo.sampling.batcher import RequestBatcher, Delta, Failed, Finished, QueueFull
+from grpo.sampling.openai_requests import Request, RequestError, parse_chat, parse_completion
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class _Server(uvicorn.Server):
     waits for every open request, and a long completion under load kept `r1 serve` up for its whole graceful
     timeout after Ctrl-C."""
 
-    def __init__(self, config: uvicorn.Config, engine: BatchingEngine):
+    def __init__(self, config: uvicorn.Config, engine: RequestBatcher):
         super().__init__(config)
         self.engine = engine
 
@@ -95,7 +95,7 @@ class ChatServer:
         # the longest prompt + completion the model was built for; None when its config does not say
         self.max_len: int | None = getattr(model.config, "max_position_embeddings", None)
         backend = build_engine(generation or GenerationConfig(), model, tokenizer, who="r1 serve")
-        self.engine = BatchingEngine(backend, slots=slots, max_waiting=max_waiting, max_len=self.max_len)
+        self.engine = RequestBatcher(backend, slots=slots, max_waiting=max_waiting, max_len=self.max_len)
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socket = socket.create_server(address, family=family)  # bound now: the url is known before serving
         self.server_address = self.socket.getsockname()

@@ -1,4 +1,5 @@
-"""Sampling: generation behind one interface, and what is built on it (the LLM judge, the chat server).
+"""Sampling: generation behind one interface, and what is built on it (the LLM judge, the engine thread `r1 serve`
+serves; its HTTP app is `flows/cli/serve.py`, so no web framework is imported here).
 
 | module | what it holds |
 |---|---|
@@ -13,7 +14,8 @@
 | `http_backend` | the http engine (`HTTPGenerationBackend`): `/v1/completions` servers, spread over, failed over |
 | `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |
 | `openai_client` | the HTTP client both share: one JSON request, retries and backoff, errors that say what failed |
-| `serve` | `r1 serve`: a checkpoint as an OpenAI-compatible endpoint (chat and text completions) |
+| `batcher` | the engine thread behind `r1 serve` (`RequestBatcher`): every client's rows decoded together, continuously batched |
+| `openai_requests` | what `r1 serve` accepts: OpenAI chat and completions bodies checked field by field (`Request`) |
 
 To add an engine: a class with `generate(prompts, n, sampling) -> Rollout` and `sync_weights()` (see `rollout`), and
 its name in `GenerationConfig.backend` and `engines.build_engine`. Must not depend on Prefect or MLflow.

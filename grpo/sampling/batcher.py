@@ -1,7 +1,7 @@
 """The engine thread behind `r1 serve`: every request's rows decoded together, continuously batched.
 
 One thread owns the model, the tokenizer and a `grpo.sampling.slots.SlotBatch`. The HTTP handlers (asyncio, in
-`grpo.sampling.serve`) hand it `Request`s through a thread-safe inbox (`submit`, `cancel`) and get events back
+`flows.cli.serve`) hand it `Request`s through a thread-safe inbox (`submit`, `cancel`) and get events back
 through a callback each request brings (the handler's `loop.call_soon_threadsafe` into its asyncio queue):
 `Started` (the prompt token counts) or `Failed` first, then `Delta`s while a streamed row decodes, and one
 `Finished` per choice. Between decode steps the thread takes what came in, tokenizes it (a fast tokenizer shared by
@@ -38,7 +38,7 @@ import torch
 
 from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.sampling.draws import draw_streams
-from grpo.sampling.serve_requests import Request, RequestError
+from grpo.sampling.openai_requests import Request, RequestError
 from grpo.sampling.slots import Ended, SlotBatch
 from grpo.sampling.static_sampler import prompt_bucket
 
@@ -152,7 +152,7 @@ class _Row:
                         self.logprobs if want else None, "stop" if self.stopped else finish_reason)
 
 
-class BatchingEngine:
+class RequestBatcher:
     """The engine thread; see the module docstring. `backend`: the local engine (its model, tokenizer, static
     sampler); max_len: prompt + completion tokens the model takes (None: unknown)."""
 

@@ -9,7 +9,7 @@ one per stage in the recipe):
 | held-out evaluation (`tasks.evaluate`) | local |
 | rejection sampling (`tasks.rejection`, `r1 plan`) | local or http |
 | the local LLM judge (`grpo.sampling.judge`) and PRM step labels (`grpo.training.loops.prm`) | local |
-| `r1 serve` (`grpo.sampling.serve`) | local |
+| `r1 serve` (`flows.cli.serve`) | local |
 
 The engines:
 - `local` (`grpo.sampling.backend.TransformersBackend`): the model in this process. With `sampler: auto`,

@@ -1,8 +1,8 @@
 """What `r1 serve` accepts: an OpenAI chat or completions request body, checked field by field before any work.
 
 `parse_chat` and `parse_completion` turn a body into a `Request`, the engine thread's unit of work
-(`grpo.sampling.serve_engine`), or raise `RequestError` naming the first bad field (OpenAI's `param`), which the
-HTTP layer (`grpo.sampling.serve`) answers with OpenAI's error body. Nothing here touches the model or the
+(`grpo.sampling.batcher`), or raise `RequestError` naming the first bad field (OpenAI's `param`), which the
+HTTP layer (`flows.cli.serve`) answers with OpenAI's error body. Nothing here touches the model or the
 tokenizer: a prompt's length is checked in the engine thread, the only one that tokenizes. Must not depend on
 Prefect or MLflow.
 """

@@ -75,7 +75,7 @@ class Sampler:
     def __init__(self, index: int, plan: Plan, skeleton: torch.nn.Module, tokenizer, device: str, threads: int,
                  first: int, workers: int):
         torch.set_num_threads(threads)
-        torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.serve_engine)
+        torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.batcher)
         self.inbox = _Inbox()
         self.units: list[bytes] = []
         self.error: str | None = None

@@ -296,7 +296,7 @@ def _worker_main(index: int, slot: int, plan: Plan, skeleton: torch.nn.Module, t
     torch.set_num_threads(threads)
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(beats, slot, parent, stop), daemon=True).start()
-    torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.serve_engine)
+    torch.ones(2**10).sum()  # the first parallel region on the main thread (see grpo.sampling.batcher)
     fault("start")
     model, engine = sampler_model(plan, skeleton, tokenizer, device)
     del skeleton

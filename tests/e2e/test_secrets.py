@@ -44,7 +44,7 @@ def test_the_judge_key_appears_nowhere(prefect_harness, answering_checkpoint, pr
                                        mlflow_client, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
-    from grpo.sampling.serve import make_server
+    from flows.cli.serve import make_server
 
     key = "sk-r1-" + uuid.uuid4().hex  # unique, so any occurrence anywhere is this test's key
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))

@@ -95,7 +95,7 @@ def test_without_a_figure_plan_measures_the_recipes_model_here():
 
 def test_with_the_http_backend_plan_measures_the_recipes_endpoints():
     from grpo.models import load_model_and_tokenizer
-    from grpo.sampling.serve import make_server
+    from flows.cli.serve import make_server
 
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
     server = make_server(model, tok, port=0, model_name="policy")

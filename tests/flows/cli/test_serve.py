@@ -16,7 +16,7 @@ import torch
 from grpo.config import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.backend import TransformersBackend
-from grpo.sampling.serve import make_server
+from flows.cli.serve import make_server
 from tiny_configs import TINY_MODEL as SMALL
 
 KEY = "sk-test-batching"
@@ -258,7 +258,7 @@ def test_a_stop_mid_request_answers_what_ends_in_the_grace_and_cuts_the_rest_wit
     """Ctrl-C or SIGTERM (`shutdown()`, which uvicorn's signal handlers call) while requests decode: each still
     decoding after SHUTDOWN_GRACE_S ends with a 503 saying the server is shutting down (an error event when streamed)
     and the server is gone, instead of waiting for every long completion."""
-    from grpo.sampling import serve
+    from flows.cli import serve
 
     monkeypatch.setattr(serve, "SHUTDOWN_GRACE_S", 0.2)
     srv = make_server(*tiny, port=0, model_name="tiny", slots=16).start()

@@ -33,7 +33,7 @@ from grpo.sampling.http_backend import (
     sample_seed,
 )
 from grpo.sampling.engines import require_tokens
-from grpo.sampling.serve import load_checkpoint, make_server
+from flows.cli.serve import load_checkpoint, make_server
 from tiny_configs import TINY_MODEL as SMALL
 
 ROOT = Path(__file__).resolve().parents[3]

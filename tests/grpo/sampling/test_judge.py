@@ -28,7 +28,7 @@ from grpo.sampling.judge import (
     parse_verdict,
     render_judge_prompt,
 )
-from grpo.sampling.serve import load_checkpoint, make_server
+from flows.cli.serve import load_checkpoint, make_server
 from grpo.texts import JUDGE_PROMPT
 from grpo.tiny import build_tokenizer
 
