@@ -99,9 +99,9 @@ def run_engine(args, label: str) -> dict:
     from grpo.sampling.engines import build_engine
 
     try:  # where the step lives (before continuous batching it was the sampler's own module)
-        from grpo.sampling import decode_step as step_module
+        from grpo.sampling.local import decode_step as step_module
     except ImportError:
-        from grpo.sampling import static_sampler as step_module
+        from grpo.sampling.local import static_sampler as step_module
 
     model, tok, prompts = workload(args)
     rows_computed = [0]

@@ -48,7 +48,7 @@ def main() -> None:
     from grpo.rejection.shards import process_shard
     from grpo.sampling.draws import draw_streams
     from grpo.sampling.engines import build_engine, sampling_dtype
-    from grpo.sampling.static_sampler import StaticSampler
+    from grpo.sampling.local.static_sampler import StaticSampler
     from grpo.training.loops.grpo_trainer import GRPOTrainer
     from grpo.training.loops.reward_model import train_reward_model
     from grpo.training.loops.sft_trainer import train_sft

@@ -70,8 +70,8 @@ def run(args) -> list[dict]:
 
     from grpo.config import SamplingConfig
     from grpo.sampling.draws import draw_streams
-    from grpo.sampling.slots import SlotBatch
-    from grpo.sampling.static_sampler import StaticSampler
+    from grpo.sampling.local.slots import SlotBatch
+    from grpo.sampling.local.static_sampler import StaticSampler
 
     torch.set_num_threads(args.threads)
     model, tok = load(args)

@@ -43,7 +43,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from benchmarks.bytes_alive import BytesAlive  # noqa: E402
 from grpo.kernels import logprobs  # noqa: E402
-from grpo.sampling.static_sampler import StaticSampler, inverse_cdf  # noqa: E402
+from grpo.sampling.local.static_sampler import StaticSampler, inverse_cdf  # noqa: E402
 from grpo.training.optimizers import STEP_SLICE_BYTES, MasterWeights, cast_parameters, make_adamw  # noqa: E402
 
 QWEN = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -1,4 +1,4 @@
-"""One decode step's attention for one layer: the paged kernel (`grpo.sampling.paged_attention`, each slot's own
+"""One decode step's attention for one layer: the paged kernel (`grpo.sampling.local.paged_attention`, each slot's own
 pages) against what the captured step ran before paging (SDPA over every slot's whole static row of P + budget
 positions), and the kernel's numbers against the torch reference.
 
@@ -86,7 +86,7 @@ def main() -> None:
 
     import torch
 
-    from grpo.sampling.paged_attention import kernel_runs_on, paged_decode, reference
+    from grpo.sampling.local.paged_attention import kernel_runs_on, paged_decode, reference
 
     device = torch.device(args.device)
     if not kernel_runs_on(device):

@@ -99,7 +99,7 @@ def run_side(side: str, model_dir: str, workload: str) -> None:
         sys.argv = ["trl_grpo_peer.py", model_dir, "--workload", workload]
         runpy.run_path(str(BENCH / "trl_grpo_peer.py"), run_name="__main__")
     else:
-        from grpo.sampling.backend import TransformersBackend
+        from grpo.sampling.local.backend import TransformersBackend
         from grpo.training.loops.grpo_trainer import GRPOTrainer
 
         timers.wrap(TransformersBackend, "generate", "sampling")

@@ -38,7 +38,7 @@ def main() -> None:
     from grpo.models import load_model_and_tokenizer
     from grpo.recipe import load_recipe
     from grpo.rewards.steps import arithmetic_steps
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.sampling.local.backend import TransformersBackend
     from grpo.training.loops.prm import _auc, build_prm, encode_steps, label_steps, score_step_positions, train_prm
 
     recipe = load_recipe(args.recipe)

@@ -30,7 +30,7 @@ def heldout_figures(model, tok, heldout, eval_cfg) -> dict[str, float]:
     from grpo.config import SamplingConfig
     from grpo.rewards import accuracy_reward
     from grpo.rewards.steps import arithmetic_steps
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.sampling.local.backend import TransformersBackend
 
     rows = heldout.head(eval_cfg.num_prompts) if eval_cfg.num_prompts else heldout
     prompts, answers = rows["prompt"].tolist(), [str(a) for a in rows["answer"]]

@@ -81,7 +81,7 @@ def shard_work(args, checkpoint: str, prompts: Path, first: int, start_at: float
 
     from grpo.models import load_model_and_tokenizer
     from grpo.rejection import shards
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.sampling.local.backend import TransformersBackend
 
     torch.set_num_threads(1)
     cfg = stage_config(args, prompts)

@@ -27,7 +27,7 @@ from transformers import (
 from grpo.config import TINY, ModelConfig
 from grpo.tiny import build_tiny_model, build_tokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
@@ -62,8 +62,8 @@ def _generic_fast_tokenizer(folder: Path) -> bool:
 
 def check_model_config(cfg: ModelConfig) -> None:
     """Fail before any loading on a dtype we do not know or a local folder that is not there."""
-    if cfg.dtype not in _DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if not Path(cfg.name_or_path).exists() and cfg.name_or_path.startswith((".", "/")):
         raise FileNotFoundError(f"model folder {cfg.name_or_path!r} does not exist")
 
@@ -73,8 +73,8 @@ def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrai
     check_model_config(cfg)
     tok = load_tokenizer(cfg)
     if cfg.name_or_path == TINY:
-        return build_tiny_model(cfg.tiny, tok).to(_DTYPES[cfg.dtype]), tok
-    kwargs = dict(trust_remote_code=cfg.trust_remote_code, dtype=_DTYPES[cfg.dtype])
+        return build_tiny_model(cfg.tiny, tok).to(DTYPES[cfg.dtype]), tok
+    kwargs = dict(trust_remote_code=cfg.trust_remote_code, dtype=DTYPES[cfg.dtype])
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)

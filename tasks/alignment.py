@@ -13,7 +13,8 @@ from grpo.data.preferences import alignment_prompts, general_prompts, load_prefe
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.recipe import AlignmentGRPOConfig
 from grpo.training.launchers import launch
-from grpo.training.loops.reward_model import RewardModelResult, train_reward_model
+from grpo.training.launchers.jobs import DPOJob, RewardModelJob, run, write_frame
+from grpo.training.loops.reward_model import RewardModelResult
 from tasks import cluster, tracking
 from tasks.data import DataURIs, report_dropped
 from tasks.durable import durable_resume
@@ -56,15 +57,12 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
     rm_cfg = resolve_precision(run_id, "reward_model", cfg.reward_model)
     out = work_dir(run_id, "reward_model", cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed),
                    root=launch.work_root(cfg.distributed))
-    if launched:
-        frames = {"rows": pairs, **({"heldout": heldout} if heldout is not None else {})}
-        report = launch.run_launched("reward_model", out, cfg.distributed,
-                                     {"cfg": rm_cfg.model_dump(mode="json"), "source": cfg.preferences.source},
-                                     tracking.MetricsLogger(run_id), frames=frames, ray_address=ray_address)
-        result = RewardModelResult(**{**report, "model_dir": Path(report["model_dir"])})
-    else:
-        result = train_reward_model(pairs, rm_cfg, out, on_metrics=tracking.MetricsLogger(run_id),
-                                    heldout=heldout, source=cfg.preferences.source, distributed=cfg.distributed)
+    job = RewardModelJob(cfg=rm_cfg, rows=write_frame(pairs, out / "inputs", "rows"), source=cfg.preferences.source,
+                         heldout=write_frame(heldout, out / "inputs", "heldout") if heldout is not None else None,
+                         output_dir=str(out), distributed=cfg.distributed)
+    metrics = tracking.MetricsLogger(run_id)
+    report = launch.run_launched(job, metrics, ray_address=ray_address) if launched else run(job, metrics)
+    result = RewardModelResult(**{**report, "model_dir": Path(report["model_dir"])})
     tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,
                                                   "rm/heldout_accuracy_before": result.heldout_accuracy_before})
     get_run_logger().info("reward model: held-out pair accuracy %.3f (untrained %.3f)", result.heldout_accuracy,
@@ -90,22 +88,14 @@ def train_dpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_
             get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
         progress = TrainingProgress(run_id, stage, dpo_cfg.max_steps)  # MLflow metrics and the Prefect progress
         model_cfg = resolve_model(model_cfg, checkpoint_uri)
+        job = DPOJob(model=model_cfg, cfg=dpo_cfg, rows=write_frame(pairs, out / "inputs", "rows"),
+                     heldout=write_frame(heldout, out / "inputs", "heldout") if heldout is not None else None,
+                     source=cfg.preferences.source, output_dir=str(out), distributed=cfg.distributed)
         if launch.is_launched(cfg.distributed):
-            frames = {"rows": pairs, **({"heldout": heldout} if heldout is not None else {})}
-            report = launch.run_launched("dpo", out, cfg.distributed,
-                                         {"model": model_cfg.model_dump(mode="json"),
-                                          "cfg": dpo_cfg.model_dump(mode="json"), "source": cfg.preferences.source},
-                                         progress, frames=frames, ray_address=ray_address)
-            model_dir, steps = Path(report["model_dir"]), report["steps"]
-            heldout_metrics = report["heldout_metrics"]
+            report = launch.run_launched(job, progress, ray_address=ray_address)
         else:
-            from grpo.models import load_model_and_tokenizer
-            from grpo.training.loops.dpo import train_dpo
-
-            model, tokenizer = load_model_and_tokenizer(model_cfg)
-            result = train_dpo(model, tokenizer, pairs, dpo_cfg, out, progress, heldout=heldout,
-                               source=cfg.preferences.source, distributed=cfg.distributed)
-            model_dir, steps, heldout_metrics = result.model_dir, result.steps, result.heldout_metrics
+            report = run(job, progress)
+        model_dir, steps, heldout_metrics = Path(report["model_dir"]), report["steps"], report["heldout_metrics"]
     get_run_logger().info("DPO finished: %d steps, held-out pair accuracy %.3f", steps,
                           heldout_metrics["dpo/heldout_accuracy"])
     return tracking.log_dir(run_id, model_dir, "checkpoint")

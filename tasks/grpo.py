@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -13,9 +14,8 @@ from grpo.ppo_config import PPOConfig
 from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
 from grpo.rft_config import OnlineRFTConfig
 from grpo.training.launchers import launch
-from grpo.training.launchers.worker import build_rl_trainer
+from grpo.training.launchers.jobs import GRPOJob, run, write_frame
 from tasks import cluster, tracking
-from tasks.data import read_frame
 from tasks.durable import durable_resume
 from tasks.progress import TrainingProgress
 from tasks.stage import log_gemm_plan, resolve_model, resolve_precision, work_dir
@@ -38,7 +38,8 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     the policy's samples as GRPO runs, replaying the `preferences` pairs (grpo.training.loops.rm_refresh).
     With `online_rft`, GRPO's loop trains each sample with coefficient 1 when correct and 0 otherwise.
     """
-    rows = read_frame(train_uri)
+    rows_path = str(tracking.download(train_uri))  # Parquet
+    rows = pd.read_parquet(rows_path)
     refresh_frames = {}
     if refresh is not None:  # read (and checked) before any model loads
         from grpo.data.preferences import load_preference_data, split_by_prompt
@@ -68,25 +69,17 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
         model_cfg = resolve_model(model_cfg, checkpoint_uri)
         reward_model_dir = str(tracking.download(reward_model_uri)) if reward_model_uri else None
         prm_dir = str(tracking.download(cfg.prm_path)) if cfg.step_verifier == "prm" else None  # process reward model
+        job = GRPOJob(model=model_cfg, cfg=cfg, rows=rows_path, output_dir=str(out), generation=generation,
+                      reward_model=reward_model_dir, prm=prm_dir, ppo=ppo, online_rft=online_rft, refresh=refresh,
+                      distributed=distributed, **{name: write_frame(frame, out / "inputs", name)
+                                                  for name, frame in refresh_frames.items()})
         if launched:
             get_run_logger().info("training on %d processes (%s)", processes,
                                   "Ray Train" if ray_address else "accelerate launch")
-            report = launch.run_launched("grpo", out, distributed, {
-                "model": model_cfg.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
-                "reward_model": reward_model_dir, "prm": prm_dir, "generation": generation.model_dump(mode="json"),
-                "ppo": ppo.model_dump(mode="json") if ppo is not None else None,
-                "refresh": refresh.model_dump(mode="json") if refresh is not None else None,
-                "online_rft": online_rft.model_dump(mode="json") if online_rft else None},
-                progress, log_samples, frames={"rows": rows, **refresh_frames}, ray_address=ray_address)
-            model_dir, steps = Path(report["model_dir"]), report["steps"]
+            report = launch.run_launched(job, progress, log_samples, ray_address=ray_address)
         else:
-            trainer = build_rl_trainer(model_cfg, rows, cfg, out, reward_model=reward_model_dir, prm=prm_dir, ppo=ppo,
-                                       generation=generation, on_metrics=progress, on_samples=log_samples,
-                                       distributed=distributed, online_rft=online_rft,
-                                       refresh=None if refresh is None else (
-                                           refresh, refresh_frames.get("refresh_pairs"),
-                                           refresh_frames.get("refresh_heldout")))
-            model_dir, steps = trainer.train()
+            report = run(job, progress, log_samples)
+        model_dir, steps = Path(report["model_dir"]), report["steps"]
     get_run_logger().info("%s finished: %d steps", "PPO" if ppo else "online RFT" if online_rft else "GRPO", steps)
     log_gemm_plan(run_id, "grpo", out)
     refreshed = out / "reward_model"  # the iterative reward model as the run left it (grpo.training.loops.rm_refresh)

@@ -11,9 +11,8 @@ from prefect.logging import get_run_logger
 from grpo.config import ModelConfig, SFTConfig
 from grpo.data.tables import validate_rows
 from grpo.distributed_config import DistributedConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.training.launchers import launch
-from grpo.training.loops.sft_trainer import train_sft
+from grpo.training.launchers.jobs import SFTJob, run
 from tasks import cluster, tracking
 from tasks.data import read_frame
 from tasks.durable import durable_resume
@@ -25,7 +24,8 @@ from tasks.stage import log_gemm_plan, resolve_precision, work_dir
 def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: str, cfg: SFTConfig,
                     distributed: DistributedConfig = DistributedConfig()) -> str:
     """Fine-tune the model on the training rows; log per-step metrics; return the checkpoint's URI."""
-    rows = read_frame(train_uri)
+    rows_path = str(tracking.download(train_uri))  # Parquet
+    rows = pd.read_parquet(rows_path)
     processes = launch.check_splits(distributed, train__batch_size=cfg.batch_size)  # before any model loads
     ray_address = cluster.check_training_cluster(distributed, stage)  # None: this machine's processes
     cfg = resolve_precision(run_id, "train", cfg)
@@ -36,18 +36,15 @@ def train_sft_model(run_id: str, stage: str, model_cfg: ModelConfig, train_uri: 
         if step:
             get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
         progress = TrainingProgress(run_id, stage, cfg.max_steps)
+        job = SFTJob(model=model_cfg, cfg=cfg, rows=rows_path, source=train_uri, output_dir=str(out),
+                     distributed=distributed)
         if launch.is_launched(distributed):
             get_run_logger().info("training on %d processes (%s)", processes,
                                   "Ray Train" if ray_address else "accelerate launch")
-            report = launch.run_launched("sft", out, distributed, {"model": model_cfg.model_dump(mode="json"),
-                                                                   "cfg": cfg.model_dump(mode="json"),
-                                                                   "source": train_uri},
-                                         progress, frames={"rows": rows}, ray_address=ray_address)
-            model_dir, steps, final_loss = Path(report["model_dir"]), report["steps"], report["final_loss"]
+            report = launch.run_launched(job, progress, ray_address=ray_address)
         else:
-            model, tokenizer = load_model_and_tokenizer(model_cfg)
-            model_dir, steps, final_loss = train_sft(model, tokenizer, rows, cfg, out, progress, source=train_uri,
-                                                     distributed=distributed)
+            report = run(job, progress)
+        model_dir, steps, final_loss = Path(report["model_dir"]), report["steps"], report["final_loss"]
     get_run_logger().info("SFT finished: %d steps, final loss %.4f", steps, final_loss)
     log_gemm_plan(run_id, "train", out)
     return tracking.log_dir(run_id, model_dir, "checkpoint")

@@ -142,3 +142,33 @@ def test_no_module_over_about_500_lines():
     files = [p for d in ("grpo", "tasks", "flows", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 520}
     assert not long, f"split these by what they do: {long}"
+
+
+def _project_files() -> list[Path]:
+    return [p for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name, so a
+    reader can tell a module's interface from its insides."""
+    private = []
+    for path in _project_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.split(".")[0] in ("grpo", "tasks", "flows"):
+                private += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not private, "\n".join(private)
+
+
+LOCAL = "grpo.sampling.local"
+
+
+def test_the_local_engine_is_used_through_its_package():
+    """Outside `grpo/sampling/local/`, the engine's modules are reached through what the package exports, so its
+    insides (slots, decode step, pages, kernels) can change without touching the stages, the server or the workers."""
+    graph = _import_graph()
+    assert any(m.startswith(LOCAL + ".") for m in graph), f"{LOCAL} holds the local engine"
+    inside = [f"{module} imports {dep}" for module, deps in sorted(graph.items())
+              if not module.startswith(LOCAL) for dep in sorted(deps) if dep.startswith(LOCAL + ".")]
+    assert not inside, "\n".join(inside)

@@ -11,7 +11,7 @@ import torch
 from grpo.config import EvalConfig, SamplingConfig
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.backend import TransformersBackend
+from grpo.sampling.local.backend import TransformersBackend
 from grpo.training.logprobs import token_logps
 from tiny_configs import SMALL
 

@@ -33,10 +33,10 @@ def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
     threading.Thread(target=_exit_once_orphaned, args=(os.getppid(),), name="r1-orphan-exit", daemon=True).start()
     import tasks  # noqa: F401  (the embedded-default environment before Prefect loads)
-    from flows.cli.r1 import _until_stopped
+    from flows.cli.r1 import until_stopped
     from flows.r1_pipeline import r1_pipeline
 
-    result = _until_stopped(lambda: r1_pipeline(recipe=job["recipe"], stages=job["stages"],
+    result = until_stopped(lambda: r1_pipeline(recipe=job["recipe"], stages=job["stages"],
                                                 overrides=job["overrides"] or None, sweep=job["sweep"]),
                             "the same `r1 sweep` resumes it")
     if result is None:

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if "flows.cli.local_api" in sys.modules:  # a local API started early that no run took (a check failed)
                 sys.modules["flows.cli.local_api"].stop_early()
-    except KeyboardInterrupt:  # before a run started (a run's own Ctrl-C is told in _until_stopped)
+    except KeyboardInterrupt:  # before a run started (a run's own Ctrl-C is told in until_stopped)
         print("r1: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
@@ -299,7 +299,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         from flows.cli import sweep as sweep_command
 
-        return sweep_command.run(args, _until_stopped)
+        return sweep_command.run(args, until_stopped)
     if args.command == "compare":
         from mlflow.exceptions import MlflowException
 
@@ -363,7 +363,7 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
                                    "; add the stage that makes them to --stages, or give --from-run <pipeline run id>")
     from flows.r1_pipeline import r1_pipeline
 
-    result = _until_stopped(lambda: r1_pipeline(recipe=args.recipe, stages=stages if args.stages else None,
+    result = until_stopped(lambda: r1_pipeline(recipe=args.recipe, stages=stages if args.stages else None,
                                                 from_run=args.from_run, fresh=args.fresh,
                                                 overrides=preflight.parse_overrides(args.overrides) or None),
                             "the same `r1 run` resumes where it stopped (--fresh starts over)")
@@ -377,7 +377,7 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
     return 0
 
 
-def _until_stopped(run, resumes: str):
+def until_stopped(run, resumes: str):
     """`run()` on the local Prefect API (unless a server is configured), stopped cleanly by Ctrl-C or SIGTERM (to this
     process or its whole group): its MLflow runs end KILLED, its flow run Crashed, and None is returned."""
     from flows.cli.local_api import local_prefect_api
@@ -433,7 +433,7 @@ def _stage(args: argparse.Namespace, recipe) -> int:
     for param, uri in kwargs.items():
         check_uri(f"--{param.removesuffix('_uri')}", uri)
     stage_flow = stage.flow.with_options(flow_run_name=lambda: f"{args.name}:{recipe.name}")
-    result = _until_stopped(lambda: stage_flow(config=getattr(recipe, args.name), **kwargs),
+    result = until_stopped(lambda: stage_flow(config=getattr(recipe, args.name), **kwargs),
                             "the same `r1 stage` resumes from its last checkpoint")
     if result is None:
         return 130

@@ -376,7 +376,7 @@ def _token_logprobs(f: Finished) -> dict:
     top-k/top-p cut the distribution the token was drawn from (temperature 0: log softmax(logits)); OpenAI's and
     vLLM's default is the raw model's, log softmax(logits), whatever the temperature. It is the number a GRPO
     trainer computes for the token at that temperature, so an importance weight built on it is 1 where the
-    weights are the same (`grpo.sampling.decode_step.choose_tokens`)."""
+    weights are the same (`grpo.sampling.local.decode_step.choose_tokens`)."""
     offsets = [sum(len(t) for t in f.token_texts[:i]) for i in range(len(f.token_texts))]
     values = [round(v, 6) for v in f.logprobs]
     return {"tokens": f.token_texts, "token_logprobs": values, "text_offset": offsets,

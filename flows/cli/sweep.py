@@ -40,7 +40,7 @@ def add_parser(sub, parents) -> None:
 
 
 def run(args: argparse.Namespace, until_stopped) -> int:
-    """The command; `until_stopped(run, resumes)` runs the flow as `r1 run` does (flows.cli.r1._until_stopped)."""
+    """The command; `until_stopped(run, resumes)` runs the flow as `r1 run` does (flows.cli.r1.until_stopped)."""
     from flows.checks import UsageError
     from flows.cli import preflight
     from flows.cli.preflight import parse_overrides

@@ -5,12 +5,7 @@ serves; its HTTP app is `flows/cli/serve.py`, so no web framework is imported he
 |---|---|
 | `engines` | the one place that picks a stage's engine (`build_engine`) from its `generation` section |
 | `rollout` | what every engine returns (`Rollout`, token ids where it has them, text always) and offers (`Engine`) |
-| `backend` | the local engine (`TransformersBackend`): the model in this process, static sampler or decode loop |
-| `static_sampler` | the sampler for Llama-family decoders: rows streamed through slots of a static KV cache, in-step sampling, CUDA graphs on a GPU |
-| `slots` | continuous batching (`SlotBatch`): which row each slot holds, the waiting rows, refills, rows handed back as they end |
-| `decode_step` | the decode step itself: the slots' state, each slot at its own position, captured per slot-count bucket |
-| `pages` | the paged KV cache (`PagedState`, `PagePool`): pages rows take as they grow, a prompt's shared by its rows |
-| `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (its fused, packed linears serve the static sampler) |
+| `local` | the local engine (`TransformersBackend`), a package: the static sampler, its slots, decode step, paged KV cache and lean decoder behind the surface its `__init__` exports |
 | `http_backend` | the http engine (`HTTPGenerationBackend`): `/v1/completions` servers, spread over, failed over |
 | `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |
 | `openai_client` | the HTTP client both share: one JSON request, retries and backoff, errors that say what failed |

@@ -1,6 +1,6 @@
 """The engine thread behind `r1 serve`: every request's rows decoded together, continuously batched.
 
-One thread owns the model, the tokenizer and a `grpo.sampling.slots.SlotBatch`. The HTTP handlers (asyncio, in
+One thread owns the model, the tokenizer and a `grpo.sampling.local.slots.SlotBatch`. The HTTP handlers (asyncio, in
 `flows.cli.serve`) hand it `Request`s through a thread-safe inbox (`submit`, `cancel`) and get events back
 through a callback each request brings (the handler's `loop.call_soon_threadsafe` into its asyncio queue):
 `Started` (the prompt token counts) or `Failed` first, then `Delta`s while a streamed row decodes, and one
@@ -36,11 +36,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from grpo.sampling.backend import TransformersBackend, render_prompts
 from grpo.sampling.draws import draw_streams
+from grpo.sampling.local import Ended, SlotBatch, TransformersBackend, prompt_bucket, render_prompts
 from grpo.sampling.openai_requests import Request, RequestError
-from grpo.sampling.slots import Ended, SlotBatch
-from grpo.sampling.static_sampler import prompt_bucket
 
 logger = logging.getLogger(__name__)
 

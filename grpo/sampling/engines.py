@@ -12,8 +12,8 @@ one per stage in the recipe):
 | `r1 serve` (`flows.cli.serve`) | local |
 
 The engines:
-- `local` (`grpo.sampling.backend.TransformersBackend`): the model in this process. With `sampler: auto`,
-  Qwen2/Qwen3/Llama/Mistral-style decoders sample through the static-shape sampler (`grpo.sampling.static_sampler`:
+- `local` (`grpo.sampling.local.backend.TransformersBackend`): the model in this process. With `sampler: auto`,
+  Qwen2/Qwen3/Llama/Mistral-style decoders sample through the static-shape sampler (`local.static_sampler`:
   a KV cache allocated once, sampling inside the step, CUDA graphs on a GPU, a bf16 copy of fp32 weights where the
   stage computes in bf16); any other model, or one the static step cannot compute exactly, decodes through its own
   forward, step by step (logged once). `sampler: loop` always takes the latter.
@@ -33,8 +33,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import GenerationConfig
-from grpo.sampling.backend import TransformersBackend
 from grpo.sampling.http_backend import build_http_backend
+from grpo.sampling.local import TransformersBackend
 from grpo.sampling.rollout import Engine, Rollout, cat_padded, require_tokens
 
 __all__ = ["Engine", "Rollout", "build_engine", "cat_padded", "local_generation", "require_tokens", "sampling_dtype"]

@@ -43,7 +43,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import GenerationConfig, SamplingConfig
-from grpo.sampling.backend import render_prompts
+from grpo.sampling.local import render_prompts
 from grpo.sampling.rollout import Rollout
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint, Retryable
 

@@ -24,7 +24,7 @@ from grpo.kernels.attention import PACKED, packed_attention_supported
 from grpo.kernels.gemm import is_planned
 from grpo.kernels.logprobs import logps_from_logits, selective_logps
 from grpo.models import cached, is_checkpointing
-from grpo.sampling.backend import distinct_rows
+from grpo.sampling.local import distinct_rows
 from grpo.training.lora import causal_lm
 from grpo.training.packing import PackedRows, pack_completions
 

@@ -25,8 +25,8 @@ from grpo.config import GRPOConfig, SamplingConfig
 from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox
-from grpo.sampling.backend import render_prompts
 from grpo.sampling.engines import Engine, Rollout, require_tokens
+from grpo.sampling.local import render_prompts
 from grpo.training.accelerator import shared_gemm_plan
 from grpo.training.distributed import gather_table, main_only, matched_chunks, reduce_metrics
 from grpo.training.logprobs import token_logps

@@ -29,9 +29,9 @@ from transformers import (AutoModelForSequenceClassification, PreTrainedModel, P
 from grpo.config import TINY, ModelConfig
 from grpo.data.tables import DataError
 from grpo.kernels.attention import PACKED, attending_packed
-from grpo.models import _DTYPES, check_model_config, load_tokenizer
+from grpo.models import DTYPES, check_model_config, load_tokenizer
 from grpo.rewards import completion_text
-from grpo.sampling.backend import render_prompts, response_text
+from grpo.sampling.local import render_prompts, response_text
 from grpo.tiny import build_tiny_model
 from grpo.training.batches import pad_right
 from grpo.training.logprobs import packing_on
@@ -79,9 +79,9 @@ def build_reward_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel
         torch.manual_seed(seed)  # the head's initialisation
         model = Qwen2ForSequenceClassification(lm.config)
         model.model.load_state_dict(lm.model.state_dict())
-        return model.to(_DTYPES[cfg.dtype]), tok
+        return model.to(DTYPES[cfg.dtype]), tok
     kwargs = dict(num_labels=1, pad_token_id=tok.pad_token_id, trust_remote_code=cfg.trust_remote_code,
-                  dtype=_DTYPES[cfg.dtype])
+                  dtype=DTYPES[cfg.dtype])
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     torch.manual_seed(seed)

@@ -25,7 +25,7 @@ from grpo.rejection.shards import validate_prompts
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rewards.correct import check_rows
 from grpo.rewards.sandbox import SandboxUnavailable
-from grpo.sampling.backend import Rollout, TransformersBackend
+from grpo.sampling.local.backend import Rollout, TransformersBackend
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
 from tiny_configs import SMALL

@@ -9,7 +9,7 @@ import torch
 
 from grpo.config import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.backend import TransformersBackend, render_prompts
+from grpo.sampling.local.backend import TransformersBackend, render_prompts
 from grpo.tiny import build_tokenizer
 from tiny_configs import TINY_MODEL as SMALL
 

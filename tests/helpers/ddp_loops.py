@@ -31,7 +31,7 @@ from grpo.distributed_config import DistributedConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ppo_config import PPOConfig
 from grpo.reward_config import RewardModelConfig
-from grpo.sampling.backend import Rollout, TransformersBackend
+from grpo.sampling.local.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator
 from grpo.training.distributed import process_share
 from grpo.training.logprobs import token_logps

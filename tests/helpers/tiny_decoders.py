@@ -1,5 +1,5 @@
 """Tiny random Llama-family decoders, left-padded prompts and a naive sampling loop: what the sampler tests compare
-against (tests/grpo/sampling/test_static_sampler.py, tests/grpo/sampling/test_slots.py). They compare on one thread
+against (tests/grpo/sampling/local/: test_static_sampler.py, test_slots.py). They compare on one thread
 (conftest's `one_thread` fixture)."""
 
 import torch
@@ -7,9 +7,9 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from grpo.config import SamplingConfig
-from grpo.sampling import decode_step, slots
+from grpo.sampling.local import decode_step, slots
 from grpo.sampling.draws import uniform_at
-from grpo.sampling.static_sampler import choose_tokens
+from grpo.sampling.local.static_sampler import choose_tokens
 
 V, PAD, EOS = 96, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 12 end ids in 96: rows end after ~8 tokens
 KINDS = ["qwen2", "llama", "qwen3", "mistral"]

@@ -3,10 +3,10 @@
 It returns what GRPO needs and `model.generate` does not hand back cheaply: the completion token ids, their mask,
 and the sampling policy's log-probability of every sampled token (what truncated importance sampling and `r1
 serve`'s logprobs read: the tempered full distribution's, before top-k/top-p, as the trainer computes it; `_pick`).
-Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through `grpo.sampling.static_sampler` (a static KV
+Llama-family decoders (Qwen2, Qwen3, Llama, Mistral) sample through `grpo.sampling.local.static_sampler` (a static KV
 cache, CUDA graphs on a GPU, from a bf16 copy where the stage computes in bf16; LoRA adapters included); any other
 model, or one the static step cannot compute exactly (hooks, DoRA, quantized projections), through the decode loop
-below (`grpo.sampling.cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise), which stops as
+below (`cpu_decoder` for plain Qwen2/Llama models, the model's own forward otherwise), which stops as
 soon as every sequence has ended. Must not depend on Prefect or MLflow.
 """
 
@@ -22,10 +22,10 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.models import cached
-from grpo.sampling.cpu_decoder import _LeanDecoder
 from grpo.sampling.draws import draw_streams, uniform_at
+from grpo.sampling.local.cpu_decoder import LeanDecoder
+from grpo.sampling.local.static_sampler import StaticSampler, distinct_rows, inverse_cdf
 from grpo.sampling.rollout import Rollout, cat_padded
-from grpo.sampling.static_sampler import StaticSampler, distinct_rows, inverse_cdf
 
 log = logging.getLogger(__name__)
 _REPORTED: set[str] = set()  # fallback reasons already logged: once each, not once a batch
@@ -113,7 +113,7 @@ def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
         logits, cache = _prefill(model, ids, mask, pos)  # [B, V]
     next_pos = pos[:, -1] + 1  # [B]
     # autocast changes every op's dtype, which the lean path does not mirror: it keeps to the HF loop
-    step = None if autocast else _LeanDecoder.build(model, cache, mask, next_pos, s.max_new_tokens)
+    step = None if autocast else LeanDecoder.build(model, cache, mask, next_pos, s.max_new_tokens)
     if step is None:
         step = _HFDecoder(model, cache, mask, next_pos, amp)
     done = torch.zeros(B, dtype=torch.bool, device=device)

@@ -13,20 +13,20 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-# Llama-family decoders (RMSNorm, rotary, grouped-query attention, SwiGLU MLP) whose decode step _LeanDecoder
+# Llama-family decoders (RMSNorm, rotary, grouped-query attention, SwiGLU MLP) whose decode step LeanDecoder
 # reproduces from the weights alone. Anything else, or anything unusual in these, decodes through _HFDecoder.
 _LEAN_ARCHITECTURES = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
-_STATIC_ROPE = {"default", "linear", "llama3"}  # rope types whose cos/sin depend on the position alone
+STATIC_ROPE = {"default", "linear", "llama3"}  # rope types whose cos/sin depend on the position alone
 
 
 # fused and packed weight copies only for models this small: for a large model they would cost as much memory as
 # the model itself, and its matmuls are big enough to run well without them
-_COPY_MAX_BYTES = 1 << 30
+COPY_MAX_BYTES = 1 << 30
 
 
 def lora_reason(m: torch.nn.Module) -> str | None:
     """None when `m` is a plain `nn.Linear`, or peft's LoRA `Linear` over one whose active adapters are plain LoRA
-    (what `_Linear` computes: the base plus each adapter's B A x, scaled); else why a step reading weights cannot."""
+    (what `PackedLinear` computes: base plus each adapter's B A x, scaled); else why a step reading weights cannot."""
     if type(m) is torch.nn.Linear:
         return None
     if (type(m).__name__, type(m).__module__) != ("Linear", "peft.tuners.lora.layer") \
@@ -67,7 +67,7 @@ def _low_rank(parts: list[list[tuple[torch.Tensor, torch.Tensor, float]]], outs:
     return a, b
 
 
-class _Linear:
+class PackedLinear:
     """One or more `nn.Linear`s applied to the same input, outputs side by side: [rows, in] -> [rows, sum(out)].
 
     With copies allowed (small models), their weights are concatenated into one matrix, so q/k/v (or gate/up) take
@@ -116,15 +116,15 @@ def _mkl_packing() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-class _LeanLayer(NamedTuple):
+class LeanLayer(NamedTuple):
     """One decoder layer's weights as the lean step reads them."""
 
     ln1: torch.Tensor  # [H] input RMSNorm weight
-    qkv: _Linear  # [H] -> [(Hq + 2 Hkv) D]: q, k and v projections
-    o: _Linear  # [Hq D] -> [H]
+    qkv: PackedLinear  # [H] -> [(Hq + 2 Hkv) D]: q, k and v projections
+    o: PackedLinear  # [Hq D] -> [H]
     ln2: torch.Tensor  # [H] post-attention RMSNorm weight
-    gate_up: _Linear  # [H] -> [2 I]: gate and up projections
-    down: _Linear  # [I] -> [H]
+    gate_up: PackedLinear  # [H] -> [2 I]: gate and up projections
+    down: PackedLinear  # [I] -> [H]
 
 
 def fused_view(weights: list[torch.Tensor]) -> torch.Tensor | None:
@@ -151,21 +151,21 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
                                                           device=m.weight.device) for b, m in zip(biases, linears)])
 
 
-def _lean_layer(layer, rows: int, copies: bool) -> _LeanLayer:
+def lean_layer(layer, rows: int, copies: bool) -> LeanLayer:
     """The layer's weights as the lean step uses them (built per generate call: the policy changes between them)."""
     a, m = layer.self_attn, layer.mlp
-    return _LeanLayer(layer.input_layernorm.weight, _Linear([a.q_proj, a.k_proj, a.v_proj], rows, copies),
-                      _Linear([a.o_proj], rows, copies), layer.post_attention_layernorm.weight,
-                      _Linear([m.gate_proj, m.up_proj], rows, copies), _Linear([m.down_proj], rows, copies))
+    return LeanLayer(layer.input_layernorm.weight, PackedLinear([a.q_proj, a.k_proj, a.v_proj], rows, copies),
+                      PackedLinear([a.o_proj], rows, copies), layer.post_attention_layernorm.weight,
+                      PackedLinear([m.gate_proj, m.up_proj], rows, copies), PackedLinear([m.down_proj], rows, copies))
 
 
 def lean_decode_supported(model: PreTrainedModel) -> bool:
-    """True when `model` is a plain Qwen2/Llama decoder that `_LeanDecoder` computes exactly."""
+    """True when `model` is a plain Qwen2/Llama decoder that `LeanDecoder` computes exactly."""
     if type(model).__name__ not in _LEAN_ARCHITECTURES:
         return False
     cfg, core = model.config, getattr(model, "model", None)
     rotary = getattr(core, "rotary_emb", None)
-    if rotary is None or getattr(rotary, "rope_type", None) not in _STATIC_ROPE or cfg.hidden_act != "silu":
+    if rotary is None or getattr(rotary, "rope_type", None) not in STATIC_ROPE or cfg.hidden_act != "silu":
         return False
     sliding = getattr(cfg, "use_sliding_window", False) or any(
         t != "full_attention" for t in getattr(cfg, "layer_types", None) or [])
@@ -182,7 +182,7 @@ def lean_decode_supported(model: PreTrainedModel) -> bool:
     return True
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen2/Llama RMSNorm: statistics in fp32, the weight applied in the input dtype."""
     if x.dtype == weight.dtype == torch.float32:
         return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)  # fewer ops; the same numbers in fp32
@@ -192,13 +192,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * torch.nn.functional.rms_norm(x, weight.shape, None, eps)
 
 
-class _LeanDecoder:
+class LeanDecoder:
     """Decode steps computed straight from the model's weights, without the per-layer Python of transformers.
 
     Per step and layer: one fused QKV matmul, rotary from a table built once, K/V written in place into a
     preallocated cache, one SDPA call with the query heads of a KV group folded into the query axis (GQA without
-    copying K/V), the output projection, and one fused gate/up matmul (for a small model; see `_Linear`). The padding
-    mask is built once and sliced.
+    copying K/V), the output projection, and one fused gate/up matmul (a small model's; see `PackedLinear`). The
+    padding mask is built once and sliced.
     """
 
     def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
@@ -210,9 +210,9 @@ class _LeanDecoder:
         self.n_q = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.embed, self.norm = core.embed_tokens.weight, core.norm.weight
-        copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= _COPY_MAX_BYTES
-        self.head = _Linear([model.lm_head], B, copies)
-        self.layers = [_lean_layer(layer, B, copies) for layer in core.layers]
+        copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= COPY_MAX_BYTES
+        self.head = PackedLinear([model.lm_head], B, copies)
+        self.layers = [lean_layer(layer, B, copies) for layer in core.layers]
         self.k, self.v = [], []
         for layer in cache.layers:  # [B, Hkv, P, D] each -> [B, Hkv, P + max_new, D], prompt part filled
             for prefilled, out in ((layer.keys, self.k), (layer.values, self.v)):
@@ -235,7 +235,7 @@ class _LeanDecoder:
 
     @classmethod
     def build(cls, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
-              max_new: int) -> "_LeanDecoder | None":
+              max_new: int) -> "LeanDecoder | None":
         layers = getattr(cache, "layers", None)
         if not lean_decode_supported(model) or not layers or not all(hasattr(x, "keys") for x in layers):
             return None
@@ -247,7 +247,7 @@ class _LeanDecoder:
         bias = self.bias[..., : t + 1]  # [B, 1, 1, t+1]
         x = torch.nn.functional.embedding(tok, self.embed)  # [B, H]
         for i, w in enumerate(self.layers):
-            h = _rms_norm(x, w.ln1, self.eps)  # [B, H]
+            h = rms_norm(x, w.ln1, self.eps)  # [B, H]
             qkv = w.qkv(h)  # [B, (Hq+2Hkv) D]
             qk = qkv[:, : (Hq + Hkv) * D].view(B, Hq + Hkv, D)  # rotary goes on q and k together
             qk = qk * cos + qk.view(B, Hq + Hkv, 2, D // 2).flip(2).view(B, Hq + Hkv, D) * sin
@@ -258,8 +258,8 @@ class _LeanDecoder:
                 q, self.k[i][:, :, : t + 1], self.v[i][:, :, : t + 1], attn_mask=bias,
                 scale=self.scale)  # [B, Hkv, Hq/Hkv, D]
             x = x + w.o(o.reshape(B, Hq * D))
-            h = _rms_norm(x, w.ln2, self.eps)
+            h = rms_norm(x, w.ln2, self.eps)
             gate, up = w.gate_up(h).chunk(2, -1)  # [B, I] each
             x = x + w.down(torch.nn.functional.silu(gate) * up)
         self.t = t + 1
-        return self.head(_rms_norm(x, self.norm, self.eps))  # [B, V]
+        return self.head(rms_norm(x, self.norm, self.eps))  # [B, V]

@@ -1,9 +1,9 @@
 """The sampler's decode step: S slots over a paged KV cache, each at its own point, one step for them all.
 
 For Llama-family decoders (Qwen2, Qwen3, Llama, Mistral: RMSNorm, rotary, grouped-query attention, SwiGLU MLP).
-The slots' fields (`_State`) are allocated once per shape (S slots, prompt bucket P, budget C): per slot its token
+The slots' fields (`SlotState`) are allocated once per shape (S slots, prompt bucket P, budget C): per slot its token
 count, its prompt's next position, its row's random stream, limit and done flag, its chosen tokens and their
-log-probs; the keys and values live in pages (`grpo.sampling.pages.PagedState`). A step (`_decode` then `_choose`):
+log-probs; the keys and values live in pages (`pages.PagedState`). A step (`_decode` then `_choose`):
 
 - reads the weights straight from the model (`cpu_decoder`'s fused and packed linears);
 - feeds each slot's last token, writes its K/V at the slot's own position in its pages (the slots are at different
@@ -11,11 +11,11 @@ log-probs; the keys and values live in pages (`grpo.sampling.pages.PagedState`).
   samples inside the step: temperature, top-k and top-p, and the inverse CDF at the slot's draw for that token
   (`draws.uniform_at`: its row's stream and the token's count), so the random state, the counters and the done flags
   all live on the device and a slot's tokens depend on its own row alone;
-- runs over the first m slots (`_State.rows(m)`, views of the same storage), so the scheduler (`slots.SlotBatch`),
+- runs over the first m slots (`SlotState.rows(m)`, views of the same storage), so the scheduler (`slots.SlotBatch`),
   which keeps live slots at the front, computes no ended row eagerly; on CUDA the step is captured as a
   `torch.cuda.CUDAGraph` for each of `row_buckets(S)` and replayed, and a slot that ended between the host's checks
   writes a dump column and stays as it was. A captured step is made again when the page pools grow (they move):
-  `_Capture.run` sees the pools' version change and captures anew, keeping the slots' fields as they were.
+  `Capture.run` sees the pools' version change and captures anew, keeping the slots' fields as they were.
 
 Must not depend on Prefect or MLflow.
 """
@@ -29,8 +29,8 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo.config import SamplingConfig
-from grpo.sampling.cpu_decoder import _COPY_MAX_BYTES, _lean_layer, _LeanLayer, _Linear, _rms_norm
 from grpo.sampling.draws import uniform_at
+from grpo.sampling.local.cpu_decoder import COPY_MAX_BYTES, LeanLayer, PackedLinear, lean_layer, rms_norm
 
 F = torch.nn.functional
 
@@ -40,7 +40,7 @@ CDF_BLOCK = 1024
 
 def decoder(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers model the step reads: inside a peft LoRA model, its base model (the adapters injected into
-    its projections, which `_Linear` computes); any other model is itself."""
+    its projections, which `PackedLinear` computes); any other model is itself."""
     return model.get_base_model() if type(model).__module__.startswith("peft.") else model
 
 
@@ -116,32 +116,32 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) ->
     return (b * block + at).squeeze(-1)  # [B]
 
 
-class _Weights(NamedTuple):
+class Weights(NamedTuple):
     """The decoder's weights as the step reads them (references to the model's, or fused/packed copies)."""
 
     embed: torch.Tensor  # [V, H]
     norm: torch.Tensor  # [H] final RMSNorm
-    head: _Linear  # [H] -> [V]
-    layers: list[_LeanLayer]
+    head: PackedLinear  # [H] -> [V]
+    layers: list[LeanLayer]
     qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None]  # Qwen3's per-head q/k RMSNorm weights, [D] each
 
 
-def _read_weights(model: PreTrainedModel, rows: int, pack: bool = True) -> _Weights:
+def read_weights(model: PreTrainedModel, rows: int, pack: bool = True) -> Weights:
     """The step's weights; pack=False leaves out MKL's packed copies, which cannot be refreshed in place."""
     model = decoder(model)
     core = model.model
-    copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= _COPY_MAX_BYTES
+    copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= COPY_MAX_BYTES
     norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
              if hasattr(layer.self_attn, "q_norm") else None for layer in core.layers]
-    w = _Weights(core.embed_tokens.weight, core.norm.weight, _Linear([model.lm_head], rows, copies),
-                 [_lean_layer(layer, rows, copies) for layer in core.layers], norms)
+    w = Weights(core.embed_tokens.weight, core.norm.weight, PackedLinear([model.lm_head], rows, copies),
+                 [lean_layer(layer, rows, copies) for layer in core.layers], norms)
     if not pack:
         for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
             lin.packed = None
     return w
 
 
-def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
+def weight_tensors(w: Weights) -> list[torch.Tensor]:
     """Every tensor the step reads, in a fixed order (to refresh a captured step's copies in place)."""
     out = [w.embed, w.norm]
     for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
@@ -153,7 +153,7 @@ def _weight_tensors(w: _Weights) -> list[torch.Tensor]:
     return out
 
 
-class _State:
+class SlotState:
     """The slots' own fields, which every decode step reads and writes, allocated once per shape (S slots, prompt
     bucket P, budget C): each slot holds one sample at its own point: `n` tokens chosen, its prompt's positions, its
     stream, its limit, its chosen tokens and their log-probs. Slots are kept packed at the front (`rows(m)` is the
@@ -189,11 +189,11 @@ class _State:
         # rotate_half(x) * sin == flip_halves(x) * sin_signed: the halves swapped and the first half negated
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)  # [T, D] each
         self.S, self.P, self.C, self.T = S, P, C, T
-        self._views: dict[int, _State] = {}
+        self._views: dict[int, SlotState] = {}
 
     _PER_SLOT = ("next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs")
 
-    def rows(self, m: int) -> "_State":
+    def rows(self, m: int) -> "SlotState":
         """The first m slots: the same object's tensors cut to their first m rows (views, so steps write through)."""
         if m == self.S:
             return self
@@ -216,11 +216,11 @@ def row_buckets(S: int) -> list[int]:
     return out
 
 
-class _Capture:
+class Capture:
     """One shape's state and its decode step over the first m slots; on CUDA, the step captured as a graph for each
     of `row_buckets(S)` (views of one state: the graphs share its memory)."""
 
-    def __init__(self, state: _State, step, graph: bool):
+    def __init__(self, state: SlotState, step, graph: bool):
         self.state, self.step, self.graphs, self.version = state, step, {}, None
         if not graph:
             return
@@ -277,7 +277,7 @@ class _Capture:
         self.graphs[self.rows_run(m)].replay()
 
 
-def _choose(st: _State, logits: torch.Tensor, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
+def _choose(st: SlotState, logits: torch.Tensor, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
             want_logprobs: bool) -> None:
     """Choose token number st.n[i] of every slot i from `logits` [S, V], each slot at its own count; a slot that
     has ended (an end token, the budget, or free) gets the pad id, written to the dump column, and stays as it is."""
@@ -296,13 +296,13 @@ def _choose(st: _State, logits: torch.Tensor, s: SamplingConfig, eos: torch.Tens
     st.n.add_((~ended).long())
 
 
-def _step(st: _State, w: _Weights, cfg, s: SamplingConfig, eos: torch.Tensor, pad_id: int, want_logprobs: bool,
+def step_slots(st: SlotState, w: Weights, cfg, s: SamplingConfig, eos: torch.Tensor, pad_id: int, want_logprobs: bool,
           kv_len: int) -> None:
     """Feed each slot's last chosen token, then choose its next: fixed shapes when kv_len is the cache's length."""
     _choose(st, _decode(st, w, cfg, kv_len), s, eos, pad_id, want_logprobs)
 
 
-def _decode(st, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
+def _decode(st, w: Weights, cfg, kv_len: int) -> torch.Tensor:
     """The logits [S, V] after each slot's last chosen token, whose keys and values go into the slot's pages
     (`pages.PagedState`), attending over what `st.attention` says it reads."""
     S, D, Hkv, Hq, eps = st.tok.size(0), st.head_dim, st.n_kv, cfg.num_attention_heads, cfg.rms_norm_eps
@@ -311,20 +311,20 @@ def _decode(st, w: _Weights, cfg, kv_len: int) -> torch.Tensor:
     kv = st.attention(kv_len)
     x = F.embedding(st.tok, w.embed)  # [S, H]
     for i, (layer, qk_norm) in enumerate(zip(w.layers, w.qk_norms)):
-        h = _rms_norm(x, layer.ln1, eps)  # [S, H]
+        h = rms_norm(x, layer.ln1, eps)  # [S, H]
         qkv = layer.qkv(h)  # [S, (Hq+2Hkv) D]
         qk = qkv[:, : (Hq + Hkv) * D].view(S, Hq + Hkv, D)  # rotary goes on q and k together
         if qk_norm is not None:  # Qwen3 normalises each head before the rotary
-            qk = torch.cat([_rms_norm(qk[:, :Hq], qk_norm[0], eps), _rms_norm(qk[:, Hq:], qk_norm[1], eps)], 1)
+            qk = torch.cat([rms_norm(qk[:, :Hq], qk_norm[0], eps), rms_norm(qk[:, Hq:], qk_norm[1], eps)], 1)
         qk = qk * cos + qk.view(S, Hq + Hkv, 2, D // 2).flip(2).view(S, Hq + Hkv, D) * sin
         kv.write(i, qk[:, Hq:], qkv[:, (Hq + Hkv) * D :].view(S, Hkv, D))  # [S, Hkv, D] each
         q = qk[:, :Hq].reshape(S, Hkv, Hq // Hkv, D)  # query head h reads KV head h // (Hq/Hkv)
         o = kv.attend(i, q)  # [S, Hkv, Hq/Hkv, D]
         x = x + layer.o(o.reshape(S, Hq * D))
-        h = _rms_norm(x, layer.ln2, eps)
+        h = rms_norm(x, layer.ln2, eps)
         gate, up = layer.gate_up(h).chunk(2, -1)  # [S, I] each
         x = x + layer.down(F.silu(gate) * up)
-    return w.head(_rms_norm(x, w.norm, eps))  # [S, V]
+    return w.head(rms_norm(x, w.norm, eps))  # [S, V]
 
 
 def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

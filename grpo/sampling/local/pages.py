@@ -2,7 +2,7 @@
 
 A static cache row of P + C positions a slot (what the captured step had before) holds the budget whatever its row
 writes, so memory and the work of each step follow the budget. Here (`PagedState`, the slots' fields of
-`decode_step._State` and the cache) each layer's keys and values live in one pool of pages of
+`decode_step.SlotState` and the cache) each layer's keys and values live in one pool of pages of
 `PAGE_TOKENS` positions ([kv_heads, pages x PAGE_TOKENS, head_dim]: a head's page is one block of memory, so the
 pages a step gathers line up as [kv_heads, slots, positions, head_dim] with each slot's positions contiguous, the
 layout CPU attention reads fastest); a slot has a block table, the pages it reads in order, and takes a page each
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from grpo.sampling.decode_step import _State, decoder
-from grpo.sampling.paged_attention import paged_decode
+from grpo.sampling.local.decode_step import SlotState, decoder
+from grpo.sampling.local.paged_attention import paged_decode
 
 PAGE_TOKENS = 16  # positions a page holds (vLLM's default block size): a row wastes fewer than this at its end
 
@@ -137,8 +137,8 @@ class SharedPools:
         self.version += 1
 
 
-class PagedState(_State):
-    """The slots' fields (`_State`) and their keys and values, in pages of a pool (a view of the first m slots,
+class PagedState(SlotState):
+    """The slots' fields (`SlotState`) and their keys and values, in pages of a pool (a view of the first m slots,
     `rows(m)`, shares the pools and dense rows: the same list objects, so a grown pool is seen by every view). Per
     slot, on the device: its block table [S, max pages], its prefix's valid length (`plen`: the prompt, or for a
     resumed row the prompt and the tokens it had chosen),

@@ -2,7 +2,7 @@
 
 The scheduler on the host: which row each slot holds, the queue of waiting rows, the prompts' prefills shared by
 their rows, and what is handed back as rows end (`Ended`) or as tokens come (`new_tokens`, for streaming). The step
-itself, its state and its captures are `grpo.sampling.decode_step`'s. Must not depend on Prefect or MLflow.
+itself, its state and its captures are `grpo.sampling.local.decode_step`'s. Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from transformers import DynamicCache
 
 from grpo.config import SamplingConfig
 from grpo.models import cached
-from grpo.sampling.decode_step import F, choose_tokens, decoder
 from grpo.sampling.draws import draw_streams, uniform_at
+from grpo.sampling.local.decode_step import F, choose_tokens, decoder
 
 class Ended(NamedTuple):
     """A row that has ended, as `SlotBatch.step` hands it back (tensors on the sampler's device)."""
@@ -55,7 +55,7 @@ class SlotBatch:
         self.model = decoder(sampler._sampling_model())  # inside a LoRA model its base, the adapters injected
         self.device = sampler.device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)  # [E]
-        self.cap = sampler._capture(self.model, S, P, s, self.eos, pad_id, want_logprobs)
+        self.cap = sampler.capture(self.model, S, P, s, self.eos, pad_id, want_logprobs)
         st = self.state = self.cap.state
         st.reset()  # every slot free, every page back in the pool (a kept state's pools are shared)
         self.S, self.P, self.C = S, P, s.max_new_tokens

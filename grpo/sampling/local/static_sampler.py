@@ -5,21 +5,21 @@ One call samples a set of left-padded prompt rows by continuous batching:
 
 - the rows stream through a fixed number of slots (`slots`: the stage's `sampling.batch_size`, fewer where the KV
   cache budget holds fewer): a slot whose row ends takes the next waiting row before the next step, so no decode
-  step is spent on a row that has ended (`grpo.sampling.slots.SlotBatch`); once no row waits, the live slots move
+  step is spent on a row that has ended (`grpo.sampling.local.slots.SlotBatch`); once no row waits, the live slots move
   to the front and steps compute them alone;
 - the prompts are left-padded to a length bucket (`prompt_bucket`: a multiple of 32 up to 256, of 128 beyond)
   where steps are captured, so a handful of shapes cover every call and a capture is reused from call to call
   (eager steps gain nothing from a bucket and skip it);
 - each distinct prompt is prefilled once by the model's own forward (the G samples of a prompt share it), in
   chunks as its rows come up, and its keys and values copied into the slot each row takes;
-- the keys and values live in pages (`grpo.sampling.pages`): a row takes a page each 16 tokens it writes and gives
+- the keys and values live in pages (`grpo.sampling.local.pages`): a row takes a page each 16 tokens it writes and gives
   them back when it ends, a prompt's pages are written once and read by its G rows, and the cache's size follows
   the rows' lengths, not the budget; under a budget (`memory_budget`) rows are admitted by free pages and the
   newest is preempted when they run out (it resumes with the same tokens). Eager steps (a CPU) attend over dense
   rows kept from step to step; kept, captured steps (CUDA) over the pages themselves, each row as far as it has
   written (`paged_attention`), their pool shared by every kept shape (the static cache of P + C positions a slot,
   attended in full, that captured steps had before is gone: BENCHMARKS.md, "Long budgets", compares the two);
-- each decode step (`grpo.sampling.decode_step`) reads the weights straight from the model, each slot at its own
+- each decode step (`grpo.sampling.local.decode_step`) reads the weights straight from the model, each slot at its own
   position, and samples inside the step, each row from its own counter-based random stream (`draws`: one 64-bit
   stream a row, drawn up front; tests inject them): a row's tokens depend on its prompt and its stream, not on its
   slot, its neighbours or the budget, so rows come out the same however many slots decode them;
@@ -33,7 +33,7 @@ consumer that scores while the rest decode. `counts` says how many slot-steps th
 It samples in the model's own dtype or from a copy in another (bf16 where the recipe trains under bf16 autocast),
 refreshed by `sync_weights(model)`, which the engine's `sync_weights` calls (a trainer: after each optimizer step).
 A peft LoRA model samples the same way: the step reads its base weights and adds each adapter's (x A^T) B^T, the
-adapters of a fused projection in one pair of small matmuls (`cpu_decoder._Linear`), so LoRA costs no merged copy of
+adapters of a fused projection in one pair of small matmuls (`PackedLinear`), so LoRA costs no merged copy of
 the weights and stays on the captured path. A model it does not compute exactly (DoRA, quantized projections,
 hooks) gets `unsupported_reason` (a sentence) and the caller decodes another way. Must not depend on Prefect or
 MLflow.
@@ -50,12 +50,12 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo.config import SamplingConfig
-from grpo.sampling.cpu_decoder import _STATIC_ROPE, lora_reason
-from grpo.sampling.decode_step import (CDF_BLOCK, F, _Capture, _read_weights, _step, _Weights,
-                                       _weight_tensors, choose_tokens, decoder, distinct_rows, inverse_cdf)
 from grpo.sampling.draws import draw_streams
-from grpo.sampling.pages import PagedState, SharedPools, page_bytes
-from grpo.sampling.slots import SlotBatch
+from grpo.sampling.local.cpu_decoder import STATIC_ROPE, lora_reason
+from grpo.sampling.local.decode_step import (CDF_BLOCK, F, Capture, Weights, choose_tokens, decoder, distinct_rows,
+                                             inverse_cdf, read_weights, step_slots, weight_tensors)
+from grpo.sampling.local.pages import PagedState, SharedPools, page_bytes
+from grpo.sampling.local.slots import SlotBatch
 
 __all__ = ["CDF_BLOCK", "Group", "Sampled", "SlotBatch", "StaticSampler", "choose_tokens", "decoder", "distinct_rows",
            "inverse_cdf", "prompt_bucket", "unsupported_reason"]
@@ -82,7 +82,7 @@ def unsupported_reason(model: PreTrainedModel, total_len: int = 0) -> str | None
         return f"{name} is not a decoder the static sampler computes (it knows {sorted(_ARCHITECTURES)})"
     cfg, core = model.config, getattr(model, "model", None)
     rotary = getattr(core, "rotary_emb", None)
-    if rotary is None or getattr(rotary, "rope_type", None) not in _STATIC_ROPE:
+    if rotary is None or getattr(rotary, "rope_type", None) not in STATIC_ROPE:
         return f"rope type {getattr(rotary, 'rope_type', None)!r} depends on more than the position"
     if cfg.hidden_act != "silu":
         return f"hidden_act {cfg.hidden_act!r} is not SwiGLU's silu"
@@ -198,8 +198,8 @@ class StaticSampler:
         self.buckets = self.graphs if buckets is None else buckets
         self.keep_captures = self.graphs if keep_captures is None else keep_captures
         self._copy: PreTrainedModel | None = None  # the model in self.dtype, when that is not its own
-        self._weights: _Weights | None = None  # kept while captures read them (refreshed in place)
-        self._captures: dict[tuple, _Capture] = {}
+        self._weights: Weights | None = None  # kept while captures read them (refreshed in place)
+        self._captures: dict[tuple, Capture] = {}
         self._pools: SharedPools | None = None  # the kept states' page pools (allocated once, by the budget)
         self._max_pages: int | None = None
         self._seen = None  # the policy's parameters (addresses and versions) at the last sync
@@ -223,8 +223,8 @@ class StaticSampler:
                 for dst, src in zip(self._copy.parameters(), model.parameters()):
                     dst.copy_(src)
             if self._weights is not None:  # the captured steps read these: new values at the same addresses
-                fresh = _read_weights(self._sampling_model(), self._weights.head.rows, pack=False)
-                olds, news = _weight_tensors(self._weights), _weight_tensors(fresh)
+                fresh = read_weights(self._sampling_model(), self._weights.head.rows, pack=False)
+                olds, news = weight_tensors(self._weights), weight_tensors(fresh)
                 if [t.shape for t in olds] != [t.shape for t in news]:  # adapters merged or turned off: new steps
                     self._weights, self._captures, self._pools = None, {}, None
                 else:
@@ -388,8 +388,8 @@ class StaticSampler:
                        torch.stack([e.logprobs for e in ended]) if want_logprobs else None,
                        torch.tensor([e.truncated for e in ended], device=ids.device))
 
-    def _capture(self, model: PreTrainedModel, S: int, P: int, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
-                 want_logprobs: bool) -> _Capture:
+    def capture(self, model: PreTrainedModel, S: int, P: int, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
+                 want_logprobs: bool) -> Capture:
         """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
         if not self.keep_captures:  # made afresh each call, its pool at the budget's size (which it
@@ -397,19 +397,19 @@ class StaticSampler:
             budget = self._kv_budget()
             max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
             st = PagedState(model, S, P, C, self.dtype, self.device, max_pages=max_pages)
-            w = _read_weights(model, S)
-            return _Capture(st, lambda view, kv_len: _step(view, w, model.config, s, eos, pad_id, want_logprobs,
+            w = read_weights(model, S)
+            return Capture(st, lambda view, kv_len: step_slots(view, w, model.config, s, eos, pad_id, want_logprobs,
                                                            kv_len), graph=False)
         key = (S, P, C, s.temperature, s.top_k, s.top_p, tuple(eos.tolist()), pad_id, want_logprobs)
         if key not in self._captures:
             if self._weights is None:
-                self._weights = _read_weights(model, S, pack=False)
+                self._weights = read_weights(model, S, pack=False)
             while len(self._captures) >= _MAX_CAPTURES:
                 self._captures.pop(next(iter(self._captures)))  # the oldest shape first
             w, eos = self._weights, eos.clone()
             st = self._kernel_state(model, S, P, C)  # reads its pages in place (`paged_attention`), one pool for all
-            self._captures[key] = _Capture(
-                st, lambda view, kv_len: _step(view, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
+            self._captures[key] = Capture(
+                st, lambda view, kv_len: step_slots(view, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
                 self.graphs)
         return self._captures[key]
 

@@ -30,16 +30,13 @@ import pandas as pd
 from grpo import cores
 from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
 from grpo.ports import free_port
+from grpo.training.launchers.jobs import Job, Launched, MetricsCallback, SamplesCallback
 
 # what a multi-machine job tells each of its machines (docs/distributed.md)
 MACHINE_RANK, MAIN_IP, MAIN_PORT, JOIN_DIR = ("R1_MACHINE_RANK", "R1_MAIN_PROCESS_IP", "R1_MAIN_PROCESS_PORT",
                                               "R1_JOIN_DIR")
 ANNOUNCEMENT = "job.json"  # in R1_JOIN_DIR: where machine 0's launch tells the others which job file to run
 PROJECT_ROOT = Path(__file__).resolve().parents[3]  # where `-m grpo.training.launchers.worker` is importable from
-
-MetricsCallback = Callable[[int, dict[str, float]], None]
-SamplesCallback = Callable[[int, pd.DataFrame], None]
-
 
 def num_processes(cfg: DistributedConfig) -> int:
     """The recipe's process count on this machine ("auto": one per visible GPU, 1 without); refused if it cannot run."""
@@ -147,34 +144,32 @@ def launch_command(cfg: DistributedConfig, n: int, job_file: Path, port: int) ->
     return cmd + ["-m", "grpo.training.launchers.worker", str(job_file)]
 
 
-def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_metrics: MetricsCallback | None,
-                 on_samples: SamplesCallback | None = None, frames: dict[str, pd.DataFrame] | None = None,
+def run_launched(job: Job, on_metrics: MetricsCallback | None, on_samples: SamplesCallback | None = None,
                  ray_address: str | None = None) -> dict:
-    """Run `loop` (a `grpo.training.launchers.worker.LOOPS` name) across the processes; return what its main process reported.
+    """Run the job (`grpo.training.launchers.jobs`) across the processes its `distributed` section asks for; return
+    what its main process reported.
 
-    `job` holds the loop's inputs (JSON-able); `frames` are written as Parquet beside the job file and passed by
-    path under the same keys. Blocks until the launch ends; metrics and sample tables reach the callbacks as the
-    main process writes them. With engine ray the workers run on the cluster at `ray_address` (resolved and
-    checked by the caller) and `out` is in the shared folder they all mount.
+    The job's input tables are copied beside the job file, in its work folder (where every process of the job reads:
+    a multi-pod job's machines mount it), and the job is written with where to report as one document
+    (`jobs.Launched`). Blocks until the launch ends; metrics and sample tables reach the callbacks as the main
+    process writes them. With engine ray the workers run on the cluster at `ray_address` (resolved and checked by
+    the caller) and the work folder is in the shared folder they all mount.
     """
+    cfg = job.distributed
     n = num_processes(cfg)
-    folder = out / "launch"
+    folder = Path(job.output_dir) / "launch"
     folder.mkdir(parents=True, exist_ok=True)
     events, result, log = folder / "events.jsonl", folder / "result.json", folder / "launch.log"
     for stale in (events, result):
         stale.unlink(missing_ok=True)
-    job = {**job, "loop": loop, "output_dir": str(out), "events": str(events), "result": str(result),
-           "distributed": cfg.model_dump(mode="json")}
-    for key, frame in (frames or {}).items():
-        frame.to_parquet(folder / f"{key}.parquet")
-        job[key] = str(folder / f"{key}.parquet")
-    job_file = folder / "job.json"
-    job_file.write_text(json.dumps(job, indent=1))
+    job = _inputs_beside(job, folder)
     if cfg.engine == "ray":
         from grpo.training.launchers import ray_train
 
         job = ray_train.share_inputs(job, folder / "inputs")  # the nodes read only the shared folder
-        job_file.write_text(json.dumps(job, indent=1))
+    job_file = folder / "job.json"
+    job_file.write_text(Launched(job=job, events=str(events), result=str(result)).model_dump_json(indent=1))
+    if cfg.engine == "ray":
         ray_train.run_on_ray(ray_address, cfg, job_file, events, result,
                              lambda ended: _follow(ended, events, on_metrics, on_samples))
         return json.loads(result.read_text())
@@ -186,6 +181,24 @@ def run_launched(loop: str, out: Path, cfg: DistributedConfig, job: dict, on_met
     finally:
         if cfg.num_machines > 1:  # a machine joining later must not start a finished job
             (join_dir() / ANNOUNCEMENT).unlink(missing_ok=True)
+
+
+def _inputs_beside(job: Job, folder: Path) -> Job:
+    """The job with its input tables copied under `folder` (one that is there already stays)."""
+    import shutil
+
+    moved = {}
+    for name in job.INPUTS:
+        path = getattr(job, name)
+        if path and not Path(path).resolve().is_relative_to(folder.resolve()):
+            target = folder / f"{name}.parquet"
+            if Path(path).is_dir():  # an MLflow artifact folder of Parquet parts
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.copytree(path, target)
+            else:
+                shutil.copyfile(path, target)
+            moved[name] = str(target)
+    return job.model_copy(update=moved)
 
 
 def launch_env(cfg: DistributedConfig) -> dict[str, str]:

@@ -44,9 +44,10 @@ def check_ray_cluster(cfg: DistributedConfig, address: str) -> None:
                          f"CPUs and no GPU, one CPU a worker; lower num_workers or add nodes")
 
 
-def share_inputs(job: dict, folder: Path) -> dict:
-    """The job with its local input folders (the model, a reward model, a process reward model) copied under
-    `folder`, in the shared work folder, where every node reads them; a hub name or a folder already there stays."""
+def share_inputs(job, folder: Path):
+    """The job (`grpo.training.launchers.jobs`) with its local input folders (the model, a reward model, a process
+    reward model, the reward model's base) copied under `folder`, in the shared work folder, where every node reads
+    them; a hub name or a folder already there stays."""
     import shutil
 
     def shared(path: str | None, name: str) -> str | None:
@@ -57,16 +58,17 @@ def share_inputs(job: dict, folder: Path) -> dict:
         shutil.copytree(path, target)
         return str(target)
 
-    job = dict(job)
-    if isinstance(job.get("model"), dict):
-        job["model"] = {**job["model"], "name_or_path": shared(job["model"].get("name_or_path"), "model")}
-    if isinstance(job.get("cfg"), dict) and isinstance(job["cfg"].get("model"), dict):  # the reward model's base
-        base = job["cfg"]["model"]
-        job["cfg"] = {**job["cfg"], "model": {**base, "name_or_path": shared(base.get("name_or_path"), "base")}}
+    update = {}
+    if getattr(job, "model", None) is not None:
+        update["model"] = job.model.model_copy(update={"name_or_path": shared(job.model.name_or_path, "model")})
+    base = getattr(job.cfg, "model", None)  # the reward model's base
+    if base is not None and hasattr(base, "name_or_path"):
+        update["cfg"] = job.cfg.model_copy(update={"model": base.model_copy(
+            update={"name_or_path": shared(base.name_or_path, "base")})})
     for key in ("reward_model", "prm"):
-        if key in job:
-            job[key] = shared(job[key], key)
-    return job
+        if getattr(job, key, None):
+            update[key] = shared(getattr(job, key), key)
+    return job.model_copy(update=update)
 
 
 def _connect(address: str) -> None:
@@ -136,6 +138,7 @@ def _worker_loop(config: dict) -> None:
 
     import ray.train
 
+    from grpo.training.launchers.jobs import read_launched
     from grpo.training.launchers.worker import run_job
 
     job_file = Path(config["job_file"])
@@ -143,4 +146,4 @@ def _worker_loop(config: dict) -> None:
     with (job_file.parent / WORKERS_LOG).open("a") as f:  # one short line: appends from several nodes stay whole
         f.write(json.dumps({"rank": context.get_world_rank(), "node": context.get_node_rank(), "pid": os.getpid(),
                             "time": time.time()}) + "\n")
-    run_job(json.loads(job_file.read_text()))
+    run_job(read_launched(job_file.read_text()))

@@ -40,11 +40,11 @@ from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTr
 from grpo.config import TINY, ModelConfig, SamplingConfig
 from grpo.data.arithmetic import Problem, format_response
 from grpo.kernels.attention import PACKED, attending_packed
-from grpo.models import _DTYPES, check_model_config, load_tokenizer
+from grpo.models import DTYPES, check_model_config, load_tokenizer
 from grpo.reward_config import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, Steps, StepVerifier
-from grpo.sampling.backend import TransformersBackend, render_prompts
+from grpo.sampling.local import TransformersBackend, render_prompts
 from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import batch_indices, pad_right
@@ -139,10 +139,10 @@ def build_prm(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrai
         torch.manual_seed(seed)  # the head's initialisation
         model = AutoModelForTokenClassification.from_config(lm.config)
         model.model.load_state_dict(lm.model.state_dict())
-        return model.to(_DTYPES[cfg.dtype]), tok
+        return model.to(DTYPES[cfg.dtype]), tok
     torch.manual_seed(seed)
     return AutoModelForTokenClassification.from_pretrained(
-        cfg.name_or_path, num_labels=1, dtype=_DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code), tok
+        cfg.name_or_path, num_labels=1, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code), tok
 
 
 def encode_steps(tok: PreTrainedTokenizerBase, prompts: Sequence, completions: Sequence[str],

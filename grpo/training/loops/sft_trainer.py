@@ -33,7 +33,7 @@ from grpo.kernels.attention import PACKED, attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.sampling.backend import render_prompts, response_text
+from grpo.sampling.local import render_prompts, response_text
 from grpo.training.accelerator import make_accelerator, shared_gemm_plan
 from grpo.training.batches import batch_indices
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint

@@ -15,7 +15,7 @@ import torch
 
 from grpo.config import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.backend import TransformersBackend
+from grpo.sampling.local.backend import TransformersBackend
 from flows.cli.serve import make_server
 from tiny_configs import TINY_MODEL as SMALL
 

@@ -34,7 +34,7 @@ from grpo.rejection.shards import (
     write_shard,
 )
 from grpo.rewards import extract_answer
-from grpo.sampling.backend import Rollout, TransformersBackend
+from grpo.sampling.local.backend import Rollout, TransformersBackend
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from grpo.config import SamplingConfig
-from grpo.sampling.backend import sample_batch
+from grpo.sampling.local.backend import sample_batch
 from grpo.sampling.draws import draw_streams, uniform_at
-from grpo.sampling.static_sampler import StaticSampler
+from grpo.sampling.local.static_sampler import StaticSampler
 from tiny_decoders import EOS, PAD, left_padded, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)

@@ -26,7 +26,7 @@ from grpo.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ports import free_port
 from grpo.rejection.shards import run_rejection_sampling, shard_seed
-from grpo.sampling.backend import TransformersBackend, render_prompts
+from grpo.sampling.local.backend import TransformersBackend, render_prompts
 from grpo.sampling.http_backend import (
     GenerationUnavailable,
     HTTPGenerationBackend,

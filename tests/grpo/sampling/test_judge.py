@@ -102,7 +102,7 @@ def test_transformers_judge_returns_a_verdict_per_item_with_the_models_text(tiny
     # the rationale is the model's own greedy reply to the judge prompt
     prompt = render_judge_prompt(JUDGE_PROMPT, *ITEMS[0])
     from grpo.config import SamplingConfig
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.sampling.local.backend import TransformersBackend
 
     expected = TransformersBackend(model, tok).generate([prompt], 1, SamplingConfig(max_new_tokens=12, temperature=0))
     assert verdicts[0].rationale == expected.texts[0].strip()

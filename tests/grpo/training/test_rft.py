@@ -136,16 +136,24 @@ def test_a_trainer_step_trains_each_sample_with_its_coefficient(tmp_path):
     assert {"reward/total", "reward/accuracy", "kl", "train/loss", "grad_norm"} <= set(seen[1])
 
 
+def grpo_job(tmp_path, prompts: pd.DataFrame, cfg: GRPOConfig, out: str = "out", **kw):
+    """A stage's GRPO job (grpo.training.launchers.jobs) on these prompts, as its task builds it."""
+    from grpo.training.launchers.jobs import GRPOJob
+
+    prompts.to_parquet(tmp_path / "rows.parquet")
+    return GRPOJob(model=SMALL, cfg=cfg, rows=str(tmp_path / "rows.parquet"), output_dir=str(tmp_path / out), **kw)
+
+
 def test_the_stage_trainer_refuses_settings_online_rft_cannot_honour(tmp_path):
-    from grpo.training.launchers.worker import build_rl_trainer
+    from grpo.training.launchers.jobs import build_rl_trainer
 
     prompts = pd.DataFrame({"prompt": ["Say 1", "Say 2"], "answer": ["1", "2"]})
     cfg = GRPOConfig(prompts_per_step=2, num_generations=2, dynamic_sampling=True)
     with pytest.raises(ValueError, match="grpo.dynamic_sampling drops groups"):
-        build_rl_trainer(SMALL, prompts, cfg, tmp_path, online_rft=OnlineRFTConfig())
+        build_rl_trainer(grpo_job(tmp_path, prompts, cfg, online_rft=OnlineRFTConfig()))
     with pytest.raises(ValueError, match="online_rft.correct_reward 'code' is not among grpo.rewards"):
-        build_rl_trainer(SMALL, prompts, GRPOConfig(prompts_per_step=2, num_generations=2), tmp_path,
-                         online_rft=OnlineRFTConfig(correct_reward="code"))
+        build_rl_trainer(grpo_job(tmp_path, prompts, GRPOConfig(prompts_per_step=2, num_generations=2),
+                                  online_rft=OnlineRFTConfig(correct_reward="code")))
 
 
 def test_the_reasoning_stage_runs_online_rft_through_its_flow(prefect_harness, mlflow_client, logged_checkpoint):
@@ -176,18 +184,17 @@ def test_a_launched_process_runs_online_rft_from_its_job_file(tmp_path):
     `online_rft` section reaches the trainer, and the main process reports rft/correct."""
     import json
 
+    from grpo.training.launchers.jobs import Launched, read_launched
     from grpo.training.launchers.worker import run_job
 
     torch.set_num_threads(1)
-    pd.DataFrame({"prompt": [f"Say {i}" for i in range(4)], "answer": [str(i) for i in range(4)]}).to_parquet(
-        tmp_path / "rows.parquet")
+    prompts = pd.DataFrame({"prompt": [f"Say {i}" for i in range(4)], "answer": [str(i) for i in range(4)]})
     cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=2, checkpoint_every=0, mixed_precision="no",
                      sampling=SamplingConfig(max_new_tokens=4))
-    job = {"loop": "grpo", "model": SMALL.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
-           "rows": str(tmp_path / "rows.parquet"), "output_dir": str(tmp_path / "out"),
-           "events": str(tmp_path / "events.jsonl"), "result": str(tmp_path / "result.json"),
-           "online_rft": OnlineRFTConfig(correct_reward="format", threshold=0.0).model_dump(mode="json")}
-    run_job(job)
+    job = grpo_job(tmp_path, prompts, cfg, online_rft=OnlineRFTConfig(correct_reward="format", threshold=0.0))
+    document = Launched(job=job, events=str(tmp_path / "events.jsonl"),
+                        result=str(tmp_path / "result.json")).model_dump_json()
+    run_job(read_launched(document))  # the job file, as a launched process reads it
     assert json.loads((tmp_path / "result.json").read_text())["steps"] == 1
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     metrics = [e["metrics"] for e in events if "metrics" in e]  # beside the step's samples table
@@ -197,7 +204,7 @@ def test_a_launched_process_runs_online_rft_from_its_job_file(tmp_path):
 def test_offline_rft_samples_from_the_frozen_start_while_the_policy_trains(tmp_path):
     """`online_rft.sampler: initial` (DeepSeekMath's offline RFT): the stage's trainer samples every step from a frozen
     copy of its starting model, which training leaves as it was, while the policy it trains moves."""
-    from grpo.training.launchers.worker import build_rl_trainer
+    from grpo.training.launchers.jobs import build_rl_trainer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -205,9 +212,8 @@ def test_offline_rft_samples_from_the_frozen_start_while_the_policy_trains(tmp_p
     cfg = GRPOConfig(max_steps=2, prompts_per_step=2, num_generations=4, checkpoint_every=0, learning_rate=1e-2,
                      mixed_precision="no", sampling=SamplingConfig(max_new_tokens=8),
                      rewards={"accuracy": 1.0, "format": 0.5})
-    trainer = build_rl_trainer(SMALL, prompts, cfg, tmp_path / "offline",
-                               online_rft=OnlineRFTConfig(correct_reward="format", threshold=0.0,
-                                                          sampler="initial"))  # every sample "correct"
+    trainer = build_rl_trainer(grpo_job(tmp_path, prompts, cfg, "offline", online_rft=OnlineRFTConfig(
+        correct_reward="format", threshold=0.0, sampler="initial")))  # every sample "correct"
     sampler = trainer.engine.model
     assert sampler is not trainer.model and not any(p.requires_grad for p in sampler.parameters())
     start = {k: v.clone() for k, v in sampler.state_dict().items()}
@@ -215,7 +221,7 @@ def test_offline_rft_samples_from_the_frozen_start_while_the_policy_trains(tmp_p
     trainer.train()
     assert all(torch.equal(start[k], v) for k, v in sampler.state_dict().items())  # frozen
     assert not all(torch.equal(start[k], v) for k, v in trainer.model.state_dict().items())  # the policy moved
-    online = build_rl_trainer(SMALL, prompts, cfg, tmp_path / "online", online_rft=OnlineRFTConfig())
+    online = build_rl_trainer(grpo_job(tmp_path, prompts, cfg, "online", online_rft=OnlineRFTConfig()))
     assert online.engine.model is not sampler  # online RFT samples from the policy's own engine
     with pytest.raises(ValidationError, match="online_rft.sampler 'initial' .* use rollout.mode sync"):
         ReasoningGRPOConfig(algorithm="online_rft", online_rft={"sampler": "initial"},

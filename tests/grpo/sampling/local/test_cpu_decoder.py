@@ -6,10 +6,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from grpo.config import ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling import backend, cpu_decoder
-from grpo.sampling.backend import TransformersBackend, render_prompts, sample_batch
-from grpo.sampling.cpu_decoder import lean_decode_supported
-from grpo.sampling.decode_step import inverse_cdf
+from grpo.sampling.local import backend, cpu_decoder
+from grpo.sampling.local.backend import TransformersBackend, render_prompts, sample_batch
+from grpo.sampling.local.cpu_decoder import lean_decode_supported
+from grpo.sampling.local.decode_step import inverse_cdf
 from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.tiny import build_tokenizer
 
@@ -43,7 +43,7 @@ def _encode(tok, n: int):
 
 
 def _hf_only(monkeypatch):
-    monkeypatch.setattr(cpu_decoder._LeanDecoder, "build", classmethod(lambda cls, *a, **k: None))
+    monkeypatch.setattr(cpu_decoder.LeanDecoder, "build", classmethod(lambda cls, *a, **k: None))
 
 
 @pytest.mark.parametrize("make", [_qwen2, _llama])
@@ -120,11 +120,11 @@ def test_lean_linear_gives_f_linear_numbers(bias, copies):
     mods = [torch.nn.Linear(32, n, bias=bias) for n in (48, 16, 16)]  # q, k, v
     x = torch.randn(5, 32)  # [rows, in]
     want = torch.cat([m(x) for m in mods], -1)
-    lin = cpu_decoder._Linear(mods, rows=5, copies=copies)
+    lin = cpu_decoder.PackedLinear(mods, rows=5, copies=copies)
     assert (lin.parts is None) == copies  # fused into one matrix only when copies are allowed
     assert (lin.packed is not None) == (copies and torch.backends.mkl.is_available())  # and then packed for MKL
     assert torch.allclose(lin(x), want, atol=1e-6)
-    half = cpu_decoder._Linear([m.bfloat16() for m in mods], rows=5, copies=copies)
+    half = cpu_decoder.PackedLinear([m.bfloat16() for m in mods], rows=5, copies=copies)
     assert half.packed is None  # MKL packs fp32 only: other dtypes take F.linear
     assert torch.allclose(half(x.bfloat16()).float(), torch.cat([m(x.bfloat16()) for m in mods], -1).float())
 
@@ -134,11 +134,11 @@ def test_a_large_model_decodes_from_its_own_weights(monkeypatch):
     ids, mask = _encode(tok, n=2)
     s = SamplingConfig(max_new_tokens=12, temperature=0)
     built = []
-    build = cpu_decoder._LeanDecoder.build.__func__
-    monkeypatch.setattr(cpu_decoder._LeanDecoder, "build",
+    build = cpu_decoder.LeanDecoder.build.__func__
+    monkeypatch.setattr(cpu_decoder.LeanDecoder, "build",
                         classmethod(lambda cls, *a: built.append(build(cls, *a)) or built[-1]))
     small = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
-    monkeypatch.setattr(cpu_decoder, "_COPY_MAX_BYTES", 0)  # as if the model were over the limit
+    monkeypatch.setattr(cpu_decoder, "COPY_MAX_BYTES", 0)  # as if the model were over the limit
     large = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
     for w, layer in zip(built[1].layers, model.model.layers):  # no fused or packed copy: the modules' own weights
         qkv = (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)

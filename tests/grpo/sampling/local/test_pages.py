@@ -1,5 +1,5 @@
-"""The paged KV cache (grpo.sampling.pages): the same tokens as the static cache, a prompt's pages written once and
-read by its rows, no page lost after cancels and preemptions, a preempted row's tokens unchanged, and memory that
+"""The paged KV cache (grpo.sampling.local.pages): the same tokens as the static cache, a prompt's pages written once
+and read by its rows, no page lost after cancels and preemptions, a preempted row's tokens unchanged, and memory that
 follows the rows' lengths, not the budget."""
 
 import pytest
@@ -8,9 +8,9 @@ import torch
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
 from grpo.sampling.draws import draw_streams
-from grpo.sampling.pages import PAGE_TOKENS, PagedState, page_bytes
-from grpo.sampling.slots import SlotBatch
-from grpo.sampling.static_sampler import StaticSampler
+from grpo.sampling.local.pages import PAGE_TOKENS, PagedState, page_bytes
+from grpo.sampling.local.slots import SlotBatch
+from grpo.sampling.local.static_sampler import StaticSampler
 from tiny_decoders import EOS, PAD, fp32_gap, left_padded, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from grpo.config import SamplingConfig
-from grpo.sampling import decode_step
+from grpo.sampling.local import decode_step
 from grpo.sampling.draws import draw_streams
-from grpo.sampling.slots import SlotBatch
-from grpo.sampling.static_sampler import StaticSampler
+from grpo.sampling.local.slots import SlotBatch
+from grpo.sampling.local.static_sampler import StaticSampler
 from tiny_decoders import EOS, PAD, V, fp32_gap, left_padded, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
@@ -93,7 +93,7 @@ def test_groups_are_handed_out_as_each_completes():
 def test_a_finished_slot_a_step_still_computes_stays_as_it_is():
     # a captured step computes its whole bucket between the host's checks: ended slots write the dump column only
     model = make_model()
-    st = decode_step._State(model, 3, 4, 5, torch.float32, torch.device("cpu"))
+    st = decode_step.SlotState(model, 3, 4, 5, torch.float32, torch.device("cpu"))
     st.done[:] = torch.tensor([False, True, False])
     st.n[:] = torch.tensor([2, 3, 5])  # the last has used its whole budget
     st.ids[:, :5] = 7
@@ -146,7 +146,7 @@ def test_a_slot_batch_takes_rows_while_it_decodes_and_streams_their_tokens():
 
 def test_the_engine_streams_each_prompts_group_as_generate_samples_it():
     from grpo.config import TinyModelConfig
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.sampling.local.backend import TransformersBackend
     from grpo.tiny import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()

@@ -9,10 +9,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bytes_alive import BytesAlive
 from grpo.config import SamplingConfig
-from grpo.sampling import static_sampler
-from grpo.sampling.decode_step import _read_weights
+from grpo.sampling.local import static_sampler
+from grpo.sampling.local.decode_step import read_weights
 from grpo.sampling.draws import draw_streams
-from grpo.sampling.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
+from grpo.sampling.local.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
 from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model, recorded_logits,
                            reference_loop)
 
@@ -224,7 +224,7 @@ def test_chi_square_bound_is_the_tail_it_claims():
 
 
 def test_a_seed_samples_what_the_decode_loop_samples():
-    from grpo.sampling.backend import sample_batch
+    from grpo.sampling.local.backend import sample_batch
 
     model = make_model()
     ids, mask = left_padded([5, 11, 3], repeat=3)
@@ -243,7 +243,7 @@ def test_sampled_logprobs_are_the_trainers_under_temperature_and_top_p(sampler):
     # weight changed. The trainer's policy is the tempered full distribution (token_logps at the temperature); the
     # sampler draws from its top-p cut, renormalised, but records the token's log-prob before the cut. Recording
     # the cut distribution's instead (TRL issue #7120) put log(kept mass) between the two on every token.
-    from grpo.sampling.backend import sample_batch
+    from grpo.sampling.local.backend import sample_batch
     from grpo.training.logprobs import token_logps
 
     model = make_model(head_scale=4.0)  # spread enough that top_p 0.8 cuts a real share of the mass
@@ -325,7 +325,7 @@ def test_the_bf16_copy_is_made_without_a_copy_in_the_models_dtype(tied):
         assert torch.equal(a, b) and a.dtype == torch.bfloat16 and not a.requires_grad
     assert half.model.rotary_emb.inv_freq.dtype == torch.float32  # rounded, it would be off at long positions
     # the copy's q/k/v and gate/up are each one block of memory, which the step reads fused with no copy of its own
-    step = _read_weights(half, 4, pack=False)
+    step = read_weights(half, 4, pack=False)
     for layer, got in zip(half.model.layers, step.layers):
         assert got.qkv.weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr() and got.qkv.parts is None
         assert got.gate_up.weight.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
@@ -343,7 +343,7 @@ def test_the_engine_samples_the_weights_a_fused_optimizer_stepped_once_synced():
     # changed: the engine's sync_weights (which the trainers call after each step) refreshes its bf16 copy
     from grpo.config import ModelConfig, TinyModelConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.sampling.backend import TransformersBackend
+    from grpo.sampling.local.backend import TransformersBackend
 
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)))
@@ -446,7 +446,7 @@ def test_the_steps_rms_norm_is_hfs_bit_for_bit(dtype):
     # on the CPU they must give transformers' Qwen2RMSNorm exactly, in fp32 and in bf16 (fp32 statistics)
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from grpo.sampling.cpu_decoder import _rms_norm
+    from grpo.sampling.local.cpu_decoder import rms_norm
 
     g = torch.Generator().manual_seed(0)
     for hidden in (64, 896):
@@ -455,4 +455,4 @@ def test_the_steps_rms_norm_is_hfs_bit_for_bit(dtype):
             norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
         norm = norm.to(dtype)
         x = (torch.randn(32, hidden, generator=g) * 3).to(dtype)
-        assert torch.equal(_rms_norm(x, norm.weight, 1e-6), norm(x))
+        assert torch.equal(rms_norm(x, norm.weight, 1e-6), norm(x))

@@ -212,17 +212,18 @@ def test_bad_preference_files_fail_in_one_line_naming_the_file_row_and_field(tmp
 
 def test_a_launched_process_runs_dpo_from_its_job_file(tmp_path):
     """What each process of a launched stage runs (grpo.training.launchers.worker), here in this process."""
+    from grpo.training.launchers.jobs import DPOJob, Launched, read_launched
     from grpo.training.launchers.worker import run_job
 
     torch.set_num_threads(1)
     preference_pairs(8).to_parquet(tmp_path / "rows.parquet")
     preference_pairs(4, split="heldout").to_parquet(tmp_path / "heldout.parquet")
     cfg = DPOConfig(max_steps=2, batch_size=4, mixed_precision="no", checkpoint_every=0, log_every=1)
-    job = {"loop": "dpo", "model": SMALL.model_dump(mode="json"), "cfg": cfg.model_dump(mode="json"),
-           "rows": str(tmp_path / "rows.parquet"), "heldout": str(tmp_path / "heldout.parquet"), "source": "prefs",
-           "output_dir": str(tmp_path / "out"), "events": str(tmp_path / "events.jsonl"),
-           "result": str(tmp_path / "result.json")}
-    run_job(job)
+    job = DPOJob(model=SMALL, cfg=cfg, rows=str(tmp_path / "rows.parquet"), heldout=str(tmp_path / "heldout.parquet"),
+                 source="prefs", output_dir=str(tmp_path / "out"))
+    document = Launched(job=job, events=str(tmp_path / "events.jsonl"),
+                        result=str(tmp_path / "result.json")).model_dump_json()
+    run_job(read_launched(document))  # the job file, as a launched process reads it
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["steps"] == 2 and 0.0 <= result["heldout_metrics"]["dpo/heldout_accuracy"] <= 1.0
     assert AutoModelForCausalLM.from_pretrained(result["model_dir"]).config.num_hidden_layers == 2

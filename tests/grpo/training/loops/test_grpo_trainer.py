@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from grpo.config import GRPOConfig, SamplingConfig
 from grpo.models import activation_checkpointing, is_checkpointing, load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
-from grpo.sampling.cpu_decoder import lean_decode_supported
+from grpo.sampling.local.cpu_decoder import lean_decode_supported
 from grpo.training.logprobs import token_logps
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loss import grpo_loss

@@ -18,7 +18,7 @@ from grpo.models import load_model_and_tokenizer
 from grpo.reward_config import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import arithmetic_steps
-from grpo.sampling.backend import Rollout, TransformersBackend, render_prompts
+from grpo.sampling.local.backend import Rollout, TransformersBackend, render_prompts
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
 from grpo.training.process import process_advantages

@@ -1,0 +1,213 @@
+"""One typed job per training loop: what a stage task builds once, and what runs it wherever it runs.
+
+A stage's task resolves its inputs to local files and builds one frozen job (`SFTJob`, `GRPOJob`, `RewardModelJob`,
+`DPOJob`: the loop's settings and the paths it reads and writes). `run(job, on_metrics, on_samples)` builds the
+loop's model, engine and reference from it and trains, in the task's own process, or in each process of an
+`accelerate launch`, a machine of a multi-pod job or a Ray Train worker: a launcher writes the job as one JSON
+document (`Launched`, with where to report) and the worker validates it back with `read_launched`, so a setting
+added to a job reaches every launcher without being written anywhere else. Launchers only launch.
+
+Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Callable, ClassVar, Literal, Union
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from grpo.config import GenerationConfig, GRPOConfig, ModelConfig, SFTConfig
+from grpo.distributed_config import DistributedConfig
+from grpo.dpo_config import DPOConfig
+from grpo.ppo_config import PPOConfig
+from grpo.reward_config import RewardModelConfig
+from grpo.rft_config import OnlineRFTConfig
+
+MetricsCallback = Callable[[int, dict[str, float]], None]
+SamplesCallback = Callable[[int, pd.DataFrame], None]
+
+
+class _Job(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    output_dir: str  # the stage's work folder: checkpoints, the final model
+    distributed: DistributedConfig = DistributedConfig()  # how its processes hold the model
+
+    # the fields that name input files (Parquet): a launch copies them where every process reads them
+    INPUTS: ClassVar[tuple[str, ...]] = ()
+
+
+class SFTJob(_Job):
+    loop: Literal["sft"] = "sft"
+    model: ModelConfig
+    cfg: SFTConfig
+    rows: str  # Parquet of (prompt, response)
+    source: str  # where the rows came from, named in errors about them
+    INPUTS = ("rows",)
+
+
+class GRPOJob(_Job):
+    """GRPO, or PPO with a critic (`ppo`), or online/offline RFT (`online_rft`), from a checkpoint on prompts."""
+
+    loop: Literal["grpo"] = "grpo"
+    model: ModelConfig
+    cfg: GRPOConfig
+    rows: str  # Parquet of (prompt, answer, ...)
+    generation: GenerationConfig = GenerationConfig()  # the stage's engine
+    reward_model: str | None = None  # a local folder: the "reward_model" reward (alignment)
+    prm: str | None = None  # a local folder: the process reward model (`step_verifier: prm`)
+    ppo: PPOConfig | None = None
+    online_rft: OnlineRFTConfig | None = None
+    refresh: RewardModelConfig | None = None  # the iterative reward model, trained on as GRPO runs
+    refresh_pairs: str | None = None  # Parquet: the original preference pairs it replays
+    refresh_heldout: str | None = None  # Parquet: held-out pairs it is scored on
+    INPUTS = ("rows", "refresh_pairs", "refresh_heldout")
+
+
+class RewardModelJob(_Job):
+    loop: Literal["reward_model"] = "reward_model"
+    cfg: RewardModelConfig
+    rows: str  # Parquet of preference pairs
+    heldout: str | None = None
+    source: str
+    INPUTS = ("rows", "heldout")
+
+
+class DPOJob(_Job):
+    loop: Literal["dpo"] = "dpo"
+    model: ModelConfig
+    cfg: DPOConfig
+    rows: str
+    heldout: str | None = None
+    source: str
+    INPUTS = ("rows", "heldout")
+
+
+Job = Annotated[Union[SFTJob, GRPOJob, RewardModelJob, DPOJob], Field(discriminator="loop")]
+
+
+class Launched(BaseModel):
+    """The one document a launcher hands each process: the job, and where its main process reports."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job: Job
+    events: str  # JSON lines: metrics and sample tables, appended by the main process
+    result: str  # the report, written by the main process when the loop has finished
+
+
+_LAUNCHED = TypeAdapter(Launched)
+
+
+def read_launched(text: str) -> Launched:
+    """A launch file's document, checked field by field (a wrong one names its field)."""
+    return _LAUNCHED.validate_json(text)
+
+
+def write_frame(frame: pd.DataFrame, folder: Path, name: str) -> str:
+    """A table a job reads, written as Parquet under `folder`; its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.parquet"
+    frame.to_parquet(path)
+    return str(path)
+
+
+def _frame(path: str | None) -> pd.DataFrame | None:
+    return pd.read_parquet(path) if path else None
+
+
+def run(job: SFTJob | GRPOJob | RewardModelJob | DPOJob, on_metrics: MetricsCallback | None = None,
+        on_samples: SamplesCallback | None = None) -> dict:
+    """Build the job's loop and train; what it reports (JSON-able: `model_dir`, `steps`, and the loop's figures)."""
+    if isinstance(job, GRPOJob):
+        result = build_rl_trainer(job, on_metrics, on_samples).train()
+        return {"model_dir": str(result.model_dir), "steps": result.steps}
+    from grpo.models import load_model_and_tokenizer
+
+    if isinstance(job, SFTJob):
+        from grpo.training.loops.sft_trainer import train_sft
+
+        model, tokenizer = load_model_and_tokenizer(job.model)
+        result = train_sft(model, tokenizer, pd.read_parquet(job.rows), job.cfg, job.output_dir, on_metrics,
+                           source=job.source, distributed=job.distributed)
+    elif isinstance(job, RewardModelJob):
+        from grpo.training.loops.reward_model import train_reward_model
+
+        result = train_reward_model(pd.read_parquet(job.rows), job.cfg, job.output_dir, on_metrics,
+                                    heldout=_frame(job.heldout), source=job.source, distributed=job.distributed)
+    else:
+        from grpo.training.loops.dpo import train_dpo
+
+        model, tokenizer = load_model_and_tokenizer(job.model)
+        result = train_dpo(model, tokenizer, pd.read_parquet(job.rows), job.cfg, job.output_dir, on_metrics,
+                           heldout=_frame(job.heldout), source=job.source, distributed=job.distributed)
+    return {**result._asdict(), "model_dir": str(result.model_dir)}
+
+
+def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
+                     on_samples: SamplesCallback | None = None):
+    """The GRPO (or, with `ppo`, PPO) trainer of a stage, from its job: the policy, its rewards (the reward model's
+    score where there is one, refreshed as GRPO runs with `refresh`), the process reward model, online RFT's
+    coefficients, and for offline RFT the frozen start's engine it samples from."""
+    from grpo.models import load_model_and_tokenizer
+    from grpo.rewards import REWARD_FUNCTIONS
+    from grpo.training.loops.grpo_trainer import GRPOTrainer
+    from grpo.training.reward_scorer import RewardModelScorer, reward_model_reward
+
+    cfg = job.cfg
+    rows = pd.read_parquet(job.rows)
+    if job.online_rft is not None:
+        from grpo.rft_config import check_rft_settings
+
+        check_rft_settings(cfg, job.online_rft)  # the recipe checked it; a job of its own may not have been
+    reward_functions, hooks = None, []
+    if job.reward_model:
+        scorer = RewardModelScorer.from_pretrained(job.reward_model)
+        reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
+        if job.refresh is not None:  # the scorer GRPO reads, trained further on the policy's samples
+            from grpo.training.loops.rm_refresh import RewardModelRefresh
+
+            hooks.append(RewardModelRefresh(scorer, job.refresh, cfg.rewards, cfg.num_generations,
+                                            replay=_frame(job.refresh_pairs), heldout=_frame(job.refresh_heldout)))
+    model, tokenizer = load_model_and_tokenizer(job.model)
+    kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions,
+                  generation=job.generation, distributed=job.distributed)
+    if job.ppo is not None:
+        from grpo.training.loops.ppo_trainer import PPOTrainer
+
+        return PPOTrainer(model, tokenizer, rows, cfg, job.output_dir, ppo=job.ppo, **kwargs)
+    step_verifiers = None
+    if job.prm:
+        from grpo.training.loops.prm import prm_step_verifier
+
+        step_verifiers = {"prm": prm_step_verifier(job.prm)}
+    coefficients, engine = None, None
+    if job.online_rft is not None:
+        from grpo.training.rft import coefficient_function
+
+        coefficients = coefficient_function(job.online_rft)
+        if job.online_rft.sampler == "initial":  # offline RFT: the start samples every step
+            engine = _frozen_engine(model, tokenizer, job)
+    return GRPOTrainer(model, tokenizer, rows, cfg, job.output_dir, engine=engine, step_verifiers=step_verifiers,
+                       hooks=hooks, coefficients=coefficients, **kwargs)
+
+
+def _frozen_engine(model, tokenizer, job: GRPOJob):
+    """Offline RFT's sampler: the stage's engine over a frozen copy of the starting model, on this process's device,
+    sampling in the precision the stage trains in (as the trainer's own engine would)."""
+    import copy
+    import os
+
+    import torch
+
+    from grpo.sampling.engines import build_engine, sampling_dtype
+    from grpo.training.precision import choose_precision, this_machine
+
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    # the device the trainer's Accelerator gives this process: its GPU (one a process), or the CPU
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+    precision = choose_precision(job.cfg.mixed_precision, this_machine())
+    return build_engine(job.generation, frozen.to(device), tokenizer, dtype=sampling_dtype(precision),
+                        who="offline RFT")
