@@ -10,13 +10,19 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_API = "R1_LOCAL_PREFECT_API"  # the URL of the Prefect API an `r1` process started for itself (flows.cli.local_api)
 
 
+def home_path() -> Path:
+    """The state folder: R1_HOME, or `.r1/` in the checkout (not made here; `tracking.r1_home` makes it). The one
+    place it is read."""
+    return Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").expanduser().resolve()
+
+
 def use_local_defaults() -> None:
     """Set Prefect's home and switches for an offline machine; variables the user set are left alone.
 
     Runs on import of `tasks`, before Prefect reads its settings. `PREFECT_API_URL` (a real server) and
     `MLFLOW_TRACKING_URI` (a real tracking server) take precedence over everything here.
     """
-    home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").resolve()
+    home = home_path()
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
     # Prefect's local API opens its SQLite file there but does not create the folder: a fresh clone has none
     Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
@@ -82,8 +88,7 @@ class _DiskFullTold(logging.Filter):
 def _is_fault(e: BaseException) -> bool:
     from grpo.faults import disk_fault
 
-    home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1")
-    return disk_fault(e, [home]) is not None
+    return disk_fault(e, [home_path()]) is not None
 
 
 def quiet_libraries() -> None:

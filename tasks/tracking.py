@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_fault, disk_full_line, file_size_limit, free_bytes
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
-from tasks.env import PROJECT_ROOT
+from tasks.env import home_path
 from tasks import store_copies
 from tasks.home import reroot_embedded_store
 
@@ -44,7 +44,7 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def r1_home() -> Path:
-    home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").resolve()
+    home = home_path()
     home.mkdir(parents=True, exist_ok=True)
     return home
 

@@ -35,9 +35,9 @@ DEFAULT_PERMISSION = "READ"
 
 
 def _home() -> Path:  # tasks.tracking.r1_home, without importing MLflow
-    from tasks.env import PROJECT_ROOT
+    from tasks.env import home_path
 
-    return Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").resolve()
+    return home_path()
 
 
 def auth_dir() -> Path:

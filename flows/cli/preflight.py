@@ -115,9 +115,9 @@ def check_distributed(recipe: Recipe, stages: Sequence[str]) -> None:
 
 def check_state_folder() -> None:
     """R1_HOME (or the default .r1/) is a folder this user can write, or can be made."""
-    from tasks.env import PROJECT_ROOT
+    from tasks.env import home_path
 
-    home = Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").expanduser()
+    home = home_path()
     what = f"R1_HOME={home}" if os.environ.get("R1_HOME") else f"the state folder {home}"
     if home.exists() and not home.is_dir():
         raise UsageError(f"{what} is a file; expected a folder for Prefect's and MLflow's state")

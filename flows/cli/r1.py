@@ -240,9 +240,9 @@ def _is_user_error(e: BaseException) -> bool:
 def _fault(e: BaseException):
     """The `grpo.faults.Fault` that `e` is (or comes from), a full disk under the state folder included; else None."""
     from grpo.faults import disk_fault
-    from tasks.env import PROJECT_ROOT
+    from tasks.env import home_path
 
-    return disk_fault(e, [os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1"])
+    return disk_fault(e, [home_path()])
 
 
 def main(argv: list[str] | None = None) -> int:

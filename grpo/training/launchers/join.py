@@ -43,11 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo.training.launchers.join", description=__doc__.splitlines()[0])
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="how long to wait for machine 0's job")
     args = ap.parse_args(argv)
-    from grpo.distributed_config import DistributedConfig
+    from grpo.training.launchers.jobs import read_launched
 
     job_file = wait_for_job(launch.join_dir(), args.timeout_s)
-    job = json.loads(job_file.read_text())
-    cfg = DistributedConfig.model_validate(job["distributed"])
+    cfg = read_launched(job_file.read_text()).job.distributed
     rank, _, _ = launch.machine(cfg)
     if rank == 0:
         raise SystemExit(f"{launch.MACHINE_RANK} is 0 here: machine 0 runs the stage itself; this command is for "
