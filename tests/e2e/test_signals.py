@@ -109,55 +109,36 @@ def test_sigterm_to_r1_alone_stops_a_loop_launched_on_two_processes(r1, tmp_path
     assert all(w in family for w in workers)
 
 
-def test_a_time_limit_that_rings_inside_a_store_call_lands_when_the_call_ends():
-    # Prefect's flow-run time limit raises from a SIGALRM handler; one raised inside a SQLite commit left every later
-    # write of the process "database is locked" (an attempt past its limit under load, tests/e2e/test_stage_retry.py)
+# Prefect's flow-run time limit raises from a SIGALRM handler, and inside a flow run its SIGTERM handler raises
+# TerminationSignal: one raised inside a SQLite commit left every later write of the process "database is locked" (an
+# attempt past its limit under load, tests/e2e/test_stage_retry.py; a sweep's point stopped by its sweep mid-write,
+# its runs left RUNNING)
+@pytest.mark.parametrize("sig", [signal.SIGALRM, signal.SIGTERM], ids=["time limit", "sigterm"])
+def test_a_handler_someone_set_waits_for_the_store_call_then_raises(sig):
     from grpo.interrupts import signals_deferred
 
-    class Rang(Exception):
+    class Raised(Exception):
         pass
 
-    def limit(signum, frame):
-        raise Rang
+    def theirs(signum, frame):
+        raise Raised
 
-    previous = signal.signal(signal.SIGALRM, limit)
+    previous = signal.signal(sig, theirs)
     finished = []
     try:
-        with pytest.raises(Rang):
+        with pytest.raises(Raised):
             with signals_deferred():
-                signal.setitimer(signal.ITIMER_REAL, 0.01)
-                time.sleep(0.2)  # the limit rings here, and waits
-                finished.append(True)
-        assert finished == [True]
-        assert signal.getsignal(signal.SIGALRM) is limit  # the handler is back in place
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def test_a_sigterm_handler_someone_set_waits_for_the_store_call_then_raises():
-    # inside a flow run Prefect's SIGTERM handler raises TerminationSignal; one raised inside a SQLite commit (a
-    # sweep's point stopped by its sweep mid-write) left its runs RUNNING, "database is locked"
-    from grpo.interrupts import signals_deferred
-
-    class Terminated(Exception):
-        pass
-
-    def prefects(signum, frame):
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, prefects)
-    finished = []
-    try:
-        with pytest.raises(Terminated):
-            with signals_deferred():
-                os.kill(os.getpid(), signal.SIGTERM)
+                if sig == signal.SIGALRM:
+                    signal.setitimer(signal.ITIMER_REAL, 0.01)
+                else:
+                    os.kill(os.getpid(), sig)
                 time.sleep(0.2)  # it arrives here, and waits
                 finished.append(True)
         assert finished == [True]
-        assert signal.getsignal(signal.SIGTERM) is prefects
+        assert signal.getsignal(sig) is theirs  # the handler is back in place
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(sig, previous)
 
 
 def test_sigterm_to_r1_alone_stops_an_asynchronous_stage_and_its_sampler_processes(r1, tmp_path, answering_checkpoint):
