@@ -10,7 +10,8 @@ Both run up to `parallel` points at once, each started once the stages it shares
   on the sweep's Prefect API and MLflow store, its output in `<sweep folder>/points/point-<n>.log`, with an equal
   share of the machine's cores as its threads and a wait policy that does not spin (`grpo.cores`; what the user set
   in OMP_NUM_THREADS or OMP_WAIT_POLICY wins). Stopping the
-  sweep stops them as Ctrl-C stops `r1 run` (they end their runs KILLED); one that has not ended 30 s later is
+  sweep stops them as Ctrl-C stops `r1 run`, with SIGINT (they end their runs KILLED; a SIGTERM would reach a point
+  as Prefect's TerminationSignal, which can land inside a write to the store); one that has not ended 30 s later is
   killed. Each leads a process group of its own: a supervisor that stops the sweep's group (a Prefect worker
   cancelling its flow run sends SIGTERM, then SIGKILL 30 s later) reaches the sweep, which stops them, and does not
   kill a point halfway through ending its runs. They stop with the sweep's process, and one whose sweep is gone
@@ -159,6 +160,11 @@ class Deployment:
                 client.set_flow_run_state(flow_run_id, Cancelling(message="its sweep stopped"), force=True)
 
 
+def _die_with_the_sweep() -> None:
+    """In a point process, between fork and exec: SIGINT when the sweep's process exits (see `Processes.stop`)."""
+    die_with_parent(signal.SIGINT)
+
+
 class Processes:
     """Points as processes on this machine, on this sweep's Prefect API and tracking store."""
 
@@ -187,7 +193,7 @@ class Processes:
         with log.open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "flows.cli.point", json.dumps(job)], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=die_with_parent, start_new_session=True)
+                                    preexec_fn=_die_with_the_sweep, start_new_session=True)
         proc.log = log  # type: ignore[attr-defined]
         return proc
 
@@ -202,9 +208,9 @@ class Processes:
         return code == 0, f"its process ended with exit code {code}{': ' + last[0] if last else ''} ({proc.log})"
 
     def stop(self, procs: list) -> None:
-        for proc in procs:  # as Ctrl-C stops `r1 run` (a terminal's Ctrl-C reaches the sweep only: own groups)
+        for proc in procs:  # as a terminal's Ctrl-C stops `r1 run` (it reaches the sweep only: their own groups)
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + STOP_S
         for proc in procs:
             try:

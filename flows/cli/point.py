@@ -4,7 +4,7 @@
 
 It runs the point's pipeline as `r1 run` does, nested under the sweep's MLflow run, on the Prefect API and
 tracking store its environment names (the sweep's), and stops as `r1 run` does on Ctrl-C or SIGTERM: its runs
-end KILLED and the same sweep again resumes it. The sweep stops it (SIGTERM, SIGKILL 30 s later); once the sweep's
+end KILLED and the same sweep again resumes it. The sweep stops it (SIGINT, SIGKILL 30 s later); once the sweep's
 process is gone (killed by its supervisor, say), nothing would, so it gives itself ORPHAN_S to end and then exits.
 """
 
