@@ -54,7 +54,7 @@ sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$BEN
 case "$PART" in
   smoke)
     m=$(model qwen2.5-0.5b)
-    out=$($PY benchmarks/gpu_smoke.py "$m" --tokens 256 | tee /dev/stderr)
+    out=$($PY benchmarks/gpu_smoke.py "$m" --tokens 256 | tee -a /dev/stderr)
     $PY - "$out" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")]
@@ -65,8 +65,8 @@ EOF
     ;;
   decode)
     m=$(model qwen2.5-0.5b)
-    ours=$($PY benchmarks/decode.py "$m" --batch 128 512 --weights fp32-autocast | tee /dev/stderr)
-    peer=$($PY "$BENCH/decode_peer.py" "$m" --batch 128 512 | tee /dev/stderr)
+    ours=$($PY benchmarks/decode.py "$m" --batch 128 512 --weights fp32-autocast | tee -a /dev/stderr)
+    peer=$($PY "$BENCH/decode_peer.py" "$m" --batch 128 512 | tee -a /dev/stderr)
     $PY - "$ours" "$peer" <<'EOF'
 import json, sys
 ours = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")]
@@ -90,7 +90,7 @@ EOF
     preset=qwen2.5-${PART#compare-}
     $PY "$BENCH/compare.py" --pairs "${R1_GPU_PAIRS:-2}" --preset "$preset" \
       --ours "$PY benchmarks/grpo_step.py --gradient-checkpointing${R1_MEMORY_AT_PEAK:+ --memory-at-peak $R1_MEMORY_AT_PEAK}" \
-      | tee /dev/stderr | tail -1 \
+      | tee -a /dev/stderr | tail -1 \
       | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'part': '$PART', **r}))"
     ;;
   longtail)
@@ -100,14 +100,14 @@ EOF
     $PY benchmarks/paged_attention.py --shapes 0.5b,7b --budgets "${R1_LONGTAIL_BUDGETS:-512,2048,8192,16384}" >&2
     $PY benchmarks/long_budgets.py --model "$m" --device cuda --dtype bfloat16 --clock wall --kv-gib 40 \
       --budgets "${R1_LONGTAIL_BUDGETS:-512,2048,8192,16384}" --ways paged,static --prompts 128 --samples 4 \
-      --slots 128 | tee /dev/stderr | tail -1 \
+      --slots 128 | tee -a /dev/stderr | tail -1 \
       | $PY -c "import json,sys; print(json.dumps({'part': 'longtail', **json.loads(sys.stdin.read())}))"
     # transformers' own continuous batching at a 2048 budget (goal: ours >= 10x): lengths from the end token's
     # output row scaled by 40 (both sample until it comes; on the preset, fp32 on a CPU, 32 rows at a 256 budget:
     # lengths p10 24, p50 77, p90 216, 3 at the budget), the peer stopped after R1_PEER_S seconds
     $PY benchmarks/continuous_batching.py --model "$m" --dtype bfloat16 --before "" --budget 2048 --prompts 64 \
       --samples 4 --slots 128 --eos-scale "${R1_EOS_SCALE:-40}" --peer-timeout "${R1_PEER_S:-150}" \
-      | tee /dev/stderr | tail -1 \
+      | tee -a /dev/stderr | tail -1 \
       | $PY -c "import json,sys; print(json.dumps({'part': 'longtail-peer', **json.loads(sys.stdin.read())}))"
     ;;
   slots-7b)
@@ -116,7 +116,7 @@ EOF
     m=$(model qwen2.5-7b gpu-bf16)
     $PY benchmarks/long_budgets.py --model "$m" --device cuda --dtype bfloat16 --clock wall --kv-gib 40 \
       --budgets 16384 --ways paged --mix r1 --prompts 128 --samples 4 --slots 512 --max-seconds "${R1_SLOTS_S:-150}" \
-      | tee /dev/stderr | grep '"way"' | $PY -c "import json,sys; r=json.loads(sys.stdin.read())
+      | tee -a /dev/stderr | grep '"way"' | $PY -c "import json,sys; r=json.loads(sys.stdin.read())
 print(json.dumps({'part': 'slots-7b', 'live_rows': r['live_rows_median_second_half'],
                   'static_rows': r['static_rows_in_budget'], 'preemptions': r['preemptions'],
                   'x_static': round(r['live_rows_median_second_half'] / r['static_rows_in_budget'], 2),

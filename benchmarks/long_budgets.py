@@ -103,12 +103,12 @@ def run(args) -> list[dict]:
         digests = []  # the sampled tokens' digest, the same at every budget its rows do not reach
         live: list[int] = []  # rows decoding after each `step` of the timed call
 
-        def call(n_prompts: int, seconds: float | None = None) -> int:
+        def call(n_prompts: int, seconds: float | None = None, cap: int | None = None) -> int:
             batch = SlotBatch(sampler, args.slots, P, s, [], tok.pad_token_id)  # no end token: rows stop at limits
             for i in range(n_prompts):
                 for j in range(args.samples):
                     row = i * args.samples + j
-                    batch.submit(prompts[i], streams=streams[row:row + 1], limit=min(budget, int(limits[row])))
+                    batch.submit(prompts[i], streams=streams[row:row + 1], limit=min(budget, int(limits[row]), cap or budget))
             tokens, digest = 0, hashlib.sha256()
             got = {}
             live.clear()
@@ -130,7 +130,8 @@ def run(args) -> list[dict]:
         with torch.inference_mode():
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            call(min(4, args.prompts))  # warm-up (on CUDA: the captures)
+            # warm-up (on CUDA: the captures), its rows cut at 64 tokens: R1's rows run to 16k, minutes on a 7B
+            call(min(4, args.prompts), cap=64)
             if cuda and not out and args.max_seconds is None:
                 call(args.prompts)  # the process's first budget: every kernel and allocation warm, as for the next
             sampler.counts = type(sampler.counts)()
