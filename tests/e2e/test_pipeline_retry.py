@@ -9,6 +9,7 @@ fails before training (its model folder does not exist) once cold_start_sft has 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pandas as pd
@@ -47,14 +48,21 @@ def pipeline_runs(mlflow_client, recipe_name: str):
     return parent, by_stage
 
 
-async def _flow_run_and_logs(flow_run_id: str):
+async def _flow_run_and_logs(flow_run_id: str, expect: str):
+    """The flow run and its logs' messages, once one holds `expect` (or 60 s on): the flow's log lines reach the
+    API from a background handler in batches, and on a busy machine the last batch can land after the flow returns."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+    deadline = time.monotonic() + 60
     async with get_client() as client:
-        flow_run = await client.read_flow_run(uuid.UUID(flow_run_id))
-        logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
-    return flow_run, [log.message for log in logs]
+        while True:
+            flow_run = await client.read_flow_run(uuid.UUID(flow_run_id))
+            logs = [log.message for log in await client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))]
+            if any(expect in m for m in logs) or time.monotonic() > deadline:
+                return flow_run, logs
+            await asyncio.sleep(0.5)
 
 
 def test_flow_retries_skip_the_stages_the_first_attempt_finished(prefect_harness, mlflow_client, curated, tmp_path):
@@ -71,7 +79,8 @@ def test_flow_retries_skip_the_stages_the_first_attempt_finished(prefect_harness
     assert parent.info.status == "FAILED"
     assert len(stages["cold_start_sft"]) == 1 and stages["cold_start_sft"][0].info.status == "FINISHED"
     assert [r.info.status for r in stages["sft"]] == ["FAILED", "FAILED"]  # sft was tried by both attempts
-    flow_run, logs = asyncio.run(_flow_run_and_logs(parent.data.tags["prefect.flow_run_id"]))
+    flow_run, logs = asyncio.run(_flow_run_and_logs(parent.data.tags["prefect.flow_run_id"],
+                                                    "skipping finished stages"))
     assert flow_run.run_count == 2 and flow_run.state.is_failed()
     assert any("attempt 2" in m and "skipping finished stages: cold_start_sft" in m for m in logs), logs
 
@@ -114,6 +123,6 @@ def test_retry_from_the_ui_finishes_the_run_without_repeating_stages(prefect_har
     assert result.stages["cold_start_sft"].run_id == first["cold_start_sft"][0].info.run_id
     assert result.stages["cold_start_sft"].uris["checkpoint"] == parent.data.tags["uri.cold_start_checkpoint"]
     assert parent.data.tags["uri.sft_checkpoint"] == result.stages["sft"].uris["checkpoint"]
-    flow_run, logs = asyncio.run(_flow_run_and_logs(flow_run_id))
+    flow_run, logs = asyncio.run(_flow_run_and_logs(flow_run_id, "skipping finished stages"))
     assert flow_run.run_count == 2 and flow_run.state.is_completed()
     assert any("skipping finished stages: cold_start_sft" in m for m in logs), logs
