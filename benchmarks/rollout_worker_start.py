@@ -26,7 +26,7 @@ import multiprocessing as mp
 import pandas as pd
 import torch
 sys.path[:0] = [{root!r}, {helpers!r}]
-import grpo.training.rollout_workers as rw
+import grpo.training.rollouts.processes as rw
 if {method!r} == "spawn":
     rw.worker_context = lambda: mp.get_context("spawn")
 from grpo.config import GRPOConfig, SamplingConfig

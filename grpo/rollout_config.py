@@ -1,7 +1,7 @@
 """Where a sampling stage's rollouts come from: the `rollout` section of reasoning and alignment GRPO and online RFT.
 
 `mode: sync` (the default) samples, scores and trains in turn in the stage's own process. `mode: async` samples in
-worker processes apart from the trainer (`grpo.training.rollout_workers`), up to `max_staleness` optimizer steps
+worker processes apart from the trainer (`grpo.training.rollouts`), up to `max_staleness` optimizer steps
 behind it, while the trainer trains (docs/sampling.md, "Asynchronous rollouts").
 
 Plain pydantic: imports nothing of torch or of the modules that do the work.

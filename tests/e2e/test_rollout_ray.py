@@ -23,7 +23,7 @@ from grpo.config import GRPOConfig, SamplingConfig  # noqa: E402
 from grpo.models import load_model_and_tokenizer  # noqa: E402
 from grpo.rollout_config import RolloutConfig  # noqa: E402
 from grpo.training.loops.grpo_trainer import GRPOTrainer  # noqa: E402
-from grpo.training.rollout_workers import FAULT_POINTS, FAULTS, FAULTS_DIR, RolloutError  # noqa: E402
+from grpo.training.rollouts import FAULT_POINTS, FAULTS, FAULTS_DIR, RolloutError  # noqa: E402
 from processes import alive  # noqa: E402
 from ray_local import LocalRayCluster  # noqa: E402
 from rollout_runs import PROMPTS, digits, run, weights  # noqa: E402
@@ -101,7 +101,7 @@ def test_a_killed_or_stopped_actor_is_named_and_replaced_and_none_is_left(tmp_pa
     trainer = held["trainer"] = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, progress=False,
                                             reward_functions={"digits": reward},
                                             on_metrics=lambda step, m: seen.__setitem__(step, m))
-    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+    with caplog.at_level("WARNING", logger="grpo.training.rollouts"):
         trainer.train()
     lines = [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
     assert sent and len(lines) == 1 and "Ray actor, pid" in lines[0] and "replaced by a new one" in lines[0], lines
@@ -122,7 +122,7 @@ def test_an_actor_stopped_at_each_point_of_the_protocol_is_replaced_and_trains_t
     monkeypatch.setenv(FAULTS, ",".join(f"{point}:stop" for point in points))
     monkeypatch.setenv(FAULTS_DIR, str(fired))
     sync = run(tmp_path / "sync", tis_cap=2.0)
-    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+    with caplog.at_level("WARNING", logger="grpo.training.rollouts"):
         faulty = run(tmp_path / "ray", rollout=on_ray(address, max_staleness=0, timeout_s=3.0,
                                                       max_restarts=len(points)))
     assert sorted(os.listdir(fired)) == sorted(f"{point}-stop" for point in points)

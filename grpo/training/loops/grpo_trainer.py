@@ -60,7 +60,7 @@ from grpo.training.policy import (check_prompts, check_token_budget, checkpointi
                                   prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
                                   samples_table, save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
-from grpo.training.rollout_workers import Plan, RolloutWorkers
+from grpo.training.rollouts import Plan, Rollouts, start_rollouts
 from grpo.training.strategy import make_strategy
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
@@ -162,7 +162,7 @@ class GRPOTrainer:
         # each sample's coefficient [N] from the step's scores in place of group advantages (grpo.training.rft)
         self.coefficients = coefficients
         # rollout.mode async: sampler processes (started by `train`), the behaviour weight's cap, the weights' version
-        self.rollouts: RolloutWorkers | None = None
+        self.rollouts: Rollouts | None = None
         self.tis_cap = cfg.tis_cap
         if cfg.rollout.asynchronous:
             self.tis_cap = cfg.tis_cap or cfg.rollout.behaviour_cap  # decoupled PPO: pi_prox / pi_behave, capped
@@ -372,7 +372,7 @@ class GRPOTrainer:
                                 self.output_dir, also=self._finish_hooks)
         return GRPOResult(model_dir, cfg.max_steps)
 
-    def _start_workers(self, start: int) -> RolloutWorkers:
+    def _start_workers(self, start: int) -> Rollouts:
         cfg = self.cfg
         plan = Plan(self.cells, cfg.prompts_per_step, cfg.num_generations, cfg.sampling, self.generation, cfg.seed,
                     cfg.num_iterations, cfg.rollout.max_staleness, cfg.max_steps,
@@ -387,31 +387,11 @@ class GRPOTrainer:
                                  autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
                                      str(self.acc.mixed_precision)))
             self.ref_model = None
-        device = self.acc.device
         timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
         self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
-        if cfg.rollout.launcher == "ray":  # actors on the cluster: its devices, not this machine's
-            from grpo.training.rollout_ray import RayRolloutWorkers
-
-            workers = RayRolloutWorkers(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer,
-                                        first_step=start, timeout_s=timeout, device=str(device))
-            workers.start(self.strategy.sampler_model(), self.version)
-            return workers
-        # on a GPU machine, the GPUs after the trainer processes' own, in turn; else the trainer's device
-        spare = [f"cuda:{i}" for i in range(local_processes(self.acc), torch.cuda.device_count())]
-        first = self.acc.local_process_index * cfg.rollout.workers
-        devices = cfg.rollout.devices or tuple(
-            spare[first + w] if device.type == "cuda" and first + w < len(spare) else str(device)
-            for w in range(cfg.rollout.workers))
-        for d in devices:  # a device this machine lacks fails here, not as workers dying one after another
-            kind, _, index = d.partition(":")
-            if kind not in ("cpu", "cuda") or (kind == "cuda" and int(index or 0) >= torch.cuda.device_count()):
-                raise ValueError(f"grpo.rollout.devices names {d!r}; this machine has cpu and "
-                                 f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)")
-        workers = RolloutWorkers(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer, first_step=start,
-                                 timeout_s=timeout, devices=devices, trainers_here=local_processes(self.acc))
-        workers.start(self.strategy.sampler_model(), self.version)
-        return workers
+        return start_rollouts(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer, first_step=start,
+                              version=self.version, timeout_s=timeout, device=self.acc.device,
+                              local_processes=local_processes(self.acc), local_index=self.acc.local_process_index)
 
     def _finish_hooks(self) -> None:
         for hook in self.hooks:

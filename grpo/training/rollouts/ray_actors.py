@@ -1,6 +1,6 @@
 """Asynchronous rollouts on a Ray cluster: the sampler workers as Ray actors (`rollout.launcher: ray`).
 
-The same samplers as `grpo.training.rollout_workers` (each worker's steps, prompts and seeds; the bound kept by
+The same samplers as `processes.ProcessRollouts` (each worker's steps, prompts and seeds; the bound kept by
 admission and checked in `take`; a replaced worker samples again the steps its predecessor had not delivered), with
 Ray as the transport in place of spawned processes and shared memory:
 
@@ -16,7 +16,7 @@ Ray as the transport in place of spawned processes and shared memory:
   weights node to node once per node.
 - **Signs of life.** The trainer asks each actor for its finished units while it waits (`poll`); a poll unanswered
   for longer than `timeout_s` (a stopped or hung actor), an actor Ray reports dead (its process or node lost), or
-  an error in its sampling names the worker in one line and replaces it, as `RolloutWorkers` does a process.
+  an error in its sampling names the worker in one line and replaces it, as `Rollouts` does a process.
 - **Ending.** `close` kills every actor (`ray.kill`); an actor's owner is the trainer's process, so Ray also ends
   the actors when that process dies.
 
@@ -36,8 +36,9 @@ import time
 import torch
 
 from grpo.rollout_config import RolloutConfig
-from grpo.training.rollout_workers import (FAULTS, FAULTS_DIR, STARTUP_S, Plan, RolloutError, RolloutWorkers, Unit,
-                                           fault, sample_steps, sampler_model)
+from grpo.training.rollouts.base import Rollouts
+from grpo.training.rollouts.protocol import (FAULTS, FAULTS_DIR, STARTUP_S, Plan, RolloutError, Unit, fault,
+                                             sample_steps, sampler_model)
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +137,8 @@ def connect(address: str | None) -> None:
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
 
 
-class RayRolloutWorkers(RolloutWorkers):
-    """`RolloutWorkers` with Ray actors for the samplers: the same buffer, bound and replacement rules."""
+class RayRollouts(Rollouts):
+    """The samplers as Ray actors on a cluster, weights through its object store."""
 
     local = False
 
@@ -145,7 +146,8 @@ class RayRolloutWorkers(RolloutWorkers):
                  timeout_s: float, device: str):
         import ray
 
-        self._books(cfg, plan, tokenizer, first_step, timeout_s, [device] * cfg.workers, cfg.threads or 1)
+        super().__init__(cfg, plan, tokenizer, first_step=first_step, timeout_s=timeout_s,
+                         devices=[device] * cfg.workers, threads=cfg.threads or 1)
         connect(cfg.ray_address)
         self.ray = ray
         # the module the actors copy, on the CPU: its parameters copied there one by one (a whole copy on the
@@ -176,7 +178,7 @@ class RayRolloutWorkers(RolloutWorkers):
         # SPREAD: the workers apart, on as many nodes as have room, and never inside the placement group of a Ray
         # Train worker that starts them (which would capture them, and has no room for them)
         # num_cpus is also the actor's threads: Ray sets OMP_NUM_THREADS to it, so actors share a node's cores
-        # the tests' fault injection (rollout_workers.FAULT_POINTS) reaches the actors through their environment
+        # the tests' fault injection (protocol.FAULT_POINTS) reaches the actors through their environment
         faults = {k: os.environ[k] for k in (FAULTS, FAULTS_DIR) if os.environ.get(k)}
         env = {"runtime_env": {"env_vars": faults}} if faults else {}
         handle = self.remote.options(num_cpus=self.threads, num_gpus=self.gpus, max_restarts=0,

@@ -24,8 +24,8 @@ from grpo.sampling.engines import build_engine
 from grpo.training.batches import prompt_order
 from grpo.training.distributed import sampling_seed
 from grpo.training.loops.grpo_trainer import GRPOTrainer
-from grpo.training.rollout_workers import (FAULT_POINTS, FAULTS, FAULTS_DIR, Plan, RolloutError, RolloutWorkers, Unit,
-                                          worker_steps)
+from grpo.training.rollouts import FAULT_POINTS, FAULTS, FAULTS_DIR, Plan, RolloutError, Unit, worker_steps
+from grpo.training.rollouts.processes import ProcessRollouts
 from rollout_runs import PROMPTS, digits, run, weights
 from tiny_configs import SMALL
 
@@ -92,9 +92,9 @@ def plan(max_staleness: int, steps: int, wrapper=None) -> Plan:
                 GenerationConfig(), 0, 1, max_staleness, steps, None, None, False, wrapper)
 
 
-def workers_for(model, tok, max_staleness, steps, n=2, wrapper=None, **kw) -> RolloutWorkers:
+def workers_for(model, tok, max_staleness, steps, n=2, wrapper=None, **kw) -> ProcessRollouts:
     cfg = RolloutConfig(mode="async", max_staleness=max_staleness, workers=n, threads=1, **kw)
-    return RolloutWorkers(cfg, plan(max_staleness, steps, wrapper), model, tok, first_step=0, timeout_s=60.0,
+    return ProcessRollouts(cfg, plan(max_staleness, steps, wrapper), model, tok, first_step=0, timeout_s=60.0,
                           devices=["cpu"] * n)
 
 
@@ -193,7 +193,7 @@ def test_a_killed_or_stopped_worker_is_named_and_replaced_and_the_stage_finishes
     trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, progress=False,
                           reward_functions={"digits": kill_at_step_1(signum, sent)},
                           on_metrics=lambda step, m: seen.__setitem__(step, m))
-    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+    with caplog.at_level("WARNING", logger="grpo.training.rollouts"):
         trainer.train()
     records = [r for r in caplog.records if "rollout worker" in r.getMessage()]
     lines = [r.getMessage() for r in records]
@@ -219,7 +219,7 @@ def test_a_worker_stopped_or_killed_at_every_point_of_the_protocol_is_replaced_a
     monkeypatch.setenv(FAULTS_DIR, str(fired))
     sync = run(tmp_path / "sync", tis_cap=2.0)
     t0 = time.time()
-    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+    with caplog.at_level("WARNING", logger="grpo.training.rollouts"):
         faulty = run(tmp_path / "async", rollout=RolloutConfig(mode="async", max_staleness=0, threads=1, timeout_s=2.0,
                                                                max_restarts=len(FAULT_POINTS)))
     took = time.time() - t0
@@ -261,7 +261,7 @@ def test_a_trainer_paused_past_the_timeout_keeps_its_workers_and_their_bound(tmp
     trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, progress=False, reward_functions={"digits": reward},
                           on_metrics=lambda step, m: seen.__setitem__(step, m))
     t0 = time.time()
-    with caplog.at_level("WARNING", logger="grpo.training.rollout_workers"):
+    with caplog.at_level("WARNING", logger="grpo.training.rollouts"):
         trainer.train()
     assert time.time() - t0 > 9  # it was stopped
     assert not [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
