@@ -71,7 +71,7 @@ from tiny_configs import LOGGED_TINY  # noqa: E402
 # in the order collected (`--no-loadscope-reorder`: xdist would otherwise order files by their number of tests):
 # these, the files that take a minute or more (measured with --durations), come first, so the two workers end
 # together instead of one running the longest file alone at the end.
-LONGEST_FIRST = ["test_sweep", "test_signals", "test_tracking_outage", "test_stack", "test_rollout_workers",
+LONGEST_FIRST = ["test_sweep", "test_signals", "test_tracking_outage", "test_stack", "test_rollouts",
                  "test_placement", "test_disk_full", "test_pipeline_resume", "test_stage_retry", "test_ray_training",
                  "test_rollout_ray", "test_fsdp", "test_moved_home", "test_ray_rejection", "test_deployments", "test_ui",
                  "test_http_generation", "test_distributed", "test_ppo"]

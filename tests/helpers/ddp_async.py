@@ -5,7 +5,7 @@
 Each run writes its final model to OUT/<sync|async>/model and its main process's metrics to
 OUT/<sync|async>/metrics-rank0.json. One thread a process and one a worker, fp32, MKL GEMMs: the two runs sample the
 same tokens from the same weights, so their final weights compare bit for bit
-(tests/grpo/training/test_rollout_workers.py).
+(tests/grpo/training/test_rollouts.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A short GRPO run on the tiny model with a digits reward: what the asynchronous-rollout tests (sampler processes,
-tests/grpo/training/test_rollout_workers.py; Ray actors, tests/e2e/test_rollout_ray.py) compare against."""
+tests/grpo/training/test_rollouts.py; Ray actors, tests/e2e/test_rollout_ray.py) compare against."""
 
 from __future__ import annotations
 
