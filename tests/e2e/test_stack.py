@@ -13,12 +13,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
+from browser import browser_missing, click, page_text, send_basic_auth, start_browser, wait_for
 from flows.cli import stack
 from flows.cli.credentials import CLIENT_VARS, read_credentials
 from flows.cli.r1 import main
@@ -51,6 +53,37 @@ def r1(*args: str, env: dict) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
+
+
+def the_stack_in_a_browser(profile: Path, state: dict, logins: dict, flow_run, stage_run) -> None:
+    """Prefect's UI: a deep link asks for the login, then shows the deployments; a finished flow run's page shows its
+    state and the graph of its task runs. MLflow's UI, with its login: the runs table, and a run's artifacts."""
+    from selenium.webdriver.common.by import By
+
+    driver = start_browser(profile)
+    try:
+        driver.get(f"{state['prefect_ui']}/deployments")
+        box = wait_for("Prefect's login form", lambda: "/login" in driver.current_url and driver.find_elements(
+            By.XPATH, "//input"), 60, driver)[0]
+        box.send_keys(logins["PREFECT_API_AUTH_STRING"])
+        wait_for("the Login button", lambda: click(driver, "//button[normalize-space()='Login']"), 30, driver)
+        wait_for("the deployments page", lambda: driver.current_url.rstrip("/").endswith("/deployments") and all(
+            name in page_text(driver) for name in ("cold_start_sft", "r1-process", "r1_pipeline")), 60, driver)
+        driver.get(f"{state['prefect_ui']}/runs/flow-run/{flow_run.id}")
+        wait_for("the flow run's page, Completed, with its graph", lambda: flow_run.name in page_text(driver)
+                 and "Completed" in page_text(driver) and "Task runs" in page_text(driver)
+                 and driver.find_elements(By.XPATH, "//div[contains(@class, 'flow-run-graph')]//canvas"), 60, driver)
+
+        send_basic_auth(driver, logins["MLFLOW_TRACKING_USERNAME"], logins["MLFLOW_TRACKING_PASSWORD"])
+        experiment = stage_run.info.experiment_id
+        driver.get(f"{state['mlflow_ui']}/#/experiments/{experiment}/runs")
+        wait_for("MLflow's runs table", lambda: all(x in page_text(driver) for x in (
+            "r1_pipeline:through-the-stack", "cold_start_sft", "matching runs")), 60, driver)
+        driver.get(f"{state['mlflow_ui']}/#/experiments/{experiment}/runs/{stage_run.info.run_id}/artifacts")
+        wait_for("the stage run's artifacts", lambda: all(x in page_text(driver).splitlines() for x in (
+            "checkpoint", "dataset", "eval")), 60, driver)
+    finally:
+        driver.quit()
 
 
 def test_up_then_down(tmp_path, monkeypatch, capsys):
@@ -175,6 +208,16 @@ def test_up_then_down(tmp_path, monkeypatch, capsys):
         left += [log.read_text(errors="replace") for log in (tmp_path / "stack" / "logs").glob("*.log")]
         left += [done.stdout, done.stderr]
         assert not [secret for secret in secrets if any(secret in text for text in left)]
+
+        # the stack as a team sees it, in a browser: both UIs behind their logins
+        [stage_run] = [r for r in runs if r.data.tags.get("stage") == "cold_start_sft"
+                       and r.data.tags.get("prefect.flow_run_id") != str(flow_run.id)]
+        if reason := browser_missing():
+            if os.environ.get("CI"):
+                pytest.fail(f"{reason} (CI is set: `make test` installs them as root; see its output)")
+            warnings.warn(f"r1 up's UIs not checked in a browser: {reason}")
+        else:
+            the_stack_in_a_browser(tmp_path / "chromium", state, logins, flow_run, stage_run)
 
         # a recorded PID that now belongs to another program (its start time differs) is not signalled
         state["processes"].append({"name": "reused-pid", "pid": bystander.pid, "started_at": 0.0, "log": ""})

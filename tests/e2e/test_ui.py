@@ -15,30 +15,17 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import time
 
 import pytest
 from mlflow import MlflowClient
 
+from browser import browser_missing, click, console, field, start_browser, wait_for
 from flows.cli import stack
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-try:
-    from selenium import webdriver
-except ImportError:
-    webdriver = None
-
 
 @pytest.fixture(scope="session", autouse=True)
 def needs_chromium():
     """Skip (fail in CI) before any server starts: session scope puts it ahead of the session-wide Prefect server."""
-    missing = [what for what, found in (("Chromium and its driver: apt-get install -y chromium chromium-driver",
-                                         CHROMIUM and CHROMEDRIVER),
-                                        ("selenium: pip install -e '.[dev]'", webdriver)) if not found]
-    if missing:
-        reason = "needs " + "; ".join(missing)
+    if reason := browser_missing():
         if os.environ.get("CI"):
             pytest.fail(f"{reason} (CI is set: `make test` installs them as root; see its output)", pytrace=False)
         pytest.skip(reason)
@@ -62,59 +49,9 @@ def team_stack(deployed_server, tmp_path_factory):
 
 @pytest.fixture
 def browser(tmp_path):
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    # as root (CI) Chromium starts only without its sandbox; a profile of its own, so runs side by side never
-    # share one; and nothing that reaches for the internet (updates, sync, QUIC), which a CI machine may not have
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-quic",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1000"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.implicitly_wait(0)
+    driver = start_browser(tmp_path / "chromium")
     yield driver
     driver.quit()
-
-
-def field(driver, label: str):
-    """The input of the schema-form property whose label reads '<label> (Optional)' (a header, then a body)."""
-    from selenium.webdriver.common.by import By
-
-    header = (f"./div[@class='p-label__header']//span[@class='schema-form-property__label' and "
-              f"starts-with(normalize-space(), '{label} (')]")
-    [element] = driver.find_elements(By.XPATH, f"//div[contains(@class, 'schema-form-property')][{header}]"
-                                               f"/div[@class='p-label__body']/fieldset//input")
-    return element
-
-
-def click(driver, xpath: str) -> bool:
-    """Click the first element `xpath` finds; False if there is none yet or it was re-rendered under us."""
-    from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
-    from selenium.webdriver.common.by import By
-
-    try:
-        found = driver.find_elements(By.XPATH, xpath)
-        if found:
-            try:
-                found[0].click()
-            except ElementClickInterceptedException:  # another toast sliding over it: click it the DOM's way
-                driver.execute_script("arguments[0].click()", found[0])
-        return bool(found)
-    except StaleElementReferenceException:  # Vue replaced the node between find and click: find it again
-        return False
-
-
-def wait_for(what: str, condition, timeout: float, driver=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(1)
-    hint = f"; the page said: {driver.find_element('tag name', 'body').text[-2500:]}" if driver else ""
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{hint}")
 
 
 def test_a_custom_run_from_the_ui_completes(team_stack, browser):
@@ -168,7 +105,7 @@ def test_a_custom_run_from_the_ui_completes(team_stack, browser):
             break
         except AssertionError as e:
             if attempt == 2:
-                raise AssertionError(f"{e}\nthe browser's console: {_console(browser)}") from None
+                raise AssertionError(f"{e}\nthe browser's console: {console(browser)}") from None
             print(f"the custom-run form made no run in 90 s (attempt {attempt + 1}); {e}")
     flow_run_id = wait_for("the flow run's page", lambda: "/runs/flow-run/" in browser.current_url and
                            browser.current_url.rsplit("/flow-run/", 1)[1].split("?")[0], 60, browser)
@@ -184,14 +121,6 @@ def test_a_custom_run_from_the_ui_completes(team_stack, browser):
                                f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == "2" and run.data.params["data.num_train"] == "64"
-
-
-def _console(driver) -> list[str]:
-    """The browser console's last messages (Chromium keeps its errors and warnings)."""
-    try:
-        return [entry.get("message", "")[:300] for entry in driver.get_log("browser")][-10:]
-    except Exception as e:  # a driver that keeps no log
-        return [f"no console log: {e}"]
 
 
 def _runs_of(api: str, deployment_id: str) -> list:
