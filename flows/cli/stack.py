@@ -80,27 +80,37 @@ def is_running(p: Started) -> bool:
 
 def stop_process(p: Started, timeout: float = 20) -> bool:
     """SIGTERM the process group `p` leads (SIGKILL after `timeout`); False if it was not running (or not ours)."""
-    if not is_running(p):
-        return False
+    return stop_processes([p], timeout)[0]
+
+
+def stop_processes(started: list[Started], timeout: float = 20) -> list[bool]:
+    """`stop_process` for several at once: each group is sent SIGTERM in the order given, and all are waited on
+    together, so a slow one costs its own wait and not the sum; SIGKILL for those still there after `timeout`."""
+    stopped = [is_running(p) for p in started]
+    left = [p for p, running in zip(started, stopped) if running]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(p.pid, sig)  # its own session: the group id is its PID
-        except ProcessLookupError:
-            return True
-        try:  # reap it if it is our child (a test), else wait for it to go
-            os.waitpid(p.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        for p in left:
             try:
-                if os.waitpid(p.pid, os.WNOHANG)[0]:
-                    return True
-            except ChildProcessError:
+                os.killpg(p.pid, sig)  # its own session: the group id is its PID
+            except ProcessLookupError:
                 pass
-            if not is_running(p):
-                return True
-            time.sleep(0.2)
+        deadline = time.monotonic() + timeout
+        while left and time.monotonic() < deadline:
+            left = [p for p in left if not _reaped(p)]
+            if left:
+                time.sleep(0.2)
+        if not left:
+            break
+    return [running and not is_running(p) for p, running in zip(started, stopped)]
+
+
+def _reaped(p: Started) -> bool:
+    """Whether `p` is gone: reaped here if it is our child (a test), else no longer running."""
+    try:
+        if os.waitpid(p.pid, os.WNOHANG)[0]:
+            return True
+    except ChildProcessError:
+        pass
     return not is_running(p)
 
 

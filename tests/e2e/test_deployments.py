@@ -34,8 +34,7 @@ def servers(deployed_server, tmp_path_factory):
         started.append(mlflow)
         yield {"api": deployed_server["api"], "tracking": tracking, "root": root, "started": started}
     finally:
-        for p in reversed(started):
-            stack.stop_process(p)
+        stack.stop_processes(started[::-1])
 
 
 def call(api: str, fn, *args, **kwargs) -> Any:

@@ -123,8 +123,7 @@ def placed(deployed_server, tmp_path_factory, r1_home):
         yield {"api": api, "tracking": tracking, "recipe": recipe_path, "root": root, "isolated": bool(namespace),
                "workers": {s.name.removeprefix("worker-"): s for s in started if s.name.startswith("worker-")}}
     finally:
-        for p in reversed(started):
-            stack.stop_process(p)
+        stack.stop_processes(started[::-1])  # together: a slow one costs its own wait, not the sum
         remove_pools(api, [PARENT_POOL, *sorted(set(POOLS.values()))])
 
 

@@ -61,8 +61,7 @@ def pool(deployed_server, tmp_path_factory, monkeypatch):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         yield root
     finally:
-        for p in reversed(started):
-            stack.stop_process(p)
+        stack.stop_processes(started[::-1])
 
 
 @pytest.fixture
