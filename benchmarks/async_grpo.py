@@ -113,7 +113,7 @@ def workload(args):
     import pandas as pd
     import torch
 
-    from grpo.config import TinyModelConfig
+    from grpo.configs.core import TinyModelConfig
     from grpo.tiny import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()
@@ -175,9 +175,9 @@ def run_way(args) -> dict:
     import torch
 
     import grpo.training.loops.grpo_trainer as loop
-    from grpo.config import GRPOConfig, SamplingConfig
+    from grpo.configs.core import GRPOConfig, SamplingConfig
     from grpo.rewards.registry import REWARD_FUNCTIONS
-    from grpo.rollout_config import RolloutConfig
+    from grpo.configs.rollout import RolloutConfig
 
     asynchronous = args.way == "async"
     torch.set_num_threads(1 if asynchronous else 2)  # async: the trainer's core; the worker takes the other

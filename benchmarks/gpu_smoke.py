@@ -41,10 +41,10 @@ def main() -> None:
     import pandas as pd
     import torch
 
-    from grpo.config import (GenerationConfig, GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig,
-                             SamplingConfig, SFTConfig)
+    from grpo.configs.core import (GenerationConfig, GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig,
+                                   SamplingConfig, SFTConfig)
     from grpo.models import load_model_and_tokenizer
-    from grpo.reward_config import RewardModelConfig
+    from grpo.configs.reward import RewardModelConfig
     from grpo.rejection.shards import process_shard
     from grpo.sampling.draws import draw_streams
     from grpo.sampling.engines import build_engine, sampling_dtype

@@ -45,7 +45,7 @@ def load_workload(args):
     import pandas as pd
     import torch
 
-    from grpo.config import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig
+    from grpo.configs.core import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
 
     cuda = torch.cuda.is_available()

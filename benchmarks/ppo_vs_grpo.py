@@ -43,7 +43,7 @@ def run_one(algorithm: str, args) -> dict:
     """Train one side on the workload in this process; its figures."""
     import torch
 
-    from grpo.ppo_config import PPOConfig
+    from grpo.configs.ppo import PPOConfig
     from grpo.training.loops.grpo_trainer import GRPOTrainer
     from grpo.training.loops.ppo_trainer import PPOTrainer
 

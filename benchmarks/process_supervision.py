@@ -27,7 +27,7 @@ from pathlib import Path
 
 def heldout_figures(model, tok, heldout, eval_cfg) -> dict[str, float]:
     """Greedy held-out accuracy and step accuracy (equations that hold, over all equations written)."""
-    from grpo.config import SamplingConfig
+    from grpo.configs.core import SamplingConfig
     from grpo.rewards import accuracy_reward
     from grpo.rewards.steps import arithmetic_steps
     from grpo.sampling.local.backend import TransformersBackend
@@ -57,10 +57,10 @@ def main() -> None:
 
     import torch
 
-    from grpo.config import GRPOConfig, ModelConfig
+    from grpo.configs.core import GRPOConfig, ModelConfig
     from grpo.data.tables import load_rl_data, load_sft_data
     from grpo.models import load_model_and_tokenizer
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
     from grpo.training.loops.grpo_trainer import GRPOTrainer
     from grpo.training.loops.sft_trainer import train_sft
 

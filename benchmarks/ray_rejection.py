@@ -63,7 +63,7 @@ def shard_phase_seconds() -> float:
 def stage_config(args, prompts: Path, address: str | None = None, store: str | None = None,
                  num_prompts: int | None = None):
     from answering import SMALL as small
-    from grpo.recipe import RejectionSamplingConfig
+    from grpo.configs.recipe import RejectionSamplingConfig
 
     return RejectionSamplingConfig.model_validate({
         "model": {"tiny": small.model_dump()},

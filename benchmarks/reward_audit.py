@@ -55,7 +55,7 @@ def main() -> None:
     figures = {}
     checkers = [("rule", rule), ("math-verify", math_verify_alone)]
     if args.judge_url:
-        from grpo.config import JudgeConfig
+        from grpo.configs.core import JudgeConfig
         from grpo.sampling.judge import HTTPJudge
         from grpo.training.appeal import appealed
 

@@ -65,8 +65,8 @@ def one(seed: int, steps: int, timeout_s: float, ray_address: str | None = None)
     import pandas as pd
     import torch
 
-    from grpo.config import GRPOConfig, SamplingConfig, TinyModelConfig
-    from grpo.rollout_config import RolloutConfig
+    from grpo.configs.core import GRPOConfig, SamplingConfig, TinyModelConfig
+    from grpo.configs.rollout import RolloutConfig
     from grpo.tiny import build_tiny_model, build_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer
 

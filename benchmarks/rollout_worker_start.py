@@ -29,9 +29,9 @@ sys.path[:0] = [{root!r}, {helpers!r}]
 import grpo.training.rollouts.processes as rw
 if {method!r} == "spawn":
     rw.worker_context = lambda: mp.get_context("spawn")
-from grpo.config import GRPOConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.rollout import RolloutConfig
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from rollout_runs import PROMPTS, digits
 from tiny_configs import SMALL

@@ -54,7 +54,7 @@ def worker_state(strategy: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo.distributed_config import DistributedConfig
+    from grpo.configs.distributed import DistributedConfig
     from grpo.training.accelerator import make_accelerator
     from grpo.training.optimizers import make_adamw
     from grpo.training.strategy import make_strategy
@@ -89,8 +89,8 @@ def worker_step(strategy: str, steps: int) -> None:
     import pandas as pd
     import torch
 
-    from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
-    from grpo.distributed_config import DistributedConfig
+    from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+    from grpo.configs.distributed import DistributedConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer
 

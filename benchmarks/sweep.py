@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--values", default="0,0.02,0.04,0.08", help="alignment_grpo.grpo.beta's values")
     ap.add_argument("--work", default=None, help="a folder for the two homes and the logs (default: a temporary one)")
     args = ap.parse_args()
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
 
     work = Path(args.work or tempfile.mkdtemp(prefix="sweep-bench-"))
     work.mkdir(parents=True, exist_ok=True)

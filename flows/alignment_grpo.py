@@ -23,8 +23,8 @@ from prefect import flow
 
 from flows.checks import check_model_folder, check_rewards, check_uri, looks_like_a_path, reading
 from flows.stages import Stage, run_name
-from grpo.checks import check_prompts_per_step
-from grpo.recipe import AlignmentGRPOConfig
+from grpo.configs.checks import check_prompts_per_step
+from grpo.configs.recipe import AlignmentGRPOConfig
 from tasks.alignment import evaluate_refusals, prepare_alignment_prompts, train_dpo_model, train_reward_model_task
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model

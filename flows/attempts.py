@@ -16,7 +16,7 @@ from flows.placement import run_placed
 from flows.stages import Stage
 from grpo.faults import Fault
 from grpo.interrupts import is_interrupt
-from grpo.recipe import StageConfig
+from grpo.configs.recipe import StageConfig
 from tasks.stage import StageResult
 
 

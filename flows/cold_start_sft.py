@@ -14,7 +14,7 @@ from prefect import flow
 
 from flows.checks import check_sandbox, has_tests, reading
 from flows.stages import Stage, run_name
-from grpo.recipe import ColdStartSFTConfig
+from grpo.configs.recipe import ColdStartSFTConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
 from tasks.report import publish_stage_report

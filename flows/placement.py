@@ -17,7 +17,7 @@ import time
 
 from flows.checks import UsageError
 from flows.stages import Stage
-from grpo.recipe import Recipe, StageConfig
+from grpo.configs.recipe import Recipe, StageConfig
 from tasks import tracking
 from tasks.stage import StageResult, read_result
 

@@ -37,9 +37,9 @@ from prefect.runtime import flow_run
 from flows.attempts import run_stage
 from flows.placement import check_placement
 from flows.stages import Stage, declared, finished_stages, missing_inputs
-from grpo.config import ClusterConfig
+from grpo.configs.core import ClusterConfig
 from grpo.interrupts import is_interrupt
-from grpo.recipe import STAGES, Recipe, RecipeError, apply_overrides, load_recipe
+from grpo.configs.recipe import STAGES, Recipe, RecipeError, apply_overrides, load_recipe
 from tasks import reuse, tracking
 from tasks.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
 

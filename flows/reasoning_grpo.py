@@ -21,7 +21,7 @@ from prefect import flow
 
 from flows.checks import check_model_folder, check_rewards, check_uri, reading
 from flows.stages import Stage, run_name
-from grpo.recipe import ReasoningGRPOConfig
+from grpo.configs.recipe import ReasoningGRPOConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model

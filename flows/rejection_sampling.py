@@ -19,8 +19,8 @@ from prefect.logging import get_run_logger
 
 from flows.checks import UsageError, check_judge_endpoint, check_model_folder, check_sandbox, has_tests, reading
 from flows.stages import Stage, run_name
-from grpo.config import SELF_JUDGE, TINY
-from grpo.recipe import RejectionSamplingConfig
+from grpo.configs.core import SELF_JUDGE, TINY
+from grpo.configs.recipe import RejectionSamplingConfig
 from tasks.cluster import ray_task_runner, shard_gpus
 from tasks.data import prepare_data
 from tasks.rejection import RejectionPlan, merge_rejection_shards, plan_rejection_sampling, sample_shard

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.stages import Stage, run_name
-from grpo.recipe import SFTStageConfig
+from grpo.configs.recipe import SFTStageConfig
 from tasks.evaluate import evaluate_model
 from tasks.sft import prepare_sft_mix, train_sft_model
 from tasks.report import publish_stage_report

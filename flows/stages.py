@@ -1,6 +1,6 @@
 """Every stage, declared once beside its flow, and what the pipeline, pre-flight, the CLI and `r1 deploy` read there.
 
-A stage is three things: its settings (a `StageConfig` section of the recipe, grpo/recipe.py), its flow
+A stage is three things: its settings (a `StageConfig` section of the recipe, grpo/configs/recipe.py), its flow
 (`flows/<stage>.py`, which ends with its `STAGE = Stage(...)` declaration: inputs, outputs, pre-flight check, the
 models it loads) and its tasks. The recipe's sections give the order; this module finds each stage's declaration in
 the flow module of the same name. Nothing else lists the stages.
@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from prefect import Flow
 
-from grpo.config import ModelConfig
-from grpo.recipe import STAGES
+from grpo.configs.core import ModelConfig
+from grpo.configs.recipe import STAGES
 from tasks import tracking
 from tasks.stage import StageResult
 

@@ -34,9 +34,9 @@ from prefect.runtime import flow_run
 from flows.r1_pipeline import r1_pipeline
 from flows.sweep_launch import Deployment, Processes, side_by_side
 from grpo.interrupts import is_interrupt
-from grpo.recipe import STAGES, apply_overrides, load_recipe
+from grpo.configs.recipe import STAGES, apply_overrides, load_recipe
 from grpo.sweep import expand, seeds_reach, with_fixed
-from grpo.sweep_config import SweepConfig
+from grpo.configs.sweep import SweepConfig
 from tasks import sweep as results
 from tasks import tracking
 from tasks.stage import prefect_tags

@@ -4,11 +4,7 @@ Where things are:
 
 | module | what it holds |
 |---|---|
-| `config`, `recipe` | every setting as a frozen pydantic model; the stage configs, the recipe and reading a recipe file (no torch) |
-| `ppo_config` | the settings of PPO with a critic, which the reasoning stage runs with `algorithm: ppo` (no torch) |
-| `rft_config` | the settings of online RFT, which the reasoning stage runs with `algorithm: online_rft` (no torch) |
-| `dpo_config` | the settings of DPO, which the alignment stage runs with `algorithm: dpo` (no torch) |
-| `checks` | checks that span several settings, the precision setting's type, pydantic errors on one line |
+| `configs/` | every setting as a frozen pydantic model (`core`: model, data, training and sampling sections; `recipe`: the stage configs, the recipe and reading a recipe file; `ppo`, `rft`, `dpo`: the other algorithms; `rollout`, `distributed`, `code`, `reward`, `sweep`), and `checks`, those that span several settings and pydantic errors on one line; no torch, and nothing of the project above it |
 | `texts` | the `<think>`/`<answer>` response format and the prompt texts several modules share |
 | `models`, `tiny` | loading models by name or path; the embedded tiny model and its locally made tokenizer |
 | `data/` | the synthetic arithmetic task, loading and validating user datasets, preference pairs |
@@ -19,6 +15,6 @@ Where things are:
 | `kernels/` | speed and memory tricks that keep the model's own numbers (attention, SwiGLU) |
 | `evaluate` | held-out accuracy, format rate and pass@k of a checkpoint; the alignment stage's refusal figures |
 
-Imports point one way: `config`, `checks` and `texts` import nothing heavy; `data`, `rewards` and `rejection.filters` are
+Imports point one way: `configs/` imports only itself and `texts`, neither anything heavy; `data`, `rewards` and `rejection.filters` are
 pure Python and pandas; `training` and `sampling` are where torch lives.
 """

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from grpo.config import CodeConfig, EvalConfig, SamplingConfig
+from grpo.configs.core import CodeConfig, EvalConfig, SamplingConfig
 from grpo.data.preferences import is_refusal
 from grpo.rewards import format_reward
 from grpo.rewards.correct import CHECK_COLUMNS, RowCheck, check_rows

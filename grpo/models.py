@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from grpo.config import TINY, ModelConfig
+from grpo.configs.core import TINY, ModelConfig
 from grpo.tiny import build_tiny_model, build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -2,7 +2,7 @@
 
     r1 sweep --recipe tiny --grid reasoning_grpo.grpo.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo --seeds 3
 
-or, in a recipe file, its `sweep:` section (grpo/sweep_config.py).
+or, in a recipe file, its `sweep:` section (grpo/configs/sweep.py).
 
 Each point is the grid's cartesian product of settings (in the order given, the last setting varying fastest) and a
 seed, and runs as one pipeline run with those settings as overrides. Seed k adds k to the training seeds of the stages
@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from grpo.recipe import RecipeError, apply_overrides
-from grpo.sweep_config import STAGE_NAMES, SweepConfig
+from grpo.configs.recipe import RecipeError, apply_overrides
+from grpo.configs.sweep import STAGE_NAMES, SweepConfig
 # the parts of a stage's settings a seed does not reach: the base model's weights and the problems drawn
 NOT_SEEDED = {"model", "data", "preferences"}
 

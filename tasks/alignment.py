@@ -8,10 +8,10 @@ from pathlib import Path
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import ModelConfig
+from grpo.configs.core import ModelConfig
 from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
 from grpo.data.tables import load_rl_data, read_table, validate_rows
-from grpo.recipe import AlignmentGRPOConfig
+from grpo.configs.recipe import AlignmentGRPOConfig
 from grpo.training.launchers import launch
 from grpo.training.launchers.jobs import DPOJob, RewardModelJob, run, write_frame
 from grpo.training.loops.reward_model import RewardModelResult

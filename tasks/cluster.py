@@ -13,9 +13,9 @@ import os
 import socket
 from pathlib import Path
 
-from grpo.config import ClusterConfig
-from grpo.distributed_config import DistributedConfig
-from grpo.recipe import RejectionSamplingConfig
+from grpo.configs.core import ClusterConfig
+from grpo.configs.distributed import DistributedConfig
+from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.rejection import shards
 from tasks import tracking
 from tasks.env import LOCAL_API

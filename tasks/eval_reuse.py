@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.config import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
+from grpo.configs.core import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
 from grpo.rewards.correct import CHECK_COLUMNS
 from tasks import tracking
 

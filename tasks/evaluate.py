@@ -6,7 +6,7 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
+from grpo.configs.core import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine

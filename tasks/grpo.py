@@ -8,11 +8,11 @@ import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import GenerationConfig, GRPOConfig, ModelConfig
-from grpo.distributed_config import DistributedConfig
-from grpo.ppo_config import PPOConfig
-from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
-from grpo.rft_config import OnlineRFTConfig
+from grpo.configs.core import GenerationConfig, GRPOConfig, ModelConfig
+from grpo.configs.distributed import DistributedConfig
+from grpo.configs.ppo import PPOConfig
+from grpo.configs.reward import PreferenceDataConfig, RewardModelConfig
+from grpo.configs.rft import OnlineRFTConfig
 from grpo.training.launchers import launch
 from grpo.training.launchers.jobs import GRPOJob, run, write_frame
 from tasks import cluster, tracking

@@ -35,8 +35,8 @@ from prefect.input import RunInput
 from prefect.logging import get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from grpo.config import EvalConfig
-from grpo.recipe import AlignmentGRPOConfig
+from grpo.configs.core import EvalConfig
+from grpo.configs.recipe import AlignmentGRPOConfig
 from tasks import tracking
 from tasks.stage import StageResult
 

@@ -11,8 +11,8 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import SELF_JUDGE, ModelConfig
-from grpo.recipe import RejectionSamplingConfig
+from grpo.configs.core import SELF_JUDGE, ModelConfig
+from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.data.tables import DataError, read_table, validate_rows
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards

@@ -8,9 +8,9 @@ import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.config import ModelConfig, SFTConfig
+from grpo.configs.core import ModelConfig, SFTConfig
 from grpo.data.tables import validate_rows
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.training.launchers import launch
 from grpo.training.launchers.jobs import SFTJob, run
 from tasks import cluster, tracking

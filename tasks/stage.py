@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from grpo.config import ModelConfig
+from grpo.configs.core import ModelConfig
 from grpo.faults import check_free_space, disk_fault
 from grpo.interrupts import interrupt_threads, is_interrupt
 from tasks import system_metrics, tracking

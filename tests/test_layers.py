@@ -49,7 +49,7 @@ def test_grpo_imports_neither_prefect_nor_mlflow_nor_a_web_framework():
 
 
 def test_reading_a_recipe_imports_no_torch():
-    code = ("import sys; from grpo.recipe import load_recipe; load_recipe('tiny'); "
+    code = ("import sys; from grpo.configs.recipe import load_recipe; load_recipe('tiny'); "
             "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
@@ -68,7 +68,7 @@ import pandas as pd
 for m in {modules!r}:
     importlib.import_module(m)
 from transformers import AutoModelForCausalLM
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.loops.grpo_trainer import GRPOTrainer
@@ -172,3 +172,18 @@ def test_the_local_engine_is_used_through_its_package():
     inside = [f"{module} imports {dep}" for module, deps in sorted(graph.items())
               if not module.startswith(LOCAL) for dep in sorted(deps) if dep.startswith(LOCAL + ".")]
     assert not inside, "\n".join(inside)
+
+
+CONFIGS = "grpo.configs"
+LEAVES = ("grpo.texts",)  # modules that import nothing of the project, which configs may use
+
+
+def test_configs_import_nothing_above_them():
+    """`grpo/configs/` is the ground floor: its modules import only each other and the leaves (which import nothing
+    of the project), so every layer can import a config and no config drags in rewards, torch or a stage."""
+    graph = _import_graph()
+    assert any(m.startswith(CONFIGS + ".") for m in graph), f"{CONFIGS} holds the configs"
+    wrong = [f"{module} imports {dep}" for module, deps in sorted(graph.items()) if module.startswith(CONFIGS)
+             for dep in sorted(deps) if not dep.startswith(CONFIGS) and dep not in LEAVES]
+    wrong += [f"leaf {leaf} imports {dep}" for leaf in LEAVES for dep in sorted(graph[leaf])]
+    assert not wrong, "\n".join(wrong)

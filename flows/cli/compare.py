@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mlflow.entities import Run
 
-from grpo.recipe import STAGES
+from grpo.configs.recipe import STAGES
 from tasks import tracking, ui_links
 
 HIDDEN_PARAMS = ("input.",)  # always differ (each run points at its own upstream runs)

@@ -10,7 +10,7 @@ The pipeline's own deployments are declarations in deployments/prefect.yaml.
 from __future__ import annotations
 
 from flows.stages import declared
-from grpo.recipe import Recipe
+from grpo.configs.recipe import Recipe
 
 
 def stage_pools(recipe: Recipe, pool: str | None = None) -> dict[str, str]:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.config import DataConfig, ModelConfig
-from grpo.recipe import RejectionSamplingConfig
+from grpo.configs.core import DataConfig, ModelConfig
+from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.rejection.budget import format_budget, measure_tokens_per_s, plan_budget
 
 

@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 
-from grpo.recipe import STAGES
+from grpo.configs.recipe import STAGES
 
 
 def _where() -> str:
@@ -120,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # a folder that holds no model
         raise UsageError(f"cannot load checkpoint {args.checkpoint!r}: {e}") from None
     try:
-        from grpo.config import GenerationConfig
+        from grpo.configs.core import GenerationConfig
 
         generation = GenerationConfig(sampler=args.sampler, kv_cache_mb=args.kv_cache_mb)
         server = make_server(model, tokenizer, args.host, args.port, model_name=args.model_name or args.checkpoint,
@@ -229,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
 def _is_user_error(e: BaseException) -> bool:
     """Errors a user causes and can fix (recipe, data, model, run id, endpoint, port, folder): one line, exit 2."""
     from flows.checks import UsageError
-    from grpo.recipe import RecipeError
+    from grpo.configs.recipe import RecipeError
 
     kinds: tuple[type, ...] = (UsageError, RecipeError)
     if "grpo.data.tables" in sys.modules:  # only loaded once data was read
@@ -315,7 +315,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise preflight.UsageError(f"cannot compare {' and '.join(args.runs)}: {e}") from None
         return 0
 
-    from grpo.recipe import apply_overrides, load_recipe
+    from grpo.configs.recipe import apply_overrides, load_recipe
 
     # everything that can be checked is checked here, before a server or a run starts
     from flows.cli.preflight import parse_overrides

@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import GenerationConfig, ModelConfig
+from grpo.configs.core import GenerationConfig, ModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine
 from grpo.sampling.batcher import RequestBatcher, Delta, Failed, Finished, QueueFull

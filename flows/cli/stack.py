@@ -307,7 +307,7 @@ def deploy_stages_on(api_url: str, recipe: str, pool: str | None = None, auth: d
     """`r1 deploy --recipe <recipe> [--pool <pool>]` against the server at `api_url` (`keep_existing`: see
     flows.cli.deploy.deploy_stages)."""
     from flows.cli.deploy import deploy_stages
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
 
     with prefect_api(api_url, auth):
         return deploy_stages(load_recipe(recipe), pool, keep_existing=keep_existing)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace, until_stopped) -> int:
     from flows.cli import preflight
     from flows.cli.preflight import parse_overrides
     from flows.sweep import sweep_settings
-    from grpo.recipe import STAGES, apply_overrides, load_recipe
+    from grpo.configs.recipe import STAGES, apply_overrides, load_recipe
     from grpo.sweep import SweepError, expand, parse_grid, seeds_reach, with_fixed
 
     fixed = parse_overrides(args.overrides)

@@ -1,7 +1,7 @@
 """How settings are checked and their errors told: the precision setting's type, checks that span several fields,
 and pydantic's errors as one line that names each field.
 
-Imported by `grpo.config`, so plain Python and pydantic only (no project module, no torch).
+Imported by `grpo.configs.core`, so plain Python and pydantic only (no project module, no torch).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def fields_at(root: type[BaseModel], loc: tuple) -> list[str]:
 def check_fsdp_settings(distributed, *, weights_dtype: str = "float32",
                         optimizer: str = "adamw", field: str = "grpo") -> None:
     """Refuse, naming the field, what the sharded strategy cannot honour (before any model loads): `distributed` is
-    a stage's section (grpo.recipe.DistributedConfig)."""
+    a stage's section (grpo.configs.recipe.DistributedConfig)."""
     if distributed.strategy != "fsdp":
         return
     if weights_dtype == "bfloat16":

@@ -1,6 +1,6 @@
 """The code reward's settings: how a completion's program is run against its row's tests (grpo.rewards.code).
 
-Plain pydantic, as grpo.config (which re-exports it as part of the recipe's GRPO and rejection sections).
+Plain pydantic, as grpo.configs.core (which re-exports it as part of the recipe's GRPO and rejection sections).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo.rewards.code import CODE_LANGUAGES
+
+CODE_LANGUAGES = ("python",)  # what the sandbox can run (a `language` column, or `code.language`)
 
 
 class CodeConfig(BaseModel):

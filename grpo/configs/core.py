@@ -1,7 +1,7 @@
 """Every setting of the pipeline's parts: models, data, sampling, the training loops, the judge, rejection sampling.
 
 Each is a frozen pydantic model with a default and a one-line comment per field; the stage configs and the recipe
-that hold them are in `grpo.recipe`. Defaults are the `tiny` recipe's values.
+that hold them are in `grpo.configs.recipe`. Defaults are the `tiny` recipe's values.
 
 Plain pydantic: must not import torch, transformers or the modules that do the work, so a recipe is read and
 checked in well under a second.
@@ -15,10 +15,9 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from grpo.checks import Precision
-from grpo.code_config import CodeConfig
-from grpo.rewards.language import LANGUAGE_TESTS
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.checks import Precision
+from grpo.configs.code import CodeConfig
+from grpo.configs.rollout import RolloutConfig
 from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 
 # The names the settings may use; the modules that implement them check that they agree (grpo.data.arithmetic,
@@ -35,6 +34,9 @@ SELF_JUDGE = "checkpoint"  # JudgeConfig.model: the checkpoint being sampled jud
 # transformers' schedulers that need nothing beyond the warmup and total steps (grpo.training.schedules has them)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
+LANGUAGES = ("en", "zh")  # what a chain of thought can be checked to be written in (grpo.rewards.language)
+# the rule rewards a recipe can name under grpo.rewards: grpo.rewards.registry scores each by this name
+RULE_REWARDS = ("format", "format_strict", "accuracy", "tag_count", "language_consistency", "overlong", "code")
 REWARD_MODEL = "reward_model"  # the reward name that means the alignment stage's reward model
 STEP_VERIFIERS = ("arithmetic", "gsm8k", "prm")  # process supervision's step verifiers (grpo.rewards.steps, .training.prm)
 
@@ -475,8 +477,8 @@ class RejectionConfig(BaseModel):
         unknown = [f for f in self.filters if f not in READABILITY_FILTERS]
         if unknown:
             raise ValueError(f"unknown readability filter(s) {unknown}; known: {list(READABILITY_FILTERS)}")
-        if self.language not in LANGUAGE_TESTS:
-            raise ValueError(f"unsupported language {self.language!r}; supported: {sorted(LANGUAGE_TESTS)}")
+        if self.language not in LANGUAGES:
+            raise ValueError(f"unsupported language {self.language!r}; supported: {sorted(LANGUAGES)}")
         if self.non_reasoning_rows >= self.target_samples:
             raise ValueError(f"non_reasoning_rows ({self.non_reasoning_rows}) must be below target_samples "
                              f"({self.target_samples}): the rest of the target is reasoning rows")

@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo.checks import Precision
-from grpo.config import LR_SCHEDULERS, LoRAConfig
+from grpo.configs.checks import Precision
+from grpo.configs.core import LR_SCHEDULERS, LoRAConfig
 
 
 class DPOConfig(BaseModel):

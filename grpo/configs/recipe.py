@@ -1,7 +1,7 @@
 """The recipe: one frozen config object per stage, and reading a recipe file.
 
 Each stage config is at once the stage flow's Prefect parameter (the UI renders it as a form), a section of a
-recipe YAML file, and the params logged on the stage's MLflow run; its parts are the settings in `grpo.config`.
+recipe YAML file, and the params logged on the stage's MLflow run; its parts are the settings in `grpo.configs.core`.
 Defaults are the `tiny` recipe's values. A recipe read from a file can take overrides of any of its fields (dotted
 paths to values, as the pipeline deployment's form and `r1 run --set` give them), checked like the file was.
 Plain pydantic: must not import torch, transformers or the modules that do the work, so a recipe is read and
@@ -16,10 +16,11 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpo.checks import (check_fits_context, check_fsdp_settings, check_process_split, check_prompts_per_step,
-                         describe_errors, fields_at)
-from grpo.config import (
+from grpo.configs.checks import (check_fits_context, check_fsdp_settings, check_process_split, check_prompts_per_step,
+                                 describe_errors, fields_at)
+from grpo.configs.core import (
     REWARD_MODEL,
+    RULE_REWARDS,
     TINY,
     ClusterConfig,
     DataConfig,
@@ -31,14 +32,13 @@ from grpo.config import (
     RejectionConfig,
     SFTConfig,
 )
-from grpo.distributed_config import DistributedConfig
-from grpo.dpo_config import DPOConfig
-from grpo.ppo_config import PPOConfig, check_ppo_settings
-from grpo.reward_config import PreferenceDataConfig, RewardModelConfig
-from grpo.rewards.registry import REWARD_FUNCTIONS
-from grpo.rft_config import OnlineRFTConfig, check_rft_settings
-from grpo.rollout_config import check_async_rollout
-from grpo.sweep_config import SweepConfig
+from grpo.configs.distributed import DistributedConfig
+from grpo.configs.dpo import DPOConfig
+from grpo.configs.ppo import PPOConfig, check_ppo_settings
+from grpo.configs.reward import PreferenceDataConfig, RewardModelConfig
+from grpo.configs.rft import OnlineRFTConfig, check_rft_settings
+from grpo.configs.rollout import check_async_rollout
+from grpo.configs.sweep import SweepConfig
 
 # Stage settings and the recipe
 
@@ -160,7 +160,7 @@ class ReasoningGRPOConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "ReasoningGRPOConfig":
-        self.grpo.check_rewards(set(REWARD_FUNCTIONS))  # no reward model in this stage: rule rewards only
+        self.grpo.check_rewards(set(RULE_REWARDS))  # no reward model in this stage: rule rewards only
         if self.grpo.step_verifier == "arithmetic" and self.data.source != "synthetic":
             raise ValueError(f"grpo.step_verifier 'arithmetic' reads the synthetic task's equations; data.source is "
                              f"{self.data.source!r}: use step_verifier 'gsm8k' for GSM8K-style solutions, or 'prm'")
@@ -259,7 +259,7 @@ class AlignmentGRPOConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "AlignmentGRPOConfig":
-        self.grpo.check_rewards(set(REWARD_FUNCTIONS) | {REWARD_MODEL})
+        self.grpo.check_rewards(set(RULE_REWARDS) | {REWARD_MODEL})
         if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
             raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
                              "reasoning_grpo, whose prompts have checkable steps")
@@ -294,7 +294,7 @@ class Recipe(BaseModel):
     alignment_grpo: AlignmentGRPOConfig = Field(default_factory=AlignmentGRPOConfig)
     # the work pools stages may be placed on (a stage's resources.pool), each with what one flow run can be given
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
-    sweep: SweepConfig | None = None  # what `r1 sweep --recipe <this>` varies (grpo/sweep_config.py); `r1 run` ignores it
+    sweep: SweepConfig | None = None  # what `r1 sweep --recipe <this>` varies (grpo/configs/sweep.py); `r1 run` ignores it
 
     def stage_configs(self) -> dict[str, StageConfig]:
         """Each stage's settings by name, in the recipe's order."""
@@ -372,7 +372,7 @@ class Recipe(BaseModel):
 STAGES = tuple(name for name, f in Recipe.model_fields.items()
                if isinstance(f.annotation, type) and issubclass(f.annotation, StageConfig))
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 class RecipeError(ValueError):

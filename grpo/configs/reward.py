@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo.checks import Precision
-from grpo.config import LR_SCHEDULERS, ModelConfig
+from grpo.configs.checks import Precision
+from grpo.configs.core import LR_SCHEDULERS, ModelConfig
 
 
 class RewardModelConfig(BaseModel):

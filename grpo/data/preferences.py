@@ -42,7 +42,7 @@ from typing import Literal, NamedTuple
 import pandas as pd
 
 from grpo.data.tables import DataError, normalise_rows, read_table, validate_rows
-from grpo.reward_config import PreferenceDataConfig
+from grpo.configs.reward import PreferenceDataConfig
 
 # ----------------------------------------------------------------------------------------------------------------
 # The synthetic prompts: subject -> the helpful answer (or, for harmful requests, the safe alternative)

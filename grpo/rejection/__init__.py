@@ -31,5 +31,5 @@ Run it alone:
 Modules: `filters` (readability filters, drop reasons and counts), `curate` (one shard's samples kept or dropped;
 dedupe and decontamination), `shards` (planning, sampling, writing, merging and resuming shards), `budget` (sizing
 a run before it starts: samples, tokens, rows kept, time; `r1 plan`). The stage's
-settings are `grpo.config.RejectionConfig`. Must not depend on Prefect or MLflow.
+settings are `grpo.configs.core.RejectionConfig`. Must not depend on Prefect or MLflow.
 """

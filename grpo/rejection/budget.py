@@ -22,7 +22,7 @@ import math
 import time
 from typing import NamedTuple
 
-from grpo.config import RejectionConfig, SamplingConfig
+from grpo.configs.core import RejectionConfig, SamplingConfig
 
 
 class Budget(NamedTuple):

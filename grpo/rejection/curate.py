@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import pandas as pd
 
-from grpo.config import RejectionConfig
+from grpo.configs.core import RejectionConfig
 from grpo.data.tables import DataError
 from grpo.rejection.filters import (
     DUPLICATE,

@@ -25,7 +25,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from tqdm.auto import tqdm
 
-from grpo.config import RejectionConfig
+from grpo.configs.core import RejectionConfig
 from grpo.data.tables import DataError, validate_rows
 from grpo.rejection.curate import (
     KEPT_COLUMNS,

@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from grpo.configs.code import CODE_LANGUAGES
 from grpo.rewards.outcomes import SANDBOX_ERROR, TIMEOUT_UNDER_LOAD, Ungraded
 from grpo.rewards.sandbox import Limits, RunResult, check_sandbox, run_python
 from grpo.rewards.text import completion_text
@@ -58,7 +59,6 @@ from grpo.texts import ANSWER_TAGS
 
 logger = logging.getLogger(__name__)
 
-CODE_LANGUAGES = ("python",)  # what the sandbox can run (a `language` column, or `code.language`)
 _HARNESS = (Path(__file__).with_name("code_harness.py")).read_text()
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_LABELS = ("", "python", "py", "python3")
@@ -423,7 +423,7 @@ _REWARD_SETTINGS = ("all_or_nothing", "language", "workers", "rerun_factor", "re
 
 
 def code_limits(settings: Mapping[str, Any] | None = None) -> Limits:
-    """The sandbox limits in a recipe's `code` settings (grpo.config.CodeConfig as a dict)."""
+    """The sandbox limits in a recipe's `code` settings (grpo.configs.core.CodeConfig as a dict)."""
     return Limits(**{k: v for k, v in (settings or {}).items() if k not in _REWARD_SETTINGS})
 
 
@@ -433,7 +433,7 @@ _RECIPE_ONLY = ("all_or_nothing", "workers", "limits", "answer_tags", "rerun_fac
 
 
 def make_code_reward(settings: Mapping[str, Any] | None = None) -> Any:
-    """`code_reward` with a recipe's `code` settings (grpo.config.CodeConfig as a dict) bound. A row's `language`
+    """`code_reward` with a recipe's `code` settings (grpo.configs.core.CodeConfig as a dict) bound. A row's `language`
     column, where the data has one, takes the place of the recipe's default language."""
     bound = {k: v for k, v in (settings or {}).items() if k in _REWARD_SETTINGS}
     limits = code_limits(settings)

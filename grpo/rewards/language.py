@@ -10,6 +10,7 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from grpo.configs.core import LANGUAGES
 from grpo.rewards.answers import LATEX_COMMAND_RE
 from grpo.rewards.text import completion_text
 from grpo.texts import THINK_TAGS
@@ -53,6 +54,9 @@ LANGUAGE_TESTS: dict[str, Callable[[str], bool]] = {
     "en": lambda word: all(_is_latin(ch) for ch in word),
     "zh": lambda word: all(_is_han(ch) for ch in word),
 }
+if set(LANGUAGE_TESTS) != set(LANGUAGES):  # what a recipe may ask (grpo.configs) is what can be checked here
+    raise ImportError(f"grpo.rewards.language tests {sorted(LANGUAGE_TESTS)} but grpo.configs.core.LANGUAGES offers "
+                      f"{sorted(LANGUAGES)}: add the language to both")
 
 
 def _chain_of_thought(text: str, think_tags: Sequence[str]) -> str:

@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import GenerationConfig, JudgeConfig, SamplingConfig
+from grpo.configs.core import GenerationConfig, JudgeConfig, SamplingConfig
 from grpo.rewards.outcomes import JUDGE_HTTP_ERROR, JUDGE_NO_VERDICT, JUDGE_TIMEOUT
 from grpo.sampling.engines import build_engine
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint
@@ -204,7 +204,7 @@ def build_judge(cfg: JudgeConfig, model: PreTrainedModel | None = None,
     if model is None:
         import torch
 
-        from grpo.config import ModelConfig
+        from grpo.configs.core import ModelConfig
         from grpo.models import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path=cfg.model))

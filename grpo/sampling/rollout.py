@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from grpo.config import SamplingConfig
+from grpo.configs.core import SamplingConfig
 
 
 class Rollout(NamedTuple):

@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.state import AcceleratorState
 
-from grpo.distributed_config import COLLECTIVE_TIMEOUT
+from grpo.configs.distributed import COLLECTIVE_TIMEOUT
 from grpo.training.precision import choose_precision, emulated_bf16_warning, this_machine
 
 

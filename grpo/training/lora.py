@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from grpo.config import LoRAConfig
+from grpo.configs.core import LoRAConfig
 
 
 def require_peft() -> None:

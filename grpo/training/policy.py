@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 import pandas as pd
 import torch
 
-from grpo.config import GRPOConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox

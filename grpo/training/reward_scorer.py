@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
                           Qwen2ForSequenceClassification)
 
-from grpo.config import TINY, ModelConfig
+from grpo.configs.core import TINY, ModelConfig
 from grpo.data.tables import DataError
 from grpo.kernels.attention import PACKED, attending_packed
 from grpo.models import DTYPES, check_model_config, load_tokenizer

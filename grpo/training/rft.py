@@ -15,7 +15,7 @@ gives an all-correct group advantage 0), and a wrong one is never pushed down (G
 the coefficient takes the advantage's place in GRPO's objective (`grpo.training.loss.grpo_loss`), so with
 num_iterations 1 (ratio exactly 1) the per-token loss is -I(o) + β·KL_t and its gradient is the formula's, plus the
 same k3 KL penalty to the reference that GRPO has (β = 0 drops it, as the paper's RFT has none); with
-num_iterations > 1 the ratio is clipped as GRPO's is. Which reward says "correct" is `grpo.rft_config`.
+num_iterations > 1 the ratio is clipped as GRPO's is. Which reward says "correct" is `grpo.configs.rft`.
 
 Pure functions: must not depend on models, Prefect or MLflow.
 """
@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from grpo.rft_config import OnlineRFTConfig
+from grpo.configs.rft import OnlineRFTConfig
 
 
 def rft_coefficients(scores: Sequence[float | None], threshold: float) -> Tensor:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from grpo.distributed_config import DistributedConfig, FSDPConfig
+from grpo.configs.distributed import DistributedConfig, FSDPConfig
 
 SCHEDULER_FILE = "scheduler.pt"
 STRATEGY_FILE = "strategy.json"  # which strategy wrote a checkpoint folder, and on how many processes

@@ -78,7 +78,7 @@ def test_every_deployment_is_registered_with_typed_parameters(servers):
     assert "checkpoint_uri" in deployments["reasoning_grpo", "r1-process"].parameter_openapi_schema["required"]
 
     # each stage's deployment is made from its declaration (`r1 deploy`): the recipe's section is its default config
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
 
     tiny = load_recipe("tiny")
     for stage in ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo"):
@@ -128,7 +128,7 @@ def test_the_gpu_job_template_renders_to_a_job_requesting_gpus(servers):
         return await config_class.from_template_and_values(pool.base_job_template, job_variables, client=client)
 
     deployments = {(flow, d.name): d for d, flow in call(servers["api"], _deployments)}
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
 
     # what recipes/gsm8k.yaml asks for reasoning GRPO: the job variables its pipeline gives the stage's flow run
     asked = load_recipe("gsm8k").reasoning_grpo.resources
@@ -272,7 +272,7 @@ def test_r1_up_keeps_the_stage_deployments_a_user_changed(servers):
     from prefect.client.orchestration import get_client
 
     from flows.cli.deploy import deploy_stages
-    from grpo.recipe import apply_overrides, load_recipe
+    from grpo.configs.recipe import apply_overrides, load_recipe
 
     api = servers["api"]
 

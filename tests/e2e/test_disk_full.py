@@ -21,7 +21,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from disks import fill, mount_tmpfs
-from grpo.config import SFTConfig
+from grpo.configs.core import SFTConfig
 from grpo.faults import Fault, size_text
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import latest_checkpoint, save_checkpoint, verify_manifest
@@ -98,7 +98,7 @@ SAVE_UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys
 from grpo.faults import Fault
 from grpo.models import load_model_and_tokenizer
-from grpo.config import ModelConfig, TinyModelConfig
+from grpo.configs.core import ModelConfig, TinyModelConfig
 from grpo.training.accelerator import make_accelerator
 from grpo.training.optimizers import make_adamw
 from grpo.training.checkpoints import save_checkpoint
@@ -193,7 +193,7 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
 
 
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ReasoningGRPOConfig
+    from grpo.configs.recipe import ReasoningGRPOConfig
     from grpo.training.checkpoints import resumable_step
     from processes import R1, frozen_code
     from runs import stage_run

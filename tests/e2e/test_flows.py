@@ -6,7 +6,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from grpo.recipe import ColdStartSFTConfig, RecipeError, apply_overrides, load_recipe
+from grpo.configs.recipe import ColdStartSFTConfig, RecipeError, apply_overrides, load_recipe
 from grpo.training.precision import resolve
 from tiny_configs import ALL_STAGES, TINY_GRPO, TINY_STAGE
 
@@ -62,7 +62,7 @@ def test_cold_start_stage_tracks_everything(cold_start, mlflow_client, tmp_path)
 
 def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, mlflow_client, tmp_path):
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ReasoningGRPOConfig
+    from grpo.configs.recipe import ReasoningGRPOConfig
     from tasks.tracking import download
 
     ckpt = cold_start.uris["checkpoint"]

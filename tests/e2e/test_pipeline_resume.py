@@ -159,7 +159,7 @@ def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_end
         prefect_harness, mlflow_client, tmp_path, request, one_thread_everywhere):
     from flows.r1_pipeline import r1_pipeline
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ReasoningGRPOConfig
+    from grpo.configs.recipe import ReasoningGRPOConfig
     from tasks import tracking
     from tasks.durable import newest_copy
 
@@ -349,7 +349,7 @@ def test_a_stage_key_reads_the_files_its_settings_name_and_no_others(tmp_path, m
     # an empty setting (`generation.model: ""`) was read as the working folder: every file under it went into the
     # key (1.6 s of stat calls a stage in this checkout, its virtualenv included), and any write there, a second
     # pytest worker's or R1_HOME's own under it, kept a finished stage from being reused
-    from grpo.recipe import ColdStartSFTConfig
+    from grpo.configs.recipe import ColdStartSFTConfig
     from tasks.reuse import stage_key
 
     monkeypatch.chdir(tmp_path)

@@ -90,7 +90,7 @@ def placed(deployed_server, tmp_path_factory, r1_home):
 
     from flows.cli.deploy import deploy_stages
     from flows.r1_pipeline import r1_pipeline
-    from grpo.recipe import Recipe
+    from grpo.configs.recipe import Recipe
 
     api = deployed_server["api"]
     root = Path(tmp_path_factory.mktemp("placed"))
@@ -256,7 +256,7 @@ def test_placed_stages_survive_a_killed_worker_and_match_the_in_process_run(plac
     # second flow run is started (a running one would be waited on the same way)
     from flows.placement import run_placed
     from flows.stages import declared
-    from grpo.recipe import Recipe
+    from grpo.configs.recipe import Recipe
 
     recipe = Recipe.model_validate(placed_recipe())
     with temporary_settings({PREFECT_API_URL: placed["api"]}), _tracking_on(placed["tracking"]):
@@ -279,7 +279,7 @@ def test_placement_mistakes_fail_before_any_stage(placed):
 
     from flows.checks import UsageError
     from flows.placement import check_placement
-    from grpo.recipe import Recipe
+    from grpo.configs.recipe import Recipe
 
     def recipe(**changes) -> Recipe:
         data = placed_recipe()
@@ -301,7 +301,7 @@ def test_placement_mistakes_fail_before_any_stage(placed):
 
 
 def test_a_stage_asking_more_gpus_than_its_pool_gives_fails_when_the_recipe_is_read():
-    from grpo.recipe import Recipe, RecipeError, apply_overrides
+    from grpo.configs.recipe import Recipe, RecipeError, apply_overrides
 
     base = Recipe.model_validate(placed_recipe())
     with pytest.raises(RecipeError, match=r"reasoning_grpo.resources.gpus \(8\) is more than pool 'r1-test-b' can "

@@ -21,7 +21,7 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.pop("RAY_ADDRESS", None)
 
 from flows.cli import stack  # noqa: E402
-from grpo.recipe import RejectionSamplingConfig
+from grpo.configs.recipe import RejectionSamplingConfig
 from ray_local import LocalRayCluster  # noqa: E402
 from answering import SMALL  # noqa: E402
 from runs import curated  # noqa: E402
@@ -212,8 +212,8 @@ def test_the_pipeline_s_cluster_parameters_override_the_recipe():
     from pydantic import ValidationError
 
     from flows.r1_pipeline import with_cluster
-    from grpo.config import ClusterConfig
-    from grpo.recipe import load_recipe
+    from grpo.configs.core import ClusterConfig
+    from grpo.configs.recipe import load_recipe
 
     cfg = with_cluster(load_recipe("tiny"), "head:6379", "s3://bucket/r1")
     assert cfg.rejection_sampling.cluster == ClusterConfig(ray_address="head:6379", shard_store="s3://bucket/r1")

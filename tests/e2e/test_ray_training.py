@@ -60,7 +60,7 @@ def test_a_grpo_stage_on_ray_survives_losing_a_node(prefect_harness, mlflow_clie
                                                     monkeypatch):
     from flows.cold_start_sft import cold_start_sft
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
+    from grpo.configs.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
     from tasks import tracking
     from grpo.training.launchers.ray_train import worker_starts
     from tasks import durable
@@ -125,7 +125,7 @@ def test_a_grpo_stage_on_ray_survives_losing_a_node(prefect_harness, mlflow_clie
 
 def test_a_ray_stage_asking_for_more_workers_than_the_cluster_has_is_refused_before_training(cluster):
     from tasks.cluster import check_training_cluster
-    from grpo.distributed_config import DistributedConfig
+    from grpo.configs.distributed import DistributedConfig
 
     cfg = DistributedConfig.model_validate(grpo_section(cluster, num_workers=8)["distributed"])
     with pytest.raises(ValueError, match=r"distributed.num_workers=8: the Ray cluster at 127.0.0.1:\d+ has 2 CPUs "

@@ -19,9 +19,9 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the driver keeps 127.0.
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.pop("RAY_ADDRESS", None)
 
-from grpo.config import GRPOConfig, SamplingConfig  # noqa: E402
+from grpo.configs.core import GRPOConfig, SamplingConfig  # noqa: E402
 from grpo.models import load_model_and_tokenizer  # noqa: E402
-from grpo.rollout_config import RolloutConfig  # noqa: E402
+from grpo.configs.rollout import RolloutConfig  # noqa: E402
 from grpo.training.loops.grpo_trainer import GRPOTrainer  # noqa: E402
 from grpo.training.rollouts import FAULT_POINTS, FAULTS, FAULTS_DIR, RolloutError  # noqa: E402
 from processes import alive  # noqa: E402
@@ -143,7 +143,7 @@ def test_a_cluster_without_room_for_the_actors_fails_in_one_line_before_sampling
 
 
 def test_the_stage_checks_the_actors_cluster_before_any_model_loads():
-    from grpo.distributed_config import DistributedConfig
+    from grpo.configs.distributed import DistributedConfig
     from tasks.cluster import check_rollout_cluster
 
     here = DistributedConfig()
@@ -160,7 +160,7 @@ def test_the_stage_checks_the_actors_cluster_before_any_model_loads():
 
 
 def test_the_actors_take_the_recipe_s_ray_cluster_unless_they_name_their_own():
-    from grpo.recipe import apply_overrides, load_recipe
+    from grpo.configs.recipe import apply_overrides, load_recipe
 
     on = {"rejection_sampling.cluster.ray_address": "head:6379",
           "rejection_sampling.cluster.shard_store": "s3://bucket/r1",
@@ -177,7 +177,7 @@ def test_a_stage_on_ray_train_workers_samples_on_ray_actors(prefect_harness, mlf
     sampler actor it starts runs outside its placement group; the stage finishes, its figures in its MLflow run."""
     from flows.cold_start_sft import cold_start_sft
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
+    from grpo.configs.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
     from tiny_configs import TINY_GRPO, TINY_STAGE
 
     cold = cold_start_sft(ColdStartSFTConfig.model_validate({**TINY_STAGE, "data": {"num_train": 16,

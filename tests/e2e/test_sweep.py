@@ -144,9 +144,9 @@ def test_a_sweep_asked_wrongly_is_one_line_before_anything_runs(recipe, flags, s
 
 
 def test_seeds_say_which_stages_they_reach(recipe):
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
     from grpo.sweep import expand, seeds_reach, with_fixed
-    from grpo.sweep_config import SweepConfig
+    from grpo.configs.sweep import SweepConfig
 
     r = load_recipe(recipe)
     late = SweepConfig(grid={"reasoning_grpo.grpo.beta": [0, 0.04]}, seeds=2, seed_stages=["reasoning_grpo"],
@@ -247,7 +247,7 @@ def test_variants_name_their_own_settings_and_stages(recipe, capsys):
     """A `sweep: variants:` section: each variant its own overrides and stages, crossed with seeds; points that share
     their first stages lead one another; a variant the recipe cannot take is one line naming it."""
     from flows.sweep import leaders
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
     from grpo.sweep import expand
 
     r = load_recipe("unified_view")  # the shipped one: DeepSeekMath's rows

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.data.preferences import REFUSAL, general_prompts, is_refusal, preference_pairs
-from grpo.recipe import AlignmentGRPOConfig
+from grpo.configs.recipe import AlignmentGRPOConfig
 from tiny_configs import LOGGED_TINY as TINY
 
 EVAL = {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 4}

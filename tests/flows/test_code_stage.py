@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import ModelConfig, TinyModelConfig
+from grpo.configs.core import ModelConfig, TinyModelConfig
 from tiny_configs import TINY as SMALL
 
 DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
@@ -48,7 +48,7 @@ def base_checkpoint(tmp_path_factory) -> str:
 def test_reasoning_grpo_on_code_rows_reports_pass_at_1_on_held_out_code(bwrap, prefect_harness, mlflow_client,
                                                                       base_checkpoint, tmp_path):
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ReasoningGRPOConfig
+    from grpo.configs.recipe import ReasoningGRPOConfig
     from tasks.data import read_frame
     from tasks.tracking import download
 

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from grpo.config import ModelConfig
-from grpo.recipe import RejectionSamplingConfig
+from grpo.configs.core import ModelConfig
+from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 # on the answering checkpoint's model, reading conftest's `prompts_file` (both fixtures are in tests/conftest.py)
 from runs import curated, stage_config

@@ -69,7 +69,7 @@ def test_the_user_set_threads_reach_a_spawned_process(monkeypatch):
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_launch_gives_each_process_of_this_machine_its_share(processes, monkeypatch):
-    from grpo.distributed_config import DistributedConfig
+    from grpo.configs.distributed import DistributedConfig
     from grpo.training.launchers.launch import launch_env
 
     for var in VARS:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.config import ModelConfig, SFTConfig
+from grpo.configs.core import ModelConfig, SFTConfig
 from tiny_configs import TINY_MODEL as SMALL
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ddp_loops import GRPO, GRPO_PROMPTS, SMALL, Recorder, digits
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.rollout import RolloutConfig
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 
 

@@ -26,11 +26,11 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo.config import GRPOConfig, LoRAConfig, SamplingConfig, SFTConfig
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.core import GRPOConfig, LoRAConfig, SamplingConfig, SFTConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.ppo_config import PPOConfig
-from grpo.reward_config import RewardModelConfig
+from grpo.configs.ppo import PPOConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.sampling.local.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator
 from grpo.training.distributed import process_share

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ddp_loops import GRPO, GRPO_PROMPTS, SMALL, PromptSeededBackend, Recorder, digits
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.packing import micro_batch_rows

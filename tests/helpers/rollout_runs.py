@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from grpo.config import GRPOConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from tiny_configs import SMALL

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from grpo.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
+from grpo.configs.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
 from tiny_configs import TINY_GRPO, TINY_STAGE
 
 

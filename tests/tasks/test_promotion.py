@@ -12,7 +12,7 @@ import json
 import mlflow
 import pytest
 
-from grpo.recipe import AlignmentGRPOConfig
+from grpo.configs.recipe import AlignmentGRPOConfig
 from grpo.ports import free_port
 from tasks import tracking
 from tasks.promotion import AWAITING, Holder, decide, promote_model, register_model
@@ -28,7 +28,7 @@ def config(name: str, **kw) -> AlignmentGRPOConfig:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny model's folder, as a stage's checkpoint artifact holds it."""
-    from grpo.config import ModelConfig
+    from grpo.configs.core import ModelConfig
     from grpo.models import load_model_and_tokenizer
 
     folder = tmp_path_factory.mktemp("ckpt")

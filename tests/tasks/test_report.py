@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo.recipe import ColdStartSFTConfig
+from grpo.configs.recipe import ColdStartSFTConfig
 from tasks.report import stage_report_markdown
 from tasks.stage import StageResult
 from tiny_configs import TINY_STAGE

@@ -18,12 +18,12 @@ from typing import Annotated, Callable, ClassVar, Literal, Union
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from grpo.config import GenerationConfig, GRPOConfig, ModelConfig, SFTConfig
-from grpo.distributed_config import DistributedConfig
-from grpo.dpo_config import DPOConfig
-from grpo.ppo_config import PPOConfig
-from grpo.reward_config import RewardModelConfig
-from grpo.rft_config import OnlineRFTConfig
+from grpo.configs.core import GenerationConfig, GRPOConfig, ModelConfig, SFTConfig
+from grpo.configs.distributed import DistributedConfig
+from grpo.configs.dpo import DPOConfig
+from grpo.configs.ppo import PPOConfig
+from grpo.configs.reward import RewardModelConfig
+from grpo.configs.rft import OnlineRFTConfig
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -159,7 +159,7 @@ def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
     cfg = job.cfg
     rows = pd.read_parquet(job.rows)
     if job.online_rft is not None:
-        from grpo.rft_config import check_rft_settings
+        from grpo.configs.rft import check_rft_settings
 
         check_rft_settings(cfg, job.online_rft)  # the recipe checked it; a job of its own may not have been
     reward_functions, hooks = None, []

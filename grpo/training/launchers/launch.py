@@ -28,7 +28,7 @@ from typing import Callable
 import pandas as pd
 
 from grpo import cores
-from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
+from grpo.configs.distributed import COLLECTIVE_TIMEOUT, DistributedConfig
 from grpo.ports import free_port
 from grpo.training.launchers.jobs import Job, Launched, MetricsCallback, SamplesCallback
 
@@ -71,7 +71,7 @@ def work_root(cfg: DistributedConfig) -> Path | None:
 def check_splits(cfg: DistributedConfig, **sizes: int) -> int:
     """The process count of all machines, once every global batch size in `sizes` (field name -> size) splits
     evenly across it."""
-    from grpo.checks import check_process_split
+    from grpo.configs.checks import check_process_split
 
     n = world_size(cfg)
     for field, size in sizes.items():

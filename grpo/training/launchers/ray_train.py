@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 
 # what a worker process needs beside the job file: the collectives' timeout, offline hubs
 _PASSED_ENV = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "R1_CPU_BF16")

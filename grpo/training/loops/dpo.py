@@ -31,9 +31,9 @@ the policy and the reference as one row without padding (`token_logps(packed=Tru
 rounding.
 
 Run it alone:
-    from grpo.config import ModelConfig
+    from grpo.configs.core import ModelConfig
     from grpo.data.preferences import preference_pairs
-    from grpo.dpo_config import DPOConfig
+    from grpo.configs.dpo import DPOConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.dpo import train_dpo
     model, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path="<sft checkpoint folder>"))
@@ -61,8 +61,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.data.preferences import split_by_prompt
 from grpo.data.tables import DataError
-from grpo.distributed_config import DistributedConfig
-from grpo.dpo_config import DPOConfig
+from grpo.configs.distributed import DistributedConfig
+from grpo.configs.dpo import DPOConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing

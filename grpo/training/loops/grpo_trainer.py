@@ -33,9 +33,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo import cores
-from grpo.checks import check_fsdp_settings
-from grpo.config import GenerationConfig, GRPOConfig
-from grpo.distributed_config import COLLECTIVE_TIMEOUT, DistributedConfig
+from grpo.configs.checks import check_fsdp_settings
+from grpo.configs.core import GenerationConfig, GRPOConfig
+from grpo.configs.distributed import COLLECTIVE_TIMEOUT, DistributedConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp

@@ -42,9 +42,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from grpo.config import REWARD_MODEL
+from grpo.configs.core import REWARD_MODEL
 from grpo.kernels.attention import attending_packed
-from grpo.reward_config import RewardModelConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.training.optimizers import make_adamw
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, encode_pairs, evaluate_pairs,
                                          pair_metrics, packs, sequence_scores)

@@ -26,9 +26,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import SFTConfig
+from grpo.configs.core import SFTConfig
 from grpo.data.tables import DataError
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.kernels.attention import PACKED, attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp

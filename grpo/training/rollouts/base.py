@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.rollout import RolloutConfig
 from grpo.training.rollouts.protocol import Plan, RolloutError, Unit, worker_steps
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.rollout import RolloutConfig
 from grpo.training.rollouts.base import Rollouts
 from grpo.training.rollouts.protocol import (FAULTS, FAULTS_DIR, STARTUP_S, Plan, RolloutError, Unit, fault,
                                              sample_steps, sampler_model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.rollout import RolloutConfig
 from grpo.training.rollouts.base import Rollouts
 from grpo.training.rollouts.protocol import Plan
 

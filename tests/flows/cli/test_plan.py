@@ -14,8 +14,8 @@ import pytest
 
 from flows.cli.r1 import main
 from flows.cli.plan import plan_text
-from grpo.config import ModelConfig, RejectionConfig, SamplingConfig
-from grpo.recipe import RejectionSamplingConfig, load_recipe
+from grpo.configs.core import ModelConfig, RejectionConfig, SamplingConfig
+from grpo.configs.recipe import RejectionSamplingConfig, load_recipe
 from grpo.rejection.budget import expected_kept_per_prompt, plan_budget
 from tiny_configs import TINY_MODEL as SMALL
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from grpo.config import ModelConfig, SamplingConfig
+from grpo.configs.core import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local.backend import TransformersBackend
 from flows.cli.serve import make_server

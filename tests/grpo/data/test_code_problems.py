@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import CodeConfig, DataConfig, GRPOConfig, SamplingConfig
+from grpo.configs.core import CodeConfig, DataConfig, GRPOConfig, SamplingConfig
 from grpo.data.tables import load_rl_data
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import check_code
@@ -84,7 +84,7 @@ def test_a_reasoning_grpo_step_with_the_code_reward_runs_end_to_end(bwrap, probl
 
 def test_the_code_recipe_reads_them_by_naming_mbpp_columns(bwrap, monkeypatch):
     from flows.cli.preflight import check_recipe
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
 
     monkeypatch.chdir(PROBLEMS.parents[2])  # the recipe names its data from the project folder
     recipe = load_recipe("code")

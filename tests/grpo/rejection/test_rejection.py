@@ -15,7 +15,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.config import ModelConfig, RejectionConfig, SamplingConfig, TaskConfig, TinyModelConfig
+from grpo.configs.core import ModelConfig, RejectionConfig, SamplingConfig, TaskConfig, TinyModelConfig
 from grpo.data.arithmetic import generate_problems, rl_rows
 from grpo.data.tables import DataError
 from grpo.models import load_model_and_tokenizer

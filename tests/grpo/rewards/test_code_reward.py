@@ -12,7 +12,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from grpo.config import CodeConfig, DataConfig, GRPOConfig
+from grpo.configs.core import CodeConfig, DataConfig, GRPOConfig
 from grpo.data.tables import DataError, load_rl_data
 from grpo.rewards import REWARD_FUNCTIONS, check_code, check_reward_columns, extract_program, score_completions
 from grpo.rewards.code import code_limits, make_code_reward, parse_test

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from grpo.config import STEP_VERIFIERS, TaskConfig
+from grpo.configs.core import STEP_VERIFIERS, TaskConfig
 from grpo.data.arithmetic import format_response, generate_problems
 from grpo.rewards.steps import (
     STEP_VERIFIER_FUNCTIONS,

@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import GenerationConfig, GRPOConfig, SamplingConfig
+from grpo.configs.core import GenerationConfig, GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.recipe import RecipeError, load_recipe
+from grpo.configs.recipe import RecipeError, load_recipe
 from grpo.sampling.local.backend import TransformersBackend
 from grpo.sampling.engines import Rollout, build_engine, local_generation, require_tokens, sampling_dtype
 from grpo.sampling.http_backend import HTTPGenerationBackend

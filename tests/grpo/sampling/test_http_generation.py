@@ -21,8 +21,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.config import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig
-from grpo.recipe import RejectionSamplingConfig
+from grpo.configs.core import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig
+from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ports import free_port
 from grpo.rejection.shards import run_rejection_sampling, shard_seed

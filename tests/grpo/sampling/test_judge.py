@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.cli.r1 import main
-from grpo.config import JudgeConfig, ModelConfig, TinyModelConfig
+from grpo.configs.core import JudgeConfig, ModelConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ports import free_port
 from grpo.sampling.judge import (
@@ -101,7 +101,7 @@ def test_transformers_judge_returns_a_verdict_per_item_with_the_models_text(tiny
         assert isinstance(v, Verdict) and v.accepted in (True, False, None) and isinstance(v.rationale, str)
     # the rationale is the model's own greedy reply to the judge prompt
     prompt = render_judge_prompt(JUDGE_PROMPT, *ITEMS[0])
-    from grpo.config import SamplingConfig
+    from grpo.configs.core import SamplingConfig
     from grpo.sampling.local.backend import TransformersBackend
 
     expected = TransformersBackend(model, tok).generate([prompt], 1, SamplingConfig(max_new_tokens=12, temperature=0))

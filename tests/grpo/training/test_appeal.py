@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pandas as pd
 import pytest
 
-from grpo.config import GRPOConfig, JudgeConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, JudgeConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import accuracy_reward
 from grpo.sampling.judge import Verdict

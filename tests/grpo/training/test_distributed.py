@@ -27,7 +27,7 @@ import torch
 from comparisons import (RTOL, assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
                          assert_sft_matches, reported)
 from ddp_loops import GRPO, logps_rows, run_all
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.ports import free_port
 from grpo.training.launchers import launch
 from processes import HELPERS, ROOT, launch_two_processes
@@ -135,7 +135,7 @@ def test_a_stage_trains_on_two_processes_and_only_its_task_logs(prefect_harness,
 
     from flows.cold_start_sft import cold_start_sft
     from grpo.models import load_model_and_tokenizer
-    from grpo.recipe import ColdStartSFTConfig
+    from grpo.configs.recipe import ColdStartSFTConfig
     from grpo.training.loops.sft_trainer import train_sft
     from tasks.data import read_frame
 
@@ -165,7 +165,7 @@ def test_two_machines_on_loopback_train_one_stage_together(prefect_harness, mlfl
     0's reports into its one run, and the result is the one-process training of the same rows."""
     from flows.cold_start_sft import cold_start_sft
     from grpo.models import load_model_and_tokenizer
-    from grpo.recipe import ColdStartSFTConfig
+    from grpo.configs.recipe import ColdStartSFTConfig
     from grpo.training.loops.sft_trainer import train_sft
     from tasks.data import read_frame
 

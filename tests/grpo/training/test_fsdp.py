@@ -24,9 +24,9 @@ import torch
 from comparisons import (assert_curves_match, assert_gradients_of_halves, assert_ppo_matches, assert_same_weights,
                          assert_sft_matches, reported)
 from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_ppo, run_sft_resumed
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.ports import free_port
-from grpo.recipe import ReasoningGRPOConfig
+from grpo.configs.recipe import ReasoningGRPOConfig
 from grpo.training.launchers import launch
 from processes import HELPERS, ROOT
 
@@ -186,7 +186,7 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
 
     from flows.cold_start_sft import cold_start_sft
     from flows.r1_pipeline import r1_pipeline
-    from grpo.recipe import ColdStartSFTConfig
+    from grpo.configs.recipe import ColdStartSFTConfig
     from processes import kill_group, r1_run, wait_for
     from runs import children, weights
     from tasks import tracking
@@ -247,7 +247,7 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
 HANGS = """
 import os, sys, time
 import torch
-from grpo.distributed_config import DistributedConfig
+from grpo.configs.distributed import DistributedConfig
 from grpo.training.accelerator import make_accelerator
 from grpo.training.strategy import make_strategy
 from ddp_loops import SMALL

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.config import GRPOConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.ppo_config import PPOConfig
+from grpo.configs.ppo import PPOConfig
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.loops.ppo_trainer import PPOTrainer
 from grpo.training.ppo import (clipped_value_loss, explained_variance, gae_advantages, masked_whiten, ppo_loss,
@@ -270,7 +270,7 @@ def test_reasoning_stage_runs_ppo_end_to_end(prefect_harness, mlflow_client, tmp
     """The stage with `algorithm: ppo`, in the task's process or launched on two sharded processes (the job
     carries the ppo section to each)."""
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ReasoningGRPOConfig
+    from grpo.configs.recipe import ReasoningGRPOConfig
     from tasks.tracking import download
 
     model, tok = load_model_and_tokenizer(SMALL)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from grpo.config import GRPOConfig, SFTConfig
-from grpo.recipe import RecipeError, load_recipe
+from grpo.configs.core import GRPOConfig, SFTConfig
+from grpo.configs.recipe import RecipeError, load_recipe
 from grpo.training.precision import (
     Hardware,
     Resolved,
@@ -141,7 +141,7 @@ def test_a_bad_override_is_refused_naming_it():
 
 
 def test_every_training_loop_of_a_stage_is_found_in_its_config():
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
 
     tiny = load_recipe("tiny")
     assert precision_fields(tiny.alignment_grpo) == {"reward_model.mixed_precision": "auto",
@@ -158,7 +158,7 @@ def test_every_training_loop_of_a_stage_is_found_in_its_config():
 @CPU_ONLY
 def test_reuse_is_keyed_by_the_precision_auto_resolves_to(monkeypatch):
     """Work trained in bf16 is not what an fp32 run would make: the stage key differs, unless the recipe pins one."""
-    from grpo.recipe import load_recipe
+    from grpo.configs.recipe import load_recipe
     from tasks.reuse import stage_key
 
     cfg = load_recipe("tiny").cold_start_sft

@@ -7,11 +7,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.config import GRPOConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.recipe import ReasoningGRPOConfig
+from grpo.configs.recipe import ReasoningGRPOConfig
 from grpo.rewards import REWARD_FUNCTIONS
-from grpo.rft_config import OnlineRFTConfig
+from grpo.configs.rft import OnlineRFTConfig
 from grpo.training.advantages import group_advantages
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loss import grpo_loss

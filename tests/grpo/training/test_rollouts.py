@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.config import GenerationConfig, GRPOConfig, SamplingConfig
+from grpo.configs.core import GenerationConfig, GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.rollout import RolloutConfig
 from grpo.sampling.engines import build_engine
 from grpo.training.batches import prompt_order
 from grpo.training.distributed import sampling_seed
@@ -274,7 +274,7 @@ TRAINER = """
 import sys
 from pathlib import Path
 sys.path[:0] = {paths!r}
-from grpo.rollout_config import RolloutConfig
+from grpo.configs.rollout import RolloutConfig
 from rollout_runs import run
 
 if __name__ == "__main__":
@@ -360,7 +360,7 @@ def test_a_resumed_run_trains_each_step_once_with_its_versions_restored(tmp_path
 def test_the_recipe_refuses_what_asynchronous_rollouts_cannot_honour():
     from pydantic import ValidationError
 
-    from grpo.recipe import AlignmentGRPOConfig, ReasoningGRPOConfig
+    from grpo.configs.recipe import AlignmentGRPOConfig, ReasoningGRPOConfig
 
     on = {"mode": "async", "max_staleness": 1}
     with pytest.raises(ValidationError, match=r"reasoning_grpo.grpo.rollout.mode async is for GRPO and online RFT: "
@@ -396,7 +396,7 @@ def test_a_worker_device_the_machine_lacks_fails_before_any_worker_starts(tmp_pa
 def test_the_reasoning_stage_runs_asynchronously_through_its_flow(prefect_harness, mlflow_client, logged_checkpoint):
     """The stage's task starts and ends the workers; their figures land in the stage's MLflow run."""
     from flows.reasoning_grpo import reasoning_grpo
-    from grpo.recipe import ReasoningGRPOConfig
+    from grpo.configs.recipe import ReasoningGRPOConfig
     from tiny_configs import LOGGED_TINY
 
     config = ReasoningGRPOConfig.model_validate({

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from grpo.config import ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.configs.core import ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local import backend, cpu_decoder
 from grpo.sampling.local.backend import TransformersBackend, render_prompts, sample_batch

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from comparisons import close
-from grpo.config import GRPOConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.kernels.attention import attending_packed
 from grpo.models import load_model_and_tokenizer
 from packing_inputs import grpo_rows, make_model
@@ -54,7 +54,7 @@ def test_packed_critic_values_and_gradients_equal_the_padded_ones():
 
 
 def make_ppo(tmp_path, ppo=None, **overrides):
-    from grpo.ppo_config import PPOConfig
+    from grpo.configs.ppo import PPOConfig
     from grpo.training.loops.ppo_trainer import PPOTrainer
 
     model, tok = load_model_and_tokenizer(SMALL)
@@ -111,7 +111,7 @@ def test_packed_ppo_batches_and_steps_equal_padded_ones_for_every_loss_type(tmp_
     """The rollout's reference, pi_old and critic passes packed (to a 60-token budget) give the padded batch; one
     step's policy and critic gradients are the padded step's for every loss type, micro-batches of 3 rows packed
     alone or other rows together under the budget."""
-    from grpo.ppo_config import PPOConfig
+    from grpo.configs.ppo import PPOConfig
 
     torch.manual_seed(0)
     trainer, _ = make_ppo(tmp_path, PPOConfig(kl_in="loss"), beta=0.04, num_iterations=2, micro_batch_size=3)
@@ -211,7 +211,7 @@ def test_a_short_reward_model_run_packed_matches_the_padded_one(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from grpo.data.preferences import preference_pairs
-    from grpo.reward_config import RewardModelConfig
+    from grpo.configs.reward import RewardModelConfig
     from grpo.training.loops.reward_model import train_reward_model
 
     runs = {}
@@ -241,7 +241,7 @@ def test_a_short_dpo_run_packed_matches_the_padded_one(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from grpo.data.preferences import preference_pairs
-    from grpo.dpo_config import DPOConfig
+    from grpo.configs.dpo import DPOConfig
     from grpo.training.loops.dpo import train_dpo
 
     runs = {}
@@ -273,7 +273,7 @@ def sft_rows() -> pd.DataFrame:
 def test_sft_micro_batches_split_to_a_token_budget_match_whole_padded_ones(tmp_path):
     """Three steps of 2 micro-batches of 4 rows: padded whole, and packed in pieces of at most a budget a little over
     the longest row (several pieces a micro-batch): the same losses and weights, the step's loss the token mean."""
-    from grpo.config import SFTConfig
+    from grpo.configs.core import SFTConfig
     from grpo.training.loops.sft_trainer import row_pieces, tokenize_rows, train_sft
 
     model, tok = load_model_and_tokenizer(SMALL)
@@ -299,7 +299,7 @@ def test_sft_micro_batches_split_to_a_token_budget_match_whole_padded_ones(tmp_p
 
 
 def test_an_sft_token_budget_that_cannot_hold_a_row_fails_before_training(tmp_path):
-    from grpo.config import SFTConfig
+    from grpo.configs.core import SFTConfig
     from grpo.data.tables import DataError
     from grpo.training.loops.sft_trainer import train_sft
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from comparisons import close
-from grpo.config import ModelConfig, TaskConfig
-from grpo.reward_config import RewardModelConfig
+from grpo.configs.core import ModelConfig, TaskConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.rewards.steps import arithmetic_steps
 from grpo.training.loops.prm import _auc, build_prm, evaluate_prm, label_worked_solutions, prm_step_verifier, train_prm

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.config import (
+from grpo.configs.core import (
     GRPOConfig,
     ModelConfig,
     SamplingConfig,
@@ -15,7 +15,7 @@ from grpo.config import (
 )
 from grpo.data.arithmetic import generate_problems, rl_rows, sft_rows
 from grpo.models import load_model_and_tokenizer
-from grpo.reward_config import RewardModelConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import arithmetic_steps
 from grpo.sampling.local.backend import Rollout, TransformersBackend, render_prompts

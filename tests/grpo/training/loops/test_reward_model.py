@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import grpo.training.loops.reward_model
-from grpo.config import GRPOConfig, ModelConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig
 from grpo.data.preferences import general_prompts, general_sft_rows, load_preferences, preference_pairs
 from grpo.data.tables import SFT_SCHEMA, DataError, validate_rows
 from grpo.models import is_checkpointing
-from grpo.reward_config import RewardModelConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.rewards import format_reward_strict, score_completions
 from grpo.tiny import build_tiny_model, build_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer

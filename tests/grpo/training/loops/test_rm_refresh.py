@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from comparisons import close
-from grpo.config import GRPOConfig, SamplingConfig
+from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.data.preferences import general_prompts, preference_pairs
 from grpo.models import load_model_and_tokenizer
-from grpo.reward_config import RewardModelConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.rm_refresh import RewardModelRefresh, policy_pairs
 from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
@@ -136,7 +136,7 @@ def test_a_resumed_run_refreshes_and_ends_as_the_whole_run(whole_run, tmp_path):
 
 
 def test_a_refresh_without_the_reward_model_among_the_rewards_is_refused_when_the_recipe_is_read():
-    from grpo.recipe import AlignmentGRPOConfig
+    from grpo.configs.recipe import AlignmentGRPOConfig
 
     with pytest.raises(ValueError, match="reward_model.refresh_every trains the reward model further .* does not "
                                          "name 'reward_model'"):
@@ -202,7 +202,7 @@ def test_the_alignment_stage_refreshes_its_reward_model(prefect_harness, mlflow_
     the task's process or in two launched ones (the job carries the settings and the pairs; each process refreshes
     its own copy on every process's samples)."""
     from flows.alignment_grpo import alignment_grpo
-    from grpo.recipe import AlignmentGRPOConfig
+    from grpo.configs.recipe import AlignmentGRPOConfig
 
     model, tok = load_model_and_tokenizer(SMALL)
     start = tmp_path / "start"
