@@ -174,10 +174,10 @@ def run_way(args) -> dict:
     """One way in this process: the trainer built, `--steps` + 1 steps trained, the timed steps' figures."""
     import torch
 
-    import grpo.training.loops.grpo_trainer as loop
     from grpo.configs.core import GRPOConfig, SamplingConfig
-    from grpo.rewards.registry import REWARD_FUNCTIONS
     from grpo.configs.rollout import RolloutConfig
+    from grpo.rewards.registry import REWARD_FUNCTIONS
+    import grpo.training.loops.grpo_trainer as loop
 
     asynchronous = args.way == "async"
     torch.set_num_threads(1 if asynchronous else 2)  # async: the trainer's core; the worker takes the other

@@ -156,7 +156,7 @@ def cold_start(args, out: Path, home: Path, env: dict[str, str]) -> dict:
         if args.checkpoint.startswith("runs:/"):  # read from the caller's own store, once, into a local folder
             dst = out / "checkpoint"
             if not (dst / ".complete").exists():
-                code = ("import sys; from pathlib import Path; from tasks import tracking; "
+                code = ("import sys; from pathlib import Path; from runtime import tracking; "
                         "print(tracking.download(sys.argv[1], Path(sys.argv[2])))")
                 folder = subprocess.run([sys.executable, "-c", code, args.checkpoint, str(dst)], cwd=ROOT, text=True,
                                         capture_output=True, check=True).stdout.strip().splitlines()[-1]

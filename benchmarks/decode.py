@@ -34,9 +34,9 @@ def main() -> None:
 
     import torch
 
+    from grpo.configs.core import GenerationConfig
     from grpo.configs.core import ModelConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
-    from grpo.configs.core import GenerationConfig
     from grpo.sampling.engines import build_engine, sampling_dtype
 
     cuda = torch.cuda.is_available()

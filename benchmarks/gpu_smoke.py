@@ -43,8 +43,8 @@ def main() -> None:
 
     from grpo.configs.core import (GenerationConfig, GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig,
                                    SamplingConfig, SFTConfig)
-    from grpo.models import load_model_and_tokenizer
     from grpo.configs.reward import RewardModelConfig
+    from grpo.models import load_model_and_tokenizer
     from grpo.rejection.shards import process_shard
     from grpo.sampling.draws import draw_streams
     from grpo.sampling.engines import build_engine, sampling_dtype

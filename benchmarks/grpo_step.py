@@ -165,9 +165,9 @@ def memory_at_peak(snapshot: dict, top: int = 15) -> dict:
 
 
 def _asker(frames: list[dict]) -> str:
-    """The innermost frame in the project's code (grpo/, tasks/, benchmarks/), else in transformers, peft or
+    """The innermost frame in the project's code (grpo/, runtime/, tasks/, benchmarks/), else in transformers, peft or
     torch.optim, as 'file:line function'."""
-    for marks in (("/grpo/", "/tasks/", "/benchmarks/"), ("/transformers/", "/peft/", "/torch/optim/")):
+    for marks in (("/grpo/", "/runtime/", "/tasks/", "/benchmarks/"), ("/transformers/", "/peft/", "/torch/optim/")):
         for f in frames:
             name = f.get("filename", "")
             if any(m in name for m in marks):

@@ -34,9 +34,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from grpo.configs.core import ModelConfig
+    from grpo.configs.recipe import load_recipe
     from grpo.data.tables import load_rl_data
     from grpo.models import load_model_and_tokenizer
-    from grpo.configs.recipe import load_recipe
     from grpo.rewards.steps import arithmetic_steps
     from grpo.sampling.local.backend import TransformersBackend
     from grpo.training.loops.prm import _auc, build_prm, encode_steps, label_steps, score_step_positions, train_prm

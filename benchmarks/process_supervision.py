@@ -58,9 +58,9 @@ def main() -> None:
     import torch
 
     from grpo.configs.core import GRPOConfig, ModelConfig
+    from grpo.configs.recipe import load_recipe
     from grpo.data.tables import load_rl_data, load_sft_data
     from grpo.models import load_model_and_tokenizer
-    from grpo.configs.recipe import load_recipe
     from grpo.training.loops.grpo_trainer import GRPOTrainer
     from grpo.training.loops.sft_trainer import train_sft
 

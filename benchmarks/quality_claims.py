@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from grpo.configs.core import ModelConfig, TaskConfig, TinyModelConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.data.preferences import preference_pairs
-from grpo.configs.reward import RewardModelConfig
 from grpo.training.loops.prm import build_prm, evaluate_prm, label_worked_solutions, train_prm
 from grpo.training.loops.reward_model import train_reward_model
 

@@ -30,8 +30,8 @@ import grpo.training.rollouts.processes as rw
 if {method!r} == "spawn":
     rw.worker_context = lambda: mp.get_context("spawn")
 from grpo.configs.core import GRPOConfig, SamplingConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.configs.rollout import RolloutConfig
+from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from rollout_runs import PROMPTS, digits
 from tiny_configs import SMALL

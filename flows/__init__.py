@@ -1,3 +1,3 @@
 """Prefect flows: one per stage (each deployable alone) and `r1_pipeline`, which chains them."""
 
-import tasks  # noqa: F401  (sets the embedded-default environment before Prefect reads its settings)
+import runtime  # noqa: F401  (sets the embedded-default environment before Prefect reads its settings)

@@ -25,12 +25,12 @@ from flows.checks import check_model_folder, check_rewards, check_uri, looks_lik
 from flows.stages import Stage, run_name
 from grpo.configs.checks import check_prompts_per_step
 from grpo.configs.recipe import AlignmentGRPOConfig
+from runtime.report import publish_stage_report
+from runtime.stage import StageResult, stage_run
 from tasks.alignment import evaluate_refusals, prepare_alignment_prompts, train_dpo_model, train_reward_model_task
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model
 from tasks.promotion import heldout_key, promote_model, register_model, remember_for_approval, resumed_for_approval
-from tasks.report import publish_stage_report
-from tasks.stage import StageResult, stage_run
 
 NAME = "alignment_grpo"
 
@@ -94,7 +94,7 @@ def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str 
 def _last_logged(run_id: str, keys: tuple[str, ...]) -> dict[str, float]:
     """Each figure's last logged value: the held-out pair accuracy the reward model ended with (refreshed last, with
     the iterative reward model, at a GRPO step below its own training's) or DPO's."""
-    from tasks import tracking
+    from runtime import tracking
 
     out = {}
     for key in keys:

@@ -2,9 +2,9 @@
 
 Prefect's own `retries` never fire for a process killed with -9 (nothing is left to report the failure), and a stage
 flow run whose pod was preempted stays Running on the server. So the pipeline retries a stage itself: when the stage
-raised, when its flow run ended Failed or Crashed, or when the heartbeat of its MLflow run stopped (tasks/heartbeat.py;
+raised, when its flow run ended Failed or Crashed, or when the heartbeat of its MLflow run stopped (runtime/heartbeat.py;
 flows/placement.py marks such a flow run Crashed). Each new attempt is a new stage run that resumes from the last
-durable checkpoint (tasks/durable.py), on whatever machine the pool gives it. How often and after what pause is the
+durable checkpoint (runtime/durable.py), on whatever machine the pool gives it. How often and after what pause is the
 stage's `resources` (`retries`, `retry_delays_s`); `timeout_s` bounds one attempt.
 """
 
@@ -14,10 +14,10 @@ import time
 
 from flows.placement import run_placed
 from flows.stages import Stage
+from grpo.configs.recipe import StageConfig
 from grpo.faults import Fault
 from grpo.interrupts import is_interrupt
-from grpo.configs.recipe import StageConfig
-from tasks.stage import StageResult
+from runtime.stage import StageResult
 
 
 def run_stage(stage: Stage, config: StageConfig, parent_run_id: str, inputs: dict[str, str], recipe_name: str,

@@ -97,7 +97,7 @@ def check_judge_endpoint(cfg) -> None:
 
 def _no_store_yet() -> str | None:
     """The tracking URI when it is a local SQLite file that does not exist yet (opening it would create it)."""
-    from tasks import tracking
+    from runtime import tracking
 
     uri = tracking.tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
@@ -109,7 +109,7 @@ def check_run(what: str, run_id: str):
     """The MLflow run `run_id`; fails naming `what` (the flag that gave it) if there is none."""
     from mlflow.exceptions import MlflowException
 
-    from tasks import tracking
+    from runtime import tracking
 
     empty = _no_store_yet()
     if empty:
@@ -126,7 +126,7 @@ def check_uri(flag: str, uri: str) -> None:
     if uri.startswith("runs:/"):
         run_id, _, path = uri[len("runs:/"):].partition("/")
         check_run(flag, run_id)
-        from tasks import tracking
+        from runtime import tracking
 
         if path and not tracking.client().list_artifacts(run_id, path):
             raise UsageError(f"{flag} {uri}: run {run_id} has no artifact {path!r}")

@@ -15,11 +15,11 @@ from prefect import flow
 from flows.checks import check_sandbox, has_tests, reading
 from flows.stages import Stage, run_name
 from grpo.configs.recipe import ColdStartSFTConfig
+from runtime.report import publish_stage_report
+from runtime.stage import StageResult, stage_run
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
-from tasks.report import publish_stage_report
 from tasks.sft import train_sft_model
-from tasks.stage import StageResult, stage_run
 
 NAME = "cold_start_sft"
 

@@ -3,7 +3,7 @@
 A stage whose `resources.pool` is set runs as the flow run of its deployment `<stage>/<pool>` (`r1 deploy` makes
 them from the stage declarations), so reasoning GRPO lands on an 8-GPU node and rejection sampling on an inference
 pool while the pipeline's own flow run, on a CPU pool, only waits. The stage flow run writes its result to its MLflow
-run like any stage (tasks/report.py); the pipeline reads it from there, since the two share the tracking server and
+run like any stage (runtime/report.py); the pipeline reads it from there, since the two share the tracking server and
 nothing else.
 
 Each stage flow run is tagged with the pipeline's MLflow run and the stage, so a pipeline run that is retried (or
@@ -18,8 +18,8 @@ import time
 from flows.checks import UsageError
 from flows.stages import Stage
 from grpo.configs.recipe import Recipe, StageConfig
-from tasks import tracking
-from tasks.stage import StageResult, read_result
+from runtime import tracking
+from runtime.stage import StageResult, read_result
 
 POLL_S = 2.0  # how often the pipeline asks the server how its stage's flow run is doing
 
@@ -150,7 +150,7 @@ def _wait(flow_run_id, stage: str, log, timeout_s: float | None = None):
 
 def _stopped_beating(flow_run_id, stage: str) -> str | None:
     """The stage's RUNNING MLflow run in that flow run, if its heartbeat stopped."""
-    from tasks import heartbeat
+    from runtime import heartbeat
 
     runs = tracking.find_runs(f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.stage = '{stage}' and "
                               "attributes.status = 'RUNNING'")
@@ -158,7 +158,7 @@ def _stopped_beating(flow_run_id, stage: str) -> str | None:
 
 
 def _result_of(flow_run_id, stage: str) -> StageResult:
-    """The result a completed stage flow run recorded on its MLflow run (tasks.stage.record_result)."""
+    """The result a completed stage flow run recorded on its MLflow run (runtime.stage.record_result)."""
     runs = tracking.find_runs(f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.stage = '{stage}' and "
                               "attributes.status = 'FINISHED'")
     for run in runs:  # newest first

@@ -8,7 +8,7 @@ run records every URI its stages produced as `uri.<name>` tags. When Prefect ret
 `retries`, or *Retry* in the UI), the retry carries on in the same parent run and skips the stages it records.
 
 Running the same pipeline again (after a crash, a kill, Ctrl-C, or just again) reuses every stage that already
-finished with the same config and inputs (tasks/reuse.py), and the interrupted stage resumes from the last checkpoint
+finished with the same config and inputs (runtime/reuse.py), and the interrupted stage resumes from the last checkpoint
 in its work folder, which is keyed by its config and inputs; `fresh=True` starts everything over. Runs that a dead
 process left RUNNING are marked FAILED when a pipeline starts; Ctrl-C ends the current runs as KILLED.
 
@@ -38,10 +38,11 @@ from flows.attempts import run_stage
 from flows.placement import check_placement
 from flows.stages import Stage, declared, finished_stages, missing_inputs
 from grpo.configs.core import ClusterConfig
-from grpo.interrupts import is_interrupt
 from grpo.configs.recipe import STAGES, Recipe, RecipeError, apply_overrides, load_recipe
-from tasks import reuse, tracking
-from tasks.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
+from grpo.interrupts import is_interrupt
+from runtime import reuse, tracking
+from runtime.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags
+from tasks.reuse import reuse_stage
 
 
 def with_cluster(cfg: Recipe, ray_address: str | None, shard_store: str | None) -> Recipe:
@@ -133,7 +134,7 @@ def r1_pipeline(recipe: str = "tiny", stages: list[str] | None = None, from_uris
         key = reuse.stage_key(stage.name, config, inputs)
         finished = None if fresh else reuse.find_finished(key)
         if finished is not None:
-            return reuse.reuse_stage(stage.name, config, inputs, key, finished.info.run_id, parent)
+            return reuse_stage(stage.name, config, inputs, key, finished.info.run_id, parent)
         result = run_stage(stage, config, parent, inputs, cfg.name, get_run_logger())  # in process or on its pool
         reuse.record_finished(result, key)
         return result

@@ -22,11 +22,11 @@ from prefect import flow
 from flows.checks import check_model_folder, check_rewards, check_uri, reading
 from flows.stages import Stage, run_name
 from grpo.configs.recipe import ReasoningGRPOConfig
+from runtime.report import publish_stage_report
+from runtime.stage import StageResult, stage_run
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model
-from tasks.report import publish_stage_report
-from tasks.stage import StageResult, stage_run
 
 NAME = "reasoning_grpo"
 

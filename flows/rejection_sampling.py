@@ -21,11 +21,11 @@ from flows.checks import UsageError, check_judge_endpoint, check_model_folder, c
 from flows.stages import Stage, run_name
 from grpo.configs.core import SELF_JUDGE, TINY
 from grpo.configs.recipe import RejectionSamplingConfig
-from tasks.cluster import ray_task_runner, shard_gpus
+from runtime.cluster import ray_task_runner, shard_gpus
+from runtime.report import publish_stage_report
+from runtime.stage import StageResult, stage_run
 from tasks.data import prepare_data
 from tasks.rejection import RejectionPlan, merge_rejection_shards, plan_rejection_sampling, sample_shard
-from tasks.report import publish_stage_report
-from tasks.stage import StageResult, stage_run
 
 NAME = "rejection_sampling"
 

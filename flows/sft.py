@@ -13,10 +13,10 @@ from prefect import flow
 
 from flows.stages import Stage, run_name
 from grpo.configs.recipe import SFTStageConfig
+from runtime.report import publish_stage_report
+from runtime.stage import StageResult, stage_run
 from tasks.evaluate import evaluate_model
 from tasks.sft import prepare_sft_mix, train_sft_model
-from tasks.report import publish_stage_report
-from tasks.stage import StageResult, stage_run
 
 NAME = "sft"
 

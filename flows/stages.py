@@ -17,8 +17,8 @@ from prefect import Flow
 
 from grpo.configs.core import ModelConfig
 from grpo.configs.recipe import STAGES
-from tasks import tracking
-from tasks.stage import StageResult
+from runtime import tracking
+from runtime.stage import StageResult
 
 
 def run_name(stage: str) -> Callable[[], str]:

@@ -3,7 +3,7 @@
     r1 sweep --recipe tiny --grid reasoning_grpo.grpo.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo --seeds 3
 
 Each point is a pipeline run (flows/r1_pipeline.py) with the point's settings as overrides, nested in MLflow under
-the sweep's run (tasks/sweep.py). A point that shares its first stages with an earlier one reuses them (the stages'
+the sweep's run (runtime/sweep.py). A point that shares its first stages with an earlier one reuses them (the stages'
 keys are equal), so one cold start serves every point that does not change it.
 
 Where points run:
@@ -33,13 +33,13 @@ from prefect.runtime import flow_run
 
 from flows.r1_pipeline import r1_pipeline
 from flows.sweep_launch import Deployment, Processes, side_by_side
-from grpo.interrupts import is_interrupt
 from grpo.configs.recipe import STAGES, apply_overrides, load_recipe
-from grpo.sweep import expand, seeds_reach, with_fixed
 from grpo.configs.sweep import SweepConfig
-from tasks import sweep as results
-from tasks import tracking
-from tasks.stage import prefect_tags
+from grpo.interrupts import is_interrupt
+from grpo.sweep import expand, seeds_reach, with_fixed
+from runtime import sweep as results
+from runtime import tracking
+from runtime.stage import prefect_tags
 
 
 class SweepResult(NamedTuple):

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from grpo import cores
 from grpo.interrupts import die_with_parent
-from tasks import sweep as results
-from tasks import tracking
+from runtime import sweep as results
+from runtime import tracking
 
 POLL_S = 2.0  # how often the points' runs are read
 STOP_S = 30.0  # how long a stopped point process may take to end its runs

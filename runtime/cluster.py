@@ -17,8 +17,8 @@ from grpo.configs.core import ClusterConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.rejection import shards
-from tasks import tracking
-from tasks.env import LOCAL_API
+from runtime import tracking
+from runtime.env import LOCAL_API
 
 HINT = "start one with `ray start --head`, or fix rejection_sampling.cluster.ray_address (or $RAY_ADDRESS)"
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from grpo.training.checkpoints import checkpoint_step, latest_checkpoint, newest_verified_checkpoint, verify_manifest
-from tasks import tracking
+from runtime import tracking
 
 PREFIX = "r1.resume."  # tag `r1.resume.<work key>` = the step of the run's newest complete copy
 EVERY_S = float(os.environ.get("R1_DURABLE_EVERY_S", "2"))  # how often the folder is looked at for a new checkpoint
@@ -73,7 +73,7 @@ def _delete_copy(run_id: str, key: str, step: int | None = None) -> None:
 def restore(run_id: str, out: Path) -> int:
     """Download the newest marked copy of `out`'s work into `out/checkpoints` when the folder has no checkpoint of
     its own (or an older one); returns the step it holds (0: none anywhere)."""
-    from tasks.stage import FRESH
+    from runtime.stage import FRESH
 
     key = out.name.split("-")[0]  # a private folder is `<key>-<run id>`
     if tracking.client().get_run(run_id).data.tags.get(FRESH) == "true":  # starts over: takes no one's work

@@ -45,7 +45,7 @@ QUIET = {
     # mlflow.transformers looks a logged model's name up on the hub for a model card and a license; the final model
     # is a local folder with no name there, so both lookups fail, every time, and say so
     "mlflow.transformers": ("The model card could not be retrieved", "Unable to find license information"),
-    # urllib3 logs each retry of a request to a tracking server that does not answer; tasks.outage says it once
+    # urllib3 logs each retry of a request to a tracking server that does not answer; runtime.outage says it once
     "urllib3.connectionpool": ("Retrying (",),
 }
 # Loggers that tell a full disk again in a library's words (MLflow's SQLite store logs each failed statement with its

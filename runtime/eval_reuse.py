@@ -24,7 +24,7 @@ import pandas as pd
 
 from grpo.configs.core import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
 from grpo.rewards.correct import CHECK_COLUMNS
-from tasks import tracking
+from runtime import tracking
 
 TAG = "r1.eval."
 SAMPLED = ("eval/sample_accuracy", "eval/pass_at_k")  # what the k samples give; the rest is the greedy pass's

@@ -6,9 +6,9 @@ it, so a location relative to the home is not something the store can keep). The
 the same way. A home found at another path than the one its store names would still read and write its artifacts
 under the old path: gone after a move, and after a copy the original's, full or not.
 
-So the first open of the embedded store in a process (`tasks.tracking.client`, under the lock that serialises
+So the first open of the embedded store in a process (`runtime.tracking.client`, under the lock that serialises
 opening it) compares the home the experiments' artifact locations name (`<home>/mlartifacts`, the layout
-`tasks.tracking.experiment_id` makes) with the home in use, and where they differ rewrites every path under the
+`runtime.tracking.experiment_id` makes) with the home in use, and where they differ rewrites every path under the
 old home in the store to the same path under the new one, in one transaction, and says so in one line. Done on
 start rather than by a command so that the same `r1` command carries on where it stopped, as the fault lines
 advise; the store is the one place that names the home's path (work folders are keyed by their inputs, downloads

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from tasks import outage, tracking
+from runtime import outage, tracking
 
 
 class TrainingProgress:

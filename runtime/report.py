@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks import tracking, ui_links
-from tasks.stage import StageResult, record_result
+from runtime import tracking, ui_links
+from runtime.stage import StageResult, record_result
 
 
 def mlflow_run_url(run_id: str, experiment_id: str, tracking_uri: str) -> str | None:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from grpo.configs.core import ModelConfig
 from grpo.faults import check_free_space, disk_fault
 from grpo.interrupts import interrupt_threads, is_interrupt
-from tasks import system_metrics, tracking
+from runtime import system_metrics, tracking
 
 
 class StageResult(BaseModel):
@@ -98,7 +98,7 @@ def earlier_attempt_run() -> str | None:
 def stage_run(stage: str, config: BaseModel, parent_run_id: str | None,
               inputs: dict[str, str] | None = None) -> Iterator[str]:
     """An MLflow child run tagged `stage=<stage>` with the config as params and system metrics
-    (`tasks.system_metrics`); ended FAILED if the body raises, KILLED on Ctrl-C or SIGTERM (`grpo.interrupts`). Its
+    (`runtime.system_metrics`); ended FAILED if the body raises, KILLED on Ctrl-C or SIGTERM (`grpo.interrupts`). Its
     work folders are unlocked when it ends.
 
     `inputs` (the upstream URIs) are logged as params and tags, so a run records what it was built from. A stage of

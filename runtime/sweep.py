@@ -27,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from tasks import tracking
+from runtime import tracking
 
 KEY = "r1.sweep.key"  # tag of the sweep run: what decides its points
 SWEEP = "r1.sweep"  # tag of a point's pipeline run: its sweep run
@@ -38,7 +38,7 @@ CURVES = ("reward/total", "train/loss", "loss", "rm/loss", "dpo/loss")
 
 
 def sweep_key(recipe, sweep, stages: list[str]) -> str:
-    from tasks.reuse import code_version
+    from runtime.reuse import code_version
 
     blob = json.dumps({"recipe": recipe.model_dump(mode="json", exclude={"sweep"}), "grid": sweep.grid,
                        **({"variants": sweep.variants} if sweep.variants else {}),
@@ -189,7 +189,7 @@ def _file(name: str) -> str:
 
 def curve_plots(points, runs: dict[int, str], stages: list[str]) -> dict[str, bytes]:
     """{file name: PNG} of each stage's training curve, the points overlaid, for stages the points ran apart."""
-    from tasks.reuse import REUSED_FROM
+    from runtime.reuse import REUSED_FROM
 
     c = tracking.client()
     plots = {}

@@ -27,7 +27,7 @@ import time
 
 from mlflow.entities import Metric
 
-from tasks import tracking
+from runtime import tracking
 
 PREFIX = "system/"
 DEFAULT_INTERVAL_S = 10.0

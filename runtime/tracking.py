@@ -32,9 +32,9 @@ from pydantic import BaseModel
 from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_fault, disk_full_line, file_size_limit, free_bytes
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
-from tasks.env import home_path
-from tasks import store_copies
-from tasks.home import reroot_embedded_store
+from runtime import store_copies
+from runtime.env import home_path
+from runtime.home import reroot_embedded_store
 
 DEFAULT_EXPERIMENT = "r1-pipeline"
 # the experiment's kind, "Machine learning" (runs, metrics, models) rather than GenAI (traces), for the MLflow 3
@@ -99,7 +99,7 @@ def client() -> MlflowClient:
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{db}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if uri == embedded_uri():  # the embedded store, whose home may have moved (tasks.home)
+        if uri == embedded_uri():  # the embedded store, whose home may have moved (runtime.home)
             reroot_embedded_store(db, r1_home())
         store_copies.seed_mlflow(db)  # a new database: from the migrated copy, not by every migration
         c = MlflowClient(tracking_uri=uri)
@@ -168,9 +168,9 @@ def end_dead_runs() -> list[str]:
     """Mark FAILED the runs left RUNNING by an r1 process that has ended (killed, crashed, its pod or node lost).
 
     A run owned by a process on this host is judged by asking for the process (host, pid, start time); a run from
-    anywhere else by its heartbeat (tasks/heartbeat.py): one that stopped beating is dead. Returns the runs marked.
+    anywhere else by its heartbeat (runtime/heartbeat.py): one that stopped beating is dead. Returns the runs marked.
     """
-    from tasks import heartbeat
+    from runtime import heartbeat
 
     host = socket.gethostname()
     ended = []
@@ -195,7 +195,7 @@ def _needs_heartbeat() -> bool:
 
 
 def _write_heartbeat(run_id: str, epoch_ms: str) -> None:
-    from tasks import heartbeat
+    from runtime import heartbeat
 
     client().set_tag(run_id, heartbeat.TAG, epoch_ms)
 
@@ -238,7 +238,7 @@ def retry_locked(call, *args, patience_s: float = LOCKED_PATIENCE_S, **kwargs):
 def start_run(name: str, *, tags: dict[str, str], parent_run_id: str | None = None,
               config: BaseModel | None = None) -> str:
     """Create a run (nested under `parent_run_id` if given), log the config as params, return its id."""
-    from tasks import heartbeat
+    from runtime import heartbeat
 
     c = client()
     beats = _needs_heartbeat()
@@ -260,7 +260,7 @@ def log_params(run_id: str, params: dict[str, Any]) -> None:
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:
-    from tasks import heartbeat, outage
+    from runtime import heartbeat, outage
 
     heartbeat.stop_beating(run_id)
     outage.flush(run_id)  # its queued metrics first: a tracking server that did not answer may be back
@@ -274,7 +274,7 @@ def end_run_if_room(run_id: str, status: str) -> bool:
     """End a run that stops on an error, unless the store's disk has no room left for it or its tracking server does
     not answer: then it stays RUNNING until the next start marks it FAILED (`end_dead_runs`, as for a killed
     process), and False is returned."""
-    from tasks.outage import ServerAway
+    from runtime.outage import ServerAway
 
     try:
         end_run(run_id, status)
@@ -303,10 +303,10 @@ def _no_room(e: BaseException) -> bool:
 
 class MetricsLogger:
     """A metrics callback for `grpo` loops: `logger(step, {"train/loss": 0.1})` writes one batch to the run; to a
-    tracking server through a queue (`tasks.outage`), so training goes on while the server does not answer."""
+    tracking server through a queue (`runtime.outage`), so training goes on while the server does not answer."""
 
     def __init__(self, run_id: str):
-        from tasks import outage
+        from runtime import outage
 
         uri = tracking_uri()
         self.run_id, self.client = run_id, client()
@@ -476,7 +476,7 @@ def find_runs(filter_string: str) -> list:
 
 def reopen_run(run_id: str) -> None:
     """Mark a failed run RUNNING again, for a retry that carries on in it (owned by this process now)."""
-    from tasks import heartbeat
+    from runtime import heartbeat
 
     set_tags(run_id, {**owner_tags(), **(heartbeat.first_beat() if _needs_heartbeat() else {})})
     client().update_run(run_id, status="RUNNING")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tasks.tracking import client, tracking_uri
+from runtime.tracking import client, tracking_uri
 
 # where `mlflow ui --port 5000` (what `r1 where` says to run for a local store) serves the UI
 LOCAL_UI_PORT = 5000

@@ -1,6 +1,4 @@
-"""Prefect tasks: thin wrappers that read a stage's inputs from MLflow, call `grpo`, log, and return URIs."""
+"""Prefect tasks: thin wrappers that read a stage's inputs from MLflow, call `grpo`, log, and return URIs. What they
+run inside (tracking, the home, heartbeats, durable copies, reports) is `runtime/`."""
 
-from tasks.env import quiet_libraries, use_local_defaults
-
-use_local_defaults()
-quiet_libraries()
+import runtime  # noqa: F401  (the embedded default's environment, set before any task module imports Prefect)

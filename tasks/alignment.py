@@ -9,17 +9,17 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.configs.core import ModelConfig
+from grpo.configs.recipe import AlignmentGRPOConfig
 from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
 from grpo.data.tables import load_rl_data, read_table, validate_rows
-from grpo.configs.recipe import AlignmentGRPOConfig
 from grpo.training.launchers import launch
 from grpo.training.launchers.jobs import DPOJob, RewardModelJob, run, write_frame
 from grpo.training.loops.reward_model import RewardModelResult
-from tasks import cluster, tracking
+from runtime import cluster, tracking
+from runtime.durable import durable_resume
+from runtime.progress import TrainingProgress
+from runtime.stage import resolve_model, resolve_precision, work_dir
 from tasks.data import DataURIs, report_dropped
-from tasks.durable import durable_resume
-from tasks.progress import TrainingProgress
-from tasks.stage import resolve_model, resolve_precision, work_dir
 
 
 @task(name="prepare_alignment_prompts")

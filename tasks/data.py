@@ -10,7 +10,7 @@ from prefect.logging import get_run_logger
 
 from grpo.configs.core import DataConfig
 from grpo.data.tables import dropped_rows, load_rl_data, load_sft_data
-from tasks import tracking
+from runtime import tracking
 
 
 class DataURIs(NamedTuple):

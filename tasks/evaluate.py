@@ -10,9 +10,9 @@ from grpo.configs.core import CodeConfig, EvalConfig, GenerationConfig, ModelCon
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine
-from tasks import eval_reuse, tracking
+from runtime import eval_reuse, tracking
+from runtime.stage import resolve_model
 from tasks.data import read_frame
-from tasks.stage import resolve_model
 
 
 @task(name="evaluate_model")
@@ -22,7 +22,7 @@ def evaluate_model(run_id: str, checkpoint_uri: str, model_cfg: ModelConfig, hel
     """Load the checkpoint back with from_pretrained, score it on the held-out rows, log metrics and samples.
     Rows with tests run in the sandbox under `code` (the stage's grpo.code; default limits when None); completions
     come from the stage's engine (`generation`). Where the run that made the checkpoint scored it the same way
-    (tasks.eval_reuse), its figures and samples are logged instead, without loading the model."""
+    (runtime.eval_reuse), its figures and samples are logged instead, without loading the model."""
     rows, samples_file = read_frame(heldout_uri), f"eval/samples_step_{step}.json"
     keys = eval_reuse.eval_keys(checkpoint_uri, model_cfg, rows, cfg, code, generation, torch.cuda.is_available())
     found = eval_reuse.earlier(checkpoint_uri, keys)

@@ -15,10 +15,10 @@ from grpo.configs.reward import PreferenceDataConfig, RewardModelConfig
 from grpo.configs.rft import OnlineRFTConfig
 from grpo.training.launchers import launch
 from grpo.training.launchers.jobs import GRPOJob, run, write_frame
-from tasks import cluster, tracking
-from tasks.durable import durable_resume
-from tasks.progress import TrainingProgress
-from tasks.stage import log_gemm_plan, resolve_model, resolve_precision, work_dir
+from runtime import cluster, tracking
+from runtime.durable import durable_resume
+from runtime.progress import TrainingProgress
+from runtime.stage import log_gemm_plan, resolve_model, resolve_precision, work_dir
 
 
 @task(name="train_grpo_model")

@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict
 
 from grpo.configs.core import EvalConfig
 from grpo.configs.recipe import AlignmentGRPOConfig
-from tasks import tracking
-from tasks.stage import StageResult
+from runtime import tracking
+from runtime.stage import StageResult
 
 ACCURACY_TAG = "heldout_accuracy"  # on a model version: the held-out accuracy its run measured
 HELDOUT_TAG = "heldout_key"  # on a model version: what that accuracy was measured on
@@ -113,7 +113,7 @@ def register_model(run_id: str, checkpoint_uri: str, cfg: AlignmentGRPOConfig, a
     import mlflow
 
     from grpo.models import load_model_and_tokenizer
-    from tasks.stage import resolve_model
+    from runtime.stage import resolve_model
 
     prefix = f"runs:/{run_id}/"
     if not checkpoint_uri.startswith(prefix):

@@ -14,16 +14,16 @@ from prefect.logging import get_run_logger
 from grpo.configs.core import SELF_JUDGE, ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.data.tables import DataError, read_table, validate_rows
+from grpo.interrupts import interruptible
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
 from grpo.rejection.filters import summary_line
 from grpo.sampling.engines import Engine, build_engine, local_generation
 from grpo.sampling.judge import HTTPJudge, build_judge
-from grpo.interrupts import interruptible
-from tasks import tracking
-from tasks.cluster import check_cluster, shard_store_dir
+from runtime import tracking
+from runtime.cluster import check_cluster, shard_store_dir
+from runtime.stage import resolve_model, work_dir, work_key
 from tasks.data import read_frame
-from tasks.stage import resolve_model, work_dir, work_key
 
 
 

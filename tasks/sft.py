@@ -9,15 +9,15 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.configs.core import ModelConfig, SFTConfig
-from grpo.data.tables import validate_rows
 from grpo.configs.distributed import DistributedConfig
+from grpo.data.tables import validate_rows
 from grpo.training.launchers import launch
 from grpo.training.launchers.jobs import SFTJob, run
-from tasks import cluster, tracking
+from runtime import cluster, tracking
+from runtime.durable import durable_resume
+from runtime.progress import TrainingProgress
+from runtime.stage import log_gemm_plan, resolve_precision, work_dir
 from tasks.data import read_frame
-from tasks.durable import durable_resume
-from tasks.progress import TrainingProgress
-from tasks.stage import log_gemm_plan, resolve_precision, work_dir
 
 
 @task(name="train_sft_model")

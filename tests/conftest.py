@@ -167,7 +167,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def mlflow_client():
-    from tasks import tracking
+    from runtime import tracking
 
     return tracking.client()
 
@@ -208,7 +208,7 @@ def logged_checkpoint(prefect_harness, tmp_path_factory) -> str:
 
     from grpo.configs.core import ModelConfig
     from grpo.models import load_model_and_tokenizer
-    from tasks import tracking
+    from runtime import tracking
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("logged-checkpoint")

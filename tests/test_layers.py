@@ -28,11 +28,11 @@ def _imports(path: Path) -> set[str]:
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-    return {m for m in found if m.split(".")[0] in ("grpo", "tasks", "flows")}
+    return {m for m in found if m.split(".")[0] in ("grpo", "runtime", "tasks", "flows")}
 
 
 def _import_graph() -> dict[str, set[str]]:
-    files = [p for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
+    files = [p for d in ("grpo", "runtime", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
     graph = {_module(p): _imports(p) for p in files}
     # `from a.b import name` also listed a.b.name, which is a module only where a file has that name
     return {module: (deps & graph.keys()) - {module} for module, deps in graph.items()}
@@ -42,7 +42,7 @@ def test_grpo_imports_neither_prefect_nor_mlflow_nor_a_web_framework():
     # the core is a library: `r1 serve`'s HTTP app lives beside the command (flows/cli/serve.py)
     modules = sorted(_module(p) for p in GRPO.rglob("*.py"))
     code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
-            "print(sorted({n.split('.')[0] for n in sys.modules} & {'prefect', 'mlflow', 'tasks', 'flows', "
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'prefect', 'mlflow', 'runtime', 'tasks', 'flows', "
             "'fastapi', 'starlette', 'uvicorn'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
@@ -61,7 +61,7 @@ OPTIONAL = ("bitsandbytes", "peft", "ray", "selenium")  # extras: LoRA, 8-bit Ad
 def test_a_stage_loads_no_optional_library_it_does_not_use(tmp_path):
     """Every project module, then a GRPO step on a tiny model as a stage runs it: none of the optional libraries is
     imported, so none prints its warnings (bitsandbytes, once loaded, warns about CPU kernels it cannot find)."""
-    modules = sorted(_module(p) for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py"))
+    modules = sorted(_module(p) for d in ("grpo", "runtime", "tasks", "flows") for p in (ROOT / d).rglob("*.py"))
     code = f"""
 import importlib, sys
 import pandas as pd
@@ -139,13 +139,13 @@ def test_training_is_parts_loops_and_launchers():
 
 
 def test_no_module_over_about_500_lines():
-    files = [p for d in ("grpo", "tasks", "flows", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    files = [p for d in ("grpo", "runtime", "tasks", "flows", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 520}
     assert not long, f"split these by what they do: {long}"
 
 
 def _project_files() -> list[Path]:
-    return [p for d in ("grpo", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
+    return [p for d in ("grpo", "runtime", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
 
 
 def test_no_private_name_is_imported_from_another_module():
@@ -155,7 +155,7 @@ def test_no_private_name_is_imported_from_another_module():
     for path in _project_files():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                    and node.module.split(".")[0] in ("grpo", "tasks", "flows"):
+                    and node.module.split(".")[0] in ("grpo", "runtime", "tasks", "flows"):
                 private += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert not private, "\n".join(private)
@@ -186,4 +186,19 @@ def test_configs_import_nothing_above_them():
     wrong = [f"{module} imports {dep}" for module, deps in sorted(graph.items()) if module.startswith(CONFIGS)
              for dep in sorted(deps) if not dep.startswith(CONFIGS) and dep not in LEAVES]
     wrong += [f"leaf {leaf} imports {dep}" for leaf in LEAVES for dep in sorted(graph[leaf])]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_tasks_hold_tasks_and_runtime_what_they_run_inside():
+    """`tasks/` holds Prefect tasks: each of its modules defines one or more. What they run inside (tracking, the
+    home, heartbeats, durable copies, reports) is `runtime/`, which imports neither a task nor a flow."""
+    no_task = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tasks").glob("*.py")) if p.name != "__init__.py"
+               and not any(isinstance(d, ast.Name) and d.id == "task" or isinstance(d, ast.Call)
+                           and isinstance(d.func, ast.Name) and d.func.id == "task"
+                           for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.FunctionDef)
+                           for d in node.decorator_list)]
+    assert not no_task, f"modules in tasks/ that define no Prefect task (their place is runtime/): {no_task}"
+    graph = _import_graph()
+    wrong = [f"{module} imports {dep}" for module, deps in sorted(graph.items()) if module.split(".")[0] == "runtime"
+             for dep in sorted(deps) if dep.split(".")[0] in ("tasks", "flows")]
     assert not wrong, "\n".join(wrong)

@@ -1,6 +1,6 @@
 """A clean terminal: the sampling, log-prob and evaluation paths of the tiny model raise no FutureWarning, so a
 transformers release that removes a deprecated argument cannot break them unseen; the library log lines the
-project cannot avoid at its calls are silenced by name (tasks/env.py), and nothing else is."""
+project cannot avoid at its calls are silenced by name (runtime/env.py), and nothing else is."""
 
 import logging
 import warnings
@@ -37,7 +37,7 @@ def test_sampling_logprobs_and_evaluation_raise_no_future_warning():
 
 
 def test_only_the_named_library_lines_are_silenced(caplog):
-    import tasks  # noqa: F401  (installs the filters)
+    import runtime  # noqa: F401  (installs the filters)
 
     with caplog.at_level(logging.WARNING):
         logging.getLogger("bitsandbytes.backends.cpu.ops").warning(

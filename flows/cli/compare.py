@@ -12,7 +12,7 @@ from __future__ import annotations
 from mlflow.entities import Run
 
 from grpo.configs.recipe import STAGES
-from tasks import tracking, ui_links
+from runtime import tracking, ui_links
 
 HIDDEN_PARAMS = ("input.",)  # always differ (each run points at its own upstream runs)
 # the machine's figures (CPU, memory, GPU use over time): not results, and in the MLflow UI's system metrics tab
@@ -22,7 +22,7 @@ HIDDEN_METRICS = ("system/",)
 def _worked(run: Run | None) -> Run | None:
     """The run that did a stage's work: a reused stage's run (`r1.reused_from`) holds no params of its own, so
     its params are the run it reused."""
-    from tasks.reuse import REUSED_FROM
+    from runtime.reuse import REUSED_FROM
 
     origin = run.data.tags.get(REUSED_FROM) if run is not None else None
     if not origin:
@@ -115,7 +115,7 @@ def compare(*run_ids: str) -> str:
     order = {}
     for runs in stages:  # the first run's order, then stages only later runs ran
         order.update(dict.fromkeys(runs))
-    from tasks.reuse import REUSED_FROM
+    from runtime.reuse import REUSED_FROM
 
     for stage in order:
         these = [runs.get(stage) for runs in stages]

@@ -34,8 +34,8 @@ CLIENT_VARS = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TR
 DEFAULT_PERMISSION = "READ"
 
 
-def _home() -> Path:  # tasks.tracking.r1_home, without importing MLflow
-    from tasks.env import home_path
+def _home() -> Path:  # runtime.tracking.r1_home, without importing MLflow
+    from runtime.env import home_path
 
     return home_path()
 

@@ -26,7 +26,7 @@ from typing import IO
 from flows.cli import prefect_db
 from grpo.interrupts import die_with_parent
 from grpo.ports import free_port
-from tasks.env import LOCAL_API
+from runtime.env import LOCAL_API
 
 LOCAL_UI_PORT = 4200  # where `r1 up` (and a bare `prefect server start` on the home) serves the Prefect UI
 

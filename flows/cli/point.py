@@ -32,7 +32,7 @@ def _exit_once_orphaned(parent: int) -> None:
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
     threading.Thread(target=_exit_once_orphaned, args=(os.getppid(),), name="r1-orphan-exit", daemon=True).start()
-    import tasks  # noqa: F401  (the embedded-default environment before Prefect loads)
+    import runtime  # noqa: F401  (the embedded-default environment before Prefect loads)
     from flows.cli.r1 import until_stopped
     from flows.r1_pipeline import r1_pipeline
 

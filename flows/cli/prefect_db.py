@@ -4,7 +4,7 @@ A Prefect server that starts on a home with no database creates it and runs ever
 block types: about 18 s on a 2-core CPU, where a server on a migrated database answers in about 6. Each new home
 (`r1 run` or `r1 up` on a new R1_HOME, every test that runs `r1` on a fresh folder) paid it. So the first server
 that makes a database leaves a copy of it, taken once it answers (migrations and block types, no runs), in the
-user's cache (tasks.store_copies: `R1_CACHE`, else `$XDG_CACHE_HOME/r1`, else `~/.cache/r1`), named by Prefect's
+user's cache (runtime.store_copies: `R1_CACHE`, else `$XDG_CACHE_HOME/r1`, else `~/.cache/r1`), named by Prefect's
 version; a new home's database starts as that copy, and the server finds its migrations done. A home with a database keeps it, and a
 database configured elsewhere (`PREFECT_SERVER_DATABASE_CONNECTION_URL`, Postgres) is left alone: only the default
 SQLite file in the home is made this way. `R1_PREFECT_DB_CACHE=0` (or `R1_STORE_CACHE=0`) turns it off.
@@ -18,7 +18,7 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-from tasks.store_copies import cache_dir, copy_new, enabled
+from runtime.store_copies import cache_dir, copy_new, enabled
 
 CACHE_OFF = "R1_PREFECT_DB_CACHE"
 

@@ -115,7 +115,7 @@ def check_distributed(recipe: Recipe, stages: Sequence[str]) -> None:
 
 def check_state_folder() -> None:
     """R1_HOME (or the default .r1/) is a folder this user can write, or can be made."""
-    from tasks.env import home_path
+    from runtime.env import home_path
 
     home = home_path()
     what = f"R1_HOME={home}" if os.environ.get("R1_HOME") else f"the state folder {home}"

@@ -29,7 +29,7 @@ from grpo.configs.recipe import STAGES
 
 
 def _where() -> str:
-    from tasks import tracking, ui_links
+    from runtime import tracking, ui_links
 
     uri = tracking.tracking_uri()
     lines = [f"state folder : {tracking.r1_home()}", f"MLflow       : {uri}"]
@@ -73,7 +73,7 @@ def _print_stage(name: str, result) -> None:
 
 
 def _print_links(runs: dict[str, str]) -> None:
-    from tasks import ui_links
+    from runtime import ui_links
 
     print("\n" + ui_links.ui_text(runs))
 
@@ -109,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     if path.startswith(("runs:/", "models:/")):
         from mlflow.exceptions import MlflowException
 
-        from tasks import tracking
+        from runtime import tracking
 
         try:
             path = str(tracking.download(path))
@@ -240,7 +240,7 @@ def _is_user_error(e: BaseException) -> bool:
 def _fault(e: BaseException):
     """The `grpo.faults.Fault` that `e` is (or comes from), a full disk under the state folder included; else None."""
     from grpo.faults import disk_fault
-    from tasks.env import home_path
+    from runtime.env import home_path
 
     return disk_fault(e, [home_path()])
 
@@ -281,7 +281,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     warning = use_stack_credentials()  # the logins of the `r1 up` stack the environment names, before Prefect loads
     if warning:
         print("r1: " + warning, file=sys.stderr)
-    import tasks  # noqa: F401  (embedded-default environment before Prefect loads)
+    import runtime  # noqa: F401  (embedded-default environment before Prefect loads)
 
     if args.command == "where":
         print(_where())

@@ -47,8 +47,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.configs.core import GenerationConfig, ModelConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.engines import build_engine
 from grpo.sampling.batcher import RequestBatcher, Delta, Failed, Finished, QueueFull
+from grpo.sampling.engines import build_engine
 from grpo.sampling.openai_requests import Request, RequestError, parse_chat, parse_completion
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks.env import PROJECT_ROOT
 from grpo.ports import free_port  # noqa: F401  (stack.free_port: what the stack's callers pick ports with)
+from runtime.env import PROJECT_ROOT
 
 PROCESS_POOL = "r1-process"
 GPU_POOL = "r1-k8s-gpu"
@@ -136,7 +136,7 @@ def base_env(**extra: str) -> dict[str, str]:
     # flow runs send heartbeats, for the automation that marks a silent one Crashed (create_zombie_automation)
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1",
            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(FLOW_HEARTBEAT_S), **extra}
-    # this checkout's packages first, for the worker's flow runs too (they import flows/, tasks/, grpo/)
+    # this checkout's packages first, for the worker's flow runs too (they import flows/, tasks/, runtime/, grpo/)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
     return env
 
@@ -177,7 +177,7 @@ def start_mlflow_server(db: Path, artifacts: Path, port: int, log_dir: Path, aut
     login in `auth` (flows.cli.credentials) where given; returns it and its tracking URI."""
     from flows.cli.credentials import mlflow_server_env
 
-    from tasks import store_copies
+    from runtime import store_copies
 
     artifacts.mkdir(parents=True, exist_ok=True)
     store_copies.seed_mlflow(db)  # a new database from the migrated copy: the server starts without its migrations
@@ -317,7 +317,7 @@ def deploy_stages_on(api_url: str, recipe: str, pool: str | None = None, auth: d
 
 
 def state_path() -> Path:
-    from tasks.tracking import r1_home
+    from runtime.tracking import r1_home
 
     return r1_home() / "stack" / "stack.json"
 
@@ -394,7 +394,7 @@ def summary(state: dict) -> str:
 
 def up(prefect_port: int = 4200, mlflow_port: int = 5000, out=print) -> int:
     """Start the stack, deploy every flow, record what was started; 0 on success."""
-    from tasks.tracking import r1_home
+    from runtime.tracking import r1_home
 
     from flows.cli.credentials import credentials_path, ensure_credentials
 

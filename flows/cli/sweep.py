@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, until_stopped) -> int:
 
 def links(sweep_run_id: str, point_runs: list[str]) -> str:
     """The MLflow UI's pages of a sweep: its run (the points nested under it) and the points compared."""
-    from tasks import tracking, ui_links
+    from runtime import tracking, ui_links
 
     c = tracking.client()
     experiment = c.get_run(sweep_run_id).info.experiment_id

@@ -41,8 +41,8 @@ from typing import Literal, NamedTuple
 
 import pandas as pd
 
-from grpo.data.tables import DataError, normalise_rows, read_table, validate_rows
 from grpo.configs.reward import PreferenceDataConfig
+from grpo.data.tables import DataError, normalise_rows, read_table, validate_rows
 
 # ----------------------------------------------------------------------------------------------------------------
 # The synthetic prompts: subject -> the helpful answer (or, for harmful requests, the safe alternative)

@@ -44,8 +44,8 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.configs.core import GenerationConfig, SamplingConfig
 from grpo.sampling.local import render_prompts
-from grpo.sampling.rollout import Rollout
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint, Retryable
+from grpo.sampling.rollout import Rollout
 
 logger = logging.getLogger(__name__)
 

@@ -96,12 +96,12 @@ def test_a_disk_that_fills_up_during_a_save_is_one_line_and_the_partial_folder_g
 
 SAVE_UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys
+from grpo.configs.core import ModelConfig, TinyModelConfig
 from grpo.faults import Fault
 from grpo.models import load_model_and_tokenizer
-from grpo.configs.core import ModelConfig, TinyModelConfig
 from grpo.training.accelerator import make_accelerator
-from grpo.training.optimizers import make_adamw
 from grpo.training.checkpoints import save_checkpoint
+from grpo.training.optimizers import make_adamw
 
 model, _ = load_model_and_tokenizer(ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)))
@@ -280,7 +280,7 @@ def test_a_disk_that_fills_mid_grpo_under_the_embedded_store_is_one_line_and_a_c
         artifacts = lambda uri: roomy / "mlartifacts" / uri.split("/")[1] / "artifacts" / "checkpoint"  # noqa: E731
         whole = reasoning_grpo(str(artifacts(uris["uri.cold_start_checkpoint"])),
                                ReasoningGRPOConfig.model_validate(grpo))
-        from tasks.tracking import download
+        from runtime.tracking import download
 
         a = load_file(artifacts(uris["uri.reasoning_checkpoint"]) / "model.safetensors")
         b = load_file(download(whole.uris["checkpoint"], tmp_path / "whole") / "model.safetensors")

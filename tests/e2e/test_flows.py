@@ -52,7 +52,7 @@ def test_cold_start_stage_tracks_everything(cold_start, mlflow_client, tmp_path)
     assert contexts == {"training": "sft_train", "evaluation": "heldout"}
 
     assert result.uris["checkpoint"] == f"runs:/{result.run_id}/checkpoint"
-    from tasks.tracking import download
+    from runtime.tracking import download
 
     model = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"], tmp_path / "ckpt"))
     assert model.config.num_hidden_layers == 2
@@ -63,7 +63,7 @@ def test_cold_start_stage_tracks_everything(cold_start, mlflow_client, tmp_path)
 def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, mlflow_client, tmp_path):
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.configs.recipe import ReasoningGRPOConfig
-    from tasks.tracking import download
+    from runtime.tracking import download
 
     ckpt = cold_start.uris["checkpoint"]
     result = reasoning_grpo(ckpt, ReasoningGRPOConfig.model_validate(TINY_GRPO))
@@ -86,8 +86,8 @@ def test_gsm8k_rows_run_through_reasoning_grpo_by_naming_columns_and_format(cold
                                                                             tmp_path):
     from gsm8k_data import gsm8k_rows
     from flows.r1_pipeline import r1_pipeline
+    from runtime.tracking import download
     from tasks.data import read_frame
-    from tasks.tracking import download
 
     # a local copy laid out as the hub's openai/gsm8k; the recipe names only its subset, columns and answer format
     data = {"source": str(gsm8k_copy), "subset": "main", "columns": {"prompt": "question"}, "answer_format": "gsm8k",
@@ -154,7 +154,7 @@ def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, 
     # the final model is registered and its alias resolves to this run's checkpoint
     version = mlflow_client.get_model_version_by_alias("r1-test", "champion")
     assert version.run_id == stages["alignment_grpo"].run_id
-    from tasks.tracking import download
+    from runtime.tracking import download
 
     model = AutoModelForCausalLM.from_pretrained(download("models:/r1-test@champion"))
     assert model.config.num_hidden_layers == 2

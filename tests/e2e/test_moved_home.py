@@ -1,5 +1,5 @@
 """An embedded home (R1_HOME) moved or copied to another path goes on where it stopped: its MLflow store, which
-records artifact locations as absolute paths, is re-rooted on its first open (tasks/home.py).
+records artifact locations as absolute paths, is re-rooted on its first open (runtime/home.py).
 
 A real MLflow store on SQLite with a run and its artifacts, moved and copied for real; then a finished pipeline's
 home moved with `mv` (the old path gone) and the next stages run from it with `r1 run --from-run`.
@@ -15,7 +15,7 @@ import mlflow
 import yaml
 from mlflow import MlflowClient
 
-from tasks.home import reroot
+from runtime.home import reroot
 from tiny_configs import ALL_STAGES
 
 

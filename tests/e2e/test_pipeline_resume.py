@@ -94,8 +94,8 @@ def test_fresh_runs_the_stages_again(first, mlflow_client):
 
 
 def test_a_work_folder_is_used_by_one_run_at_a_time(mlflow_client):
-    from tasks import tracking
-    from tasks.stage import FRESH, release_work_dirs, work_dir
+    from runtime import tracking
+    from runtime.stage import FRESH, release_work_dirs, work_dir
 
     first_run, second_run = tracking.start_run("a", tags={}), tracking.start_run("b", tags={})
     shared = work_dir(first_run, "locked", "same inputs")
@@ -125,7 +125,7 @@ def _dead_pid() -> int:
 
 def test_runs_a_dead_process_left_running_are_marked_failed_at_the_next_start(first, mlflow_client):
     from flows.r1_pipeline import r1_pipeline
-    from tasks import heartbeat, tracking
+    from runtime import heartbeat, tracking
 
     _, recipe = first
     mine = tracking.owner_tags()
@@ -160,8 +160,8 @@ def test_a_killed_run_on_a_lost_disk_resumes_from_its_durable_checkpoint_and_end
     from flows.r1_pipeline import r1_pipeline
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.configs.recipe import ReasoningGRPOConfig
-    from tasks import tracking
-    from tasks.durable import newest_copy
+    from runtime import tracking
+    from runtime.durable import newest_copy
 
     # GRPO needs something to learn, whatever the precision: a cold start that writes the format about half the
     # time (100 steps at a high rate: 2 s in fp32, which it is pinned to, as it is not what this test is about) and
@@ -240,7 +240,7 @@ def test_ctrl_c_ends_the_runs_as_killed_and_exits_130(prefect_harness, mlflow_cl
     import threading
 
     from flows.cli.r1 import main
-    from tasks import tracking
+    from runtime import tracking
 
     cold = {**COLD, "train": {**COLD["train"], "seed": 13, "max_steps": 500}}
     recipe = write_recipe(tmp_path / "interrupted.yaml", "resume-interrupted", cold_start_sft=cold)
@@ -350,7 +350,7 @@ def test_a_stage_key_reads_the_files_its_settings_name_and_no_others(tmp_path, m
     # key (1.6 s of stat calls a stage in this checkout, its virtualenv included), and any write there, a second
     # pytest worker's or R1_HOME's own under it, kept a finished stage from being reused
     from grpo.configs.recipe import ColdStartSFTConfig
-    from tasks.reuse import stage_key
+    from runtime.reuse import stage_key
 
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "rows.jsonl"

@@ -147,8 +147,8 @@ def _kill_the_worker_running_grpo(placed) -> tuple[int, str]:
     processes; returns that checkpoint's step and the killed stage run."""
     import psutil
 
-    from tasks import tracking
-    from tasks.durable import marked_copies
+    from runtime import tracking
+    from runtime.durable import marked_copies
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -185,7 +185,7 @@ def _wait_final(flow_run_id, timeout: float):
 @contextmanager
 def _tracking_on(uri: str):
     """This process's MLflow client pointed at `uri` for a while (the tests' own store otherwise)."""
-    from tasks import tracking
+    from runtime import tracking
 
     before = os.environ["MLFLOW_TRACKING_URI"]
     os.environ["MLFLOW_TRACKING_URI"] = uri  # tracking.client() reads it on every call

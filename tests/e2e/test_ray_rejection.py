@@ -187,7 +187,7 @@ def test_bad_cluster_settings_fail_before_any_shard_is_sampled(prefect_harness, 
 
 
 def test_shards_ask_for_a_gpu_each_where_the_cluster_has_them_and_they_load_a_model():
-    from tasks.cluster import shard_gpus
+    from runtime.cluster import shard_gpus
 
     def cfg(**over) -> RejectionSamplingConfig:
         base = stage_config("prompts.jsonl", ray_address="127.0.0.1:6379", shard_store="file:///shared/r1")

@@ -61,10 +61,10 @@ def test_a_grpo_stage_on_ray_survives_losing_a_node(prefect_harness, mlflow_clie
     from flows.cold_start_sft import cold_start_sft
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.configs.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
-    from tasks import tracking
     from grpo.training.launchers.ray_train import worker_starts
-    from tasks import durable
-    from tasks.durable import newest_copy
+    from runtime import durable
+    from runtime import tracking
+    from runtime.durable import newest_copy
 
     monkeypatch.setattr(durable, "EVERY_S", 0.05)  # checkpoints copied as soon as they are written
     since = int(time.time() * 1000)  # the runs this test makes (earlier tests may leave theirs as they left them)
@@ -124,8 +124,8 @@ def test_a_grpo_stage_on_ray_survives_losing_a_node(prefect_harness, mlflow_clie
 
 
 def test_a_ray_stage_asking_for_more_workers_than_the_cluster_has_is_refused_before_training(cluster):
-    from tasks.cluster import check_training_cluster
     from grpo.configs.distributed import DistributedConfig
+    from runtime.cluster import check_training_cluster
 
     cfg = DistributedConfig.model_validate(grpo_section(cluster, num_workers=8)["distributed"])
     with pytest.raises(ValueError, match=r"distributed.num_workers=8: the Ray cluster at 127.0.0.1:\d+ has 2 CPUs "

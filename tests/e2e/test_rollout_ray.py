@@ -20,8 +20,8 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.pop("RAY_ADDRESS", None)
 
 from grpo.configs.core import GRPOConfig, SamplingConfig  # noqa: E402
-from grpo.models import load_model_and_tokenizer  # noqa: E402
 from grpo.configs.rollout import RolloutConfig  # noqa: E402
+from grpo.models import load_model_and_tokenizer  # noqa: E402
 from grpo.training.loops.grpo_trainer import GRPOTrainer  # noqa: E402
 from grpo.training.rollouts import FAULT_POINTS, FAULTS, FAULTS_DIR, RolloutError  # noqa: E402
 from processes import alive  # noqa: E402
@@ -144,7 +144,7 @@ def test_a_cluster_without_room_for_the_actors_fails_in_one_line_before_sampling
 
 def test_the_stage_checks_the_actors_cluster_before_any_model_loads():
     from grpo.configs.distributed import DistributedConfig
-    from tasks.cluster import check_rollout_cluster
+    from runtime.cluster import check_rollout_cluster
 
     here = DistributedConfig()
     cfg = GRPOConfig(rollout=RolloutConfig(mode="async", launcher="ray", ray_address="127.0.0.1:1"))

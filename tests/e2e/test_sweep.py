@@ -145,8 +145,8 @@ def test_a_sweep_asked_wrongly_is_one_line_before_anything_runs(recipe, flags, s
 
 def test_seeds_say_which_stages_they_reach(recipe):
     from grpo.configs.recipe import load_recipe
-    from grpo.sweep import expand, seeds_reach, with_fixed
     from grpo.configs.sweep import SweepConfig
+    from grpo.sweep import expand, seeds_reach, with_fixed
 
     r = load_recipe(recipe)
     late = SweepConfig(grid={"reasoning_grpo.grpo.beta": [0, 0.04]}, seeds=2, seed_stages=["reasoning_grpo"],
@@ -172,7 +172,7 @@ def test_a_sweep_killed_mid_point_goes_on_with_that_point_from_its_checkpoint(pr
     from prefect.settings import PREFECT_API_URL
 
     from grpo.training.checkpoints import latest_checkpoint
-    from tasks import tracking
+    from runtime import tracking
 
     grpo = {**GRPO, "grpo": {**GRPO["grpo"], "max_steps": 24, "checkpoint_every": 2, "seed": 5}}
     recipe = tmp_path / "killed.yaml"
@@ -224,7 +224,7 @@ def test_a_sweep_on_a_deployment_runs_its_points_on_a_pool_side_by_side(deployed
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.sweep import r1_sweep
-    from tasks import tracking
+    from runtime import tracking
 
     recipe = pool / "pool.yaml"
     recipe.write_text(yaml.safe_dump({"name": "sweep-pool", "cold_start_sft": COLD, "reasoning_grpo": GRPO}))
@@ -305,7 +305,7 @@ def test_points_side_by_side_on_this_machine_share_their_cold_start(prefect_harn
     assert second.info.start_time >= cold.info.end_time  # it waited for the shared cold start
     assert len(trained(stage_runs(mlflow_client, [p.info.run_id for p in points], "reasoning_grpo"))) == 2
     assert sweep.info.status == "FINISHED" and "summary.csv" in out
-    from tasks import tracking
+    from runtime import tracking
 
     logs = tracking.r1_home() / "sweeps" / sweep.info.run_id / "points"
     assert "MLflow pipeline run" in (logs / "point-1.log").read_text()  # each point's own output, kept
@@ -325,7 +325,7 @@ def _until(what: str, check, timeout: float, every: float = 1.0):
 
 def _running_points(recipe_name: str, count: int):
     """The sweep's point pipeline runs, once `count` of them train their reasoning GRPO (RUNNING)."""
-    from tasks import tracking
+    from runtime import tracking
 
     parents = {r.info.run_id: r for r in tracking.find_runs(f"tags.recipe = '{recipe_name}'")}
     grpo = [r for r in tracking.find_runs("tags.stage = 'reasoning_grpo' and attributes.status = 'RUNNING'")
@@ -338,7 +338,7 @@ def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness
     within the 30 s a stop may take, no point process is left, and the sweep and its points are KILLED."""
     from prefect.settings import PREFECT_API_URL
 
-    from tasks import tracking
+    from runtime import tracking
 
     # a store of its own: twice in CI both points' ends waited out SQLite's 20 s for a lock held elsewhere, and the
     # session's store is written by the other worker's test files too (the sweep, its points and this test share it)
@@ -375,7 +375,7 @@ def test_a_sweep_cancelled_in_the_prefect_ui_stops_its_point_processes(deployed_
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling
 
-    from tasks import tracking
+    from runtime import tracking
 
     recipe = _sweep_recipe(pool, "sweep-cancel", 49, 500)
     with temporary_settings({PREFECT_API_URL: deployed_server["api"]}):

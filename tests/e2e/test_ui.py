@@ -4,7 +4,7 @@ run; open the MLflow pages `r1` prints and find the runs on them.
 A Prefect server on a free port with every deployment and a process worker (MLflow on SQLite in a temp folder);
 Chromium opens the cold_start_sft deployment's custom-run form, changes a few fields of the stage's config form
 (so the run is small), submits, and follows the flow run's page until it says Completed. An `mlflow server` on
-127.0.0.1 holds two pipeline runs made through `tasks.tracking`; Chromium opens each link `r1 compare` prints.
+127.0.0.1 holds two pipeline runs made through `runtime.tracking`; Chromium opens each link `r1 compare` prints.
 
 Needs Debian's `chromium` and `chromium-driver` and `selenium` (the dev extra); `make test` installs them where it
 may (root with apt-get, as in CI). Without them the tests are skipped, saying how to get them, except in CI (`CI`
@@ -156,7 +156,7 @@ def mlflow_ui(tmp_path_factory):
 
 @pytest.fixture
 def on_mlflow_ui(mlflow_ui, monkeypatch):
-    """`tasks.tracking` pointed at that server for one test, then back at the session's store."""
+    """`runtime.tracking` pointed at that server for one test, then back at the session's store."""
     import mlflow
 
     before = os.environ["MLFLOW_TRACKING_URI"]

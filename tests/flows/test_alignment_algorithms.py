@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.data.preferences import REFUSAL, general_prompts, is_refusal, preference_pairs
 from grpo.configs.recipe import AlignmentGRPOConfig
+from grpo.data.preferences import REFUSAL, general_prompts, is_refusal, preference_pairs
 from tiny_configs import LOGGED_TINY as TINY
 
 EVAL = {"num_prompts": 8, "num_samples": 0, "max_new_tokens": 16, "num_logged_samples": 4}
@@ -47,7 +47,7 @@ def stage_config(algorithm: str, name: str, **extra) -> AlignmentGRPOConfig:
 
 def test_the_stage_trains_by_dpo_end_to_end(prefect_harness, mlflow_client, logged_checkpoint):
     from flows.alignment_grpo import alignment_grpo
-    from tasks.tracking import download
+    from runtime.tracking import download
 
     torch.set_num_threads(1)
     result = alignment_grpo(logged_checkpoint, stage_config("dpo", "r1-dpo-test"))

@@ -49,8 +49,8 @@ def test_reasoning_grpo_on_code_rows_reports_pass_at_1_on_held_out_code(bwrap, p
                                                                       base_checkpoint, tmp_path):
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.configs.recipe import ReasoningGRPOConfig
+    from runtime.tracking import download
     from tasks.data import read_frame
-    from tasks.tracking import download
 
     result = reasoning_grpo(base_checkpoint, ReasoningGRPOConfig.model_validate(CODE_GRPO))
     run = mlflow_client.get_run(result.run_id)

@@ -70,8 +70,8 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(prefect_harnes
 
 def test_the_judge_over_http_against_the_projects_own_server(prefect_harness, answering_checkpoint, prompts_file,
                                                              mlflow_client):
-    from flows.rejection_sampling import rejection_sampling
     from flows.cli.serve import make_server
+    from flows.rejection_sampling import rejection_sampling
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))
     server = make_server(model, tok, port=0, model_name="judge")

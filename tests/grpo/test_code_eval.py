@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from grpo.configs.core import CodeConfig, DataConfig, EvalConfig, GRPOConfig, RejectionConfig, SamplingConfig
+from grpo.configs.recipe import AlignmentGRPOConfig
 from grpo.data.preferences import alignment_prompts, general_prompts
 from grpo.data.tables import load_rl_data
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
-from grpo.configs.recipe import AlignmentGRPOConfig
 from grpo.rejection.curate import curate
 from grpo.rejection.shards import validate_prompts
 from grpo.rewards import REWARD_FUNCTIONS

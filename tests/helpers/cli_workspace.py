@@ -86,7 +86,7 @@ class Workspace:
         return str(folder)
 
     def client(self):
-        from tasks import tracking
+        from runtime import tracking
 
         return tracking.client()
 

@@ -18,8 +18,8 @@ import torch
 
 from ddp_loops import GRPO, GRPO_PROMPTS, SMALL, Recorder, digits
 from grpo.configs.distributed import DistributedConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.configs.rollout import RolloutConfig
+from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 
 

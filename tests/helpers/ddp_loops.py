@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo.configs.core import GRPOConfig, LoRAConfig, SamplingConfig, SFTConfig
 from grpo.configs.distributed import DistributedConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.configs.ppo import PPOConfig
 from grpo.configs.reward import RewardModelConfig
+from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator
 from grpo.training.distributed import process_share

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from grpo.data.preferences import preference_pairs
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.dpo import DPOConfig
+from grpo.data.preferences import preference_pairs
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.dpo import train_dpo
 from tiny_configs import SMALL

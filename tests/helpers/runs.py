@@ -19,7 +19,7 @@ def weights(checkpoint_uri: str, dst: Path) -> dict:
     """A logged checkpoint's weights (name: tensor), downloaded into `dst`."""
     from safetensors.torch import load_file
 
-    from tasks.tracking import download
+    from runtime.tracking import download
 
     return load_file(download(checkpoint_uri, dst) / "model.safetensors")
 
@@ -50,7 +50,7 @@ def stage_config(prompts_file: str, **rejection) -> dict:
 
 def make_pipeline(lr: str, accuracy: float, stages=("cold_start_sft", "reasoning_grpo"), recipe="tiny") -> str:
     """A finished pipeline run with a stage run per stage, made through the real MLflow client: its run id."""
-    from tasks import tracking
+    from runtime import tracking
 
     parent = tracking.start_run(f"r1_pipeline:{recipe}", tags={"recipe": recipe})
     tracking.log_params(parent, {"recipe": recipe, "stages": ",".join(stages)})

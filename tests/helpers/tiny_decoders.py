@@ -7,8 +7,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from grpo.configs.core import SamplingConfig
-from grpo.sampling.local import decode_step, slots
 from grpo.sampling.draws import uniform_at
+from grpo.sampling.local import decode_step, slots
 from grpo.sampling.local.static_sampler import choose_tokens
 
 V, PAD, EOS = 96, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 12 end ids in 96: rows end after ~8 tokens

@@ -1,4 +1,4 @@
-"""Durable resume checkpoints (tasks/durable.py) against a real MLflow store: copied, marked, found, pruned; a copy
+"""Durable resume checkpoints (runtime/durable.py) against a real MLflow store: copied, marked, found, pruned; a copy
 cut off before its mark is never taken; a store that takes no write fails before any training."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo.training.checkpoints import write_manifest
-from tasks import tracking
-from tasks.durable import _Uploader, check_writable, durable_resume, marked_copies, restore
+from runtime import tracking
+from runtime.durable import _Uploader, check_writable, durable_resume, marked_copies, restore
 
 
 def checkpoint(out: Path, step: int, payload: bytes) -> Path:
@@ -72,7 +72,7 @@ def test_a_copy_cut_off_before_its_mark_is_never_taken(tmp_path, key):
 
 
 def test_a_finished_loop_keeps_no_copy_and_a_fresh_run_takes_none(tmp_path, key):
-    from tasks.stage import FRESH
+    from runtime.stage import FRESH
 
     earlier = tracking.start_run("earlier", tags={})
     out = tmp_path / "a" / key
@@ -116,9 +116,9 @@ def test_a_damaged_durable_copy_is_named_and_not_taken(tmp_path, key, caplog):
     other = tracking.start_run("other", tags={})
     fresh = tmp_path / "b" / key
     fresh.mkdir(parents=True)
-    with caplog.at_level(logging.WARNING, logger="tasks.durable"):
+    with caplog.at_level(logging.WARNING, logger="runtime.durable"):
         assert restore(other, fresh) == 0  # nothing to trust anywhere: the stage starts over
-    assert [r.getMessage() for r in caplog.records if r.name == "tasks.durable"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "runtime.durable"] == [
         f"the durable copy of step 2 in run {run} is damaged: model.bin has 2 bytes where its manifest says 3 (cut "
         "short); the stage starts over"]
     assert not list((fresh / "checkpoints").glob("step-*"))
@@ -132,7 +132,7 @@ def test_a_damaged_local_checkpoint_is_not_copied_to_the_store(tmp_path, key, ca
     checkpoint(out, 2, b"two")
     uploader.sync()
     (checkpoint(out, 4, b"four") / "model.bin").write_bytes(b"fo")  # cut short on the disk after it was written
-    with caplog.at_level(logging.WARNING, logger="tasks.durable"):
+    with caplog.at_level(logging.WARNING, logger="runtime.durable"):
         uploader.sync()
         uploader.sync()  # named once
     assert len([r for r in caplog.records if "step-4 is damaged" in r.getMessage()]) == 1
@@ -172,7 +172,7 @@ def test_a_stage_output_cut_short_in_the_store_is_one_line_and_a_cut_local_copy_
 def test_two_runs_that_finish_the_same_work_both_delete_its_copy(tmp_path, key):
     # two pipelines that resumed one stage's work at once both finish it, and each deletes the copy it resumed
     # from: the second finds the mark already gone, which is what it wanted (it failed the second run)
-    from tasks.durable import _delete_copy
+    from runtime.durable import _delete_copy
 
     run = tracking.start_run("copied", tags={})
     out = tmp_path / "a" / key

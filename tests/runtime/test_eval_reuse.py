@@ -1,4 +1,4 @@
-"""An evaluation made once (tasks.eval_reuse): a stage that scores the checkpoint an earlier stage scored the same
+"""An evaluation made once (runtime.eval_reuse): a stage that scores the checkpoint an earlier stage scored the same
 way logs that stage's figures and samples instead of scoring again; an evaluation that samples nothing reads the
 greedy figures of one that did; any setting that changes the figures, or another run's checkpoint, scores anew."""
 
@@ -10,7 +10,7 @@ import torch
 
 from grpo.configs.core import EvalConfig
 from grpo.models import load_model_and_tokenizer
-from tasks import tracking
+from runtime import tracking
 from tasks.evaluate import evaluate_model
 from tiny_configs import SMALL
 

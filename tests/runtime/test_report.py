@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from grpo.configs.recipe import ColdStartSFTConfig
-from tasks.report import stage_report_markdown
-from tasks.stage import StageResult
+from runtime.report import stage_report_markdown
+from runtime.stage import StageResult
 from tiny_configs import TINY_STAGE
 
 

@@ -1,4 +1,4 @@
-"""New MLflow stores made from a migrated copy (tasks.store_copies): the copy holds the tables and no experiment, a
+"""New MLflow stores made from a migrated copy (runtime.store_copies): the copy holds the tables and no experiment, a
 new store made from it is MLflow's own (its Default experiment where that store puts artifacts, runs and models
 written and read back), a database that exists is never touched, and the switch turns it off."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from tasks import store_copies
+from runtime import store_copies
 
 
 def _count(db: Path, table: str) -> int:

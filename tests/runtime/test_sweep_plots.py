@@ -6,7 +6,7 @@ import io
 
 import pandas as pd
 
-from tasks.sweep import setting_plots
+from runtime.sweep import setting_plots
 
 
 def test_a_setting_with_one_value_gets_no_plot_and_a_flat_result_keeps_its_scale():

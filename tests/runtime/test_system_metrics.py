@@ -6,8 +6,8 @@ import time
 import pytest
 from pydantic import BaseModel
 
-from tasks import system_metrics
-from tasks.stage import stage_run
+from runtime import system_metrics
+from runtime.stage import stage_run
 
 FIGURES = ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
            "system/disk_usage_percentage", "system/network_receive_megabytes")

@@ -11,7 +11,7 @@ import pytest
 from mlflow.entities import Metric
 
 from grpo.interrupts import stop_on_signals
-from tasks import tracking, ui_links
+from runtime import tracking, ui_links
 
 KIND = "mlflow.experimentKind"
 

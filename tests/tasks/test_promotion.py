@@ -14,7 +14,7 @@ import pytest
 
 from grpo.configs.recipe import AlignmentGRPOConfig
 from grpo.ports import free_port
-from tasks import tracking
+from runtime import tracking
 from tasks.promotion import AWAITING, Holder, decide, promote_model, register_model
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -32,8 +32,8 @@ rounding.
 
 Run it alone:
     from grpo.configs.core import ModelConfig
-    from grpo.data.preferences import preference_pairs
     from grpo.configs.dpo import DPOConfig
+    from grpo.data.preferences import preference_pairs
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.dpo import train_dpo
     model, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path="<sft checkpoint folder>"))
@@ -59,10 +59,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.data.preferences import split_by_prompt
-from grpo.data.tables import DataError
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.dpo import DPOConfig
+from grpo.data.preferences import split_by_prompt
+from grpo.data.tables import DataError
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing

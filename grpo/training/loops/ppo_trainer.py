@@ -40,11 +40,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.configs.checks import check_fsdp_settings
 from grpo.configs.core import GenerationConfig, GRPOConfig
 from grpo.configs.distributed import DistributedConfig
+from grpo.configs.ppo import PPOConfig, check_ppo_settings
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.configs.ppo import PPOConfig, check_ppo_settings
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.sampling.rollout import decode_figures
 from grpo.training.accelerator import make_accelerator

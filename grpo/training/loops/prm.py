@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.configs.core import TINY, ModelConfig, SamplingConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import Problem, format_response
 from grpo.kernels.attention import PACKED, attending_packed
 from grpo.models import DTYPES, check_model_config, load_tokenizer
-from grpo.configs.reward import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, Steps, StepVerifier
 from grpo.sampling.local import TransformersBackend, render_prompts

@@ -16,8 +16,8 @@ A micro-batch's 2B sequences go through the model as one row without padding whe
 float rounding.
 
 Run it alone:
-    from grpo.data.preferences import preference_pairs
     from grpo.configs.reward import RewardModelConfig
+    from grpo.data.preferences import preference_pairs
     from grpo.training.loops.reward_model import train_reward_model
     result = train_reward_model(preference_pairs(1000), RewardModelConfig(), "out/rm",
                                 heldout=preference_pairs(200, split="heldout"))
@@ -37,12 +37,12 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from grpo.configs.distributed import DistributedConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.data.preferences import split_by_prompt
 from grpo.data.tables import DataError
-from grpo.configs.distributed import DistributedConfig
 from grpo.kernels.attention import attending_packed
 from grpo.models import activation_checkpointing
-from grpo.configs.reward import RewardModelConfig
 from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import batch_indices
 from grpo.training.distributed import check_split, main_only, process_share, reduce_metrics

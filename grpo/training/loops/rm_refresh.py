@@ -43,8 +43,8 @@ import pandas as pd
 import torch
 
 from grpo.configs.core import REWARD_MODEL
-from grpo.kernels.attention import attending_packed
 from grpo.configs.reward import RewardModelConfig
+from grpo.kernels.attention import attending_packed
 from grpo.training.optimizers import make_adamw
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, encode_pairs, evaluate_pairs,
                                          pair_metrics, packs, sequence_scores)

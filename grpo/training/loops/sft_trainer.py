@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.configs.core import SFTConfig
-from grpo.data.tables import DataError
 from grpo.configs.distributed import DistributedConfig
+from grpo.data.tables import DataError
 from grpo.kernels.attention import PACKED, attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp

@@ -26,8 +26,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from grpo import cores
-from grpo.interrupts import alive, die_with_parent
 from grpo.configs.rollout import RolloutConfig
+from grpo.interrupts import alive, die_with_parent
 from grpo.training.rollouts.base import Rollouts
 from grpo.training.rollouts.protocol import (HEARTBEAT_S, POLL_S, STARTUP_S, Plan, Unit, fault, sample_steps,
                                              sampler_model)

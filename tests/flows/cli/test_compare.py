@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from flows.cli.r1 import main
 from flows.cli.compare import compare, stage_runs
+from flows.cli.r1 import main
 from runs import make_pipeline
-from tasks import tracking
+from runtime import tracking
 
 
 def test_children_are_found_by_stage_tag_in_recipe_order():

@@ -335,7 +335,7 @@ def test_from_run_with_an_unknown_run_id(ws, capsys):
 
 
 def test_from_run_with_a_stage_run_instead_of_a_pipeline_run(ws, capsys):
-    from tasks import tracking
+    from runtime import tracking
 
     run_id = tracking.start_run("cold_start_sft", tags={"stage": "cold_start_sft"})
     fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "sft", "--from-run", run_id],
@@ -349,7 +349,7 @@ def test_a_checkpoint_uri_of_an_unknown_run(ws, capsys):
 
 
 def test_a_checkpoint_uri_whose_run_has_no_checkpoint(ws, capsys):
-    from tasks import tracking
+    from runtime import tracking
 
     run_id = tracking.start_run("cold_start_sft", tags={"stage": "cold_start_sft"})
     fails_cleanly(capsys, ws, ["stage", "reasoning_grpo", "--recipe", ws.recipe(), "--checkpoint",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli.r1 import main
 from flows.cli.plan import plan_text
+from flows.cli.r1 import main
 from grpo.configs.core import ModelConfig, RejectionConfig, SamplingConfig
 from grpo.configs.recipe import RejectionSamplingConfig, load_recipe
 from grpo.rejection.budget import expected_kept_per_prompt, plan_budget
@@ -94,8 +94,8 @@ def test_without_a_figure_plan_measures_the_recipes_model_here():
 
 
 def test_with_the_http_backend_plan_measures_the_recipes_endpoints():
-    from grpo.models import load_model_and_tokenizer
     from flows.cli.serve import make_server
+    from grpo.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=SMALL))
     server = make_server(model, tok, port=0, model_name="policy")

@@ -13,10 +13,10 @@ import httpx
 import pytest
 import torch
 
+from flows.cli.serve import make_server
 from grpo.configs.core import ModelConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local.backend import TransformersBackend
-from flows.cli.serve import make_server
 from tiny_configs import TINY_MODEL as SMALL
 
 KEY = "sk-test-batching"

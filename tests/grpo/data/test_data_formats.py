@@ -158,7 +158,7 @@ def test_unreadable_answers_drop_leaves_the_rows_out_and_counts_them(tmp_path, c
 
 
 def test_the_data_task_logs_how_many_rows_were_dropped(prefect_harness, mlflow_client, tmp_path):
-    from tasks import tracking
+    from runtime import tracking
     from tasks.data import prepare_data, read_frame
 
     rows = gsm8k_rows(20)

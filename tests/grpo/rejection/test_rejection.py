@@ -478,7 +478,7 @@ def test_the_summary_line_shows_what_was_kept_and_only_the_filters_that_dropped_
 
 def test_the_cli_prints_the_rejection_summary_line(capsys):
     from flows.cli.r1 import _print_stage
-    from tasks.stage import StageResult
+    from runtime.stage import StageResult
 
     counts = Counts.zero(RejectionConfig())._replace(generated=8, kept=2)
     counts.dropped["incorrect"] = 6

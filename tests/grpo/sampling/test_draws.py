@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from grpo.configs.core import SamplingConfig
-from grpo.sampling.local.backend import sample_batch
 from grpo.sampling.draws import draw_streams, uniform_at
+from grpo.sampling.local.backend import sample_batch
 from grpo.sampling.local.static_sampler import StaticSampler
 from tiny_decoders import EOS, PAD, left_padded, make_model
 

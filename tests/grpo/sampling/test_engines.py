@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from grpo.configs.core import GenerationConfig, GRPOConfig, SamplingConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.configs.recipe import RecipeError, load_recipe
-from grpo.sampling.local.backend import TransformersBackend
+from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import Rollout, build_engine, local_generation, require_tokens, sampling_dtype
 from grpo.sampling.http_backend import HTTPGenerationBackend
+from grpo.sampling.local.backend import TransformersBackend
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from tiny_configs import SMALL
 

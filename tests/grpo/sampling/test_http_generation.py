@@ -21,19 +21,19 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from flows.cli.serve import load_checkpoint, make_server
 from grpo.configs.core import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ports import free_port
 from grpo.rejection.shards import run_rejection_sampling, shard_seed
-from grpo.sampling.local.backend import TransformersBackend, render_prompts
+from grpo.sampling.engines import require_tokens
 from grpo.sampling.http_backend import (
     GenerationUnavailable,
     HTTPGenerationBackend,
     sample_seed,
 )
-from grpo.sampling.engines import require_tokens
-from flows.cli.serve import load_checkpoint, make_server
+from grpo.sampling.local.backend import TransformersBackend, render_prompts
 from tiny_configs import TINY_MODEL as SMALL
 
 ROOT = Path(__file__).resolve().parents[3]

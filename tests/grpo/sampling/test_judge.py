@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.cli.r1 import main
+from flows.cli.serve import load_checkpoint, make_server
 from grpo.configs.core import JudgeConfig, ModelConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ports import free_port
@@ -28,7 +29,6 @@ from grpo.sampling.judge import (
     parse_verdict,
     render_judge_prompt,
 )
-from flows.cli.serve import load_checkpoint, make_server
 from grpo.texts import JUDGE_PROMPT
 from grpo.tiny import build_tokenizer
 

@@ -134,8 +134,8 @@ def test_a_stage_trains_on_two_processes_and_only_its_task_logs(prefect_harness,
     import time
 
     from flows.cold_start_sft import cold_start_sft
-    from grpo.models import load_model_and_tokenizer
     from grpo.configs.recipe import ColdStartSFTConfig
+    from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.sft_trainer import train_sft
     from tasks.data import read_frame
 
@@ -164,8 +164,8 @@ def test_two_machines_on_loopback_train_one_stage_together(prefect_harness, mlfl
     with R1_MACHINE_RANK=1) starts the other; the two processes train one sharded SFT together, the task logs rank
     0's reports into its one run, and the result is the one-process training of the same rows."""
     from flows.cold_start_sft import cold_start_sft
-    from grpo.models import load_model_and_tokenizer
     from grpo.configs.recipe import ColdStartSFTConfig
+    from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.sft_trainer import train_sft
     from tasks.data import read_frame
 

@@ -25,8 +25,8 @@ from comparisons import (assert_curves_match, assert_gradients_of_halves, assert
                          assert_sft_matches, reported)
 from ddp_loops import GRPO, logps_rows, run_all, run_grpo_resumed, run_ppo, run_sft_resumed
 from grpo.configs.distributed import DistributedConfig
-from grpo.ports import free_port
 from grpo.configs.recipe import ReasoningGRPOConfig
+from grpo.ports import free_port
 from grpo.training.launchers import launch
 from processes import HELPERS, ROOT
 
@@ -189,8 +189,8 @@ def test_a_sharded_stage_killed_on_two_processes_resumes_on_one_from_its_durable
     from grpo.configs.recipe import ColdStartSFTConfig
     from processes import kill_group, r1_run, wait_for
     from runs import children, weights
-    from tasks import tracking
-    from tasks.durable import newest_copy
+    from runtime import tracking
+    from runtime.durable import newest_copy
     from tiny_configs import TINY
 
     section = {"model": {"tiny": TINY},

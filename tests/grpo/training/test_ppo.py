@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.configs.core import GRPOConfig, SamplingConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.configs.ppo import PPOConfig
+from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.loops.ppo_trainer import PPOTrainer
 from grpo.training.ppo import (clipped_value_loss, explained_variance, gae_advantages, masked_whiten, ppo_loss,
@@ -271,7 +271,7 @@ def test_reasoning_stage_runs_ppo_end_to_end(prefect_harness, mlflow_client, tmp
     carries the ppo section to each)."""
     from flows.reasoning_grpo import reasoning_grpo
     from grpo.configs.recipe import ReasoningGRPOConfig
-    from tasks.tracking import download
+    from runtime.tracking import download
 
     model, tok = load_model_and_tokenizer(SMALL)
     start = tmp_path / "start"

@@ -159,7 +159,7 @@ def test_every_training_loop_of_a_stage_is_found_in_its_config():
 def test_reuse_is_keyed_by_the_precision_auto_resolves_to(monkeypatch):
     """Work trained in bf16 is not what an fp32 run would make: the stage key differs, unless the recipe pins one."""
     from grpo.configs.recipe import load_recipe
-    from tasks.reuse import stage_key
+    from runtime.reuse import stage_key
 
     cfg = load_recipe("tiny").cold_start_sft
     keys = {}

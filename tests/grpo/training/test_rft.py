@@ -8,10 +8,10 @@ import torch
 from pydantic import ValidationError
 
 from grpo.configs.core import GRPOConfig, SamplingConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.configs.recipe import ReasoningGRPOConfig
-from grpo.rewards import REWARD_FUNCTIONS
 from grpo.configs.rft import OnlineRFTConfig
+from grpo.models import load_model_and_tokenizer
+from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.advantages import group_advantages
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loss import grpo_loss

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from grpo.configs.core import GenerationConfig, GRPOConfig, SamplingConfig
-from grpo.models import load_model_and_tokenizer
 from grpo.configs.rollout import RolloutConfig
+from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine
 from grpo.training.batches import prompt_order
 from grpo.training.distributed import sampling_seed

@@ -6,11 +6,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from grpo.configs.core import ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
+from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.sampling.local import backend, cpu_decoder
 from grpo.sampling.local.backend import TransformersBackend, render_prompts, sample_batch
 from grpo.sampling.local.cpu_decoder import lean_decode_supported
 from grpo.sampling.local.decode_step import inverse_cdf
-from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.tiny import build_tokenizer
 
 SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

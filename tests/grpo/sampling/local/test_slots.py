@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from grpo.configs.core import SamplingConfig
-from grpo.sampling.local import decode_step
 from grpo.sampling.draws import draw_streams
+from grpo.sampling.local import decode_step
 from grpo.sampling.local.slots import SlotBatch
 from grpo.sampling.local.static_sampler import StaticSampler
 from tiny_decoders import EOS, PAD, V, fp32_gap, left_padded, make_model

@@ -9,9 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bytes_alive import BytesAlive
 from grpo.configs.core import SamplingConfig
+from grpo.sampling.draws import draw_streams
 from grpo.sampling.local import static_sampler
 from grpo.sampling.local.decode_step import read_weights
-from grpo.sampling.draws import draw_streams
 from grpo.sampling.local.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
 from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model, recorded_logits,
                            reference_loop)

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.configs.core import LoRAConfig
+from grpo.configs.dpo import DPOConfig
 from grpo.configs.reward import PreferenceDataConfig
 from grpo.data.preferences import load_preference_data, preference_pairs
 from grpo.data.tables import DataError
-from grpo.configs.dpo import DPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.dpo import dpo_loss, pair_batch, sequence_logps, tokenize_pairs, train_dpo
 from tiny_configs import SMALL

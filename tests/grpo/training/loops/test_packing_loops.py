@@ -210,8 +210,8 @@ def test_a_short_reward_model_run_packed_matches_the_padded_one(tmp_path):
     """Three steps: the same losses, accuracies, held-out figures and weights as the padded run."""
     from transformers import AutoModelForSequenceClassification
 
-    from grpo.data.preferences import preference_pairs
     from grpo.configs.reward import RewardModelConfig
+    from grpo.data.preferences import preference_pairs
     from grpo.training.loops.reward_model import train_reward_model
 
     runs = {}
@@ -240,8 +240,8 @@ def test_a_short_dpo_run_packed_matches_the_padded_one(tmp_path):
     figures and weights as the padded run."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.data.preferences import preference_pairs
     from grpo.configs.dpo import DPOConfig
+    from grpo.data.preferences import preference_pairs
     from grpo.training.loops.dpo import train_dpo
 
     runs = {}

@@ -13,17 +13,17 @@ from grpo.configs.core import (
     SFTConfig,
     TaskConfig,
 )
+from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import generate_problems, rl_rows, sft_rows
 from grpo.models import load_model_and_tokenizer
-from grpo.configs.reward import RewardModelConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.steps import arithmetic_steps
 from grpo.sampling.local.backend import Rollout, TransformersBackend, render_prompts
-from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.logprobs import token_logps
-from grpo.training.process import process_advantages
+from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.prm import label_steps, label_worked_solutions, prm_step_verifier, train_prm
 from grpo.training.loops.sft_trainer import train_sft
+from grpo.training.process import process_advantages
 from tiny_configs import SMALL
 
 TASK = TaskConfig(max_operand=3, counting_share=0.5)

@@ -8,16 +8,16 @@ import pandas as pd
 import pytest
 import torch
 
-import grpo.training.loops.reward_model
 from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.data.preferences import general_prompts, general_sft_rows, load_preferences, preference_pairs
 from grpo.data.tables import SFT_SCHEMA, DataError, validate_rows
 from grpo.models import is_checkpointing
-from grpo.configs.reward import RewardModelConfig
 from grpo.rewards import format_reward_strict, score_completions
 from grpo.tiny import build_tiny_model, build_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.reward_model import train_reward_model
+import grpo.training.loops.reward_model
 from grpo.training.loops.sft_trainer import tokenize_rows
 from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, build_reward_model, encode,
                                          encode_pairs, evaluate_pairs, pair_metrics, reward_model_reward)

@@ -12,9 +12,9 @@ import torch
 
 from comparisons import close
 from grpo.configs.core import GRPOConfig, SamplingConfig
+from grpo.configs.reward import RewardModelConfig
 from grpo.data.preferences import general_prompts, preference_pairs
 from grpo.models import load_model_and_tokenizer
-from grpo.configs.reward import RewardModelConfig
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.rm_refresh import RewardModelRefresh, policy_pairs
 from grpo.training.reward_scorer import RewardModelScorer, build_reward_model, reward_model_reward
@@ -229,7 +229,7 @@ def test_the_alignment_stage_refreshes_its_reward_model(prefect_harness, mlflow_
     trained = [s for s in (1, 2) if history["rm/refresh_pairs"][s] > 0]  # a step whose groups all agree has none
     assert trained and all(s in history["rm/refresh_loss"] and s in history["rm/heldout_accuracy"] for s in trained)
     # the refreshed reward model is logged beside the one trained before GRPO, and loads as a scorer
-    from tasks.tracking import download
+    from runtime.tracking import download
 
     refreshed = RewardModelScorer.from_pretrained(download(f"runs:/{result.run_id}/reward_model_refreshed",
                                                            tmp_path / "refreshed"))
