@@ -44,10 +44,10 @@ def trained(runs) -> list:
     return [r for r in runs if "r1.reused_from" not in r.data.tags]
 
 
-@pytest.fixture
-def pool(deployed_server, tmp_path_factory, monkeypatch):
-    """An MLflow server and a worker on the deployed server's process pool for one test (a folder for its files is
-    yielded); this process logs to that MLflow server too."""
+@pytest.fixture(scope="module")
+def pool_servers(deployed_server, tmp_path_factory):
+    """An MLflow server and a worker on the deployed server's process pool, shared by the module's tests that run
+    on the pool (each logs under recipe names of its own); a folder for their files."""
     from flows.cli import stack
 
     root = tmp_path_factory.mktemp("sweep-pool")
@@ -58,10 +58,18 @@ def pool(deployed_server, tmp_path_factory, monkeypatch):
         started.append(mlflow_server)
         started.append(stack.start_worker(deployed_server["api"], uri, root / "logs",
                                           PREFECT_WORKER_QUERY_SECONDS="2", OMP_NUM_THREADS="1"))
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        yield root
+        yield root, uri
     finally:
         stack.stop_processes(started[::-1])
+
+
+@pytest.fixture
+def pool(pool_servers, tmp_path, monkeypatch):
+    """The pool's servers for one test (a folder of its own is yielded); this process logs to that MLflow server
+    too, for the test's length."""
+    _, uri = pool_servers
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    yield tmp_path
 
 
 @pytest.fixture
