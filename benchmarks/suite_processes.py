@@ -4,7 +4,8 @@
 for the run writes each Python process's command line as it starts, so each record is named by what it ran (a fork
 is named by its parent). Prints one line per kind of process (count, CPU seconds, seconds each), the run's wall time
 and the CPU there was to be had. Needs root and the `acct` package (Debian: `apt-get install acct`). The hook is
-removed and the accounting turned off at the end, whatever happens.
+removed and the accounting turned off at the end, whatever happens (Ctrl-C and `kill` too). `--keep DIR` keeps the
+records, to ask them more (which test started what).
 
     .venv/bin/python benchmarks/suite_processes.py -- -q -n 2 --dist loadfile --no-loadscope-reorder
 """
@@ -16,6 +17,7 @@ import collections
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -71,6 +73,8 @@ def records(pacct: Path) -> list[tuple[str, float, int, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pytest_args", nargs="*", help="what to pass to pytest (after --)")
+    parser.add_argument("--keep", type=Path, help="a folder to keep the records in (argv.log: pid, ppid, command "
+                        "line of each Python process; processes.tsv: command name, CPU s, pid, ppid, kind)")
     args = parser.parse_args()
     for tool in ("accton", "dump-acct"):
         if shutil.which(tool) is None:
@@ -83,6 +87,7 @@ def main() -> int:
     hook.write_text(HOOK.format(log=str(log)))
     pth.write_text("import r1_suite_processes_hook\n")
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: the hook and the accounting are undone too
     try:
         subprocess.run(["accton", str(pacct)], check=True, capture_output=True)
         code = subprocess.run([sys.executable, "-m", "pytest", *args.pytest_args], cwd=ROOT).returncode
@@ -109,6 +114,11 @@ def main() -> int:
         t = totals[name(comm, pid)]
         t[0] += 1
         t[1] += cpu
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, args.keep / "argv.log")
+        (args.keep / "processes.tsv").write_text("".join(f"{comm}\t{cpu:.2f}\t{pid}\t{ppid}\t{name(comm, pid)}\n"
+                                                         for comm, cpu, pid, ppid in rows))
     used = sum(t[1] for t in totals.values())
     print(f"pytest exited {code}; {wall:.0f} s of wall time, {used:.0f} s of CPU in {len(rows)} processes "
           f"({used / (wall * os.cpu_count()):.0%} of the {os.cpu_count()} cores' time)")

@@ -32,16 +32,18 @@ def stage_runs(run) -> list:
                   key=lambda r: r.info.start_time)
 
 
-def test_a_stage_that_fails_on_a_full_disk_is_retried_and_resumes_once_there_is_room(r1, tmp_path):
+def test_a_stage_that_fails_on_a_full_disk_is_retried_and_resumes_once_there_is_room(r1, tmp_path, monkeypatch):
     from grpo.training.checkpoints import resumable_step
 
     work = tmp_path / "home" / "work"
     if not mount_tmpfs(work, "160m"):
         pytest.skip("mounting a tmpfs needs root")
     try:
-        # 600 steps (20 s at 30 steps/s, the fastest seen): still training when the test, polling MLflow on a busy
-        # machine, has seen a checkpoint and filled the disk (80 and then 240 steps ended before the disk was full)
-        run = r1(*cold_start(tmp_path, {"retries": 1, "retry_delays_s": [8], "timeout_s": 600}, max_steps=600))
+        # 240 steps with a pause after every second one (12 s of pauses at least): still training when the test has
+        # seen a checkpoint and filled the disk (80 and then 240 steps flat out ended before the disk was full), and
+        # no core spent on steps the test does not need
+        monkeypatch.setenv("R1_STEP_PAUSE_S", "0.1")
+        run = r1(*cold_start(tmp_path, {"retries": 1, "retry_delays_s": [8], "timeout_s": 600}, max_steps=240))
         # the first checkpoint, seen on the disk itself (polling MLflow for the work folder first took long enough
         # on a busy machine for all 600 steps to end before the disk was filled)
         checkpoint = run.wait_for("a checkpoint", lambda: next(
@@ -67,8 +69,9 @@ def test_a_stage_that_fails_on_a_full_disk_is_retried_and_resumes_once_there_is_
         subprocess.run(["umount", "-l", str(work)], check=False)
 
 
-def test_an_attempt_past_its_timeout_is_stopped_and_the_next_resumes_from_its_checkpoint(r1, tmp_path):
+def test_an_attempt_past_its_timeout_is_stopped_and_the_next_resumes_from_its_checkpoint(r1, tmp_path, monkeypatch):
     limit = 15
+    monkeypatch.setenv("R1_STEP_PAUSE_S", "0.2")  # each attempt trains until stopped: slowly, a core left to the rest
     run = r1(*cold_start(tmp_path, {"retries": 1, "retry_delays_s": [0], "timeout_s": limit}, max_steps=100_000))
     started = time.monotonic()
     assert run.proc.wait(6 * limit + 120) == 1, run.output()[-3000:]

@@ -56,8 +56,10 @@ def pool_servers(deployed_server, tmp_path_factory):
         mlflow_server, uri = stack.start_mlflow_server(root / "mlflow.db", root / "mlartifacts", stack.free_port(),
                                                        root / "logs")
         started.append(mlflow_server)
-        started.append(stack.start_worker(deployed_server["api"], uri, root / "logs",
-                                          PREFECT_WORKER_QUERY_SECONDS="2", OMP_NUM_THREADS="1"))
+        # a pause after each training step: the cancelled sweep's points train until stopped, slowly, leaving the
+        # cores to the rest of the suite (the finished sweep's short stages pause a second or so in all)
+        started.append(stack.start_worker(deployed_server["api"], uri, root / "logs", PREFECT_WORKER_QUERY_SECONDS="2",
+                                          OMP_NUM_THREADS="1", R1_STEP_PAUSE_S="0.3"))
         yield root, uri
     finally:
         stack.stop_processes(started[::-1])
@@ -354,7 +356,8 @@ def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")
 
     recipe = _sweep_recipe(tmp_path, "sweep-ctrl-c", 48, 500)
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    # the points train until stopped: slowly (a pause after each step), leaving the cores to the rest of the suite
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT), "R1_STEP_PAUSE_S": "0.3"}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sweep", "--recipe", str(recipe), "--grid",
                              "reasoning_grpo.grpo.beta=0,0.04", "--stages", "cold_start_sft,reasoning_grpo",
                              "--parallel", "2"], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from grpo.configs.recipe import ColdStartSFTConfig, ReasoningGRPOConfig
 from tiny_configs import TINY_GRPO, TINY_STAGE
 
@@ -19,12 +21,15 @@ async def _artifacts(flow_run_id: str) -> dict[str, object]:
     return {a.key: a for a in found}
 
 
-def test_sft_and_grpo_stages_report_progress_to_100(prefect_harness, mlflow_client):
+def test_sft_and_grpo_stages_report_progress_to_100(prefect_harness, mlflow_client, monkeypatch):
     from flows.cold_start_sft import cold_start_sft
     from flows.reasoning_grpo import reasoning_grpo
 
     no_eval = {"num_train": 32, "num_heldout": 0}
+    monkeypatch.setenv("R1_STEP_PAUSE_S", "0.05")  # a stage slowed down for a test says so on its run
     sft = cold_start_sft(ColdStartSFTConfig.model_validate({**TINY_STAGE, "data": no_eval}))
+    assert mlflow_client.get_run(sft.run_id).data.tags["r1.step_pause_s"] == "0.05"
+    monkeypatch.delenv("R1_STEP_PAUSE_S")
     grpo = reasoning_grpo(sft.uris["checkpoint"], ReasoningGRPOConfig.model_validate({**TINY_GRPO, "data": no_eval}))
 
     for result, key, steps in ((sft, "cold-start-sft-progress", 4), (grpo, "reasoning-grpo-progress", 2)):
@@ -37,3 +42,16 @@ def test_sft_and_grpo_stages_report_progress_to_100(prefect_harness, mlflow_clie
         assert progress.updated > progress.created  # created at 0 when training started, moved since
         # the same callback still logs the metrics to MLflow
         assert mlflow_client.get_metric_history(result.run_id, "train/loss" if steps == 4 else "reward/total")
+    assert "r1.step_pause_s" not in mlflow_client.get_run(grpo.run_id).data.tags
+
+
+def test_a_step_pause_is_a_number_of_seconds(monkeypatch):
+    from runtime.progress import step_pause_s
+
+    for text, pause in (("", 0.0), ("0", 0.0), ("0.25", 0.25), (" 2 ", 2.0)):
+        monkeypatch.setenv("R1_STEP_PAUSE_S", text)
+        assert step_pause_s() == pause
+    for text in ("-1", "soon", "nan"):
+        monkeypatch.setenv("R1_STEP_PAUSE_S", text)
+        with pytest.raises(ValueError, match=f"R1_STEP_PAUSE_S='{text}': expected a number of seconds >= 0"):
+            step_pause_s()
