@@ -32,6 +32,11 @@ CLIENT_VARS = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TR
 # what any MLflow user may do on an experiment nobody granted them: read it. Users come from the admin
 # (`POST /api/2.0/mlflow/users/create`); anyone without a login gets nothing at all
 DEFAULT_PERMISSION = "READ"
+# how long the MLflow server trusts a login it has checked (its `auth_cache_ttl_seconds`, 0 = off by MLflow's default):
+# each check is a scrypt hash, ~0.1 s of CPU, and a training run or a UI page sends a request every few hundred ms.
+# `r1 up` runs one worker, so a password changed through the API is seen at once; one changed in the store's file
+# directly, within this many seconds
+AUTH_CACHE_TTL_S = 60
 
 
 def _home() -> Path:  # runtime.tracking.r1_home, without importing MLflow
@@ -127,7 +132,8 @@ def mlflow_server_env(values: dict[str, str]) -> dict[str, str]:
     ini.write_text("[mlflow]\n"
                    f"default_permission = {DEFAULT_PERMISSION}\n"
                    f"database_uri = sqlite:///{user_store()}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                   f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n")
     return {"MLFLOW_AUTH_CONFIG_PATH": str(ini),
             "MLFLOW_AUTH_ADMIN_USERNAME": values["MLFLOW_TRACKING_USERNAME"],
             "MLFLOW_AUTH_ADMIN_PASSWORD": values["MLFLOW_TRACKING_PASSWORD"],
