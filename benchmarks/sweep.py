@@ -1,12 +1,17 @@
 """What a sweep saves: a 4-point sweep over an alignment setting against the same 4 pipeline runs one by one, --fresh.
 
 usage: python benchmarks/sweep.py [--recipe tiny] [--scale 0.1] [--values 0,0.02,0.04,0.08] [--work DIR]
+       python benchmarks/sweep.py --parallel 2 [--scale 0.1] [--grid cold_start_sft.train.seed=1,2,3,4]
+                                  [--stages cold_start_sft,reasoning_grpo]
 
 Both ways run the whole recipe (five stages) four times, once per value of `alignment_grpo.grpo.beta`:
   sweep   `r1 sweep --grid alignment_grpo.grpo.beta=<values>` in a fresh R1_HOME: the four points share cold start,
           reasoning GRPO, rejection sampling and SFT (trained once), and run alignment four times;
   fresh   `r1 run --fresh --set alignment_grpo.grpo.beta=<value>` four times, one after another, in another fresh
           R1_HOME: every stage trained four times.
+With `--parallel N`: the same sweep (`--grid`, points that share no stage) run by `r1 sweep --parallel 1` and by
+`r1 sweep --parallel N`, each in a fresh R1_HOME, one after the other; printed: each one's wall time and points an
+hour, and N's over 1's (the goal on a 2-core machine: N = 2 at least as many points an hour as 1).
 `--scale` multiplies every stage's step and data counts of the recipe (0.1: a tenth of the tiny recipe's, minutes
 rather than an hour; 1: the recipe as written). Printed: the CPU, each way's wall time and the machine's other load
 in the same window (`other_cores`: busy CPU seconds of every other process / wall, /proc/stat), the stage runs each
@@ -108,6 +113,9 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.1)
     ap.add_argument("--values", default="0,0.02,0.04,0.08", help="alignment_grpo.grpo.beta's values")
     ap.add_argument("--work", default=None, help="a folder for the two homes and the logs (default: a temporary one)")
+    ap.add_argument("--parallel", type=int, default=0, help="compare `r1 sweep --parallel 1` with this many at once")
+    ap.add_argument("--grid", default="cold_start_sft.train.seed=1,2,3,4", help="the sweep's axis (with --parallel)")
+    ap.add_argument("--stages", default="cold_start_sft,reasoning_grpo", help="the stages (with --parallel)")
     args = ap.parse_args()
     from grpo.configs.recipe import load_recipe
 
@@ -119,6 +127,20 @@ def main() -> None:
     path.write_text(yaml.safe_dump(recipe))
     values = [v.strip() for v in args.values.split(",")]
     print(cpu_line(), flush=True)
+    if args.parallel:
+        points = len(args.grid.split("=", 1)[1].split(","))
+        print(f"recipe {args.recipe} scaled by {args.scale:g}; {points} points ({args.grid}); stages {args.stages}")
+        rates = {}
+        for n in (1, args.parallel):
+            home = work / f"parallel-{n}"
+            shutil.rmtree(home, ignore_errors=True)
+            run = timed([["sweep", "--recipe", str(path), "--grid", args.grid, "--stages", args.stages,
+                          "--parallel", str(n)]], home, work / f"parallel-{n}.log")
+            rates[n] = points * 3600 / run["wall_s"]
+            print(f"--parallel {n}: {run}, {rates[n]:.1f} points an hour", flush=True)
+        print(f"--parallel {args.parallel} / --parallel 1, points an hour: {rates[args.parallel] / rates[1]:.2f}x; "
+              f"{cpu_line()}")
+        return
     print(f"recipe {args.recipe} scaled by {args.scale:g}; alignment_grpo.grpo.beta in {values}", flush=True)
     for home in ("sweep", "fresh"):
         shutil.rmtree(work / home, ignore_errors=True)
