@@ -146,6 +146,15 @@ def stop_on_signals() -> Iterator[None]:
         _deferred.clear()
 
 
+def raise_if_stopping() -> None:
+    """At a safe point of long work in the main thread (a training step's end): raise the stop again if one arrived.
+    A signal handler runs wherever the main thread is, a finalizer (`__del__`) included, and Python only prints an
+    exception raised there ("Exception ignored in ..."): a sweep's point stopped while a garbage-collected socket
+    closed trained on until its sweep killed it. Signals after the first are ignored, so nothing else would."""
+    if _stopping.is_set() and threading.current_thread() is threading.main_thread() and not _deferring:
+        raise KeyboardInterrupt
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to send this process `sig` when the process that started it exits (Linux's PR_SET_PDEATHSIG;
     elsewhere a no-op: the child outlives a killed parent, as any orphan would). Called in a child: between fork and

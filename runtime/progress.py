@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 
+from grpo.interrupts import raise_if_stopping
 from runtime import outage, tracking
 
 
@@ -35,6 +36,7 @@ class TrainingProgress:
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         from prefect.artifacts import update_progress_artifact
 
+        raise_if_stopping()  # a stop that landed where Python could only print it stops the stage here
         self.log_metrics(step, metrics)
         finished = step >= self.max_steps
         if finished:  # metrics queued while a tracking server was away are written (or fail the stage) while the

@@ -141,6 +141,28 @@ def test_a_handler_someone_set_waits_for_the_store_call_then_raises(sig):
         signal.signal(sig, previous)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost stop, printed by Python
+def test_a_stop_that_lands_in_a_finalizer_is_raised_again_at_the_next_training_step():
+    """A signal handler runs wherever the main thread is: inside a `__del__` its KeyboardInterrupt is only printed
+    (a sweep's point stopped as a collected socket closed trained on until killed). `raise_if_stopping`, called at
+    each training callback (runtime/progress.py), raises it there."""
+    from grpo.interrupts import raise_if_stopping, stop_on_signals
+
+    class Closing:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs in here, at the next instruction
+            time.sleep(0.01)
+
+    with stop_on_signals():
+        raise_if_stopping()  # no stop: nothing raised
+        Closing()  # collected at once; its finalizer gets the stop, and Python goes on past it
+        reached = True
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_stopping()
+    assert reached
+    raise_if_stopping()  # the stop belonged to that block only
+
+
 def test_sigterm_to_r1_alone_stops_an_asynchronous_stage_and_its_sampler_processes(r1, tmp_path, answering_checkpoint):
     # a cancel from the Prefect UI or `kill <pid>`: the sampler processes get no signal of their own, and must end too
     stage = {"model": {"tiny": SMALL.model_dump()}, "data": {"num_train": 16, "num_heldout": 4},

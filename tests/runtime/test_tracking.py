@@ -87,3 +87,29 @@ def test_a_dataset_input_names_its_source_and_mlflow_says_nothing(mlflow_client,
     (inp,) = mlflow_client.get_run(run_id).inputs.dataset_inputs
     assert inp.dataset.source_type == ("local" if kind == "file" else "code")
     assert source in inp.dataset.source
+
+
+def test_a_long_run_logs_every_table_and_mlflow_lists_those_that_fit(mlflow_client, tmp_path):
+    """MLflow lists a run's tables in one tag cut at 8,000 characters, and its own `log_table` failed on the cut list
+    from the 150th table on (a GRPO run's sample tables). Every table is written; the tag stays whole."""
+    import json
+
+    import mlflow
+
+    run_id = mlflow_client.create_run(tracking.experiment_id()).info.run_id
+    for step in range(200):
+        tracking.log_table(run_id, pd.DataFrame({"prompt": ["2+2?", "3+3?"], "reward": [1.0, float(step)]}),
+                           f"samples/step_{step:05d}.json")
+    assert len(mlflow_client.list_artifacts(run_id, "samples")) == 200
+    listed = json.loads(mlflow_client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])  # whole, not cut
+    assert listed[0] == {"path": "samples/step_00000.json", "type": "table"} and 100 < len(listed) < 200
+    # a listed table reads back through MLflow's own reader; an unlisted one is the same format
+    table = mlflow_client.load_table(tracking.experiment_id(), "samples/step_00003.json", run_ids=[run_id])
+    assert table["reward"].tolist() == [1.0, 3.0]
+    last = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="samples/step_00199.json",
+                                               dst_path=str(tmp_path))
+    assert json.loads(open(last).read()) == {"columns": ["prompt", "reward"], "data": [["2+2?", 1.0], ["3+3?", 199.0]]}
+    # the same name again replaces the table, as the sweep's tables are written again when it goes on
+    tracking.log_table(run_id, pd.DataFrame({"prompt": ["4+4?"], "reward": [8.0]}), "samples/step_00003.json")
+    table = mlflow_client.load_table(tracking.experiment_id(), "samples/step_00003.json", run_ids=[run_id])
+    assert table["prompt"].tolist() == ["4+4?"]
