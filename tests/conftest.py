@@ -77,9 +77,36 @@ LONGEST_FIRST = ["test_sweep", "test_signals", "test_tracking_outage", "test_sta
                  "test_http_generation", "test_distributed", "test_ppo"]
 
 
+# The files that use the session's deployed Prefect server (`deployed_server`: a `prefect server start` with every
+# service, both pools and every deployment; ~45 s of CPU to start, deploy and keep up for a pass) go to one worker
+# together, as one unit of work, so the session starts one such server instead of one per worker. The unit is about
+# a third of the suite's summed test time and goes out first (test_sweep leads LONGEST_FIRST).
+ONE_DEPLOYED_SERVER = "deployed-server"
+DEPLOYED_SERVER_FILES = {"test_sweep", "test_placement", "test_pipeline_resume", "test_deployments", "test_ui"}
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
+    strays = sorted({item.path.name for item in items if "deployed_server" in getattr(item, "fixturenames", ())
+                     and item.path.stem not in DEPLOYED_SERVER_FILES})
+    if strays:  # each would start a second server on whichever worker runs it
+        raise pytest.UsageError(f"{', '.join(strays)} use deployed_server: add them to tests/conftest.py's "
+                                f"DEPLOYED_SERVER_FILES, so they run on the worker that has it")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the DEPLOYED_SERVER_FILES as one unit (xdist's own scheduler otherwise)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneDeployedServer(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return ONE_DEPLOYED_SERVER if Path(path).stem in DEPLOYED_SERVER_FILES else path
+
+    return OneDeployedServer(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -334,13 +334,26 @@ def _until(what: str, check, timeout: float, every: float = 1.0):
 
 
 def _running_points(recipe_name: str, count: int):
-    """The sweep's point pipeline runs, once `count` of them train their reasoning GRPO (RUNNING)."""
+    """The sweep's point pipeline runs, once `count` of them train their cold start (RUNNING)."""
     from runtime import tracking
 
     parents = {r.info.run_id: r for r in tracking.find_runs(f"tags.recipe = '{recipe_name}'")}
-    grpo = [r for r in tracking.find_runs("tags.stage = 'reasoning_grpo' and attributes.status = 'RUNNING'")
+    cold = [r for r in tracking.find_runs("tags.stage = 'cold_start_sft' and attributes.status = 'RUNNING'")
             if r.data.tags.get("mlflow.parentRunId") in parents]
-    return [parents[r.data.tags["mlflow.parentRunId"]] for r in grpo] if len(grpo) >= count else None
+    return [parents[r.data.tags["mlflow.parentRunId"]] for r in cold] if len(cold) >= count else None
+
+
+def _stopped_sweep(tmp_path: Path, name: str) -> Path:
+    """A sweep stopped while its two points train: a cold start of 500 steps, the points' seeds the only axis
+    (TRAINING_SEEDS: they share no stage, so both start at once instead of the second waiting for the first to
+    train what they share)."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "cold_start_sft": {**COLD, "train": {**COLD["train"],
+                                                                                      "max_steps": 500}}}))
+    return path
+
+
+TRAINING_SEEDS = ["--grid", "cold_start_sft.train.seed=48,49", "--stages", "cold_start_sft"]
 
 
 def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness, tmp_path, request, monkeypatch):
@@ -355,11 +368,10 @@ def test_ctrl_c_stops_a_sweep_and_every_point_process_it_started(prefect_harness
     monkeypatch.setenv("R1_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")
 
-    recipe = _sweep_recipe(tmp_path, "sweep-ctrl-c", 48, 500)
+    recipe = _stopped_sweep(tmp_path, "sweep-ctrl-c")
     # the points train until stopped: slowly (a pause after each step), leaving the cores to the rest of the suite
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT), "R1_STEP_PAUSE_S": "0.3"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sweep", "--recipe", str(recipe), "--grid",
-                             "reasoning_grpo.grpo.beta=0,0.04", "--stages", "cold_start_sft,reasoning_grpo",
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sweep", "--recipe", str(recipe), *TRAINING_SEEDS,
                              "--parallel", "2"], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     request.addfinalizer(lambda: kill_group(proc.pid))
@@ -388,11 +400,11 @@ def test_a_sweep_cancelled_in_the_prefect_ui_stops_its_point_processes(deployed_
 
     from runtime import tracking
 
-    recipe = _sweep_recipe(pool, "sweep-cancel", 49, 500)
+    recipe = _stopped_sweep(pool, "sweep-cancel")
     with temporary_settings({PREFECT_API_URL: deployed_server["api"]}):
         flow_run = run_deployment("r1_sweep/local", timeout=0, parameters={
-            "recipe": str(recipe), "grid": {"reasoning_grpo.grpo.beta": [0, 0.04]},
-            "stages": ["cold_start_sft", "reasoning_grpo"], "parallel": 2})
+            "recipe": str(recipe), "grid": {"cold_start_sft.train.seed": [48, 49]}, "stages": ["cold_start_sft"],
+            "parallel": 2})
         points = _until("two points training side by side", lambda: _running_points("sweep-cancel", 2), 400)
         pids = [int(p.data.tags["r1.pid"]) for p in points]
         assert all(alive(pid) for pid in pids)
