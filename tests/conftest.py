@@ -22,9 +22,11 @@ os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["HF_DATASETS_CACHE"] = str(_HOME / "hf-datasets")  # what load_dataset builds from local folders
-# a new Prefect home starts from a migrated copy of its database (flows.cli.prefect_db), kept in this cache: the
-# first `r1` of a worker on a fresh home migrates, the others start in a third of the time
-os.environ["R1_CACHE"] = str(_HOME / "cache")
+# a new Prefect home (and MLflow store) starts from a migrated copy of its database (flows.cli.prefect_db,
+# runtime.store_copies), kept in this cache: the session's first server on a fresh home migrates, the others start
+# in a third of the time. One cache for the session: the first process (pytest itself, before it starts its xdist
+# workers) names it and the workers inherit the name
+os.environ["R1_CACHE"] = os.environ.setdefault("R1_TESTS_CACHE", str(_HOME / "cache"))
 
 # Threads that fit the cores (grpo.cores): `make test` runs two workers (pytest-xdist) on a machine of a few cores,
 # and each starts servers, clusters and training processes of its own. Every worker and every process it starts
@@ -116,10 +118,13 @@ def r1_home() -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """One temporary Prefect API for the whole session (it takes ~10 s to start)."""
-    from prefect.testing.utilities import prefect_test_harness
+    """One temporary Prefect API for the whole session: the embedded default's local API (flows.cli.local_api), its
+    database from the migrated copy in a folder of its own (~5 s to answer where Prefect's own test harness,
+    migrating a new database, takes ~10), for this process's Prefect client only: the environment that processes
+    started by the tests inherit names no API, as with Prefect's harness."""
+    from flows.cli.local_api import local_prefect_api
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with local_prefect_api(export=False, home=_HOME / "prefect-harness"):
         yield
 
 

@@ -72,15 +72,16 @@ def _configured() -> bool:
     return bool(get_current_settings().api.url)  # a server in the environment or a profile (or a test harness's)
 
 
-def _start() -> _Starting:
+def _start(home: Path | None = None) -> _Starting:
     from prefect.settings import get_current_settings
 
-    home = Path(os.environ["PREFECT_HOME"]).expanduser()
+    home = Path(home or os.environ["PREFECT_HOME"]).expanduser()
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
-           "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+           "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+           "PREFECT__SERVER_FINAL": "1"}
     env.pop("PREFECT_API_URL", None)
     log = home / "local-api.log"
     # a server migrates its database as it starts: two `r1` starting at once on one home would both create its
@@ -135,10 +136,12 @@ def stop_early() -> None:
 
 
 @contextmanager
-def local_prefect_api() -> Iterator[str | None]:
+def local_prefect_api(export: bool = True, home: Path | None = None) -> Iterator[str | None]:
     """Within the block, Prefect talks to a local API this process started (its URL is yielded; the one
     `start_early` started, if it did); with an API already configured (`PREFECT_API_URL`: a real server), nothing
-    starts and None is yielded."""
+    starts and None is yielded. `export`: the processes this one starts meanwhile are given its URL too (their
+    environment's PREFECT_API_URL); without it only this process's Prefect settings name it. `home`: the server's
+    PREFECT_HOME (its database's folder), PREFECT_HOME's by default."""
     global _early
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
@@ -147,7 +150,7 @@ def local_prefect_api() -> Iterator[str | None]:
         if _configured():
             yield None
             return
-        starting = _start()
+        starting = _start(home)
     url = _answering(starting)
     proc = starting.proc
     # Prefect's "View at <UI>/runs/flow-run/<id>" lines would name this temporary API's port, where no UI is served
@@ -155,17 +158,19 @@ def local_prefect_api() -> Iterator[str | None]:
     users_ui = os.environ.get("PREFECT_UI_URL")
     ui = users_ui or f"http://127.0.0.1:{LOCAL_UI_PORT}"
     try:
-        os.environ["PREFECT_API_URL"] = os.environ[LOCAL_API] = url  # for what this process starts, too
-        os.environ["PREFECT_UI_URL"] = ui
+        if export:
+            os.environ["PREFECT_API_URL"] = os.environ[LOCAL_API] = url  # for what this process starts, too
+            os.environ["PREFECT_UI_URL"] = ui
         try:
             with temporary_settings({PREFECT_API_URL: url, PREFECT_UI_URL: ui}):
                 yield url
         finally:
             _drain_prefect_clients()  # what the run logged and emitted reaches the API before the API stops
-            for name in ("PREFECT_API_URL", LOCAL_API, "PREFECT_UI_URL"):
-                os.environ.pop(name, None)
-            if users_ui:
-                os.environ["PREFECT_UI_URL"] = users_ui
+            if export:
+                for name in ("PREFECT_API_URL", LOCAL_API, "PREFECT_UI_URL"):
+                    os.environ.pop(name, None)
+                if users_ui:
+                    os.environ["PREFECT_UI_URL"] = users_ui
     finally:
         _stop(proc)
 
