@@ -122,10 +122,15 @@ def prefect_harness():
     database from the migrated copy in a folder of its own (~5 s to answer where Prefect's own test harness,
     migrating a new database, takes ~10), for this process's Prefect client only: the environment that processes
     started by the tests inherit names no API, as with Prefect's harness."""
+    import prefect.context
+
     from flows.cli.local_api import local_prefect_api
 
     with local_prefect_api(export=False, home=_HOME / "prefect-harness"):
-        yield
+        # and, as Prefect's harness does, for threads a test starts without copying its context (a flow run in a
+        # thread of its own): they see the process-wide settings, which would name no API and start a temporary one
+        with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+            yield
 
 
 @pytest.fixture(scope="session")
