@@ -78,23 +78,34 @@ def is_running(p: Started) -> bool:
         return False
 
 
+# A second SIGTERM this long after the first, to the groups still there. Prefect's worker and server commands take
+# the first as "finish and stop" and a second as "stop now" (they kill themselves), and uvicorn (both servers' own)
+# exits at once on a second signal. A Prefect process worker that had run flow runs sometimes never finished its
+# graceful stop on a busy machine (its log ends at "Sending SIGINT"): `r1 down` and the tests' teardowns waited out
+# the whole timeout for it, then killed it.
+SECOND_SIGTERM_S = 5.0
+
+
 def stop_process(p: Started, timeout: float = 20) -> bool:
-    """SIGTERM the process group `p` leads (SIGKILL after `timeout`); False if it was not running (or not ours)."""
+    """SIGTERM the process group `p` leads (again after SECOND_SIGTERM_S, SIGKILL after `timeout`); False if it was
+    not running (or not ours)."""
     return stop_processes([p], timeout)[0]
 
 
 def stop_processes(started: list[Started], timeout: float = 20) -> list[bool]:
     """`stop_process` for several at once: each group is sent SIGTERM in the order given, and all are waited on
-    together, so a slow one costs its own wait and not the sum; SIGKILL for those still there after `timeout`."""
+    together, so a slow one costs its own wait and not the sum; those still there get SIGTERM again after
+    SECOND_SIGTERM_S, and SIGKILL after `timeout`."""
     stopped = [is_running(p) for p in started]
     left = [p for p, running in zip(started, stopped) if running]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    second = min(SECOND_SIGTERM_S, timeout)
+    for sig, wait in ((signal.SIGTERM, second), (signal.SIGTERM, timeout - second), (signal.SIGKILL, timeout)):
         for p in left:
             try:
                 os.killpg(p.pid, sig)  # its own session: the group id is its PID
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + wait
         while left and time.monotonic() < deadline:
             left = [p for p in left if not _reaped(p)]
             if left:

@@ -319,3 +319,34 @@ def test_r1_takes_the_logins_of_the_stack_its_environment_names(tmp_path, monkey
     (tmp_path / "auth" / "credentials.env").unlink()
     with pytest.raises(RuntimeError, match="credentials.env is gone but MLflow's user store"):
         ensure_credentials()
+
+
+STUBBORN = """
+import signal, sys, time
+seen = []
+def on_term(signum, frame):
+    seen.append(signum)
+    print("SIGTERM", len(seen), flush=True)
+    if len(seen) == 2 and sys.argv[1] == "second":
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("gives_in", ["second", "never"])
+def test_a_process_that_does_not_stop_on_sigterm_gets_it_again_then_is_killed(tmp_path, gives_in):
+    """`r1 down` (and the tests' servers) stop a group with SIGTERM, again after SECOND_SIGTERM_S (Prefect's worker
+    kills itself then: a worker sometimes never finished its first, graceful stop), and SIGKILL at the timeout."""
+    import time
+
+    p = stack.start_process("stubborn", [sys.executable, "-c", STUBBORN, gives_in], dict(os.environ), tmp_path)
+    log = Path(p.log)
+    deadline = time.monotonic() + 60
+    while "ready" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.stop_processes([p], timeout=stack.SECOND_SIGTERM_S + 1) == [True]
+    assert not stack.is_running(p)
+    assert log.read_text().split() == ["ready", "SIGTERM", "1", "SIGTERM", "2"]  # ended by the second, or killed
