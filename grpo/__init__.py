@@ -14,6 +14,7 @@ Where things are:
 | `rejection/` | rejection sampling: readability filters, curation, sharded and resumable sampling |
 | `kernels/` | speed and memory tricks that keep the model's own numbers (attention, SwiGLU) |
 | `evaluate` | held-out accuracy, format rate and pass@k of a checkpoint; the alignment stage's refusal figures |
+| `startup` | a process's start-up without the cyclic garbage collector: its imports, then one collection and a freeze |
 
 Imports point one way: `configs/` imports only itself and `texts`, neither anything heavy; `data`, `rewards` and `rejection.filters` are
 pure Python and pandas; `training` and `sampling` are where torch lives.

@@ -59,6 +59,19 @@ def _worker_ports() -> str | None:
 if "R1_PORTS" not in os.environ and (_ports := _worker_ports()):
     os.environ["R1_PORTS"] = _ports
 
+# Each worker imports torch, transformers, Prefect, MLflow and Ray as it collects the tests: without the cyclic
+# collector, then one collection and a freeze before the first test (grpo.startup), as every process of the project
+# starts; about a fifth of the imports' CPU, and shorter collections during the tests
+from grpo import startup  # noqa: E402
+
+startup.defer_collection()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    startup.imports_done()  # a worker's tests are collected (xdist's controller collects none: it runs here too)
+
+
 # Prefect binds its console log handler to the sys.stderr of the moment it is first imported; import it now,
 # under the session's capture, not inside a test whose captured stream is closed when that test ends.
 import prefect.main  # noqa: E402,F401  (runs setup_logging)

@@ -30,6 +30,9 @@ def _exit_once_orphaned(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from grpo import startup
+
+    startup.defer_collection()  # until the pipeline's libraries are loaded (`until_stopped`)
     job = json.loads(argv[0])
     threading.Thread(target=_exit_once_orphaned, args=(os.getppid(),), name="r1-orphan-exit", daemon=True).start()
     import runtime  # noqa: F401  (the embedded-default environment before Prefect loads)

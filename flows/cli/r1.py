@@ -25,6 +25,7 @@ import os
 import sys
 import traceback
 
+from grpo import startup
 from grpo.configs.recipe import STAGES
 
 
@@ -115,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
             path = str(tracking.download(path))
         except (MlflowException, OSError) as e:
             raise UsageError(f"cannot fetch {args.checkpoint} from MLflow at {tracking.tracking_uri()}: {e}") from None
+    startup.imports_done()
     try:
         model, tokenizer = load_checkpoint(path, dtype=args.dtype)
     except (OSError, ValueError) as e:  # a folder that holds no model
@@ -247,10 +249,12 @@ def _fault(e: BaseException):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    startup.defer_collection()  # until the libraries are loaded (`until_stopped`, `_serve`): a fifth of their CPU
     try:
         try:
             return _dispatch(args)
         finally:
+            startup.collection_back()
             if "flows.cli.local_api" in sys.modules:  # a local API started early that no run took (a check failed)
                 sys.modules["flows.cli.local_api"].stop_early()
     except KeyboardInterrupt:  # before a run started (a run's own Ctrl-C is told in until_stopped)
@@ -383,6 +387,7 @@ def until_stopped(run, resumes: str):
     from flows.cli.local_api import local_prefect_api
     from grpo.interrupts import is_interrupt, stop_on_signals
 
+    startup.imports_done()  # the stages' libraries are loaded: nothing of the run is made yet
     # what was asked for is checked; say so before the silent part (the local API, the stores, a stage's imports)
     where = os.environ.get("PREFECT_API_URL") or "Prefect's local API"
     # (not "r1: ...": that prefix is kept for the one line a fault or a stop ends with)

@@ -10,6 +10,10 @@ same tokens from the same weights, so their final weights compare bit for bit
 
 from __future__ import annotations
 
+from grpo import startup  # first: the libraries below load without the cyclic collector
+
+startup.defer_collection()
+
 import os
 import sys
 from pathlib import Path
@@ -35,6 +39,7 @@ def run(out: Path, strategy: str, rollout: RolloutConfig) -> None:
 if __name__ == "__main__":
     from grpo.training.distributed import exit_process
 
+    startup.imports_done()
     torch.set_num_threads(1)
     root, strategy = Path(sys.argv[1]), os.environ["R1_TEST_STRATEGY"]
     run(root / "sync", strategy, RolloutConfig())

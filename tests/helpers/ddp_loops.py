@@ -15,6 +15,10 @@ from RESUME's (another run's OUT) or from its own.
 
 from __future__ import annotations
 
+from grpo import startup  # first: the libraries below load without the cyclic collector
+
+startup.defer_collection()
+
 import json
 import os
 import shutil
@@ -293,5 +297,6 @@ def run_all(out: Path, strategy: str = "ddp", resume: Path | None = None) -> Non
 if __name__ == "__main__":
     from grpo.training.distributed import exit_process
 
+    startup.imports_done()
     run_all(Path(sys.argv[1]), *sys.argv[2:3], *[Path(a) for a in sys.argv[3:4]])
     exit_process()

@@ -11,6 +11,10 @@ model), and pieces-rank<R>.json: the packed pieces each step's batch of this pro
 
 from __future__ import annotations
 
+from grpo import startup  # first: the libraries below load without the cyclic collector
+
+startup.defer_collection()
+
 import json
 import sys
 from pathlib import Path
@@ -48,5 +52,6 @@ def run_grpo_packed(out: Path, distributed: DistributedConfig | None = None) -> 
 if __name__ == "__main__":
     from grpo.training.distributed import exit_process
 
+    startup.imports_done()
     run_grpo_packed(Path(sys.argv[1]), DistributedConfig())
     exit_process()

@@ -10,6 +10,10 @@ OUT/<strategy>/model. A checkpoint is written at step 2 of 3, so saving goes thr
 
 from __future__ import annotations
 
+from grpo import startup  # first: the libraries below load without the cyclic collector
+
+startup.defer_collection()
+
 import json
 import os
 import sys
@@ -49,5 +53,6 @@ def run_all(out: Path) -> None:
 if __name__ == "__main__":
     from grpo.training.distributed import exit_process
 
+    startup.imports_done()
     run_all(Path(sys.argv[1]))
     exit_process()

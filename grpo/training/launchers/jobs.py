@@ -12,6 +12,7 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Annotated, Callable, ClassVar, Literal, Union
 
@@ -37,6 +38,8 @@ class _Job(BaseModel):
 
     # the fields that name input files (Parquet): a launch copies them where every process reads them
     INPUTS: ClassVar[tuple[str, ...]] = ()
+    # the modules its loop imports (`load_libraries`: a launched process loads them before anything else)
+    LIBRARIES: ClassVar[tuple[str, ...]] = ()
 
 
 class SFTJob(_Job):
@@ -46,6 +49,7 @@ class SFTJob(_Job):
     rows: str  # Parquet of (prompt, response)
     source: str  # where the rows came from, named in errors about them
     INPUTS = ("rows",)
+    LIBRARIES = ("grpo.models", "grpo.training.loops.sft_trainer")
 
 
 class GRPOJob(_Job):
@@ -64,6 +68,8 @@ class GRPOJob(_Job):
     refresh_pairs: str | None = None  # Parquet: the original preference pairs it replays
     refresh_heldout: str | None = None  # Parquet: held-out pairs it is scored on
     INPUTS = ("rows", "refresh_pairs", "refresh_heldout")
+    LIBRARIES = ("grpo.models", "grpo.rewards", "grpo.training.reward_scorer", "grpo.training.loops.grpo_trainer",
+                 "grpo.training.loops.ppo_trainer")
 
 
 class RewardModelJob(_Job):
@@ -73,6 +79,7 @@ class RewardModelJob(_Job):
     heldout: str | None = None
     source: str
     INPUTS = ("rows", "heldout")
+    LIBRARIES = ("grpo.training.loops.reward_model",)
 
 
 class DPOJob(_Job):
@@ -83,6 +90,7 @@ class DPOJob(_Job):
     heldout: str | None = None
     source: str
     INPUTS = ("rows", "heldout")
+    LIBRARIES = ("grpo.models", "grpo.training.loops.dpo")
 
 
 Job = Annotated[Union[SFTJob, GRPOJob, RewardModelJob, DPOJob], Field(discriminator="loop")]
@@ -104,6 +112,13 @@ _LAUNCHED = TypeAdapter(Launched)
 def read_launched(text: str) -> Launched:
     """A launch file's document, checked field by field (a wrong one names its field)."""
     return _LAUNCHED.validate_json(text)
+
+
+def load_libraries(job: SFTJob | GRPOJob | RewardModelJob | DPOJob) -> None:
+    """Import what the job's loop needs, so that a launched process loads it all before building anything
+    (grpo.startup: without the cyclic collector)."""
+    for name in job.LIBRARIES:
+        importlib.import_module(name)
 
 
 def write_frame(frame: pd.DataFrame, folder: Path, name: str) -> str:

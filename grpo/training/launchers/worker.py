@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.training.launchers.jobs import Launched, read_launched, run
+from grpo import startup
+from grpo.training.launchers.jobs import Launched, load_libraries, read_launched, run
 
 
 class EventWriter:
@@ -43,6 +44,9 @@ class EventWriter:
 def run_job(launched: Launched) -> None:
     """Run the launched job's loop in this process (one of the launch's, or a Ray Train worker); rank 0 writes the
     report."""
+    startup.defer_collection()  # a launched process's start-up: its loop's libraries, then the collector on again
+    load_libraries(launched.job)
+    startup.imports_done()
     events = EventWriter(launched.events)
     report = run(launched.job, events.metrics, events.samples)
     if int(os.environ.get("RANK", "0")) == 0:  # the global rank; the loops have saved and synchronised
@@ -50,6 +54,7 @@ def run_job(launched: Launched) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup.defer_collection()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not Path(argv[0]).is_file():
         print(__doc__, file=sys.stderr)
