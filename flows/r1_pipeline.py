@@ -37,6 +37,7 @@ from prefect.runtime import flow_run
 from flows.attempts import run_stage
 from flows.placement import check_placement
 from flows.stages import Stage, declared, finished_stages, missing_inputs
+from grpo import startup
 from grpo.configs.core import ClusterConfig
 from grpo.configs.recipe import STAGES, Recipe, RecipeError, apply_overrides, load_recipe
 from grpo.interrupts import is_interrupt
@@ -63,6 +64,7 @@ def recipe_name(recipe: str) -> str:
 
 def pipeline_run_name() -> str:
     """`r1-<recipe name>`, the pipeline's flow run name (read from the run's own parameters)."""
+    startup.imports_done()  # a flow-run process's start-up ends as its run starts (flows/__init__.py)
     return f"r1-{recipe_name(str(flow_run.parameters.get('recipe', 'tiny')))}"
 
 

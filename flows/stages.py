@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from prefect import Flow
 
+from grpo import startup
 from grpo.configs.core import ModelConfig
 from grpo.configs.recipe import STAGES
 from runtime import tracking
@@ -27,6 +28,7 @@ def run_name(stage: str) -> Callable[[], str]:
     def name() -> str:
         from prefect.runtime import flow_run
 
+        startup.imports_done()  # a flow-run process's start-up ends as its run starts (flows/__init__.py)
         given = flow_run.name or ""
         return given if given.startswith(f"{stage}:") else stage
 

@@ -33,6 +33,7 @@ from prefect.runtime import flow_run
 
 from flows.r1_pipeline import r1_pipeline
 from flows.sweep_launch import Deployment, Processes, side_by_side
+from grpo import startup
 from grpo.configs.recipe import STAGES, apply_overrides, load_recipe
 from grpo.configs.sweep import SweepConfig
 from grpo.interrupts import is_interrupt
@@ -53,6 +54,7 @@ class SweepResult(NamedTuple):
 def sweep_run_name() -> str:
     from flows.r1_pipeline import recipe_name
 
+    startup.imports_done()  # a flow-run process's start-up ends as its run starts (flows/__init__.py)
     return f"r1-sweep-{recipe_name(str(flow_run.parameters.get('recipe', 'tiny')))}"
 
 
