@@ -1,13 +1,14 @@
-"""A process's start-up without the cyclic garbage collector: its imports a fifth cheaper, its collections after
+"""A process's start-up without the cyclic garbage collector: its imports a sixth cheaper, its collections after
 them shorter.
 
-Every process the project starts (`r1`, a launched loop's worker, the local Prefect API) first imports torch,
-transformers, MLflow or Prefect's server: about 700k Python objects, and about 400k more that are garbage by the
+Every process the project starts (`r1`, a sweep's point, a launched loop's worker, a flow run's process) first imports
+torch, transformers, MLflow or Prefect: about 700k Python objects, and about 400k more that are garbage by the
 time the imports end. CPython's collector runs over and over while they are made (each full collection walks every
 object alive), and after the imports each full collection still walks the 700k modules, classes and functions that
 live as long as the process. Measured on a 2-core Zen 4 (AMD EPYC, AVX-512, Python 3.11), the libraries an `r1 run`
 loads: 6.6-6.8 s of CPU with the collector on; 5.0-5.2 s with it off, and 0.57 s more for one collection at the end.
-A whole `r1 run` of a 4-step tiny stage: 14.9 -> 12.5 s of CPU (`farm-bench`, median of 5).
+A whole `r1 run` of a 4-step tiny stage: 14.6 -> 12.1 s of CPU, 12.0 -> 8.7 s wall (`farm-bench`, median of 5;
+docs/benchmarks/test-suite.md).
 
 So an entry point calls `defer_collection()` first and `imports_done()` once its libraries are loaded and before it
 builds a model or reads data: one collection frees the imports' garbage, `gc.freeze()` moves every object alive then

@@ -61,7 +61,7 @@ if "R1_PORTS" not in os.environ and (_ports := _worker_ports()):
 
 # Each worker imports torch, transformers, Prefect, MLflow and Ray as it collects the tests: without the cyclic
 # collector, then one collection and a freeze before the first test (grpo.startup), as every process of the project
-# starts; about a fifth of the imports' CPU, and shorter collections during the tests
+# starts; about a sixth of the imports' CPU, and shorter collections during the tests
 from grpo import startup  # noqa: E402
 
 startup.defer_collection()

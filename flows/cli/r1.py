@@ -249,7 +249,7 @@ def _fault(e: BaseException):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    startup.defer_collection()  # until the libraries are loaded (`until_stopped`, `_serve`): a fifth of their CPU
+    startup.defer_collection()  # until the libraries are loaded (`until_stopped`, `_serve`): a sixth of their CPU
     try:
         try:
             return _dispatch(args)
