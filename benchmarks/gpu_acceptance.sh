@@ -2,7 +2,8 @@
 # The GPU targets of the sampler and the GRPO step, one part per call, each within a 10-minute command limit
 # (all five within ~25 minutes on one H100). Each part prints one JSON line (its figures and ratios) as its last line.
 # Seen on an H100 (2026-11-25), each with its model build: smoke 4 min, decode 3, compare-0.5b 5, compare-1.5b 4.5
-# with --pairs 1 (about 7 with 2), lora-7b 4 (model built on the GPU). Start the machine once and chain parts that
+# with --pairs 1 (about 7 with 2), lora-7b 4 (model built on the GPU); on an H200 (2026-11-28) slots-7b 3 (185 s with
+# the 7b build), decode 3.5, compare-0.5b 3 with R1_GPU_PAIRS=1. Start the machine once and chain parts that
 # fit a call; write each part's log under $OUT so a part cut off still leaves what it printed.
 #
 #   benchmarks/gpu_acceptance.sh smoke          # benchmarks/gpu_smoke.py on the qwen2.5-0.5b preset
@@ -115,7 +116,7 @@ EOF
     # rows the static cache it replaced held there (P + 16k positions each); the qwen2.5-7b preset built on the GPU
     m=$(model qwen2.5-7b gpu-bf16)
     $PY benchmarks/long_budgets.py --model "$m" --device cuda --dtype bfloat16 --clock wall --kv-gib 40 \
-      --budgets 16384 --ways paged --mix r1 --prompts 128 --samples 4 --slots 512 --max-seconds "${R1_SLOTS_S:-150}" \
+      --budgets 16384 --ways paged --mix r1 --prompts 128 --samples 4 --slots 512 --max-seconds "${R1_SLOTS_S:-120}" \
       | tee -a /dev/stderr | grep '"way"' | $PY -c "import json,sys; r=json.loads(sys.stdin.read())
 print(json.dumps({'part': 'slots-7b', 'live_rows': r['live_rows_median_second_half'],
                   'static_rows': r['static_rows_in_budget'], 'preemptions': r['preemptions'],
