@@ -29,6 +29,7 @@ from flows.cli.stack import free_port
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).resolve().parent
 PROJECT_ROOT = HERE.parents[1]
+CPU_ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # torch's, oneDNN's, MKL's
 
 
 def mount_namespace_prefix() -> list[str] | None:
@@ -105,7 +106,10 @@ class LocalRayCluster:
                "PYTHONPATH": str(PROJECT_ROOT),  # stands for the package installed in the nodes' environment
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_ENABLE_TELEMETRY": "false",
-               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+               # the CPU kernels the test process was held to (an AVX2-only CPU emulated on a newer one: see
+               # docs/benchmarks/test-suite.md), so a node's processes compute as the driver does
+               **{k: os.environ[k] for k in CPU_ISA_CAPS if k in os.environ}}
         head = name == "head"
         launcher = [str(BIN / "ray")] if head else [sys.executable, str(HERE / "ray_start_loopback.py")]
         args = [*launcher, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}",
