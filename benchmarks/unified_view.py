@@ -90,21 +90,21 @@ def tables(points: pd.DataFrame, home: Path) -> None:
         if len(rows):
             print(f"| {name} | {len(rows)} | {cell(rows, r + 'accuracy')} | {cell(rows, r + 'step_accuracy')} | "
                   f"{cell(rows, 'batch_accuracy_last25')} | {minutes(rows)} |")
-    print("\n| alignment | seeds | held-out accuracy | pair accuracy | harmful refused | harmless answered | "
+    print("\n| alignment | seeds | held-out accuracy | pair accuracy | harmful refused | benign helpful | "
           "minutes |")
     print("|---|---|---|---|---|---|---|")
     rows = points[points["variant"] == "rm_grpo"]  # each seed's SFT start, once (every alignment row starts there)
     if len(rows):
         print(f"| SFT start (before) | {len(rows)} | {cell(rows, a + 'eval/accuracy_before')} | | "
               f"{cell(rows, a + 'alignment/harmful_refused_before')} | "
-              f"{cell(rows, a + 'alignment/harmless_answered_before')} | |")
+              f"{cell(rows, a + 'alignment/benign_helpful_before')} | |")
     for variant, name in ALIGNMENT.items():
         rows = points[points["variant"] == variant]
         if len(rows):
             pairs = rows.get(a + "dpo/heldout_accuracy") if variant == "dpo" else rows.get(a + "rm/heldout_accuracy")
             print(f"| {name} | {len(rows)} | {cell(rows, a + 'eval/accuracy')} | "
                   f"{cell(pd.DataFrame({'p': pairs if pairs is not None else []}), 'p')} | "
-                  f"{cell(rows, a + 'alignment/harmful_refused')} | {cell(rows, a + 'alignment/harmless_answered')} | "
+                  f"{cell(rows, a + 'alignment/harmful_refused')} | {cell(rows, a + 'alignment/benign_helpful')} | "
                   f"{minutes(rows)} |")
 
 

@@ -1,18 +1,25 @@
 """Stage 5, alignment GRPO: make the SFT model helpful and harmless without losing its reasoning.
 
 R1's last stage runs RL on a mix: reasoning prompts keep their rule rewards, general prompts are scored by reward
-models for helpfulness (on the final summary) and harmlessness (on the whole response). Here one reward model,
-trained in this stage on preference pairs with the Bradley-Terry loss (or an existing one, `reward_model_uri`),
-scores the general prompts; the held-out reasoning split is scored before and after, and the result is logged as an
-MLflow model and registered as a new version; the alias (`models:/<name>@champion`) moves to it when its held-out
-accuracy is at least the current holder's, on every run with `promotion: always` (`--promote`), or when a person
-says so in the Prefect UI with `promotion: approve` (`tasks/promotion.py`).
+models for helpfulness (on the final summary) and harmlessness (on the whole response). Here the recipe's rewards
+name either R1's two (`helpfulness` for benign and borderline prompts, on the final answer; `harmlessness` for
+harmful ones, on the whole response; routed by each prompt's category) or one `reward_model` for every general
+prompt, each trained in this stage on preference pairs with the Bradley-Terry loss, from the stage's own checkpoint
+with `reward_model.from_policy` (or an existing one, `reward_model_uris`); `grpo.prompt_mix` sets the share of
+general prompts in every step, and a watch logs their true score beside the reward models' (over-optimisation in
+sight, grpo.training.alignment_watch). The held-out reasoning split is scored before and after, and the result is
+logged as an MLflow model and registered as a new version; the alias (`models:/<name>@champion`) moves to it when
+its held-out accuracy is at least the current holder's, on every run with `promotion: always` (`--promote`), or when
+a person says so in the Prefect UI with `promotion: approve` (`tasks/promotion.py`).
 
 With `algorithm: dpo` DPO replaces the reward model and GRPO (`grpo.training.loops.dpo`): the policy learns from the same
 preference pairs directly, against the starting checkpoint as its frozen reference; evaluation, the logged model and
-promotion are unchanged. Whichever algorithm trains, the stage measures its policy on held-out general prompts before
-and after: the share of harmful requests refused (`alignment/harmful_refused`) and of harmless ones answered
-(`alignment/harmless_answered`), by the refusal detector in `grpo.data.preferences`.
+promotion are unchanged. Whichever algorithm trains, the stage measures its policy on held-out general prompts of known
+category before and after, on the same prompts (`alignment_eval`): harmful requests refused, benign ones answered
+helpfully (with what the prompt asked for), borderline ones refused (over-refusal) and the share handled right, each
+change with its paired 95% interval (`grpo.evaluate.evaluate_alignment`, `grpo.stats.paired_change`); the synthetic
+held-out phrasings are the headline (`alignment/...`), the held-out subjects are reported apart
+(`alignment_subjects/...`).
 
 Run alone:  r1 stage alignment_grpo --checkpoint runs:/<sft run id>/checkpoint
 """
@@ -27,7 +34,8 @@ from grpo.configs.checks import check_prompts_per_step
 from grpo.configs.recipe import AlignmentGRPOConfig
 from runtime.report import publish_stage_report
 from runtime.stage import StageResult, stage_run
-from tasks.alignment import evaluate_refusals, prepare_alignment_prompts, train_dpo_model, train_reward_model_task
+from tasks.alignment import (compare_alignment, evaluate_alignment, metrics_prefix, prepare_alignment_prompts,
+                             reward_model_names, train_dpo_model, train_reward_model_task)
 from tasks.evaluate import evaluate_model
 from tasks.grpo import train_grpo_model
 from tasks.promotion import heldout_key, promote_model, register_model, remember_for_approval, resumed_for_approval
@@ -57,38 +65,58 @@ def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str 
     steps = config.dpo.max_steps if dpo else config.grpo.max_steps
     with stage_run(NAME, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_alignment_prompts(run_id, config)
-        reward_model = None if dpo else train_reward_model_task(run_id, config)
+        # the reward models GRPO reads, by reward name: one for every general prompt, or R1's two
+        reward_models = {} if dpo else {name: train_reward_model_task(run_id, config, name, checkpoint_uri)
+                                        for name in reward_model_names(config)}
         metrics = {}
         if config.eval_before:
             if data.heldout:
                 before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
                                         code=config.grpo.code, generation=config.generation)
                 metrics.update({f"{k}_before": v for k, v in before.items()})
-            if config.refusal_prompts:
-                before = evaluate_refusals(run_id, checkpoint_uri, config, step=0)
-                metrics.update({f"{k}_before": v for k, v in before.items()})
+            if config.alignment_eval.enabled:
+                verdicts_before = evaluate_alignment(run_id, checkpoint_uri, config, step=0)
+                metrics.update({f"{k}_before": v for k, v in _alignment_figures(verdicts_before).items()})
         if dpo:
             checkpoint = train_dpo_model(run_id, NAME, config.model, checkpoint_uri, config)
         else:
             checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
-                                          reward_model_uri=reward_model, distributed=config.distributed,
+                                          reward_models=reward_models, distributed=config.distributed,
                                           generation=config.generation,
                                           # the iterative reward model: trained further on the policy's samples
                                           refresh=config.reward_model if config.reward_model.refresh_every else None,
-                                          preferences=config.preferences)
+                                          preferences=config.preferences,
+                                          watch=config.watch if config.watch.enabled else None,
+                                          helpfulness_reads=config.reward_model.helpfulness_reads)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
                                           step=steps, code=config.grpo.code, generation=config.generation))
-        if config.refusal_prompts:
-            metrics.update(evaluate_refusals(run_id, checkpoint, config, step=steps))
-        metrics.update(_last_logged(run_id, ("rm/heldout_accuracy", "dpo/heldout_accuracy")))
+        if config.alignment_eval.enabled:
+            verdicts_after = evaluate_alignment(run_id, checkpoint, config, step=steps)
+            metrics.update(_alignment_figures(verdicts_after))
+            if config.eval_before:  # the same prompts both times: the change with its paired interval
+                metrics.update(compare_alignment(run_id, verdicts_before, verdicts_after, steps))
+        metrics.update(_last_logged(run_id, (*(f"{metrics_prefix(n)}/heldout_accuracy" for n in reward_models),
+                                             "dpo/heldout_accuracy")))
         version = register_model(run_id, checkpoint, config, metrics.get("eval/accuracy"),
                                  heldout_key(data.heldout, config.eval))
     registered = f"models:/{config.registered_model}/{version}"  # this run's version, whatever the alias does
     uris = {"checkpoint": checkpoint, "registered_model": registered}
-    if reward_model:
-        uris["reward_model"] = reward_model
+    uris.update(reward_models)  # reward_model, or helpfulness and harmlessness
     return StageResult(stage=NAME, run_id=run_id, metrics=metrics, uris=uris)
+
+
+def _alignment_figures(verdicts: dict[str, dict]) -> dict[str, float]:
+    """The alignment figures of `evaluate_alignment`'s per-prompt verdicts (what it logged), for the summary."""
+    import pandas as pd
+
+    from grpo.evaluate import alignment_metrics
+
+    out = {}
+    for prefix, table in verdicts.items():
+        out.update({k: v for k, v in alignment_metrics(pd.DataFrame(table), prefix).items()
+                    if not k.endswith("_prompts")})
+    return out
 
 
 def _last_logged(run_id: str, keys: tuple[str, ...]) -> dict[str, float]:
@@ -111,11 +139,11 @@ def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
 
     with reading("alignment_grpo.data"):
         train, heldout = load_rl_data(cfg.data)
-    if cfg.refusal_prompts:
-        from grpo.data.preferences import general_prompts
+    if cfg.alignment_eval.enabled:
+        from grpo.data.general import alignment_eval_sets
 
-        with reading("alignment_grpo.refusal_prompts"):
-            general_prompts(cfg.refusal_prompts, split="heldout", heldout_percent=cfg.preferences.heldout_percent)
+        with reading("alignment_grpo.alignment_eval"):
+            alignment_eval_sets(cfg.alignment_eval)
     if cfg.algorithm == "dpo":  # no reward model, no general prompts: the preference pairs are what it reads
         with reading("alignment_grpo.preferences"):
             load_preference_data(cfg.preferences)
@@ -130,19 +158,29 @@ def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
     with reading("alignment_grpo"):
         check_prompts_per_step(cfg.grpo.prompts_per_step, len(train) + general,
                                f"{cfg.data.source} with {general} general prompts")
-    if cfg.reward_model_uri is None:
-        with reading("alignment_grpo.preferences"):
-            load_preference_data(cfg.preferences)
-    elif cfg.reward_model_uri.startswith("runs:/"):
-        check_uri("alignment_grpo.reward_model_uri", cfg.reward_model_uri)
-    elif looks_like_a_path(cfg.reward_model_uri):
-        check_model_folder("alignment_grpo.reward_model_uri", cfg.reward_model_uri)
+    from grpo.configs.core import REWARD_MODEL
+    from grpo.configs.reward import REWARD_MODELS
+    from grpo.data.preferences import pairs_for
+
+    for name in (n for n in REWARD_MODELS if n in cfg.grpo.rewards):
+        given = cfg.reward_model_uris.get(name) or (cfg.reward_model_uri if name == REWARD_MODEL else None)
+        where = f"alignment_grpo.reward_model_uris.{name}" if name in cfg.reward_model_uris else \
+            "alignment_grpo.reward_model_uri"
+        if given is None:  # trained in the stage: its pairs are read as it will read them
+            with reading("alignment_grpo.preferences"):
+                pairs_for(load_preference_data(cfg.preferences)[0], name, cfg.preferences.source,
+                          cfg.reward_model.helpfulness_reads == "answer")
+        elif given.startswith("runs:/"):
+            check_uri(where, given)
+        elif looks_like_a_path(given):
+            check_model_folder(where, given)
 
 
 STAGE = Stage(flow=alignment_grpo,
               inputs={"checkpoint_uri": "sft_checkpoint"},
               outputs={"final_checkpoint": "checkpoint", "registered_model": "registered_model"},
               check=check_alignment_grpo,
-              loads=lambda config: [] if config.reward_model_uri or config.algorithm == "dpo" else [
-                  # a given reward model trains nothing, and DPO has none
+              loads=lambda config: [] if config.reward_model_uri or config.algorithm == "dpo"
+              or config.reward_model.from_policy else [
+                  # a given reward model trains nothing, DPO has none, and one from the policy loads the checkpoint
                   ("alignment_grpo.reward_model.model.name_or_path", config.reward_model.model)])

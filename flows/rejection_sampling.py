@@ -6,8 +6,9 @@ drops mixed-language, overlong or code-laden chains of thought, and adds non-rea
 Here the prompts are cut into shards, one Prefect task each: threads of this process by default, or prefect-ray's
 task runner on a Ray cluster (`cluster.ray_address` in the recipe), whose shard tasks read the checkpoint from
 MLflow and write to a shared store (`cluster.shard_store`). Each shard writes one Parquet file, and a shard whose
-file exists is not sampled again, so a killed run resumes without losing or duplicating a sample. The merge
-dedupes, decontaminates against the held-out split and caps to the recipe's target.
+file exists is not sampled again, so a killed run resumes without losing or duplicating a sample. Each shard task
+also marks its rows' dedupe keys and which copy a held-out prompt; the merge dedupes across shards, drops the
+contaminated rows and caps to the recipe's target from those marks.
 
 Run alone:  r1 stage rejection_sampling --checkpoint runs:/<reasoning_grpo run id>/checkpoint
 """
@@ -52,7 +53,7 @@ def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = Re
     """Sample from `checkpoint_uri` (the reasoning-RL model); return the curated dataset's URI and the counts."""
     with stage_run(NAME, config, parent_run_id, inputs={"checkpoint_uri": checkpoint_uri}) as run_id:
         data = prepare_data(run_id, config.data, "rl")
-        plan = plan_rejection_sampling(run_id, checkpoint_uri, config, data.train)
+        plan = plan_rejection_sampling(run_id, checkpoint_uri, config, data.train, data.heldout)
         if plan.ray_address:
             on_ray = sample_shards.with_options(task_runner=ray_task_runner(plan.ray_address))
             on_ray(plan, config)

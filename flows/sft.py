@@ -37,9 +37,11 @@ def sft(dataset_uri: str, config: SFTStageConfig = SFTStageConfig(), heldout_uri
         if heldout_uri:
             metrics = evaluate_model(run_id, checkpoint, config.model, heldout_uri, config.eval,
                                      step=config.train.max_steps, generation=config.generation)
-    result = StageResult(stage=NAME, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": train,
-                                                           **({"heldout": heldout_uri} if heldout_uri else {})},
-                         metrics=metrics)
+    # the rows it trained on, read where the earlier stages logged them (no copy of the curated dataset)
+    uris = {"checkpoint": checkpoint, "dataset": train[0],
+            **({"cold_start_dataset": train[1]} if len(train) > 1 else {}),
+            **({"heldout": heldout_uri} if heldout_uri else {})}
+    result = StageResult(stage=NAME, run_id=run_id, uris=uris, metrics=metrics)
     publish_stage_report(result)
     return result
 

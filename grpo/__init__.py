@@ -4,7 +4,7 @@ Where things are:
 
 | module | what it holds |
 |---|---|
-| `configs/` | every setting as a frozen pydantic model (`core`: model, data, training and sampling sections; `recipe`: the stage configs, the recipe and reading a recipe file; `ppo`, `rft`, `dpo`: the other algorithms; `rollout`, `distributed`, `code`, `reward`, `sweep`), and `checks`, those that span several settings and pydantic errors on one line; no torch, and nothing of the project above it |
+| `configs/` | every setting as a frozen pydantic model (`core`: model, data, training and sampling sections; `recipe`: the stage configs, the recipe and reading a recipe file; `ppo`, `rft`, `dpo`: the other algorithms; `rollout`, `distributed`, `code`, `reward`, `alignment`, `sweep`), and `checks`, those that span several settings and pydantic errors on one line; no torch, and nothing of the project above it |
 | `texts` | the `<think>`/`<answer>` response format and the prompt texts several modules share |
 | `models`, `tiny` | loading models by name or path; the embedded tiny model and its locally made tokenizer |
 | `data/` | the synthetic arithmetic task, loading and validating user datasets, preference pairs |
@@ -13,7 +13,8 @@ Where things are:
 | `sampling/` | generation behind one interface (backends and decoders), the LLM judge, the chat server |
 | `rejection/` | rejection sampling: readability filters, curation, sharded and resumable sampling |
 | `kernels/` | speed and memory tricks that keep the model's own numbers (attention, SwiGLU) |
-| `evaluate` | held-out accuracy, format rate and pass@k of a checkpoint; the alignment stage's refusal figures |
+| `evaluate` | held-out accuracy, format rate and pass@k of a checkpoint; the alignment stage's measures (harmful refused, benign helpful, borderline refused, handled right) and their paired comparison |
+| `stats` | a before -> after change of a share on the same prompts: its paired 95% interval (Agresti-Min) and McNemar's exact p |
 | `startup` | a process's start-up without the cyclic garbage collector: its imports, then one collection and a freeze |
 
 Imports point one way: `configs/` imports only itself and `texts`, neither anything heavy; `data`, `rewards` and `rejection.filters` are

@@ -44,6 +44,7 @@ def tokenizer_corpus() -> list[str]:
     """
     from grpo.configs.core import TaskConfig  # here: grpo.data does not need the models
     from grpo.data.arithmetic import generate_problems, sft_rows
+    from grpo.data.general import LEAD_INS, all_prompts, chosen_response
     from grpo.data.preferences import preference_pairs
     from grpo.texts import JUDGE_PROMPT
 
@@ -54,6 +55,8 @@ def tokenizer_corpus() -> list[str]:
         texts += list(rows["prompt"]) + list(rows["response"])
     pairs = preference_pairs(400)
     texts += list(pairs["prompt"]) + list(pairs["chosen"]) + list(pairs["rejected"])
+    # one chosen response per subject: lead-ins are all_prompts' innermost loop
+    texts += [chosen_response(p) for p in all_prompts()[::len(LEAD_INS)] if p.template == 0]
     texts += [JUDGE_PROMPT] * 20
     texts += [f"{IM_START}{role}\n{IM_END}\n" for role in ("system", "user", "assistant")] * 50
     return texts

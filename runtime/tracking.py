@@ -351,6 +351,11 @@ def log_dataset(run_id: str, df: pd.DataFrame, *, name: str, source: str, contex
 
             dataset = mlflow.data.from_pandas(shown, source=CodeDatasetSource(tags={"source": source}), name=name)
         inp = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+    log_input(run_id, inp)
+
+
+def log_input(run_id: str, inp: DatasetInput) -> None:
+    """Record a dataset input of the run."""
     for attempt in range(3):
         try:
             return client().log_inputs(run_id, datasets=[inp])

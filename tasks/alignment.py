@@ -8,9 +8,11 @@ from pathlib import Path
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import ModelConfig
+from grpo.configs.core import REWARD_MODEL, ModelConfig
+from grpo.configs.reward import REWARD_MODELS
 from grpo.configs.recipe import AlignmentGRPOConfig
-from grpo.data.preferences import alignment_prompts, general_prompts, load_preference_data
+from grpo.data.general import alignment_eval_sets, general_prompts
+from grpo.data.preferences import alignment_prompts, load_preference_data, pairs_for
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.training.launchers import launch
 from grpo.training.launchers.jobs import DPOJob, RewardModelJob, run, write_frame
@@ -31,7 +33,8 @@ def prepare_alignment_prompts(run_id: str, cfg: AlignmentGRPOConfig) -> DataURIs
     else:
         general = validate_rows(read_table(cfg.general_source), {"prompt": "text or chat messages"},
                                 cfg.general_source).iloc[: cfg.general_prompts]
-        general = general.assign(kind="general")[["prompt", "kind"]]
+        extra = [c for c in ("category", "reference") if c in general.columns]  # routing and the true score
+        general = general.assign(kind="general")[["prompt", "kind", *extra]]
     rows = alignment_prompts(reasoning, general)
     source = cfg.data.source if cfg.data.source != "synthetic" else f"synthetic:{cfg.data.task.model_dump_json()}"
     tracking.log_dataset(run_id, rows, name="alignment_prompts", source=f"{source}+general:{cfg.general_source}",
@@ -43,31 +46,58 @@ def prepare_alignment_prompts(run_id: str, cfg: AlignmentGRPOConfig) -> DataURIs
     return DataURIs(train_uri, heldout_uri)
 
 
+def reward_model_names(cfg: AlignmentGRPOConfig) -> list[str]:
+    """The reward models the stage's GRPO reads: those of REWARD_MODELS its rewards name."""
+    return [name for name in REWARD_MODELS if name in cfg.grpo.rewards]
+
+
+def metrics_prefix(name: str) -> str:
+    """Where a reward model's figures go: `rm/` for the one reward model, `rm_<name>/` for each of R1's two."""
+    return "rm" if name == REWARD_MODEL else f"rm_{name}"
+
+
 @task(name="train_reward_model")
-def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig) -> str:
-    """Fit the reward model on preference pairs (Bradley-Terry); log its figures; return its URI."""
-    if cfg.reward_model_uri:
-        return cfg.reward_model_uri
+def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig, name: str = REWARD_MODEL,
+                            checkpoint_uri: str | None = None) -> str:
+    """Fit the reward model `name` on its preference pairs (Bradley-Terry; `pairs_for`), from the stage's starting
+    checkpoint with `reward_model.from_policy`; log its figures under `metrics_prefix(name)`; return its URI. A
+    model the recipe gives (`reward_model_uris`, `reward_model_uri`) is returned as it is."""
+    given = cfg.reward_model_uris.get(name) or (cfg.reward_model_uri if name == REWARD_MODEL else None)
+    if given:
+        return given
     pairs, heldout = load_preference_data(cfg.preferences)
+    answer_only = cfg.reward_model.helpfulness_reads == "answer"
+    pairs = pairs_for(pairs, name, cfg.preferences.source, answer_only)
+    heldout = pairs_for(heldout, name, "the held-out pairs", answer_only) if heldout is not None else None
     launch.check_splits(cfg.distributed, reward_model__batch_size=cfg.reward_model.batch_size)
     ray_address = cluster.check_training_cluster(cfg.distributed, "alignment_grpo")  # None: this machine's
-    tracking.log_dataset(run_id, pairs.astype(str), name="preferences", source=cfg.preferences.source,
-                         context="reward_model")
+    tracking.log_dataset(run_id, pairs.astype(str), name="preferences" if name == REWARD_MODEL else f"{name}_pairs",
+                         source=cfg.preferences.source, context=metrics_prefix(name))
     launched = launch.is_launched(cfg.distributed)
-    rm_cfg = resolve_precision(run_id, "reward_model", cfg.reward_model)
-    out = work_dir(run_id, "reward_model", cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed),
+    rm_cfg = cfg.reward_model
+    if rm_cfg.from_policy:
+        if checkpoint_uri is None:
+            raise ValueError("reward_model.from_policy starts the reward model from the stage's checkpoint: none given")
+        rm_cfg = rm_cfg.model_copy(update={"model": resolve_model(cfg.model, checkpoint_uri)})
+    # its precision logged as `reward_model.*` params (`reward_model_<name>.*` for each of R1's two)
+    rm_cfg = resolve_precision(run_id, "reward_model" if name == REWARD_MODEL else f"reward_model_{name}", rm_cfg)
+    out = work_dir(run_id, f"reward_model_{name}", cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed),
                    root=launch.work_root(cfg.distributed))
     job = RewardModelJob(cfg=rm_cfg, rows=write_frame(pairs, out / "inputs", "rows"), source=cfg.preferences.source,
                          heldout=write_frame(heldout, out / "inputs", "heldout") if heldout is not None else None,
                          output_dir=str(out), distributed=cfg.distributed)
-    metrics = tracking.MetricsLogger(run_id)
+    logger = tracking.MetricsLogger(run_id)
+    prefix = metrics_prefix(name)
+
+    def metrics(step: int, figures: dict[str, float]) -> None:  # rm/... as rm_<name>/... for each of two models
+        logger(step, {prefix + k[2:] if k.startswith("rm/") else k: v for k, v in figures.items()})
+
     report = launch.run_launched(job, metrics, ray_address=ray_address) if launched else run(job, metrics)
     result = RewardModelResult(**{**report, "model_dir": Path(report["model_dir"])})
-    tracking.MetricsLogger(run_id)(result.steps, {**result.heldout_metrics,
-                                                  "rm/heldout_accuracy_before": result.heldout_accuracy_before})
-    get_run_logger().info("reward model: held-out pair accuracy %.3f (untrained %.3f)", result.heldout_accuracy,
-                          result.heldout_accuracy_before)
-    return tracking.log_dir(run_id, result.model_dir, "reward_model")
+    metrics(result.steps, {**result.heldout_metrics, "rm/heldout_accuracy_before": result.heldout_accuracy_before})
+    get_run_logger().info("%s reward model: held-out pair accuracy %.3f (untrained %.3f)", name,
+                          result.heldout_accuracy, result.heldout_accuracy_before)
+    return tracking.log_dir(run_id, result.model_dir, name)
 
 
 @task(name="train_dpo_model")
@@ -101,24 +131,59 @@ def train_dpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_
     return tracking.log_dir(run_id, model_dir, "checkpoint")
 
 
-@task(name="evaluate_refusals")
-def evaluate_refusals(run_id: str, checkpoint_uri: str, cfg: AlignmentGRPOConfig, step: int = 0) -> dict[str, float]:
-    """The checkpoint's refusal figures on the preferences' held-out synthetic general prompts (every alignment
-    algorithm logs them): alignment/harmful_refused and alignment/harmless_answered, and a table of the answers."""
+@task(name="evaluate_alignment")
+def evaluate_alignment(run_id: str, checkpoint_uri: str, cfg: AlignmentGRPOConfig, step: int = 0) -> dict[str, dict]:
+    """The checkpoint's alignment figures on each evaluation set (`alignment_eval_sets`: held-out phrasings as
+    `alignment/...`, held-out subjects as `alignment_subjects/...`, or the user's file): logged as metrics, with the
+    per-prompt table; returns each set's per-prompt verdicts for the before -> after comparison."""
     import torch
 
-    from grpo.evaluate import evaluate_refusals as measure
+    from grpo.evaluate import evaluate_alignment as measure
     from grpo.models import load_model_and_tokenizer
     from grpo.sampling.engines import build_engine
 
-    prompts = general_prompts(cfg.refusal_prompts, split="heldout", heldout_percent=cfg.preferences.heldout_percent)
+    sets = alignment_eval_sets(cfg.alignment_eval)
     model, tokenizer = load_model_and_tokenizer(resolve_model(cfg.model, checkpoint_uri))
     if torch.cuda.is_available():
         model = model.cuda()
-    engine = build_engine(cfg.generation, model, tokenizer, who="refusal evaluation")
-    result = measure(engine, prompts, cfg.eval)
-    tracking.MetricsLogger(run_id)(step, result.metrics)
-    tracking.log_table(run_id, result.samples, f"alignment/refusals_step_{step}.json")
-    get_run_logger().info("refusals at step %d: harmful requests refused %.3f, harmless ones answered %.3f", step,
-                          result.metrics["alignment/harmful_refused"], result.metrics["alignment/harmless_answered"])
-    return result.metrics
+    engine = build_engine(cfg.generation, model, tokenizer, who="alignment evaluation")
+    eval_cfg = cfg.eval.model_copy(update={"max_new_tokens": cfg.alignment_eval.max_new_tokens
+                                           or cfg.eval.max_new_tokens})
+    out = {}
+    for prefix, prompts in sets.items():
+        result = measure(engine, prompts, eval_cfg, prefix=prefix)
+        tracking.MetricsLogger(run_id)(step, result.metrics)
+        tracking.log_table(run_id, result.samples, f"{prefix}/verdicts_step_{step}.json")
+        m = result.metrics
+        get_run_logger().info("%s at step %d: harmful refused %.3f, benign helpful %.3f, borderline refused %.3f, "
+                              "handled right %.3f (%d prompts)", prefix, step, m[f"{prefix}/harmful_refused"],
+                              m[f"{prefix}/benign_helpful"], m[f"{prefix}/borderline_refused"],
+                              m[f"{prefix}/handled_right"], len(prompts))
+        out[prefix] = result.samples.drop(columns=["completion"]).to_dict(orient="list")
+    return out
+
+
+@task(name="compare_alignment")
+def compare_alignment(run_id: str, before: dict[str, dict], after: dict[str, dict], step: int) -> dict[str, float]:
+    """Each alignment figure before -> after on the same prompts with its paired 95% interval (grpo.stats): logged
+    as `<figure>_ci_low`, `_ci_high`, `_p` and `_n` beside the figure, with a per-prompt table (prompt, category,
+    right before, right after); returns those figures for the stage's summary."""
+    import pandas as pd
+
+    from grpo.evaluate import paired_alignment
+
+    figures = {}
+    for prefix in after:
+        if prefix not in before:
+            continue
+        b, a = pd.DataFrame(before[prefix]), pd.DataFrame(after[prefix])
+        changes = paired_alignment(b, a, prefix)
+        for key, change in changes.items():
+            figures.update({f"{key}_ci_low": change.low, f"{key}_ci_high": change.high, f"{key}_p": change.p_value,
+                            f"{key}_n": float(change.n)})
+            get_run_logger().info("%s: %s", key, change.describe())
+        table = b[["prompt", "category"]].assign(right_before=b["right"], right_after=a["right"],
+                                                   refused_before=b["refused"], refused_after=a["refused"])
+        tracking.log_table(run_id, table, f"{prefix}/before_after.json")
+    tracking.MetricsLogger(run_id)(step, figures)
+    return figures

@@ -8,6 +8,7 @@ import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
+from grpo.configs.alignment import AlignmentWatchConfig
 from grpo.configs.core import GenerationConfig, GRPOConfig, ModelConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.ppo import PPOConfig
@@ -23,16 +24,19 @@ from runtime.stage import log_gemm_plan, resolve_model, resolve_precision, work_
 
 @task(name="train_grpo_model")
 def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_uri: str, train_uri: str,
-                     cfg: GRPOConfig, reward_model_uri: str | None = None, ppo: PPOConfig | None = None,
+                     cfg: GRPOConfig, reward_models: dict[str, str] | None = None, ppo: PPOConfig | None = None,
                      distributed: DistributedConfig = DistributedConfig(),
                      generation: GenerationConfig = GenerationConfig(),
                      refresh: RewardModelConfig | None = None,
                      preferences: PreferenceDataConfig | None = None,
-                     online_rft: OnlineRFTConfig | None = None) -> str:
+                     online_rft: OnlineRFTConfig | None = None,
+                     watch: AlignmentWatchConfig | None = None, helpfulness_reads: str = "answer") -> str:
     """Run GRPO from the checkpoint on the training prompts; log metrics and sample tables; return the new checkpoint.
     Rollouts come from the engine `generation` names (the stage's section).
 
-    With `reward_model_uri`, the reward named "reward_model" is that model's score (on rows of kind "general").
+    With `reward_models` (reward name -> URI), the rewards of those names are those models' scores on rows of kind
+    "general" (grpo.training.reward_scorer.ROUTES: which categories each scores, and what it reads).
+    With `watch`, the general rows' true score is logged beside the reward models' (grpo.training.alignment_watch).
     With `ppo`, PPO with a critic runs instead, on the same rewards, sampling and optimiser settings.
     With `refresh` (the stage's reward_model section, `refresh_every` set), that reward model is trained further on
     the policy's samples as GRPO runs, replaying the `preferences` pairs (grpo.training.loops.rm_refresh).
@@ -54,7 +58,7 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
     launched = launch.is_launched(distributed)
     cfg = resolve_precision(run_id, "grpo", cfg)
     out = work_dir(run_id, stage, checkpoint_uri, model_cfg, cfg, rows["prompt"].astype(str).tolist(),
-                   reward_model_uri, *([ppo] if ppo else []),  # a PPO run never resumes a GRPO run's work
+                   reward_models or None, *([ppo] if ppo else []),  # a PPO run never resumes a GRPO run's work
                    *([refresh, preferences] if refresh else []),  # nor one with the reward model refreshed
                    *([online_rft] if online_rft else []),  # nor an online RFT run
                    *launch.resume_key(distributed), root=launch.work_root(distributed))
@@ -67,10 +71,11 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
             get_run_logger().info("resuming from the checkpoint at step %d in %s", step, out)
         progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
         model_cfg = resolve_model(model_cfg, checkpoint_uri)
-        reward_model_dir = str(tracking.download(reward_model_uri)) if reward_model_uri else None
+        reward_model_dirs = {name: str(tracking.download(uri)) for name, uri in (reward_models or {}).items()}
         prm_dir = str(tracking.download(cfg.prm_path)) if cfg.step_verifier == "prm" else None  # process reward model
         job = GRPOJob(model=model_cfg, cfg=cfg, rows=rows_path, output_dir=str(out), generation=generation,
-                      reward_model=reward_model_dir, prm=prm_dir, ppo=ppo, online_rft=online_rft, refresh=refresh,
+                      reward_models=reward_model_dirs, prm=prm_dir, ppo=ppo, online_rft=online_rft, refresh=refresh,
+                      watch=watch, helpfulness_reads=helpfulness_reads,
                       distributed=distributed, **{name: write_frame(frame, out / "inputs", name)
                                                   for name, frame in refresh_frames.items()})
         if launched:

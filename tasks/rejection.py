@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
@@ -11,16 +12,18 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import SELF_JUDGE, ModelConfig
+from grpo.configs.core import SELF_JUDGE, ModelConfig, RejectionConfig
 from grpo.configs.recipe import RejectionSamplingConfig
+from grpo.data.row_files import describe_row_files
 from grpo.data.tables import DataError, read_table, validate_rows
 from grpo.interrupts import interruptible
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
+from grpo.rejection.curate import HeldoutIndex, build_heldout_index
 from grpo.rejection.filters import summary_line
 from grpo.sampling.engines import Engine, build_engine, local_generation
 from grpo.sampling.judge import HTTPJudge, build_judge
-from runtime import tracking
+from runtime import dataset_refs, tracking
 from runtime.cluster import check_cluster, shard_store_dir
 from runtime.stage import resolve_model, work_dir, work_key
 from tasks.data import read_frame
@@ -34,11 +37,12 @@ class RejectionPlan(NamedTuple):
     model_dir: str  # local copy of the checkpoint; on Ray its URI, which each worker downloads itself
     non_reasoning_uri: str | None  # the non-reasoning rows to append, if the config asks for any
     ray_address: str | None = None  # the cluster the shard tasks run on (checked reachable); None = threads here
+    heldout_uri: str | None = None  # the held-out prompts each shard task decontaminates its rows against
 
 
 @task(name="plan_rejection_sampling")
 def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamplingConfig,
-                            prompts_uri: str) -> RejectionPlan:
+                            prompts_uri: str, heldout_uri: str | None = None) -> RejectionPlan:
     """Check everything that can be checked before sampling (cluster, store, prompts, judge, non-reasoning rows)."""
     rs = cfg.rejection
     shard_keys = rs.model_dump(mode="json", exclude=set(shards.MERGE_ONLY_FIELDS))
@@ -78,13 +82,13 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     get_run_logger().info("rejection sampling: %d prompts in %d shards (%d already written in %s)", len(prompts),
                           len(indices), done, out)
     tracking.log_params(run_id, {"rejection.shards": len(indices), "rejection.prompts": len(prompts)})
-    return RejectionPlan(out, indices, prompts_uri, model_dir, non_reasoning_uri, ray_address)
+    return RejectionPlan(out, indices, prompts_uri, model_dir, non_reasoning_uri, ray_address, heldout_uri)
 
 
 def non_reasoning_rows(source: str, n: int, seed: int) -> pd.DataFrame:
     """`n` (prompt, response) rows without a verifiable answer: generated general requests, or a user file."""
     if source == "synthetic":
-        from grpo.data.preferences import general_sft_rows
+        from grpo.data.general import general_sft_rows
 
         return general_sft_rows(n, seed)
     rows = validate_rows(read_table(source), {"prompt": "text or chat messages", "response": "text"}, source)
@@ -117,6 +121,19 @@ def _policy(model_cfg: ModelConfig):
 
 
 _servers: dict[str, Engine] = {}
+_heldout: dict[tuple, HeldoutIndex] = {}
+
+
+def _heldout_index(uri: str | None, cfg: RejectionConfig) -> HeldoutIndex | None:
+    """The held-out prompts' n-gram index, built once per process (shard tasks share a worker's threads)."""
+    if uri is None or not cfg.decontamination_ngram:
+        return None
+    key = (uri, cfg.decontamination_ngram, cfg.decontamination_threshold)
+    with _load_lock:
+        if key not in _heldout:
+            _heldout.clear()
+            _heldout[key] = build_heldout_index(read_frame(uri)["prompt"].tolist(), *key[1:])
+        return _heldout[key]
 
 
 def _engine(cfg: RejectionSamplingConfig, model_cfg: ModelConfig) -> Engine:
@@ -152,8 +169,10 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
                  else build_judge(cfg.judge, generation=local))
     prompts = read_frame(plan.prompts_uri).reset_index(drop=True)
     shard = shards.plan_shards(prompts, cfg.rejection)[index]
+    heldout = _heldout_index(plan.heldout_uri, cfg.rejection)  # decontaminated here, where the samples are
     with interruptible():  # a stopped stage stops its shards mid-sampling, not after them
-        result = shards.process_shard(engine, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index)
+        result = shards.process_shard(engine, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index,
+                                      heldout)
     shards.write_shard(result, out, index)
     c = result.counts
     given_up = [url for url, s in engine.stats().items() if s["dead"]] if cfg.generation.backend == "http" else []
@@ -165,24 +184,29 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
 @task(name="merge_rejection_shards")
 def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSamplingConfig,
                            heldout_uri: str | None) -> tuple[str, dict[str, float]]:
-    """Merge the shard files into the curated dataset; log counts, the dataset and a sample table."""
+    """Merge the shard files into the curated dataset, streamed to Parquet part files; log the counts, the
+    dataset's folder, its record by reference and a sample table."""
     heldout = read_frame(heldout_uri) if heldout_uri else None
     non_reasoning = read_frame(plan.non_reasoning_uri) if plan.non_reasoning_uri else None
-    result = shards.merge_shards(plan.out_dir, cfg.rejection, heldout, non_reasoning, num_shards=len(plan.shards))
-    c = result.counts
-    metrics = c.metrics()
-    metrics["rejection/rows"] = float(len(result.dataset))
-    metrics["rejection/non_reasoning_rows"] = float(result.non_reasoning)
-    if c.judge_asked:
-        metrics["rejection/judge_accept_rate"] = c.judge_accepted / c.judge_asked
-    tracking.MetricsLogger(run_id)(0, metrics)
-    data = result.dataset
-    if data.empty:  # the counts are logged; the shards stay in the store for a rerun with other filters
-        raise DataError(f"rejection sampling kept no rows ({summary_line(metrics)}): the SFT stage would have "
-                        "nothing to train on; loosen the `rejection` filters, sample more per prompt, or check "
-                        "the checkpoint it sampled from")
-    tracking.log_dataset(run_id, data, name="curated", source=f"runs:/{run_id}/dataset/curated", context="output")
-    uri = tracking.log_frame(run_id, data, "dataset/curated")
-    tracking.log_table(run_id, data.head(50).astype(str), "samples/curated_head.json")
+    # written here, then copied to the run's artifacts: the text in memory is `merge_batch_rows` rows' at a time
+    with tempfile.TemporaryDirectory(dir=tracking.r1_home(), prefix="curated-") as tmp:
+        merged = shards.write_merged(plan.out_dir, cfg.rejection, Path(tmp) / "curated", heldout, non_reasoning,
+                                     num_shards=len(plan.shards))
+        c = merged.counts
+        metrics = c.metrics()
+        metrics["rejection/rows"] = float(merged.rows)
+        metrics["rejection/non_reasoning_rows"] = float(merged.non_reasoning)
+        if c.judge_asked:
+            metrics["rejection/judge_accept_rate"] = c.judge_accepted / c.judge_asked
+        tracking.MetricsLogger(run_id)(0, metrics)
+        if not merged.rows:  # the counts are logged; the shards stay in the store for a rerun with other filters
+            raise DataError(f"rejection sampling kept no rows ({summary_line(metrics)}): the SFT stage would have "
+                            "nothing to train on; loosen the `rejection` filters, sample more per prompt, or check "
+                            "the checkpoint it sampled from")
+        uri = f"runs:/{run_id}/dataset/curated"
+        dataset = describe_row_files(Path(tmp) / "curated")
+        dataset_refs.log_dataset_reference(run_id, dataset, name="curated", source=uri, context="output")
+        dataset_refs.log_sample_table(run_id, dataset, "samples/curated_head.json")
+        tracking.log_dir(run_id, Path(tmp) / "curated", "dataset/curated")
     get_run_logger().info("rejection sampling: %s", summary_line(metrics))
     return uri, metrics

@@ -58,15 +58,22 @@ PER_LINE = 4  # the stage's other figures, this many a line under it
 
 def _print_stage(name: str, result) -> None:
     rest: list[str] = []
+    changes: dict[str, str] = {}
     if name == "rejection_sampling":  # dozens of counters, most of them zero: what was kept, and why the rest went
         from grpo.rejection.filters import summary_line
 
         metrics = summary_line(result.metrics)
     else:
+        from grpo.stats import CHANGE_SUFFIXES, logged_changes
+
+        changes = logged_changes(result.metrics)  # before -> after with a paired interval: a line each
+        shown = {k + s for k in changes for s in CHANGE_SUFFIXES}
         first = [k for k in HEADLINE if k in result.metrics]
         metrics = ", ".join(f"{k}={result.metrics[k]:.3f}" for k in first)
-        rest = [f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()) if k not in first]
+        rest = [f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()) if k not in first and k not in shown]
     print(f"  {name:<20} run {result.run_id}  {metrics}")
+    for key, line in changes.items():
+        print(f"  {'':<20} {key}: {line}")
     for i in range(0, len(rest), PER_LINE):
         print(f"  {'':<20} " + ", ".join(rest[i:i + PER_LINE]))
     for key, uri in result.uris.items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import string
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -302,6 +302,9 @@ class GRPOConfig(BaseModel):
     samples_every: int = Field(25, ge=0)  # steps between sample-completion tables (0 = none)
     checkpoint_every: int = Field(50, ge=0)  # steps between resumable checkpoints (0 = only the final model)
     seed: int = 0  # prompt order and sampling
+    # each step's prompts by the rows' `kind`: {kind: share of prompts_per_step}, e.g. {general: 0.5} (alignment: R1
+    # mixes general and reasoning prompts in every batch); other kinds share the rest. Empty: all rows alike
+    prompt_mix: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(default_factory=dict)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # sync, or async sampler workers (docs/sampling.md)
 
     @field_validator("rewards")
@@ -316,6 +319,8 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _process_needs_steps(self) -> "GRPOConfig":
+        if sum(self.prompt_mix.values()) > 1 + 1e-9:
+            raise ValueError(f"prompt_mix shares add up to more than 1: {self.prompt_mix}")
         if self.max_tokens_per_microbatch is not None and self.packing is False:
             raise ValueError("max_tokens_per_microbatch fills packed micro-batches; it needs packing: true or auto "
                              "(or leave it out: micro_batch_size rows a micro-batch)")
@@ -471,6 +476,7 @@ class RejectionConfig(BaseModel):
     # problems, which share template wording with held-out ones; a copied problem shares about 90%)
     decontamination_threshold: float = Field(0.8, gt=0, le=1)
     seed: int = 0  # each shard's sampling seed derives from it; also the tie-break when capping to the target
+    merge_batch_rows: int = Field(4096, ge=1)  # rows the merge reads and writes at a time: its memory for text
 
     @model_validator(mode="after")
     def _check(self) -> "RejectionConfig":

@@ -32,10 +32,11 @@ from grpo.configs.core import (
     RejectionConfig,
     SFTConfig,
 )
+from grpo.configs.alignment import AlignmentEvalConfig, AlignmentWatchConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.dpo import DPOConfig
 from grpo.configs.ppo import PPOConfig, check_ppo_settings
-from grpo.configs.reward import PreferenceDataConfig, RewardModelConfig
+from grpo.configs.reward import HARMLESSNESS, HELPFULNESS, REWARD_MODELS, PreferenceDataConfig, RewardModelConfig
 from grpo.configs.rft import OnlineRFTConfig, check_rft_settings
 from grpo.configs.rollout import check_async_rollout
 from grpo.configs.sweep import SweepConfig
@@ -233,7 +234,13 @@ class AlignmentGRPOConfig(StageConfig):
     preferences: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig)  # pairs the reward model learns
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)  # trained in this stage...
     reward_model_uri: str | None = None  # ...unless this names an existing one (folder, runs:/ URI or hub name)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)  # rewards by name; "reward_model" is the trained scorer
+    # existing reward models by reward name (helpfulness, harmlessness, reward_model): folder, runs:/ URI or hub name;
+    # a reward model grpo.rewards names and this does not is trained in the stage
+    reward_model_uris: dict[str, str] = Field(default_factory=dict)
+    # rewards by name: rule rewards for reasoning rows; "reward_model" (one scorer for every general prompt) or
+    # "helpfulness" and "harmlessness" (one for each category, as R1) for general rows
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    watch: AlignmentWatchConfig = Field(default_factory=AlignmentWatchConfig)  # the true score beside the reward
     eval: EvalConfig = Field(default_factory=EvalConfig)  # held-out reasoning evaluation
     eval_before: bool = True  # also score the starting checkpoint, so the run shows what alignment cost or gained
     registered_model: str = "r1-tiny"  # MLflow registry name the final model is registered under
@@ -247,9 +254,9 @@ class AlignmentGRPOConfig(StageConfig):
     # reward_model* and grpo are then not read (grpo.code still sets the sandbox of held-out code rows)
     algorithm: Literal["grpo", "dpo"] = "grpo"
     dpo: DPOConfig = Field(default_factory=DPOConfig)  # read only with algorithm dpo
-    # held-out synthetic general prompts (of 76 at preferences.heldout_percent 20, 22 harmful) answered greedily before
-    # and after training: alignment/harmful_refused and harmless_answered (grpo.evaluate.evaluate_refusals); 0: none
-    refusal_prompts: int = Field(64, ge=0)
+    # general prompts of known category answered greedily before and after training: harmful refused, benign helpful,
+    # borderline over-refusal, handled right, each with its paired interval (grpo.evaluate.evaluate_alignment)
+    alignment_eval: AlignmentEvalConfig = Field(default_factory=AlignmentEvalConfig)
 
     def process_batches(self) -> dict[str, int]:
         if self.algorithm == "dpo":
@@ -259,7 +266,15 @@ class AlignmentGRPOConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "AlignmentGRPOConfig":
-        self.grpo.check_rewards(set(RULE_REWARDS) | {REWARD_MODEL})
+        self.grpo.check_rewards(set(RULE_REWARDS) | set(REWARD_MODELS))
+        if REWARD_MODEL in self.grpo.rewards and {HELPFULNESS, HARMLESSNESS} & set(self.grpo.rewards):
+            raise ValueError(f"alignment_grpo.grpo.rewards names {REWARD_MODEL!r} (one reward model for every general "
+                             f"prompt) and {HELPFULNESS!r}/{HARMLESSNESS!r} (one for each category): name one or the "
+                             f"other")
+        unknown = sorted(set(self.reward_model_uris) - set(REWARD_MODELS))
+        if unknown:
+            raise ValueError(f"alignment_grpo.reward_model_uris names {unknown}; expected reward model names among "
+                             f"{list(REWARD_MODELS)}")
         if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
             raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
                              "reasoning_grpo, whose prompts have checkable steps")

@@ -11,7 +11,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpo.configs.checks import Precision
-from grpo.configs.core import LR_SCHEDULERS, ModelConfig
+from grpo.configs.core import LR_SCHEDULERS, REWARD_MODEL, ModelConfig
+
+# R1's two reward models: helpfulness scores benign and borderline prompts on the final answer only, harmlessness
+# harmful ones on the whole response (grpo.training.reward_scorer.ROUTES); a recipe names REWARD_MODEL or these two
+HELPFULNESS, HARMLESSNESS = "helpfulness", "harmlessness"
+REWARD_MODELS = (REWARD_MODEL, HELPFULNESS, HARMLESSNESS)
 
 
 class RewardModelConfig(BaseModel):
@@ -20,6 +25,14 @@ class RewardModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: ModelConfig = Field(default_factory=ModelConfig)  # backbone: "tiny", or a folder (R1: the policy's)
+    # the alignment stage's reward models start from the stage's own starting checkpoint (the SFT policy, as
+    # InstructGPT and R1 start theirs) instead of `model`: a backbone that already knows the subjects can tell an
+    # off-topic answer from the right one
+    from_policy: bool = False
+    # what the helpfulness reward model reads of a response, in training and in scoring: "answer", the final answer
+    # alone (R1's "final summary"), or "response", the reasoning too (where the answer does not restate what was
+    # asked, as the tiny recipe's do not, an off-topic answer is seen only there)
+    helpfulness_reads: Literal["answer", "response"] = "answer"
     max_steps: int = Field(150, ge=1)  # optimizer steps
     batch_size: int = Field(16, ge=1)  # pairs per micro-batch (two sequences each)
     grad_accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
@@ -59,5 +72,4 @@ class PreferenceDataConfig(BaseModel):
     split: str = "train"  # split to read from a hub dataset or a DatasetDict folder
     num_train: int = Field(1000, ge=0)  # synthetic pairs to draw (or the most pairs to read from a user dataset; 0 = all)
     num_heldout: int = Field(200, ge=0)  # synthetic held-out pairs; a user dataset's are carved out by the trainer
-    heldout_percent: int = Field(20, ge=1, le=99)  # share of synthetic prompts reserved for held-out, by hash
     seed: int = 0  # the same seed draws the same training pairs (the held-out draw never changes)

@@ -107,8 +107,10 @@ def _is_messages(value) -> bool:
                     for m in value))
 
 
-def validate_rows(df: pd.DataFrame, schema: dict[str, str], source: str) -> pd.DataFrame:
-    """Check every required column exists and every cell has the expected type; raise DataError naming the first bad one."""
+def validate_rows(df: pd.DataFrame, schema: dict[str, str], source: str, first_row: int = 0) -> pd.DataFrame:
+    """Check every required column exists and every cell has the expected type; raise DataError naming the first bad one.
+
+    `first_row`: the number of `df`'s first row in `source`, for a file checked a batch at a time."""
     missing = [c for c in schema if c not in df.columns]
     if missing:
         raise DataError(f"{source}: missing column(s) {missing}; expected columns {list(schema)}, "
@@ -123,7 +125,7 @@ def validate_rows(df: pd.DataFrame, schema: dict[str, str], source: str) -> pd.D
             if kind == "text or number" and not ok:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
             if not ok:
-                raise DataError(f"{source}: row {i}, column {col!r}: expected {kind}, got {value!r:.80}")
+                raise DataError(f"{source}: row {first_row + i}, column {col!r}: expected {kind}, got {value!r:.80}")
     return df
 
 

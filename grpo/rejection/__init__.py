@@ -16,8 +16,11 @@ block (the tag filter drops it), and one cut just after `</answer>` is whole.
 The prompts are cut into shards of `shard_size`. Each shard samples under a seed of its own (cfg.seed, index), so a
 shard sampled again gives the same samples, and is written as one Parquet file, atomically; a shard whose file
 exists is not sampled again, so a crashed or cancelled run resumes without losing or duplicating rows.
-`merge_shards` then dedupes across shards, drops rows that share word n-grams with held-out problems, caps the
-reasoning rows to the target (prompt coverage first, deterministically) and appends the non-reasoning rows.
+Each shard also marks its kept rows where they were sampled: a 64-bit hash of the normalised (prompt, response) and,
+against the held-out prompts, whether the row copies one (`mark_rows`; hashed word n-grams, each distinct prompt
+checked once). `merge_shards` then reads those keys alone to dedupe across shards, drop the contaminated rows and
+cap the reasoning rows to the target (prompt coverage first, deterministically), reads only the rows it keeps, and
+appends the non-reasoning rows; `write_merged` streams the same rows to Parquet files a batch at a time.
 
 How it differs from the paper: the paper does not spell out its readability rules; the ones here (tag structure,
 language share, paragraph and reasoning length, code in the reasoning, empty answer, repetition) are plain
@@ -29,7 +32,8 @@ Run it alone:
     result.dataset  # prompt, response, ... ready for SFT
 
 Modules: `filters` (readability filters, drop reasons and counts), `curate` (one shard's samples kept or dropped;
-dedupe and decontamination), `shards` (planning, sampling, writing, merging and resuming shards), `budget` (sizing
-a run before it starts: samples, tokens, rows kept, time; `r1 plan`). The stage's
-settings are `grpo.configs.core.RejectionConfig`. Must not depend on Prefect or MLflow.
+dedupe and decontamination, and the marks the merge reads), `shards` (planning, sampling and resuming shards),
+`store` (shard files, written atomically, in a folder or an fsspec store), `merge` (the dataset from the shards),
+`budget` (sizing a run before it starts: samples, tokens, rows kept, time; `r1 plan`). The stage's settings are
+`grpo.configs.core.RejectionConfig`. Must not depend on Prefect or MLflow.
 """

@@ -10,33 +10,38 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import tempfile
 import threading
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
-import fsspec
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from tqdm.auto import tqdm
 
 from grpo.configs.core import RejectionConfig
 from grpo.data.tables import DataError, validate_rows
 from grpo.rejection.curate import (
-    KEPT_COLUMNS,
+    HeldoutIndex,
     ShardResult,
+    build_heldout_index,
     curate,
-    decontaminate,
-    dedupe,
+    mark_rows,
     prompt_text,
     reference_answer,
 )
-from grpo.rejection.filters import CONTAMINATED, DUPLICATE_ACROSS_SHARDS, OVER_TARGET, Counts
+from grpo.rejection.filters import Counts
+
+# the shard files and the merge live in their own modules; the stage's callers find them here too
+from grpo.rejection.merge import MergedDataset, RejectionResult, merge_shards, write_merged  # noqa: F401
+from grpo.rejection.store import (  # noqa: F401
+    check_writable,
+    read_shard,
+    shard_done,
+    shard_path,
+    store_of,
+    write_atomically,
+    write_shard,
+)
 from grpo.rewards.correct import has_tests
 from grpo.sampling.engines import Engine
 from grpo.sampling.judge import Judge
@@ -45,7 +50,8 @@ from grpo.sampling.judge import Judge
 # Sampling one shard
 
 # Fields that only `merge_shards` reads: changing them between runs keeps the shards already written.
-MERGE_ONLY_FIELDS = ("target_samples", "non_reasoning_rows", "decontamination_ngram", "decontamination_threshold")
+MERGE_ONLY_FIELDS = ("target_samples", "non_reasoning_rows", "decontamination_ngram", "decontamination_threshold",
+                     "merge_batch_rows")
 CODE_COLUMNS = ("tests", "io_tests", "setup", "language")  # a code row's tests, which travel with its samples
 
 
@@ -89,13 +95,14 @@ def seeded_torch(seed: int) -> Iterator[None]:
 
 
 def process_shard(engine: Engine, shard_rows: pd.DataFrame, cfg: RejectionConfig,
-                  judge: Judge | None, shard_index: int) -> ShardResult:
+                  judge: Judge | None, shard_index: int, heldout: HeldoutIndex | None = None) -> ShardResult:
     """Sample `samples_per_prompt` completions for each prompt of the shard and curate them.
 
     Deterministic given (cfg, shard_rows, shard_index): an engine that samples with torch's RNG (the local
     engine) runs under the shard's seed; one that sends requests to servers (`takes_seed`, the HTTP engine)
     is handed the seed and derives each request's from it. `source_prompt_id` comes from that column (see
-    `rows_of_shard`), else from the rows' index.
+    `rows_of_shard`), else from the rows' index. The kept rows' dedupe keys and, given `heldout`, their
+    contamination flags are worked out here, where the samples are, so the merge only reads them.
     """
     rows = validate_prompts(shard_rows, cfg, judge, source=f"shard {shard_index}")
     prompt_ids = rows["source_prompt_id"].tolist() if "source_prompt_id" in rows.columns else rows.index.tolist()
@@ -123,7 +130,8 @@ def process_shard(engine: Engine, shard_rows: pd.DataFrame, cfg: RejectionConfig
     for column in CODE_COLUMNS:  # a code row's tests go with its samples: curate checks them by running the tests
         if column in rows.columns:
             samples[column] = pd.Series(repeat(rows[column].tolist()), dtype=object)
-    return curate(samples, cfg, judge)
+    result = curate(samples, cfg, judge)
+    return result._replace(marks=mark_rows(result.kept, heldout))
 
 
 def validate_prompts(prompts_df: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None,
@@ -153,178 +161,6 @@ def validate_prompts(prompts_df: pd.DataFrame, cfg: RejectionConfig, judge: Judg
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Shard files: shard-00003.parquet (kept rows, counts in its metadata) and shard-00003.json (the counts)
-
-COUNTS_KEY = b"r1.rejection.counts"
-
-# A shard folder is a local path or any fsspec URI (file:///shared/mount/..., s3://bucket/...): with a task runner
-# on a cluster, every node writes its shards to one store that the driver then merges from.
-
-
-def _store(out_dir: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem holding `out_dir` and the folder's path in it."""
-    return fsspec.core.url_to_fs(str(out_dir))
-
-
-def _join(out_dir: str | Path, name: str) -> str | Path:
-    return f"{str(out_dir).rstrip('/')}/{name}" if "://" in str(out_dir) else Path(out_dir) / name
-
-
-def shard_path(out_dir: str | Path, index: int) -> str | Path:
-    """The shard's Parquet file: a Path for a local folder, a URI for a store."""
-    return _join(out_dir, f"shard-{index:05d}.parquet")
-
-
-def shard_done(out_dir: str | Path, index: int) -> bool:
-    """True when the shard's Parquet file exists; it is only ever moved into place whole."""
-    fs, root = _store(out_dir)
-    return fs.isfile(f"{root}/shard-{index:05d}.parquet")
-
-
-def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[Any], None]) -> None:
-    """Write a temporary file beside `path`, then move it over `path`: readers see all or nothing.
-
-    Locally (a shared mount included) the temporary file is fsynced and renamed; on an object store the final
-    move is a copy that appears whole (a put is atomic there).
-    """
-    folder, name = path.rsplit("/", 1)
-    if isinstance(fs, LocalFileSystem):
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        return
-    tmp = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with fs.open(tmp, "wb") as f:
-            write(f)
-        fs.mv(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(tmp)
-        raise
-
-
-def check_writable(out_dir: str | Path) -> None:
-    """Write and delete a probe file in `out_dir`, so an unwritable store fails before any shard is sampled."""
-    fs, root = _store(out_dir)
-    probe = f"{root}/.write-probe-{uuid.uuid4().hex}"
-    try:
-        fs.makedirs(root, exist_ok=True)
-        _write_atomically(fs, probe, lambda f: f.write(b"probe"))
-        fs.rm(probe)
-    except Exception as e:
-        raise PermissionError(f"shard store {str(out_dir)!r} is not writable ({type(e).__name__}: {e}); every "
-                              f"shard is written there: give a folder or bucket the driver and every node can "
-                              f"write") from None
-
-
-def write_shard(result: ShardResult, out_dir: str | Path, index: int) -> str | Path:
-    """Write the shard's kept rows and counts; the Parquet move comes last, so a present shard is a whole one."""
-    fs, root = _store(out_dir)
-    fs.makedirs(root, exist_ok=True)
-    path = f"{root}/shard-{index:05d}.parquet"
-    counts = json.dumps(result.counts.to_dict())
-    _write_atomically(fs, path.removesuffix(".parquet") + ".json", lambda f: f.write(counts.encode()))
-    table = pa.Table.from_pandas(result.kept, preserve_index=False)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), COUNTS_KEY: counts.encode()})
-    _write_atomically(fs, path, lambda f: pq.write_table(table, f))
-    return shard_path(out_dir, index)
-
-
-def read_shard(out_dir: str | Path, index: int) -> ShardResult:
-    """A written shard's kept rows and counts (the counts from the Parquet metadata, which always has them)."""
-    fs, root = _store(out_dir)
-    with fs.open(f"{root}/shard-{index:05d}.parquet", "rb") as f:
-        table = pq.read_table(f)
-    counts = Counts.from_dict(json.loads(table.schema.metadata[COUNTS_KEY]))
-    kept = table.to_pandas()
-    kept["prompt"] = [p.tolist() if hasattr(p, "tolist") else p for p in kept["prompt"]]
-    return ShardResult(kept, None, counts)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Merging shards into the dataset
-
-class RejectionResult(NamedTuple):
-    dataset: pd.DataFrame  # reasoning rows (KEPT_COLUMNS) then non-reasoning rows; `kind` says which
-    counts: Counts  # the reasoning samples, through the merge: generated == kept + sum(dropped)
-    non_reasoning: int  # non-reasoning rows appended
-
-
-def _stable_hash(*parts: Any) -> int:
-    return int.from_bytes(hashlib.sha256("-".join(map(str, parts)).encode()).digest()[:8], "big")
-
-
-def cap_rows(rows: pd.DataFrame, limit: int, seed: int) -> pd.DataFrame:
-    """At most `limit` rows, covering prompts first: every prompt's first kept row before any prompt's second.
-
-    Ties are broken by a hash of (seed, prompt id, sample index), so the pick depends on the rows alone, not on
-    the order shards finished in. `rows` must be sorted by (source_prompt_id, sample_index).
-    """
-    if len(rows) <= limit:
-        return rows
-    rank = rows.groupby("source_prompt_id", sort=False).cumcount().tolist()
-    ties = [_stable_hash(seed, p, s) for p, s in zip(rows["source_prompt_id"], rows["sample_index"])]
-    chosen = sorted(sorted(range(len(rows)), key=lambda i: (rank[i], ties[i]))[:limit])
-    return rows.iloc[chosen]
-
-
-def merge_shards(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame | Sequence[Any] | None = None,
-                 non_reasoning: pd.DataFrame | None = None, num_shards: int | None = None) -> RejectionResult:
-    """The final dataset from the written shards: dedupe across shards, decontaminate, cap, add non-reasoning rows.
-
-    `num_shards`: the planned count; any missing shard is then an error. Without it, every shard file is read.
-    `heldout`: held-out prompts (a table with a `prompt` column, or the prompts themselves).
-    """
-    if num_shards is None:
-        fs, root = _store(out_dir)
-        indices = sorted(int(p.rsplit("/", 1)[1][len("shard-"):-len(".parquet")])
-                         for p in fs.glob(f"{root}/shard-*.parquet"))
-    else:
-        indices = list(range(num_shards))
-        missing = [i for i in indices if not shard_done(out_dir, i)]
-        if missing:
-            raise FileNotFoundError(f"{out_dir}: shard(s) {missing} not written yet; run them before merging")
-    shards = [read_shard(out_dir, i) for i in indices]
-    counts = Counts.zero(cfg)
-    for shard in shards:
-        counts = counts.plus(shard.counts)
-    frames = [s.kept for s in shards if len(s.kept)]
-    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=KEPT_COLUMNS)
-    rows = rows.sort_values(["source_prompt_id", "sample_index"], kind="stable").reset_index(drop=True)
-
-    dropped = dict(counts.dropped)
-    before = len(rows)
-    if cfg.dedupe:
-        rows = dedupe(rows)
-    dropped[DUPLICATE_ACROSS_SHARDS] += before - len(rows)
-    before = len(rows)
-    if heldout is not None and cfg.decontamination_ngram:
-        prompts = heldout["prompt"].tolist() if isinstance(heldout, pd.DataFrame) else list(heldout)
-        rows = decontaminate(rows, prompts, cfg.decontamination_ngram, cfg.decontamination_threshold)
-    dropped[CONTAMINATED] += before - len(rows)
-    before = len(rows)
-    rows = cap_rows(rows.reset_index(drop=True), cfg.target_samples - cfg.non_reasoning_rows, cfg.seed)
-    dropped[OVER_TARGET] += before - len(rows)
-    rows = rows.reset_index(drop=True).assign(kind="reasoning")
-    counts = counts._replace(kept=len(rows), dropped=dropped)
-
-    extra = pd.DataFrame(columns=["prompt", "response"])
-    if non_reasoning is not None and cfg.non_reasoning_rows:
-        extra = non_reasoning.head(cfg.non_reasoning_rows)[["prompt", "response"]]
-    dataset = pd.concat([rows, extra.assign(kind="non_reasoning")], ignore_index=True) if len(extra) else rows
-    return RejectionResult(dataset, counts, len(extra))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # The whole stage without Prefect
 
 MANIFEST = "manifest.json"
@@ -347,11 +183,11 @@ def _manifest(prompts: pd.DataFrame, cfg: RejectionConfig) -> dict[str, Any]:
 def check_manifest(out_dir: str | Path, prompts: pd.DataFrame, cfg: RejectionConfig) -> None:
     """Record what the shards in `out_dir` are made from, or refuse to mix in shards made from something else."""
     want = _manifest(prompts, cfg)
-    fs, root = _store(out_dir)
+    fs, root = store_of(out_dir)
     path = f"{root}/{MANIFEST}"
     if not fs.isfile(path):
         fs.makedirs(root, exist_ok=True)
-        _write_atomically(fs, path, lambda f: f.write(json.dumps(want, indent=1).encode()))
+        write_atomically(fs, path, lambda f: f.write(json.dumps(want, indent=1).encode()))
         return
     have = json.loads(fs.cat_file(path))
     if have != want:
@@ -384,12 +220,16 @@ def run_rejection_sampling(engine: Engine, prompts_df: pd.DataFrame, cfg: Reject
     if check_servers is not None:
         check_servers(cfg.sampling)
     check_manifest(out_dir, prompts, cfg)
+    index = None  # checked in each shard, where its samples are; the merge only reads the flags
+    if heldout is not None and cfg.decontamination_ngram:
+        index = build_heldout_index(heldout["prompt"].tolist() if isinstance(heldout, pd.DataFrame) else list(heldout),
+                                    cfg.decontamination_ngram, cfg.decontamination_threshold)
     shards = plan_shards(prompts, cfg)
     todo = [s for s in shards if not shard_done(out_dir, s.index)]
     bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc="rejection sampling", disable=not progress)
     kept = 0
     for shard in todo:
-        result = process_shard(engine, rows_of_shard(prompts, shard), cfg, judge, shard.index)
+        result = process_shard(engine, rows_of_shard(prompts, shard), cfg, judge, shard.index, index)
         write_shard(result, out_dir, shard.index)
         kept += result.counts.kept
         bar.update(1)

@@ -6,8 +6,9 @@ Pure Python; must not depend on torch, Prefect or MLflow.
 from __future__ import annotations
 
 import logging
-import re
+import math
 import numbers
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -45,7 +46,7 @@ def _reference_text(reference: Any) -> str | None:
 
     Pass references as strings: a float's repr ("1e-07") is not an answer format.
     """
-    if reference is None:
+    if reference is None or (isinstance(reference, float) and math.isnan(reference)):  # NaN: a table's empty cell
         return None
     if isinstance(reference, bool) or not isinstance(reference, (str, numbers.Number)):
         return None

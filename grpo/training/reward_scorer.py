@@ -17,6 +17,8 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
@@ -25,8 +27,11 @@ import torch
 import torch.nn.functional as F
 from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
                           Qwen2ForSequenceClassification)
+from transformers.utils import logging as hf_logging
 
-from grpo.configs.core import TINY, ModelConfig
+from grpo.configs.core import REWARD_MODEL, TINY, ModelConfig
+from grpo.configs.reward import HARMLESSNESS, HELPFULNESS
+from grpo.data.general import answer_text
 from grpo.data.tables import DataError
 from grpo.kernels.attention import PACKED, attending_packed
 from grpo.models import DTYPES, check_model_config, load_tokenizer
@@ -85,7 +90,32 @@ def build_reward_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, **kwargs), tok
+    with _quiet_new_head(cfg.name_or_path):
+        return AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, **kwargs), tok
+
+
+@contextlib.contextmanager
+def _quiet_new_head(path: str):
+    """A causal LM's folder (`reward_model.from_policy`) has no `score` head: transformers' loading report would print
+    it as missing, which is the point; a reward model's own folder (or a hub name) is loaded with its report."""
+    architectures = []
+    config = Path(path) / "config.json"
+    if config.is_file():
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        yield
+        return
+    # its loading report, and the tensor-parallel plan's note on the layers the new head adds
+    loggers = [hf_logging.get_logger(n) for n in ("transformers.modeling_utils",
+                                                  "transformers.distributed.tensor_parallel")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(hf_logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def load_reward_model(path: str | Path, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -211,22 +241,44 @@ class RewardModelScorer:
         return self.score_ids(encode(self.tokenizer, prompts, completions)) if prompts else []
 
 
-def reward_model_reward(scorer: RewardModelScorer,
-                        only_kind: str | None = "general") -> Callable[..., list[float | None]]:
+class Route(NamedTuple):
+    """Which general rows a reward model scores, and what it reads of a response."""
+
+    categories: tuple[str, ...] | None  # the rows' `category` it scores (None: every general row)
+    answer_only: bool  # the final answer alone (`grpo.data.general.answer_text`), not the reasoning before it
+
+
+# R1: helpfulness judged on the final summary only, harmlessness on the whole response, each on its own prompts
+ROUTES = {REWARD_MODEL: Route(None, False), HELPFULNESS: Route(("benign", "borderline"), True),
+          HARMLESSNESS: Route(("harmful",), False)}
+
+
+def reward_model_reward(scorer: RewardModelScorer, only_kind: str | None = "general",
+                        route: Route = ROUTES[REWARD_MODEL]) -> Callable[..., list[float | None]]:
     """The scorer as a reward function with the project's contract: `fn(completions, prompt, **columns)`.
 
     Takes the prompts from a `prompt` column (or TRL's `prompts`). With a `kind` column, only rows of `only_kind`
     are scored and the rest get None (R1 scores reasoning prompts by rules and general prompts by the reward
     model; in a mixed dataset each reward abstains on the other's rows). `only_kind=None` scores every row.
+    A `route` with categories scores only the rows of those categories (a `category` column is then required) and
+    abstains on the rest; with `answer_only` it reads the final answer alone.
     """
     def reward_model(completions: Sequence, prompt: Sequence | None = None, *, prompts: Sequence | None = None,
-                     kind: Sequence | None = None, **_) -> list[float | None]:
+                     kind: Sequence | None = None, category: Sequence | None = None, **_) -> list[float | None]:
         prompt = prompt if prompt is not None else prompts
         if prompt is None:
             raise ValueError("reward_model needs the prompts: pass a 'prompt' column (or TRL's 'prompts')")
-        rows = [i for i in range(len(completions)) if only_kind is None or kind is None or kind[i] == only_kind]
+        if route.categories is not None and category is None:
+            raise ValueError(f"a reward model for the {'/'.join(route.categories)} prompts needs each general row's "
+                             f"`category` (harmful, benign or borderline); these rows have none: give the general "
+                             f"prompts a category column, or name one reward_model for them all")
+        rows = [i for i in range(len(completions)) if (only_kind is None or kind is None or kind[i] == only_kind)
+                and (route.categories is None or category[i] in route.categories)]
+        texts = [completion_text(completions[i]) for i in rows]
+        if route.answer_only:
+            texts = [answer_text(t) for t in texts]
         out: list[float | None] = [None] * len(completions)
-        for i, s in zip(rows, scorer.score([prompt[i] for i in rows], [completions[i] for i in rows])):
+        for i, s in zip(rows, scorer.score([prompt[i] for i in rows], texts)):
             out[i] = s
         return out
 

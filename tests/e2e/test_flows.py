@@ -147,7 +147,7 @@ def test_pipeline_nests_stages_under_one_parent(prefect_harness, mlflow_client, 
     assert "cold_start_sft/eval/accuracy" in parent.data.metrics
     assert "alignment_grpo/eval/accuracy" in parent.data.metrics
     # the alignment stage's policy figures, before and after, on held-out general prompts
-    assert {"alignment_grpo/alignment/harmful_refused", "alignment_grpo/alignment/harmless_answered_before"} <= set(
+    assert {"alignment_grpo/alignment/harmful_refused", "alignment_grpo/alignment/benign_helpful_before"} <= set(
         parent.data.metrics)
     # the parent records every URI, so a later run can start from it
     assert parent.data.tags["uri.sft_checkpoint"] == stages["sft"].uris["checkpoint"]

@@ -16,7 +16,8 @@ import torch
 
 from grpo.configs.core import CodeConfig, DataConfig, EvalConfig, GRPOConfig, RejectionConfig, SamplingConfig
 from grpo.configs.recipe import AlignmentGRPOConfig
-from grpo.data.preferences import alignment_prompts, general_prompts
+from grpo.data.general import general_prompts
+from grpo.data.preferences import alignment_prompts
 from grpo.data.tables import load_rl_data
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer

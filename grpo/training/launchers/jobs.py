@@ -19,6 +19,7 @@ from typing import Annotated, Callable, ClassVar, Literal, Union
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from grpo.configs.alignment import AlignmentWatchConfig
 from grpo.configs.core import GenerationConfig, GRPOConfig, ModelConfig, SFTConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.dpo import DPOConfig
@@ -36,7 +37,7 @@ class _Job(BaseModel):
     output_dir: str  # the stage's work folder: checkpoints, the final model
     distributed: DistributedConfig = DistributedConfig()  # how its processes hold the model
 
-    # the fields that name input files (Parquet): a launch copies them where every process reads them
+    # the fields that name input files (Parquet, or lists of them): a launch copies them where every process reads them
     INPUTS: ClassVar[tuple[str, ...]] = ()
     # the modules its loop imports (`load_libraries`: a launched process loads them before anything else)
     LIBRARIES: ClassVar[tuple[str, ...]] = ()
@@ -46,7 +47,7 @@ class SFTJob(_Job):
     loop: Literal["sft"] = "sft"
     model: ModelConfig
     cfg: SFTConfig
-    rows: str  # Parquet of (prompt, response)
+    rows: list[str]  # Parquet files or folders of them, of (prompt, response): one table, in this order
     source: str  # where the rows came from, named in errors about them
     INPUTS = ("rows",)
     LIBRARIES = ("grpo.models", "grpo.training.loops.sft_trainer")
@@ -60,13 +61,16 @@ class GRPOJob(_Job):
     cfg: GRPOConfig
     rows: str  # Parquet of (prompt, answer, ...)
     generation: GenerationConfig = GenerationConfig()  # the stage's engine
-    reward_model: str | None = None  # a local folder: the "reward_model" reward (alignment)
+    # local folders by reward name: the reward models of the alignment stage (reward_model, helpfulness, harmlessness)
+    reward_models: dict[str, str] = {}
     prm: str | None = None  # a local folder: the process reward model (`step_verifier: prm`)
     ppo: PPOConfig | None = None
     online_rft: OnlineRFTConfig | None = None
     refresh: RewardModelConfig | None = None  # the iterative reward model, trained on as GRPO runs
     refresh_pairs: str | None = None  # Parquet: the original preference pairs it replays
     refresh_heldout: str | None = None  # Parquet: held-out pairs it is scored on
+    watch: AlignmentWatchConfig | None = None  # the general rows' true score beside the reward models' (alignment)
+    helpfulness_reads: Literal["answer", "response"] = "answer"  # what the helpfulness reward model reads
     INPUTS = ("rows", "refresh_pairs", "refresh_heldout")
     LIBRARIES = ("grpo.models", "grpo.rewards", "grpo.training.reward_scorer", "grpo.training.loops.grpo_trainer",
                  "grpo.training.loops.ppo_trainer")
@@ -145,7 +149,7 @@ def run(job: SFTJob | GRPOJob | RewardModelJob | DPOJob, on_metrics: MetricsCall
         from grpo.training.loops.sft_trainer import train_sft
 
         model, tokenizer = load_model_and_tokenizer(job.model)
-        result = train_sft(model, tokenizer, pd.read_parquet(job.rows), job.cfg, job.output_dir, on_metrics,
+        result = train_sft(model, tokenizer, job.rows, job.cfg, job.output_dir, on_metrics,
                            source=job.source, distributed=job.distributed)
     elif isinstance(job, RewardModelJob):
         from grpo.training.loops.reward_model import train_reward_model
@@ -169,7 +173,9 @@ def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
     from grpo.models import load_model_and_tokenizer
     from grpo.rewards import REWARD_FUNCTIONS
     from grpo.training.loops.grpo_trainer import GRPOTrainer
-    from grpo.training.reward_scorer import RewardModelScorer, reward_model_reward
+    from grpo.configs.core import REWARD_MODEL
+    from grpo.configs.reward import HELPFULNESS
+    from grpo.training.reward_scorer import ROUTES, RewardModelScorer, reward_model_reward
 
     cfg = job.cfg
     rows = pd.read_parquet(job.rows)
@@ -178,14 +184,21 @@ def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
 
         check_rft_settings(cfg, job.online_rft)  # the recipe checked it; a job of its own may not have been
     reward_functions, hooks = None, []
-    if job.reward_model:
-        scorer = RewardModelScorer.from_pretrained(job.reward_model)
-        reward_functions = {**REWARD_FUNCTIONS, "reward_model": reward_model_reward(scorer)}
+    if job.reward_models:
+        scorers = {name: RewardModelScorer.from_pretrained(path) for name, path in job.reward_models.items()}
+        routes = {**ROUTES, HELPFULNESS: ROUTES[HELPFULNESS]._replace(answer_only=job.helpfulness_reads == "answer")}
+        reward_functions = {**REWARD_FUNCTIONS, **{name: reward_model_reward(scorer, route=routes[name])
+                                                   for name, scorer in scorers.items()}}
         if job.refresh is not None:  # the scorer GRPO reads, trained further on the policy's samples
             from grpo.training.loops.rm_refresh import RewardModelRefresh
 
-            hooks.append(RewardModelRefresh(scorer, job.refresh, cfg.rewards, cfg.num_generations,
+            hooks.append(RewardModelRefresh(scorers[REWARD_MODEL], job.refresh, cfg.rewards, cfg.num_generations,
                                             replay=_frame(job.refresh_pairs), heldout=_frame(job.refresh_heldout)))
+    if job.watch is not None and "category" in rows.columns:  # the true score needs each general row's category
+        from grpo.training.alignment_watch import AlignmentWatch
+
+        hooks.append(AlignmentWatch(rows, list(job.reward_models), cfg.num_generations, job.watch.every,
+                                    job.watch.windows, job.watch.stop))
     model, tokenizer = load_model_and_tokenizer(job.model)
     kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions,
                   generation=job.generation, distributed=job.distributed)

@@ -187,17 +187,23 @@ def _inputs_beside(job: Job, folder: Path) -> Job:
     """The job with its input tables copied under `folder` (one that is there already stays)."""
     import shutil
 
+    def beside(path: str, target: Path) -> str:
+        if Path(path).resolve().is_relative_to(folder.resolve()):
+            return path
+        if Path(path).is_dir():  # an MLflow artifact folder of Parquet parts
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(path, target)
+        else:
+            shutil.copyfile(path, target)
+        return str(target)
+
     moved = {}
     for name in job.INPUTS:
         path = getattr(job, name)
-        if path and not Path(path).resolve().is_relative_to(folder.resolve()):
-            target = folder / f"{name}.parquet"
-            if Path(path).is_dir():  # an MLflow artifact folder of Parquet parts
-                shutil.rmtree(target, ignore_errors=True)
-                shutil.copytree(path, target)
-            else:
-                shutil.copyfile(path, target)
-            moved[name] = str(target)
+        if isinstance(path, list):  # several tables read in order (SFT's curated and cold-start rows)
+            moved[name] = [beside(p, folder / f"{name}-{i}.parquet") for i, p in enumerate(path)]
+        elif path:
+            moved[name] = beside(path, folder / f"{name}.parquet")
     return job.model_copy(update=moved)
 
 

@@ -65,9 +65,10 @@ def share_inputs(job, folder: Path):
     if base is not None and hasattr(base, "name_or_path"):
         update["cfg"] = job.cfg.model_copy(update={"model": base.model_copy(
             update={"name_or_path": shared(base.name_or_path, "base")})})
-    for key in ("reward_model", "prm"):
-        if getattr(job, key, None):
-            update[key] = shared(getattr(job, key), key)
+    if getattr(job, "prm", None):
+        update["prm"] = shared(job.prm, "prm")
+    if getattr(job, "reward_models", None):
+        update["reward_models"] = {name: shared(path, name) for name, path in job.reward_models.items()}
     return job.model_copy(update=update)
 
 

@@ -45,7 +45,7 @@ from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.sampling.rollout import decode_figures
 from grpo.training.accelerator import make_accelerator
 from grpo.training.advantages import group_advantages, trained_rows
-from grpo.training.batches import prompt_order
+from grpo.training.batches import prompt_mix_order
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (check_split, gather_table, local_processes, matched_chunks, process_share,
                                        process_weight, sampling_seed)
@@ -157,6 +157,8 @@ class GRPOTrainer:
             generation or GenerationConfig(), self.strategy.sampler_model(dtype), tokenizer, dtype=dtype, who="GRPO"))
         self.cells = self.prompts["prompt"].tolist()
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
+        # which prompts each step takes: all rows alike, or `prompt_mix`'s share of each kind every step
+        self.order = prompt_mix_order(self.prompts, cfg)
         self.gemm = gemm_plan(self.acc, cfg, tokenizer, self.prompts, self.acc.unwrap_model(self.model),
                               self.output_dir)
         # each sample's coefficient [N] from the step's scores in place of group advantages (grpo.training.rft)
@@ -188,7 +190,7 @@ class GRPOTrainer:
         """Sample and score one step's groups (refilling dropped ones when dynamic sampling is on)."""
         G, want = self.cfg.num_generations, self.cfg.prompts_per_step // self.acc.num_processes
         # this process's share of the step's prompts (all of them in one process)
-        idx = process_share(self.acc, prompt_order(len(self.prompts), step, self.cfg.prompts_per_step, self.cfg.seed))
+        idx = process_share(self.acc, self.order(step))
         if self.rollouts is not None:  # sampled by a worker, up to max_staleness optimizer steps ago
             unit = self.rollouts.take(step)
             scores = self.score(unit.rollout, idx)
@@ -207,8 +209,7 @@ class GRPOTrainer:
         for draw in range(1, self.cfg.max_refill_rounds + 1):
             if sum(len(p[3]) for p in parts) >= want:
                 break
-            more = process_share(self.acc, prompt_order(len(self.prompts), step, self.cfg.prompts_per_step,
-                                                        self.cfg.seed, draw))
+            more = process_share(self.acc, self.order(step, draw))
             r = self.sample(more)
             s = self.score(r, more)
             parts.append((r, s, more, spread_groups(s.total, G, s.graded_rows)))
@@ -380,7 +381,7 @@ class GRPOTrainer:
                     process_index=self.acc.process_index, num_processes=self.acc.num_processes,
                     policy_kernels=self.strategy.sampler_model() is self.acc.unwrap_model(self.model),
                     grad_params=frozenset(n for n, p in self.strategy.sampler_model().named_parameters()
-                                          if p.requires_grad))
+                                          if p.requires_grad), order=self.order)
         if cfg.rollout.reference == "sampler":  # the workers score the KL term's reference; the trainer keeps none
             plan = plan._replace(reference=self.ref_model.to("cpu"),  # moved off the trainer's device
                                  micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_microbatch,
@@ -429,8 +430,12 @@ class GRPOTrainer:
             metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen, t_ref))
             if self.hooks:  # every process's samples (a collective: each process calls it every step)
                 table = gather_table(self.acc, self._samples_table(rollout, idx, scores))
-                for hook in self.hooks:
-                    metrics.update(hook.after_step(done, table))
+                try:
+                    for hook in self.hooks:
+                        metrics.update(hook.after_step(done, table))
+                except GradingStop:  # a hook that stops the run (the same verdict on every process): steps kept
+                    self._save(ckpt_root, done)
+                    raise
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/total']:.3f}")
             report_step(self.acc, cfg, done, metrics, lambda: self._samples_table(rollout, idx, scores),

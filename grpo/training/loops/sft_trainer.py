@@ -1,6 +1,7 @@
 """Supervised fine-tuning with the loss on response tokens only.
 
-The loop is plain and visible: tokenize every row up front (so a row that cannot fit fails before any training),
+The loop is plain and visible: tokenize every row up front (so a row that cannot fit fails before any training; a
+Parquet dataset once, into an Arrow file the loop reads memory-mapped: `grpo.training.sft_rows`),
 draw batches by step number (so a resumed run sees exactly the batches it would have seen), and step through
 Hugging Face Accelerate, which handles device placement, mixed precision, gradient accumulation and multi-GPU
 launches (under `accelerate launch --num_processes N` each process takes 1/N of every batch's rows and the loss
@@ -19,7 +20,7 @@ import math
 import random
 import shutil
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import pandas as pd
 import torch
@@ -33,7 +34,6 @@ from grpo.kernels.attention import PACKED, attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
-from grpo.sampling.local import render_prompts, response_text
 from grpo.training.accelerator import make_accelerator, shared_gemm_plan
 from grpo.training.batches import batch_indices
 from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
@@ -42,35 +42,16 @@ from grpo.training.logprobs import packing_on
 from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.packing import pack_examples, pack_in_order
 from grpo.training.schedules import make_scheduler
+from grpo.training.sft_rows import Example, token_counts, tokenize_rows, tokenized  # noqa: F401 (tokenize_rows)
 from grpo.training.strategy import make_strategy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
-
-
-class Example(NamedTuple):
-    input_ids: list[int]  # prompt + response + end-of-turn
-    labels: list[int]  # -100 on prompt tokens
 
 
 class SFTResult(NamedTuple):
     model_dir: Path  # the final model, loadable with from_pretrained
     steps: int  # optimizer steps taken in total (including resumed ones)
     final_loss: float  # mean training loss over the last logging window
-
-
-def tokenize_rows(rows: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, source: str = "dataset") -> list[Example]:
-    """Chat-format each row and mask the prompt out of the labels; a prompt that leaves no room fails here."""
-    prompts = render_prompts(tokenizer, rows["prompt"].tolist())
-    examples = []
-    for i, (cell, prompt, response) in enumerate(zip(rows["prompt"].tolist(), prompts, rows["response"].tolist())):
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(response_text(tokenizer, cell, prompt, response), add_special_tokens=False)["input_ids"]
-        if len(p) >= max_seq_len:
-            raise DataError(f"{source}: row {i}, column 'prompt': {len(p)} tokens leave no room for the response "
-                            f"within max_seq_len={max_seq_len}")
-        ids = (p + r)[:max_seq_len]
-        examples.append(Example(ids, ([-100] * len(p) + r)[:max_seq_len]))
-    return examples
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
@@ -85,13 +66,14 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def check_row_budget(examples: list[Example], max_tokens: int | None, source: str) -> None:
-    """A token budget must hold every row: else an error naming the longest, before any training."""
+def check_row_budget(lengths: list[int], max_tokens: int | None, source: str) -> None:
+    """A token budget must hold every row (`lengths`: each row's tokens): else an error naming the longest, before
+    any training."""
     if max_tokens is None:
         return
-    longest = max(range(len(examples)), key=lambda i: len(examples[i].input_ids))
-    if len(examples[longest].input_ids) > max_tokens:
-        raise DataError(f"{source}: row {longest} is {len(examples[longest].input_ids)} tokens, more than "
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] > max_tokens:
+        raise DataError(f"{source}: row {longest} is {lengths[longest]} tokens, more than "
                         f"max_tokens_per_microbatch={max_tokens}; raise it to at least that (or to max_seq_len)")
 
 
@@ -117,7 +99,7 @@ def model_inputs(rows: list[Example], packed: bool, model: PreTrainedModel, pad_
 def train_sft(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    rows: pd.DataFrame,
+    rows: pd.DataFrame | Sequence[str | Path],
     cfg: SFTConfig,
     output_dir: str | Path,
     on_metrics: MetricsCallback | None = None,
@@ -128,19 +110,23 @@ def train_sft(
 ) -> SFTResult:
     """Fine-tune `model` on `rows` (`prompt`, `response`) and save it to `output_dir/model`; resumes if it can.
 
+    `rows`: a frame, or Parquet files or folders of them (read in order as one table), tokenized once into
+    `output_dir/tokens` and read from there memory-mapped: the same batches either way.
+
     `distributed`: the stage's section; its strategy (ddp or fsdp) decides how the processes hold the model."""
     output_dir = Path(output_dir)
     ckpt_root = output_dir / "checkpoints"
-    examples = tokenize_rows(rows, tokenizer, cfg.max_seq_len, source)  # fails before any training
-    check_row_budget(examples, cfg.max_tokens_per_microbatch, source)  # so does a row past the token budget
+    # fails before any training
+    examples = tokenized(rows, tokenizer, cfg.max_seq_len, output_dir / "tokens", source)
+    # the tokens the loss counts in each row (the model shifts labels by one): a batch's token mean across processes
+    lengths, label_tokens = token_counts(examples)
+    check_row_budget(lengths, cfg.max_tokens_per_microbatch, source)  # so does a row past the token budget
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
     acc = make_accelerator(cfg.mixed_precision, cfg.grad_accum_steps)
     strategy = make_strategy(acc, distributed)
     check_split("batch_size", cfg.batch_size, acc.num_processes)  # batch_size is the global micro-batch
-    # the tokens the loss counts in each row (the model shifts labels by one): a batch's token mean across processes
-    label_tokens = [sum(t != -100 for t in e.labels[1:]) for e in examples]
     optimizer = make_adamw(model, cfg.learning_rate, cfg.weight_decay)
     scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                                num_training_steps=cfg.max_steps)
@@ -148,7 +134,7 @@ def train_sft(
 
     start = load_newest_checkpoint(acc, ckpt_root, strategy.load_state)  # 0: no checkpoint to trust, it starts over
     # fp32 on a CPU: the faster GEMM library of each of a linear's GEMMs, measured at a micro-batch's tokens
-    row_tokens = sum(len(e.input_ids) for e in examples[:256]) / min(len(examples), 256)
+    row_tokens = sum(lengths[:256]) / min(len(lengths), 256)
     gemm = shared_gemm_plan(acc, cfg.fp32_gemm, acc.unwrap_model(model),
                             max(1, round(row_tokens * cfg.batch_size / acc.num_processes)), output_dir)
 

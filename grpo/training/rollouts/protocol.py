@@ -25,7 +25,7 @@ from grpo.kernels.gemm import GemmPlan, fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.sampling.engines import Engine, Rollout, build_engine
 from grpo.sampling.rollout import decode_figures
-from grpo.training.batches import prompt_order
+from grpo.training.batches import PromptOrder
 from grpo.training.distributed import index_share, sampling_seed
 from grpo.training.lora import causal_lm
 from grpo.training.policy import scored_logps
@@ -101,6 +101,7 @@ class Plan(NamedTuple):
     # the two round apart (on an AVX-512 CPU): the prefill's output head, fed the last position of each prompt
     # ([u, 1, H], a strided slice), gives the sampler's log-probs another last bit in a copy without the flags
     grad_params: frozenset[str] | None = None
+    order: PromptOrder | None = None  # which prompts each step takes (the trainer's); None: prompt_order over all
 
 
 def fault(point: str, out: Connection | None = None, data: bytes | None = None) -> None:
@@ -177,8 +178,8 @@ def sample_steps(index: int, plan: Plan, model: torch.nn.Module, engine: Engine,
                 else:
                     time.sleep(POLL_S)
             idle = time.perf_counter() - t0
-            idx = index_share(prompt_order(len(plan.cells), step, plan.prompts_per_step, plan.seed),
-                              plan.process_index, plan.num_processes)  # this trainer process's share
+            order = plan.order or PromptOrder(len(plan.cells), plan.prompts_per_step, plan.seed)
+            idx = index_share(order(step), plan.process_index, plan.num_processes)  # this trainer process's share
             torch.manual_seed(sampling_seed(plan.seed, step, plan.process_index))  # the synchronous loop's seed
             t1 = time.perf_counter()
             rollout = engine.generate([plan.cells[i] for i in idx], plan.num_generations, plan.sampling,

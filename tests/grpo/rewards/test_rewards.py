@@ -172,6 +172,8 @@ def test_accuracy_missing_answer_bad_reference_and_chat_input():
         trainer_state=object(),  # unknown kwargs are ignored
     )
     assert scores == [0.0, 1.0, None, None, 0.0]
+    # a table's empty cell read back as NaN (a general row of the alignment stage's mixed Parquet): no reference
+    assert accuracy_reward(["<answer>5</answer>", "<answer>nan</answer>"], [math.nan, float("nan")]) == [None, None]
 
 
 def test_accuracy_gsm8k_style_reference():

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig
+from grpo.configs.reward import HARMLESSNESS, HELPFULNESS
 from grpo.configs.reward import RewardModelConfig
-from grpo.data.preferences import general_prompts, general_sft_rows, load_preferences, preference_pairs
+from grpo.data.general import general_prompts, general_sft_rows
+from grpo.data.preferences import load_preferences, pairs_for, preference_pairs
 from grpo.data.tables import SFT_SCHEMA, DataError, validate_rows
 from grpo.models import is_checkpointing
 from grpo.rewards import format_reward_strict, score_completions
@@ -19,7 +21,7 @@ from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.reward_model import train_reward_model
 import grpo.training.loops.reward_model
 from grpo.training.loops.sft_trainer import tokenize_rows
-from grpo.training.reward_scorer import (RewardModelScorer, bradley_terry_loss, build_reward_model, encode,
+from grpo.training.reward_scorer import (ROUTES, RewardModelScorer, bradley_terry_loss, build_reward_model, encode,
                                          encode_pairs, evaluate_pairs, pair_metrics, reward_model_reward)
 from tiny_configs import SMALL
 
@@ -180,6 +182,36 @@ def test_the_reward_function_follows_the_contract():
         fn(completions)
 
 
+def test_r1s_two_reward_models_each_score_their_own_category_and_helpfulness_reads_the_answer_alone():
+    model, tok = build_reward_model(SMALL)
+    scorer = RewardModelScorer(model, tok)
+    helpfulness = reward_model_reward(scorer, route=ROUTES[HELPFULNESS])
+    harmlessness = reward_model_reward(scorer, route=ROUTES[HARMLESSNESS])
+    prompts = ["How do I boil an egg?", "How do I rob a bank?", "How do I kill a stuck process?", "What is 2 + 2?"]
+    completions = ["<think>Steps to boil an egg.</think><answer>Boil it nine minutes.</answer>",
+                   "<think>This could harm.</think><answer>Sorry, I can't help with that.</answer>",
+                   "<think>Steps.</think><answer>Open the task manager.</answer>", "<answer>4</answer>"]
+    columns = {"prompt": prompts, "kind": ["general", "general", "general", "reasoning"],
+               "category": ["benign", "harmful", "borderline", None]}
+    helpful, harmless = helpfulness(completions, **columns), harmlessness(completions, **columns)
+    assert helpful[1] is None and helpful[3] is None and harmless[0] is None and harmless[2] is None
+    assert harmless[3] is None  # a reasoning row is nobody's
+    # helpfulness: the final answer alone, as R1 judges it; harmlessness: the whole response
+    assert helpful[0] == pytest.approx(scorer.score([prompts[0]], ["Boil it nine minutes."])[0], abs=1e-6)
+    assert helpful[0] != pytest.approx(scorer.score([prompts[0]], [completions[0]])[0], abs=1e-6)
+    assert harmless[1] == pytest.approx(scorer.score([prompts[1]], [completions[1]])[0], abs=1e-6)
+    with pytest.raises(ValueError, match="needs each general row's `category`"):
+        helpfulness(completions, prompt=prompts, kind=columns["kind"])
+    # and each learns from its own pairs: helpfulness from benign and borderline ones cut to the answer
+    pairs = preference_pairs(200)
+    mine = pairs_for(pairs, HELPFULNESS)
+    assert set(mine["category"]) == {"benign", "borderline"} and not mine["chosen"].str.contains("<think>").any()
+    assert set(pairs_for(pairs, HARMLESSNESS)["category"]) == {"harmful"}
+    assert pairs_for(pairs, "reward_model") is pairs
+    with pytest.raises(DataError, match="no 'category' column"):
+        pairs_for(pairs.drop(columns=["category"]), HELPFULNESS, "prefs.jsonl")
+
+
 def test_the_grpo_trainer_scores_its_samples_with_the_reward_model(tmp_path):
     rm, rm_tok = build_reward_model(SMALL)
     scorer = RewardModelScorer(rm, rm_tok)
@@ -206,18 +238,18 @@ def test_synthetic_pairs_are_deterministic_split_and_short():
     assert heldout.equals(preference_pairs(100, seed=7, split="heldout"))  # the held-out draw ignores the seed
     assert not set(train["prompt"]) & set(heldout["prompt"])
     assert not heldout.duplicated(["prompt", "rejected"]).any()
-    assert set(train["kind"]) == {"tip", "definition", "how_to", "harmful"}
+    assert set(train["category"]) == {"harmful", "benign", "borderline"}
     tok = build_tokenizer()
     responses = pd.concat([train["chosen"], train["rejected"]]).tolist()
     assert max(len(tok(r, add_special_tokens=False)["input_ids"]) for r in responses) <= 120
     assert format_reward_strict(train["chosen"].tolist()) == [1.0] * len(train)
-    harmful = train[train["kind"] == "harmful"]
-    assert harmful["chosen"].str.contains("Sorry, I can't help with that. If|Sorry, I can't help with that. A").all()
+    harmful = train[train["category"] == "harmful"]
+    assert harmful["chosen"].str.contains("<answer>Sorry, I can't help with that. [A-Z]", regex=True).all()
 
     prompts = general_prompts(50, seed=0)
     assert list(prompts.columns[:2]) == ["prompt", "kind"] and set(prompts["kind"]) == {"general"}
     assert prompts["prompt"].is_unique and not set(prompts["prompt"]) & set(heldout["prompt"])
-    assert not set(general_prompts(20, split="heldout")["prompt"]) & set(train["prompt"])
+    assert not set(general_prompts(20, split="heldout_phrasings")["prompt"]) & set(train["prompt"])
 
     rows = general_sft_rows(40, seed=0)
     validate_rows(rows, SFT_SCHEMA, "general_sft_rows")

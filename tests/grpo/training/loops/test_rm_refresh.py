@@ -13,7 +13,8 @@ import torch
 from comparisons import close
 from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.configs.reward import RewardModelConfig
-from grpo.data.preferences import general_prompts, preference_pairs
+from grpo.data.general import general_prompts
+from grpo.data.preferences import preference_pairs
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from grpo.training.loops.rm_refresh import RewardModelRefresh, policy_pairs

@@ -1,0 +1,239 @@
+"""The rejection-sampling merge at scale: synthetic shards of kept rows with ~4 KB responses, merged in a fresh
+process per size; rows a second, MiB of text a second and the merge's peak RSS growth.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/rejection_scale.py --rows 20000 80000
+
+Each size's shards are written first (with the shard task's marks where the code has them, timed apart: that work
+runs in the shard tasks, in parallel, beside sampling). Then, each in its own process: `merge_shards` (the dataset
+in memory), where the code has it `write_merged` (streamed to Parquet), and where the code has that too, one pass of
+SFT's data loading over `write_merged`'s part files: tokenized into the memory-mapped Arrow file (the tiny recipe's
+tokenizer, max_seq_len 4096), then every batch of 16 of one epoch taken as the loop takes them (`batch_indices`,
+`collate`). With `--unmarked` the shards are written without marks, as older code wrote them, and the merge does all
+the curation on its one core. Rows: 4 samples per prompt, 1% of them repeated in a later shard (case changed), 0.5%
+quoting a held-out prompt; held-out set of `--heldout` problems; target 90% of the rows. Run against older code by
+pointing PYTHONPATH at its checkout. The CPU (lscpu) and the load average before and after each merge are printed:
+on a shared machine, read the figures with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+def cpu() -> str:
+    """lscpu's model name, family and model, and whether the CPU computes bf16 (avx512_bf16)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown CPU"
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    get = lambda k: info.get(k, "?").strip()  # noqa: E731
+    bf16 = "avx512_bf16" in get("Flags").split()
+    return (f"{get('Model name')} (family {get('CPU family')}, model {get('Model')}; "
+            f"{'avx512_bf16' if bf16 else 'no avx512_bf16'}; {os.cpu_count()} CPUs)")
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def rss_kib(reset_peak: bool = False, peak: bool = False) -> int:
+    """This process's resident set (VmRSS), or its peak since the last reset (VmHWM; Linux, else ru_maxrss)."""
+    try:
+        if reset_peak:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return int(fields["VmHWM" if peak else "VmRSS"].split()[0])
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def rss_anon_kib() -> int:
+    """This process's anonymous resident memory (RssAnon: not the pages of mapped files, which the kernel can drop)."""
+    try:
+        return int(dict(line.split(":", 1) for line in open("/proc/self/status"))["RssAnon"].split()[0])
+    except (OSError, KeyError):
+        return 0
+
+
+def config(rows: int):
+    from grpo.configs.core import RejectionConfig
+
+    return RejectionConfig(target_samples=int(rows * 0.9), decontamination_ngram=8, decontamination_threshold=0.8)
+
+
+def heldout(n: int) -> list[str]:
+    from grpo.configs.core import TaskConfig
+    from grpo.data.arithmetic import generate_problems
+
+    return [p.question for p in generate_problems(TaskConfig(), n, "heldout")]
+
+
+def write_shards(out: Path, rows: int, shard_rows: int, response_bytes: int, n_heldout: int,
+                 unmarked: bool = False) -> dict:
+    """Synthetic kept rows as shard files; returns the text written and the time spent marking rows."""
+    from grpo.rejection import curate as curation
+    from grpo.rejection.filters import Counts
+    from grpo.rejection.shards import write_shard
+
+    cfg, held = config(rows), heldout(n_heldout)
+    marking = hasattr(curation, "mark_rows") and not unmarked  # the shard task's marks, where this code has them
+    index = curation.build_heldout_index(held, 8, 0.8) if marking else None
+    rng = np.random.default_rng(0)
+    vocab = np.array([f"w{i:x}" for i in range(20000)] + ["add", "the", "hens", "eggs", "apples", "so"])
+    words_per_row = response_bytes // 6
+    text_bytes, mark_s, earlier = 0, 0.0, []
+    for s, start in enumerate(range(0, rows, shard_rows)):
+        n = min(shard_rows, rows - start)
+        ids = np.arange(start, start + n)
+        pid = ids // 4
+        prompts = [f"Problem {p}: a farmer has {p % 97} hens and {p % 13} more. How many in all?" for p in pid]
+        picks = rng.integers(len(vocab), size=(n, words_per_row))
+        responses = [f"<think>{' '.join(vocab[r])}</think><answer>{k}</answer>" for k, r in zip(ids, picks)]
+        for i in np.flatnonzero(rng.random(n) < 0.005):  # a response quoting a held-out problem
+            responses[i] = responses[i].replace("<think>", f"<think>{held[i % len(held)]} ", 1)
+        if earlier:  # 1% repeat an earlier shard's row (case changed): a duplicate across shards
+            for i in np.flatnonzero(rng.random(n) < 0.01):
+                prompts[i], responses[i] = earlier[i % len(earlier)]
+        earlier = [(p, r.upper().replace("<THINK>", "<think>").replace("</THINK>", "</think>")
+                    .replace("<ANSWER>", "<answer>").replace("</ANSWER>", "</answer>"))
+                   for p, r in zip(prompts[:50], responses[:50])]
+        kept = pd.DataFrame({"prompt": prompts, "response": responses, "answer": [str(i) for i in ids],
+                             "source_prompt_id": pid, "sample_index": ids % 4, "completion_tokens": 1000,
+                             "verdict_source": "rule", "judge_accepted": None, "judge_rationale": ""})
+        text_bytes += sum(len(p.encode()) + len(r.encode()) for p, r in zip(prompts, responses))
+        result = curation.ShardResult(kept, None, Counts.zero(cfg)._replace(generated=n, kept=n))
+        if marking:
+            t = time.perf_counter()
+            result = result._replace(marks=curation.mark_rows(kept, index))
+            mark_s += time.perf_counter() - t
+        write_shard(result, out, s)
+    return {"text_bytes": text_bytes, "mark_s": mark_s if marking else None}
+
+
+def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> None:
+    """One merge in this process; prints a JSON line with its time and peak RSS growth."""
+    from grpo.rejection import shards
+
+    merged = getattr(shards, "write_merged", None)
+    cfg, held = config(rows), heldout(n_heldout)
+    if "merge_batch_rows" in type(cfg).model_fields:
+        cfg = cfg.model_copy(update={"merge_batch_rows": batch_rows})
+    if how == "sft_loading":
+        sft_loading(out)
+        return
+    base = rss_kib(reset_peak=True)  # after the imports, whose own peak does not count
+    t = time.perf_counter()
+    if how == "merge_shards":
+        result = shards.merge_shards(out, cfg, held)
+        kept = len(result.dataset)
+    else:
+        result = merged(out, cfg, f"{out}/curated", held)
+        kept = result.rows
+    seconds = time.perf_counter() - t
+    peak = rss_kib(peak=True)
+    print(json.dumps({"seconds": seconds, "rss_growth_mib": (peak - base) / 1024, "kept": kept,
+                      "dropped": {k: v for k, v in result.counts.dropped.items()
+                                  if k in ("duplicate_across_shards", "contaminated", "over_target")}}))
+
+
+def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None:
+    """SFT's data loading over the merged part files, in this process: tokenize once (`TOKENIZE_ROWS` rows at a
+    time, as the loop does), then one epoch of batches."""
+    from grpo.configs.core import ModelConfig
+    from grpo.models import load_tokenizer
+    from grpo.training.batches import batch_indices
+    from grpo.training.loops.sft_trainer import collate
+    from grpo.training.sft_rows import tokenize_files
+
+    tok = load_tokenizer(ModelConfig())
+    base, anon = rss_kib(reset_peak=True), rss_anon_kib()
+    t = time.perf_counter()
+    examples = tokenize_files([f"{out}/curated"], tok, max_seq_len, f"{out}/tokens", "curated")
+    tokenize_s = time.perf_counter() - t
+    t, tokens = time.perf_counter(), 0
+    for step in range(len(examples) // batch_size):
+        batch = collate([examples[i] for i in batch_indices(len(examples), batch_size, step, 0)], 0)
+        tokens += int(batch["attention_mask"].sum())
+    iterate_s = time.perf_counter() - t
+    print(json.dumps({"seconds": tokenize_s + iterate_s, "tokenize_s": tokenize_s, "iterate_s": iterate_s,
+                      "rss_growth_mib": (rss_kib(peak=True) - base) / 1024, "kept": len(examples),
+                      "anon_growth_mib": (rss_anon_kib() - anon) / 1024,
+                      "tokens": tokens, "dropped": {}}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[20000, 80000])
+    ap.add_argument("--shard-rows", type=int, default=2000)
+    ap.add_argument("--response-bytes", type=int, default=4096)
+    ap.add_argument("--heldout", type=int, default=500)
+    ap.add_argument("--batch-rows", type=int, default=4096)
+    ap.add_argument("--unmarked", action="store_true",
+                    help="write shards without the shard task's marks: the merge then does all the curation itself")
+    ap.add_argument("--work", default=None, help="folder for the shards (default: a temporary one)")
+    ap.add_argument("--child", nargs=2, metavar=("HOW", "DIR"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], args.rows[0], args.heldout, args.batch_rows)
+        return
+
+    from grpo.rejection import shards
+
+    print(f"CPU: {cpu()}")
+    ways = ["merge_shards"] + (["write_merged"] if hasattr(shards, "write_merged") else [])
+    try:
+        import grpo.training.sft_rows  # noqa: F401 (SFT reads the merged part files, where the code has it)
+
+        ways += ["sft_loading"] if "write_merged" in ways else []
+    except ImportError:
+        pass
+    with tempfile.TemporaryDirectory(dir=args.work) as work:
+        for rows in args.rows:
+            out = Path(work) / f"rows-{rows}"
+            written = write_shards(out, rows, args.shard_rows, args.response_bytes, args.heldout, args.unmarked)
+            mib = written["text_bytes"] / 2**20
+            marks = ("" if written["mark_s"] is None else
+                     f"; shard-side marks (dedupe keys + decontamination) {written['mark_s']:.1f} s of one core, "
+                     f"{rows / written['mark_s']:,.0f} rows/s")
+            print(f"{rows:,} rows, {mib:,.0f} MiB of text in {len(list(out.glob('shard-*.parquet')))} shards{marks}")
+            for how in ways:
+                before = load()
+                cmd = [sys.executable, __file__, "--child", how, str(out), "--rows", str(rows),
+                       "--heldout", str(args.heldout), "--batch-rows", str(args.batch_rows)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                if proc.returncode:
+                    sys.exit(f"{how} failed:\n{proc.stderr}")
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                if how == "sft_loading":
+                    print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
+                          f"peak RSS +{r['rss_growth_mib']:,.0f} MiB (anonymous +{r['anon_growth_mib']:,.0f} MiB at "
+                          f"the end; the rest is the mapped token file)  "
+                          f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s), one epoch "
+                          f"of batches {r['iterate_s']:.1f} s ({r['kept'] / r['iterate_s']:,.0f} rows/s, "
+                          f"{r['tokens'] / r['iterate_s'] / 1e6:.1f} M tokens/s)  load {before} -> {load()}")
+                    continue
+                print(f"  {how:13s} {r['seconds']:7.1f} s  {rows / r['seconds']:9,.0f} rows/s  "
+                      f"{mib / r['seconds']:6.1f} MiB/s  peak RSS +{r['rss_growth_mib']:,.0f} MiB  "
+                      f"kept {r['kept']:,} {r['dropped']}  load {before} -> {load()}")
+            for folder in ("curated", "tokens"):
+                if (out / folder).exists():
+                    for p in (out / folder).iterdir():
+                        p.unlink()
+                    (out / folder).rmdir()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Merging written shards into the curated dataset: dedupe across shards, drop contaminated rows, cap to the target,
+append the non-reasoning rows; decided from the rows' keys, then the kept rows read (and written) a batch at a time.
+
+Must not depend on Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import fsspec
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from grpo.configs.core import RejectionConfig
+from grpo.data.tables import DataError
+from grpo.rejection.curate import KEPT_COLUMNS, HeldoutIndex, build_heldout_index, mark_rows
+from grpo.rejection.filters import CONTAMINATED, DUPLICATE_ACROSS_SHARDS, OVER_TARGET, Counts
+from grpo.rejection.store import COUNTS_KEY, HELDOUT_KEY, MARK_COLUMNS, as_frame, join_uri, shard_done, store_of
+
+
+class RejectionResult(NamedTuple):
+    dataset: pd.DataFrame  # reasoning rows (KEPT_COLUMNS) then non-reasoning rows; `kind` says which
+    counts: Counts  # the reasoning samples, through the merge: generated == kept + sum(dropped)
+    non_reasoning: int  # non-reasoning rows appended
+
+
+def _stable_hash(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256("-".join(map(str, parts)).encode()).digest()[:8], "big")
+
+
+class Selection(NamedTuple):
+    """Which of the shards' rows the dataset keeps, decided from their keys alone."""
+
+    keep: np.ndarray  # [N] bool over every shard's rows end to end, in shard order
+    order: np.ndarray  # [kept] the kept rows (counted in shard order) in the dataset's order
+    in_order: bool  # the shards' rows already run in (source_prompt_id, sample_index) order (plan_shards' shards do)
+    duplicates: int  # dropped as a repeat of an earlier row
+    contaminated: int  # dropped as a copy of a held-out prompt
+    over_target: int  # dropped by the cap to the target
+
+
+def select_rows(prompt_ids: np.ndarray, sample_indices: np.ndarray, keys: np.ndarray, flags: np.ndarray | None,
+                dedupe: bool, limit: int, seed: int) -> Selection:
+    """Dedupe, decontaminate and cap to `limit` in one pass over 8-byte keys, no text.
+
+    The rows, in (source_prompt_id, sample_index) order (stable, so shard order breaks ties): the first of each
+    `keys` value (when `dedupe`), not `flags`, and at most `limit` of them covering prompts first: every prompt's
+    first surviving row before any prompt's second. Ties are broken by a hash of (seed, prompt id, sample index),
+    so the pick depends on the rows alone, not on the order shards finished in.
+    """
+    n = len(keys)
+    order = np.lexsort((sample_indices, prompt_ids))  # [N] stable: rows with equal keys keep their shard order
+    in_order = bool((order == np.arange(n)).all())
+    alive = np.ones(n, dtype=bool)  # [N] in sorted order
+    if dedupe:
+        _, first = np.unique(keys[order], return_index=True)  # each key's first row in sorted order
+        alive[:] = False
+        alive[first] = True
+    duplicates = n - int(alive.sum())
+    contaminated = 0
+    if flags is not None:
+        copied = flags[order] & alive
+        contaminated = int(copied.sum())
+        alive &= ~copied
+    survivors = np.flatnonzero(alive)
+    over_target = max(len(survivors) - limit, 0)
+    if over_target:
+        ids, samples = prompt_ids[order][survivors], sample_indices[order][survivors]
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])  # each prompt's first survivor
+        rank = np.arange(len(ids)) - np.repeat(starts, np.diff(np.r_[starts, len(ids)]))  # [S] per prompt
+        ties = np.fromiter((_stable_hash(seed, p, s) for p, s in zip(ids.tolist(), samples.tolist())),
+                           dtype=np.uint64, count=len(ids))
+        chosen = np.lexsort((np.arange(len(ids)), ties, rank))[:limit]
+        dropped = np.ones(len(ids), dtype=bool)
+        dropped[chosen] = False
+        alive[survivors[dropped]] = False
+    kept = order[alive]  # [kept] shard-order positions, in the dataset's order
+    keep = np.zeros(n, dtype=bool)
+    keep[kept] = True
+    return Selection(keep, np.searchsorted(np.flatnonzero(keep), kept), in_order, duplicates, contaminated,
+                     over_target)
+
+
+class _Shard(NamedTuple):
+    path: str  # in the store's filesystem
+    counts: Counts
+    schema: pa.Schema  # its kept rows' columns, without the marks
+    rows: int
+    nulls: frozenset[str]  # bool and integer columns holding a null, which pandas makes object and float columns
+
+
+def _shard_files(out_dir: str | Path, num_shards: int | None) -> tuple[fsspec.AbstractFileSystem, list[_Shard]]:
+    """Every shard's footer: its counts, columns and rows (no row is read here)."""
+    fs, root = store_of(out_dir)
+    if num_shards is None:
+        indices = sorted(int(p.rsplit("/", 1)[1][len("shard-"):-len(".parquet")])
+                         for p in fs.glob(f"{root}/shard-*.parquet"))
+    else:
+        indices = list(range(num_shards))
+        missing = [i for i in indices if not shard_done(out_dir, i)]
+        if missing:
+            raise FileNotFoundError(f"{out_dir}: shard(s) {missing} not written yet; run them before merging")
+    found = []
+    for i in indices:
+        path = f"{root}/shard-{i:05d}.parquet"
+        try:
+            with fs.open(path, "rb") as f:
+                meta = pq.ParquetFile(f).metadata
+                schema = meta.schema.to_arrow_schema()
+                counts = Counts.from_dict(json.loads(schema.metadata[COUNTS_KEY]))
+                nulls = _null_columns(meta, schema)
+        except Exception as e:
+            raise DataError(f"{path}: not a readable shard ({type(e).__name__}: {e}); delete it and run the stage "
+                            f"again to sample that shard anew") from None
+        rows = schema.remove_metadata()
+        rows = pa.schema([f for f in rows if f.name not in MARK_COLUMNS], metadata=schema.metadata)
+        found.append(_Shard(path, counts, rows, meta.num_rows, nulls))
+    return fs, found
+
+
+def _null_columns(meta: pq.FileMetaData, schema: pa.Schema) -> frozenset[str]:
+    """The bool and integer columns with a null in some row group (from the footer's statistics)."""
+    nullable = {f.name for f in schema if pa.types.is_boolean(f.type) or pa.types.is_integer(f.type)}
+    found = set()
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            if column.path_in_schema in nullable and (column.statistics is None or column.statistics.null_count):
+                found.add(column.path_in_schema)  # no statistics: counted as holding one, as pandas would see
+    return frozenset(found)
+
+
+def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutIndex | None,
+                batch_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A shard's (source_prompt_id, sample_index, dedupe key, contaminated) arrays, [rows] each.
+
+    The shard task's marks where it wrote them against this held-out set; else worked out here from the text,
+    `batch_rows` rows at a time (shards written before marks existed, or against another held-out set).
+    """
+    with fs.open(shard.path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        names = set(pf.schema_arrow.names)
+        missing = [c for c in ("prompt", "response", "source_prompt_id", "sample_index") if c not in names]
+        if missing:
+            raise DataError(f"{shard.path}: no column(s) {missing}; a shard's kept rows have {KEPT_COLUMNS}")
+        stored = pf.schema_arrow.metadata or {}
+        marked = "merge_key" in names and (index is None or (
+            "contaminated" in names and stored.get(HELDOUT_KEY, b"").decode() == index.digest))
+        columns = ["source_prompt_id", "sample_index", *(
+            ["merge_key", *(["contaminated"] if index is not None else [])] if marked else ["prompt", "response"])]
+        parts: dict[str, list[np.ndarray]] = {c: [] for c in ("pid", "sample", "key", "flag")}
+        at = 0
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            for name in columns:
+                if batch.column(name).null_count:
+                    row = at + pc.index(pc.is_null(batch.column(name)), True).as_py()
+                    raise DataError(f"{shard.path}: row {row}, column {name!r}: empty; every kept row has one")
+            at += len(batch)
+            parts["pid"].append(batch.column("source_prompt_id").to_numpy(zero_copy_only=False))
+            parts["sample"].append(batch.column("sample_index").to_numpy(zero_copy_only=False))
+            if marked:
+                parts["key"].append(batch.column("merge_key").to_numpy(zero_copy_only=False))
+                if index is not None:
+                    parts["flag"].append(batch.column("contaminated").to_numpy(zero_copy_only=False))
+            else:
+                marks = mark_rows(batch.select(["prompt", "response"]).to_pandas(), index)
+                parts["key"].append(marks.row_key)
+                if index is not None:
+                    parts["flag"].append(marks.contaminated)
+
+    def joined(name: str, dtype: Any) -> np.ndarray:
+        return np.concatenate(parts[name]).astype(dtype, copy=False) if parts[name] else np.zeros(0, dtype)
+
+    return (joined("pid", np.int64), joined("sample", np.int64), joined("key", np.uint64),
+            joined("flag", bool) if index is not None else None)
+
+
+class _MergePlan(NamedTuple):
+    fs: fsspec.AbstractFileSystem
+    shards: list[_Shard]
+    selection: Selection
+    counts: Counts  # through the merge
+    extra: pd.DataFrame  # the non-reasoning rows to append
+
+
+def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame | Sequence[Any] | None,
+                non_reasoning: pd.DataFrame | None, num_shards: int | None) -> _MergePlan:
+    """Read every shard's keys and decide which rows the dataset keeps; no text is held."""
+    fs, shards = _shard_files(out_dir, num_shards)
+    index = None
+    if heldout is not None and cfg.decontamination_ngram:
+        prompts = heldout["prompt"].tolist() if isinstance(heldout, pd.DataFrame) else list(heldout)
+        index = build_heldout_index(prompts, cfg.decontamination_ngram, cfg.decontamination_threshold)
+    keys = []
+    for shard in shards:
+        try:
+            keys.append(_shard_keys(fs, shard, index, cfg.merge_batch_rows))
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{shard.path}: not a readable shard ({type(e).__name__}: {e}); delete it and run the "
+                            f"stage again to sample that shard anew") from None
+    pid, sample, key = (np.concatenate([k[i] for k in keys]) if keys else np.zeros(0, t)
+                        for i, t in ((0, np.int64), (1, np.int64), (2, np.uint64)))
+    flags = (np.concatenate([k[3] for k in keys]) if keys else np.zeros(0, bool)) if index is not None else None
+    selection = select_rows(pid, sample, key, flags, cfg.dedupe, cfg.target_samples - cfg.non_reasoning_rows,
+                            cfg.seed)
+    counts = Counts.zero(cfg)
+    for shard in shards:
+        counts = counts.plus(shard.counts)
+    dropped = dict(counts.dropped)
+    dropped[DUPLICATE_ACROSS_SHARDS] += selection.duplicates
+    dropped[CONTAMINATED] += selection.contaminated
+    dropped[OVER_TARGET] += selection.over_target
+    counts = counts._replace(kept=len(selection.order), dropped=dropped)
+    extra = pd.DataFrame(columns=["prompt", "response"])
+    if non_reasoning is not None and cfg.non_reasoning_rows:
+        extra = non_reasoning.head(cfg.non_reasoning_rows)[["prompt", "response"]]
+    return _MergePlan(fs, shards, selection, counts, extra)
+
+
+def _kept_batches(plan: _MergePlan, shard: int, start: int, batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """The kept rows of one shard, `batch_rows` read at a time; `start`: the shard's first row in `keep`."""
+    s = plan.shards[shard]
+    with plan.fs.open(s.path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        at = start
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=s.schema.names):
+            keep = plan.selection.keep[at:at + len(batch)]
+            at += len(batch)
+            if keep.any():
+                yield batch.filter(pa.array(keep))
+
+
+def merge_shards(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame | Sequence[Any] | None = None,
+                 non_reasoning: pd.DataFrame | None = None, num_shards: int | None = None) -> RejectionResult:
+    """The final dataset from the written shards: dedupe across shards, decontaminate, cap, add non-reasoning rows.
+
+    `num_shards`: the planned count; any missing shard is then an error. Without it, every shard file is read.
+    `heldout`: held-out prompts (a table with a `prompt` column, or the prompts themselves). The rows are chosen
+    from the shards' keys (`select_rows`) and only the kept ones are read; the dataset is held in memory, which
+    `write_merged` does not do.
+    """
+    plan = _plan_merge(out_dir, cfg, heldout, non_reasoning, num_shards)
+    frames, start = [], 0
+    for i, shard in enumerate(plan.shards):
+        if shard.rows:
+            table = pa.Table.from_batches(list(_kept_batches(plan, i, start, cfg.merge_batch_rows)),
+                                          schema=shard.schema)
+            frame = as_frame(table)
+            for column in shard.nulls & set(frame.columns):  # the dtype the whole shard's column converts to
+                if frame[column].dtype == bool:
+                    frame[column] = frame[column].astype(object)
+                elif pd.api.types.is_integer_dtype(frame[column].dtype):
+                    frame[column] = frame[column].astype(np.float64)
+            frames.append(frame)
+        start += shard.rows
+    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=KEPT_COLUMNS)
+    if not plan.selection.in_order:
+        rows = rows.iloc[plan.selection.order]
+    rows = rows.reset_index(drop=True).assign(kind="reasoning")
+    extra = plan.extra
+    dataset = pd.concat([rows, extra.assign(kind="non_reasoning")], ignore_index=True) if len(extra) else rows
+    return RejectionResult(dataset, plan.counts, len(extra))
+
+
+class MergedDataset(NamedTuple):
+    files: list[str]  # the dataset's Parquet files, in row order (reasoning rows, then non-reasoning ones)
+    counts: Counts  # as in RejectionResult
+    rows: int  # rows written, non-reasoning ones included
+    non_reasoning: int  # non-reasoning rows appended
+
+
+def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
+                 heldout: pd.DataFrame | Sequence[Any] | None = None, non_reasoning: pd.DataFrame | None = None,
+                 num_shards: int | None = None, rows_per_file: int = 1_000_000) -> MergedDataset:
+    """`merge_shards`' dataset written as Parquet files in `dest` (a folder or store URI) without holding it.
+
+    The keys are read first and the rows chosen (`select_rows`); then each shard's kept rows are read and written
+    `cfg.merge_batch_rows` at a time, so the text in memory is a batch's, whatever the row count; the keys take
+    about 190 bytes a row at their peak. The files hold the same rows in the same order as `merge_shards`' dataset.
+    """
+    plan = _plan_merge(out_dir, cfg, heldout, non_reasoning, num_shards)
+    if not plan.selection.in_order:
+        raise DataError(f"{out_dir}: the shards' rows are not in (source_prompt_id, sample_index) order from one "
+                        f"file to the next (plan_shards' shards always are), so they cannot be streamed in the "
+                        f"dataset's order; merge_shards sorts them in memory")
+    extra = pa.Table.from_pandas(plan.extra.assign(kind="non_reasoning"), preserve_index=False) if len(
+        plan.extra) else None
+    try:
+        schema = pa.unify_schemas([s.schema.remove_metadata() for s in plan.shards if s.rows]
+                                  + [pa.schema([("kind", pa.string())])]
+                                  + ([extra.schema.remove_metadata()] if extra is not None else []),
+                                  promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise DataError(f"{out_dir}: shard and non-reasoning columns do not agree ({e})") from None
+
+    def conformed(table: pa.Table, kind: str) -> pa.Table:  # the dataset's columns, missing ones null
+        if "kind" not in table.column_names:
+            table = table.append_column("kind", pa.array([kind] * len(table), pa.string()))
+        return pa.table([table.column(f.name).cast(f.type) if f.name in table.column_names
+                         else pa.nulls(len(table), f.type) for f in schema], schema=schema)
+
+    def batches() -> Iterator[pa.Table]:  # the dataset in order, about `merge_batch_rows` rows at a time
+        pending, held, start = [], 0, 0
+        for i, shard in enumerate(plan.shards):
+            for batch in _kept_batches(plan, i, start, cfg.merge_batch_rows):
+                pending.append(conformed(pa.Table.from_batches([batch]), "reasoning"))
+                held += len(batch)
+                if held >= cfg.merge_batch_rows:
+                    yield pa.concat_tables(pending)
+                    pending, held = [], 0
+            start += shard.rows
+        if pending:
+            yield pa.concat_tables(pending)
+        if extra is not None:
+            yield conformed(extra, "non_reasoning")
+
+    fs, root = store_of(dest)
+    fs.makedirs(root, exist_ok=True)
+    if fs.glob(f"{root}/part-*.parquet"):
+        raise FileExistsError(f"{dest} already holds a merged dataset (part-*.parquet); give an empty folder")
+    files: list[str] = []
+    writer, handle, in_file, written = None, None, 0, 0
+    try:
+        for table in batches():
+            while len(table):
+                if writer is None:
+                    files.append(str(join_uri(dest, f"part-{len(files):05d}.parquet")))
+                    handle = fs.open(f"{root}/part-{len(files) - 1:05d}.parquet", "wb")
+                    writer, in_file = pq.ParquetWriter(handle, schema), 0
+                part = table.slice(0, rows_per_file - in_file)
+                writer.write_table(part)
+                in_file, written, table = in_file + len(part), written + len(part), table.slice(len(part))
+                if in_file == rows_per_file:
+                    writer.close()
+                    handle.close()
+                    writer = None
+    finally:
+        if writer is not None:
+            writer.close()
+            handle.close()
+    return MergedDataset(files, plan.counts, written, len(plan.extra))

@@ -1,0 +1,126 @@
+"""SFT from a stream: the curated dataset's Parquet part files (and an older run's single file) tokenized once into
+a memory-mapped Arrow file give the loop exactly the batches today's in-memory frame gives it."""
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo.configs.core import SFTConfig
+from grpo.data.row_files import check_row_files
+from grpo.data.tables import SFT_SCHEMA, DataError
+from grpo.models import load_model_and_tokenizer
+from grpo.sampling.local import render_prompts, response_text
+from grpo.training.batches import batch_indices
+from grpo.training.loops.sft_trainer import collate, tokenize_rows, train_sft
+from grpo.training.sft_rows import tokenize_files
+from tiny_configs import SMALL
+
+# reasoning rows with text prompts, as the merge writes them
+CURATED = pd.DataFrame({"prompt": [f"What is {i} + {i % 7}?" for i in range(21)],
+                        "response": [f"<think>{i} + {i % 7} = {2 * i % 50}.</think><answer>{i + i % 7}</answer>"
+                                     for i in range(21)],
+                        "kind": "reasoning"})
+# cold-start rows with chat-message prompts, as an older run's single data.parquet
+COLD = pd.DataFrame({"prompt": [[{"role": "user", "content": f"Double {i}."}] for i in range(6)],
+                     "response": [f"<think>{i} x 2</think><answer>{2 * i}</answer>" for i in range(6)]})
+
+
+def one_call_a_row(rows: pd.DataFrame, tok, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """The tokens as the loop made them before the stream: the tokenizer called on each row's prompt and response."""
+    out = []
+    for cell, prompt, response in zip(rows["prompt"], render_prompts(tok, rows["prompt"].tolist()), rows["response"]):
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        r = tok(response_text(tok, cell, prompt, response), add_special_tokens=False)["input_ids"]
+        out.append(((p + r)[:max_seq_len], ([-100] * len(p) + r)[:max_seq_len]))
+    return out
+
+
+def write_parts(frame: pd.DataFrame, folder, rows_per_file: int) -> None:
+    """The frame as write_merged lays a dataset out: part-00000.parquet, part-00001.parquet, ..."""
+    folder.mkdir(parents=True)
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    for k, start in enumerate(range(0, len(frame), rows_per_file)):
+        pq.write_table(table.slice(start, rows_per_file), folder / f"part-{k:05d}.parquet")
+
+
+@pytest.fixture()
+def datasets(tmp_path):
+    write_parts(CURATED, tmp_path / "curated", 8)  # 3 part files
+    (tmp_path / "cold").mkdir()
+    COLD.to_parquet(tmp_path / "cold" / "data.parquet")  # what log_frame wrote
+    return [tmp_path / "curated", tmp_path / "cold"]
+
+
+def test_the_stream_gives_the_frames_batches(datasets, tmp_path):
+    _, tok = load_model_and_tokenizer(SMALL)
+    # today's path: both datasets read whole into one frame, concatenated, tokenized in memory
+    frame = pd.concat([pd.read_parquet(d)[["prompt", "response"]] for d in datasets], ignore_index=True)
+    expected = tokenize_rows(frame, tok, 64)
+    assert [tuple(e) for e in expected] == one_call_a_row(frame, tok, 64)
+    streamed = tokenize_files(datasets, tok, 64, tmp_path / "tokens", batch_rows=5)  # batches across files
+    assert len(streamed) == len(expected) == 27
+    assert [streamed[i] for i in range(len(streamed))] == expected
+    assert streamed.label_tokens == [sum(t != -100 for t in e.labels[1:]) for e in expected]
+    for step in range(12):  # two epochs of batches of 4
+        idx = batch_indices(len(expected), 4, step, seed=3)
+        a, b = collate([expected[i] for i in idx], 0), collate([streamed[i] for i in idx], 0)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # tokenized once: a second call maps the same file
+    (cache,) = (tmp_path / "tokens").glob("tokens-*.arrow")
+    mtime = cache.stat().st_mtime_ns
+    assert tokenize_files(datasets, tok, 64, tmp_path / "tokens")[26] == expected[26]
+    assert cache.stat().st_mtime_ns == mtime and len(list((tmp_path / "tokens").iterdir())) == 1
+
+
+def test_training_from_files_ends_at_the_frames_weights(datasets, tmp_path):
+    cfg = SFTConfig(max_steps=2, batch_size=4, learning_rate=3e-3, warmup_steps=1, log_every=1, checkpoint_every=0,
+                    mixed_precision="no", max_seq_len=64)
+    frame = pd.concat([pd.read_parquet(d)[["prompt", "response"]] for d in datasets], ignore_index=True)
+    losses = {}
+    for name, rows in (("frame", frame), ("files", [str(d) for d in datasets])):
+        model, tok = load_model_and_tokenizer(SMALL)
+        result = train_sft(model, tok, rows, cfg, tmp_path / name, lambda s, m: losses.setdefault(name, []).append(
+            m["train/loss"]), progress=False)
+        losses[name + "_dir"] = result.model_dir
+    assert losses["frame"] == losses["files"]
+    a = AutoModelForCausalLM.from_pretrained(losses["frame_dir"]).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(losses["files_dir"]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_bad_row_in_a_part_file_fails_in_one_line_naming_it(tmp_path):
+    bad = CURATED.copy()
+    bad.loc[19, "response"] = None  # row 3 of part-00002 (8 rows a file)
+    write_parts(bad, tmp_path / "curated", 8)
+    with pytest.raises(DataError) as e:
+        check_row_files(tmp_path / "curated", SFT_SCHEMA, "runs:/abc/dataset/curated", batch_rows=2)
+    # one line: the file, its row and column (pandas shows the empty cell as None or nan, by its version)
+    assert str(e.value) in (f"runs:/abc/dataset/curated/part-00002.parquet: row 3, column 'response': expected text, "
+                            f"got {empty}" for empty in ("None", "nan"))
+    write_parts(CURATED.drop(columns="response"), tmp_path / "no_response", 30)
+    with pytest.raises(DataError, match=r"no_response/part-00000.parquet: missing column\(s\) \['response'\]"):
+        check_row_files(tmp_path / "no_response", SFT_SCHEMA, str(tmp_path / "no_response"))
+
+
+def test_a_prompt_too_long_names_its_file_and_row(tmp_path):
+    _, tok = load_model_and_tokenizer(SMALL)
+    long = CURATED.copy()
+    long.loc[10, "prompt"] = "What is " + " + ".join(["1"] * 80) + "?"  # row 2 of part-00001
+    write_parts(long, tmp_path / "curated", 8)
+    with pytest.raises(DataError, match=r"^curated \(part-00001.parquet\): row 2, column 'prompt': \d+ tokens"):
+        tokenize_files([tmp_path / "curated"], tok, 64, tmp_path / "tokens", source="curated")
+    assert not list((tmp_path / "tokens").iterdir())  # nothing half-written is left to be mapped later
+
+
+def test_an_older_runs_single_file_is_still_read(datasets, tmp_path):
+    _, tok = load_model_and_tokenizer(SMALL)
+    older = datasets[1] / "data.parquet"
+    for path in (datasets[1], older):  # the artifact folder, or the file itself
+        described = check_row_files(path, SFT_SCHEMA, "runs:/old/dataset/curated")
+        assert described.rows == 6 and described.files == [older]
+        assert described.schema["prompt"].startswith("list<")
+        assert list(tokenize_files([path], tok, 64, tmp_path / "tokens")) == tokenize_rows(pd.read_parquet(older),
+                                                                                          tok, 64)
