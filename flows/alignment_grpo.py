@@ -134,8 +134,9 @@ def _last_logged(run_id: str, keys: tuple[str, ...]) -> dict[str, float]:
 
 def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
     """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
+    from grpo.data.general import CATEGORIES
     from grpo.data.preferences import load_preference_data
-    from grpo.data.tables import load_rl_data, read_table, validate_rows
+    from grpo.data.tables import DataError, load_rl_data, read_table, validate_rows
 
     with reading("alignment_grpo.data"):
         train, heldout = load_rl_data(cfg.data)
@@ -151,9 +152,15 @@ def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
     check_rewards("alignment_grpo", cfg.grpo, train, heldout)
     general = cfg.general_prompts
     if cfg.general_source != "synthetic":
+        routed = {"helpfulness", "harmlessness"} & set(cfg.grpo.rewards)  # R1's two read each row's category
+        schema = {"prompt": "text or chat messages", **({"category": "harmful, benign or borderline"} if routed else {})}
         with reading("alignment_grpo.general_source"):
-            rows = validate_rows(read_table(cfg.general_source), {"prompt": "text or chat messages"},
-                                 cfg.general_source)
+            rows = validate_rows(read_table(cfg.general_source), schema, cfg.general_source)
+            bad = [i for i, c in enumerate(rows["category"]) if c not in CATEGORIES] if routed else []
+            if bad:
+                raise DataError(f"{cfg.general_source}: row {bad[0]}, column 'category': expected one of "
+                                f"{', '.join(CATEGORIES)} (it routes the row to its reward model), got "
+                                f"{rows['category'].iat[bad[0]]!r:.80}")
         general = min(general, len(rows))
     with reading("alignment_grpo"):
         check_prompts_per_step(cfg.grpo.prompts_per_step, len(train) + general,

@@ -247,6 +247,17 @@ def test_too_few_prompts_in_a_user_file_for_one_step(ws, capsys):
                   "prompts_per_step (2) is more than the 1 training prompts", "rl.jsonl")
 
 
+def test_general_prompts_without_a_known_category_for_r1s_two_reward_models(ws, capsys):
+    path = ws.jsonl("general.jsonl", [{"prompt": "How do I boil an egg?", "category": "benign"},
+                                      {"prompt": "Hi", "category": "harmless"}])
+    recipe = ws.recipe(alignment_grpo__general_source=path,
+                       alignment_grpo__grpo={"max_steps": 1, "prompts_per_step": 2, "num_generations": 2,
+                                             "sampling": {"max_new_tokens": 16}, "checkpoint_every": 0,
+                                             "rewards": {"accuracy": 1.0, "helpfulness": 1.0, "harmlessness": 1.0}})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "general.jsonl: row 1, column 'category'",
+                  "harmful, benign, borderline", "'harmless'")
+
+
 def test_too_few_non_reasoning_rows(ws, capsys):
     path = ws.jsonl("general.jsonl", [{"prompt": "Hi", "response": "Hello"}])
     recipe = ws.recipe(rejection_sampling__non_reasoning_source=path,
