@@ -79,9 +79,11 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig, name: str = R
         if checkpoint_uri is None:
             raise ValueError("reward_model.from_policy starts the reward model from the stage's checkpoint: none given")
         rm_cfg = rm_cfg.model_copy(update={"model": resolve_model(cfg.model, checkpoint_uri)})
-    # its precision logged as `reward_model.*` params (`reward_model_<name>.*` for each of R1's two)
-    rm_cfg = resolve_precision(run_id, "reward_model" if name == REWARD_MODEL else f"reward_model_{name}", rm_cfg)
-    out = work_dir(run_id, f"reward_model_{name}", cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed),
+    # its precision logged as `reward_model.*` params and its work folder `reward_model` (`reward_model_<name>` for
+    # each of R1's two)
+    folder = "reward_model" if name == REWARD_MODEL else f"reward_model_{name}"
+    rm_cfg = resolve_precision(run_id, folder, rm_cfg)
+    out = work_dir(run_id, folder, cfg.preferences, rm_cfg, *launch.resume_key(cfg.distributed),
                    root=launch.work_root(cfg.distributed))
     job = RewardModelJob(cfg=rm_cfg, rows=write_frame(pairs, out / "inputs", "rows"), source=cfg.preferences.source,
                          heldout=write_frame(heldout, out / "inputs", "heldout") if heldout is not None else None,

@@ -28,6 +28,7 @@ Pure Python and pandas: must not depend on torch, Prefect or MLflow.
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Literal, NamedTuple
 
@@ -338,8 +339,6 @@ def prompt_table(prompts: list[GeneralPrompt]) -> pd.DataFrame:
 
 
 def _rng_sample(prompts: list[GeneralPrompt], n: int, seed: int, split: str, what: str) -> list[GeneralPrompt]:
-    import random
-
     if n > len(prompts):
         raise ValueError(f"there are only {len(prompts)} synthetic {split} general prompts; asked for {n}")
     # the held-out draws ignore the seed, as in grpo.data.arithmetic: every stage that shares them scores on the same
