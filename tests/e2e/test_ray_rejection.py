@@ -145,8 +145,7 @@ def test_shards_on_a_ray_cluster_keep_what_one_process_keeps(prefect_harness, cl
     # ...and none of them could have read the driver's files, which the driver itself reads
     if ray.namespace:
         assert secret.read_text() == "the driver's own file\n"
-        assert read_on_each_node(ray.address, str(secret)) == {"head": "FileNotFoundError",
-                                                              "n1": "FileNotFoundError"}
+        assert read_on_each_node(ray.address, str(secret)) == {node.name: "FileNotFoundError" for node in ray.nodes}
 
 
 def test_bad_cluster_settings_fail_before_any_shard_is_sampled(prefect_harness, cluster, driver,

@@ -110,7 +110,7 @@ class LocalRayCluster:
                # the CPU kernels the test process was held to (an AVX2-only CPU emulated on a newer one: see
                # docs/benchmarks/test-suite.md), so a node's processes compute as the driver does
                **{k: os.environ[k] for k in CPU_ISA_CAPS if k in os.environ}}
-        head = name == "head"
+        head = name.startswith("head")
         launcher = [str(BIN / "ray")] if head else [sys.executable, str(HERE / "ray_start_loopback.py")]
         args = [*launcher, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}",
                 "--num-gpus=0", f"--temp-dir={root / 'r'}", "--object-store-memory=100000000", "--disable-usage-stats",
@@ -137,23 +137,33 @@ class LocalRayCluster:
     def wait_ready(self, timeout: float = 240) -> "LocalRayCluster":
         """Wait for the head, then start and wait for the other nodes one at a time.
 
-        One at a time, because a node that joins gives its raylet a fixed 30 s to register with the head's GCS
+        One at a time, because every node, the head too, gives its raylet a fixed 30 s to register with the GCS
         (Ray's own limit), which a head still starting, on 2 busy cores, can miss; a node that misses it anyway
-        (its process exits saying it timed out during startup) is started again, up to twice.
+        (its process exits saying it timed out during startup) is started again, up to twice, in a folder of its
+        own; a head started again takes a new GCS port (the nodes are started after it, so they join the new one).
         """
         deadline = time.monotonic() + timeout
-        self._wait(self.nodes[0], deadline)
+        for attempt in range(3):
+            if attempt:
+                self.gcs_port = free_port()
+                self._start_node(f"head{attempt + 1}")
+            if self._wait(self.nodes[0], deadline, retry=attempt < 2):
+                break
+            self._drop_failed()
         for i in range(1, self.n_nodes):
             for attempt in range(3):
-                self._start_node(f"n{i}")
+                self._start_node(f"n{i}" if not attempt else f"n{i}-{attempt + 1}")
                 if self._wait(self.nodes[-1], deadline, retry=attempt < 2):
                     break
-                failed = self.nodes.pop()
-                try:
-                    os.killpg(failed.proc.pid, signal.SIGKILL)  # whatever it left running (its own session)
-                except ProcessLookupError:
-                    pass
+                self._drop_failed()
         return self
+
+    def _drop_failed(self) -> None:
+        failed = self.nodes.pop()
+        try:
+            os.killpg(failed.proc.pid, signal.SIGKILL)  # whatever it left running (its own session)
+        except ProcessLookupError:
+            pass
 
     def _wait(self, node: Node, deadline: float, retry: bool = False) -> bool:
         """True once `node` is up; False if it gave up on Ray's startup limit and `retry` allows another go."""
