@@ -133,7 +133,9 @@ def run_seed(stage, sft: str, seed: int, out: Path, sets: dict, heldout, before:
     answer_only = rm_cfg.helpfulness_reads == "answer"  # as the stage reads it (tasks/alignment.py, jobs.py)
     functions["truth"] = true_reward
     for name in (n for n in names if n != "truth"):
-        result = train_reward_model(pairs_for(pairs, name, answer_only=answer_only), rm_cfg,
+        steps = stage.reward_model_for(name).max_steps  # the recipe's reward_model_steps, as the stage reads them
+        result = train_reward_model(pairs_for(pairs, name, answer_only=answer_only),
+                                    rm_cfg.model_copy(update={"max_steps": steps}),
                                     out / f"seed{seed}" / name, progress=False,
                                     heldout=None if pairs_heldout is None else pairs_for(pairs_heldout, name,
                                                                                          answer_only=answer_only))

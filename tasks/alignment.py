@@ -74,7 +74,7 @@ def train_reward_model_task(run_id: str, cfg: AlignmentGRPOConfig, name: str = R
     tracking.log_dataset(run_id, pairs.astype(str), name="preferences" if name == REWARD_MODEL else f"{name}_pairs",
                          source=cfg.preferences.source, context=metrics_prefix(name))
     launched = launch.is_launched(cfg.distributed)
-    rm_cfg = cfg.reward_model
+    rm_cfg = cfg.reward_model_for(name)
     if rm_cfg.from_policy:
         if checkpoint_uri is None:
             raise ValueError("reward_model.from_policy starts the reward model from the stage's checkpoint: none given")

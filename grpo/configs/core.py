@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from grpo.configs.checks import Precision
 from grpo.configs.code import CodeConfig
+from grpo.configs.lora import LoRAConfig
 from grpo.configs.rollout import RolloutConfig
+from grpo.configs.schedule import ScheduleConfig
 from grpo.texts import JUDGE_PROMPT, JUDGE_TEMPLATE_FIELDS
 
 # The names the settings may use; the modules that implement them check that they agree (grpo.data.arithmetic,
@@ -161,18 +163,6 @@ class SamplingConfig(BaseModel):
     batch_size: int = Field(64, ge=1)  # sequences decoded together (prompts x n are cut into batches of this many)
 
 
-class LoRAConfig(BaseModel):
-    """LoRA adapters (through peft, an optional extra): only they train; the reference is the base with them off."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    r: int = Field(16, ge=1)  # rank of each adapter's update
-    alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / r
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapters' input; > 0 turns off the shared prompt pass
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                       "down_proj")  # linear layers (by name) that get an adapter
-
-
 class EvalConfig(BaseModel):
     """Held-out evaluation."""
 
@@ -306,6 +296,7 @@ class GRPOConfig(BaseModel):
     # mixes general and reasoning prompts in every batch); other kinds share the rest. Empty: all rows alike
     prompt_mix: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(default_factory=dict)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # sync, or async sampler workers (docs/sampling.md)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)  # rewards that start late, a reference that moves
 
     @field_validator("rewards")
     @classmethod
@@ -348,6 +339,8 @@ class GRPOConfig(BaseModel):
         elif self.step_verifier is not None or self.prm_path is not None:
             raise ValueError("step_verifier and prm_path are used only with supervision 'process'; set "
                              "supervision: process, or remove them")
+        self.schedule.check(self.rewards, self.max_steps, self.beta,
+                            self.lora is None and self.rollout.reference != "sampler")
         if (self.step_verifier == "prm") != (self.prm_path is not None):
             raise ValueError("step_verifier 'prm' and prm_path go together: prm_path names the process reward "
                              "model's folder or runs:/ URI")

@@ -48,6 +48,9 @@ def check_ppo_settings(grpo: GRPOConfig, prompts: int | None, source: str = "the
         raise ValueError("algorithm ppo trains the whole policy and critic: remove grpo.lora")
     if grpo.prompt_mix:
         raise ValueError("algorithm ppo draws its prompts from all rows alike: remove grpo.prompt_mix")
+    if grpo.schedule != type(grpo.schedule)():
+        raise ValueError("algorithm ppo counts every reward from the first step against a fixed reference: remove "
+                         "grpo.schedule")
     need = grpo.prompts_per_step * grpo.num_generations
     if prompts is not None and prompts < need:
         raise ValueError(f"algorithm ppo samples one completion for each of grpo.prompts_per_step x "

@@ -11,7 +11,7 @@ checked in well under a second.
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -233,6 +233,9 @@ class AlignmentGRPOConfig(StageConfig):
     general_source: str = "synthetic"  # "synthetic" (generated requests, some harmful) or a file with `prompt`
     preferences: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig)  # pairs the reward model learns
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)  # trained in this stage...
+    # a reward model's own optimizer steps by reward name, in place of reward_model.max_steps (harmlessness tells a
+    # refusal from compliance in far fewer steps than helpfulness tells the right answer from an off-topic one)
+    reward_model_steps: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
     reward_model_uri: str | None = None  # ...unless this names an existing one (folder, runs:/ URI or hub name)
     # existing reward models by reward name (helpfulness, harmlessness, reward_model): folder, runs:/ URI or hub name;
     # a reward model grpo.rewards names and this does not is trained in the stage
@@ -258,6 +261,12 @@ class AlignmentGRPOConfig(StageConfig):
     # borderline over-refusal, handled right, each with its paired interval (grpo.evaluate.evaluate_alignment)
     alignment_eval: AlignmentEvalConfig = Field(default_factory=AlignmentEvalConfig)
 
+    def reward_model_for(self, name: str) -> RewardModelConfig:
+        """The training settings of the reward model `name`: reward_model, with its own steps where
+        reward_model_steps names it."""
+        steps = self.reward_model_steps.get(name)
+        return self.reward_model if steps is None else self.reward_model.model_copy(update={"max_steps": steps})
+
     def process_batches(self) -> dict[str, int]:
         if self.algorithm == "dpo":
             return {"dpo.batch_size": self.dpo.batch_size}
@@ -271,10 +280,11 @@ class AlignmentGRPOConfig(StageConfig):
             raise ValueError(f"alignment_grpo.grpo.rewards names {REWARD_MODEL!r} (one reward model for every general "
                              f"prompt) and {HELPFULNESS!r}/{HARMLESSNESS!r} (one for each category): name one or the "
                              f"other")
-        unknown = sorted(set(self.reward_model_uris) - set(REWARD_MODELS))
-        if unknown:
-            raise ValueError(f"alignment_grpo.reward_model_uris names {unknown}; expected reward model names among "
-                             f"{list(REWARD_MODELS)}")
+        for field in ("reward_model_uris", "reward_model_steps"):
+            unknown = sorted(set(getattr(self, field)) - set(REWARD_MODELS))
+            if unknown:
+                raise ValueError(f"alignment_grpo.{field} names {unknown}; expected reward model names among "
+                                 f"{list(REWARD_MODELS)}")
         if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
             raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
                              "reasoning_grpo, whose prompts have checkable steps")

@@ -156,10 +156,12 @@ def row_columns(columns: Mapping[str, list], cells: list, idx: list[int], n: int
     return rows
 
 
-def score_rollout(rollout: Rollout, columns: dict[str, list], cfg: GRPOConfig, registry: Mapping[str, Callable]):
-    """The rollout's rewards (`grpo.rewards.score_completions`), with each completion's length and the limit."""
+def score_rollout(rollout: Rollout, columns: dict[str, list], cfg: GRPOConfig, registry: Mapping[str, Callable],
+                  rewards: Mapping[str, float] | None = None):
+    """The rollout's rewards (`grpo.rewards.score_completions`; `rewards` by name and weight, else the config's),
+    with each completion's length and the limit."""
     lengths = rollout.completion_mask.sum(-1).tolist()
-    return score_completions(rollout.texts, cfg.rewards,
+    return score_completions(rollout.texts, cfg.rewards if rewards is None else rewards,
                              {**columns, "completion_lengths": lengths,
                               "max_completion_length": [cfg.sampling.max_new_tokens] * len(lengths)},
                              registry=registry)

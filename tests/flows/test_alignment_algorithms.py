@@ -91,6 +91,7 @@ def test_grpo_alignment_with_r1s_two_reward_models_from_the_policy(prefect_harne
     cfg = stage_config("grpo", "r1-grpo-two-rms", eval_before=False)
     cfg = cfg.model_copy(update={
         "reward_model": cfg.reward_model.model_copy(update={"from_policy": True, "helpfulness_reads": "response"}),
+        "reward_model_steps": {"harmlessness": 1},  # its own budget; helpfulness takes reward_model.max_steps (2)
         "grpo": cfg.grpo.model_copy(update={"max_steps": 2, "prompt_mix": {"general": 0.5}, "rewards": {
             "accuracy": 1.0, "format": 0.5, "helpfulness": 1.0, "harmlessness": 1.0}}),
         "watch": cfg.watch.model_copy(update={"every": 1})})
@@ -100,6 +101,8 @@ def test_grpo_alignment_with_r1s_two_reward_models_from_the_policy(prefect_harne
     # each reward model trained on its own pairs from the stage's checkpoint, and logged under its own name
     assert {"helpfulness", "harmlessness"} <= set(result.uris) and "reward_model" not in result.uris
     assert {"rm_helpfulness/heldout_accuracy", "rm_harmlessness/heldout_accuracy"} <= set(metrics)
+    assert {m.step for m in mlflow_client.get_metric_history(result.run_id, "rm_harmlessness/heldout_accuracy")} == {1}
+    assert {m.step for m in mlflow_client.get_metric_history(result.run_id, "rm_helpfulness/heldout_accuracy")} == {2}
     assert run.data.params["reward_model_helpfulness.resolved_precision"] == "no"
     assert {p.path for p in mlflow_client.list_artifacts(result.run_id)} >= {"helpfulness", "harmlessness"}
     # every step half general: each general row scored by the reward model of its category, and the watch's true
@@ -112,6 +115,15 @@ def test_grpo_alignment_with_r1s_two_reward_models_from_the_policy(prefect_harne
     assert {"alignment/harmful_refused", "alignment/benign_helpful", "alignment/handled_right"} <= set(metrics)
     assert "alignment/harmful_refused_before" not in result.metrics  # eval_before false: nothing to pair
     assert "alignment/harmful_refused_ci_low" not in result.metrics
+
+
+def test_a_reward_models_own_steps_are_checked_by_name():
+    cfg = AlignmentGRPOConfig(reward_model={"max_steps": 300}, reward_model_steps={"harmlessness": 40})
+    assert cfg.reward_model_for("harmlessness").max_steps == 40 and cfg.reward_model_for("helpfulness").max_steps == 300
+    with pytest.raises(ValueError, match=r"reward_model_steps names \['harmless'\]; expected reward model names"):
+        AlignmentGRPOConfig(reward_model_steps={"harmless": 40})
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        AlignmentGRPOConfig(reward_model_steps={"harmlessness": 0})
 
 
 def test_the_recipe_checks_dpo_settings():

@@ -63,6 +63,7 @@ from grpo.training.process import StepRewards, process_advantages, score_steps, 
 from grpo.training.rollouts import Plan, Rollouts, start_rollouts
 from grpo.training.strategy import make_strategy
 
+REFERENCE_FILE = "reference.pt"  # a checkpoint's refreshed reference (grpo.schedule.reference_every)
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -182,9 +183,12 @@ class GRPOTrainer:
         return sample_rollout(self.engine, [self.cells[i] for i in idx], self.cfg.num_generations, self.cfg.sampling,
                               logprobs=self.tis_cap is not None, who="GRPO")
 
-    def score(self, rollout: Rollout, idx: list[int]):
-        columns = row_columns(self.columns, self.cells, idx, self.cfg.num_generations)
-        return score_rollout(rollout, columns, self.cfg, self.reward_functions)
+    def score(self, rollout: Rollout, idx: list[int], step: int = 0):
+        """The rewards that count at `step` (`grpo.schedule.rewards_from`) of the rollout's completions."""
+        cfg = self.cfg
+        columns = row_columns(self.columns, self.cells, idx, cfg.num_generations)
+        return score_rollout(rollout, columns, cfg, self.reward_functions,
+                             cfg.schedule.rewards_at(cfg.rewards, step, cfg.max_steps))
 
     def collect(self, step: int) -> tuple[Rollout, list[int], object, dict[str, float]]:
         """Sample and score one step's groups (refilling dropped ones when dynamic sampling is on)."""
@@ -193,12 +197,12 @@ class GRPOTrainer:
         idx = process_share(self.acc, self.order(step))
         if self.rollouts is not None:  # sampled by a worker, up to max_staleness optimizer steps ago
             unit = self.rollouts.take(step)
-            scores = self.score(unit.rollout, idx)
+            scores = self.score(unit.rollout, idx, step)
             stats = {**self.rollouts.figures(unit), "async/push_s": self.push_s}
             self.push_s = 0.0
             return unit.rollout, idx, scores, stats
         rollout = self.sample(idx)
-        scores = self.score(rollout, idx)
+        scores = self.score(rollout, idx, step)
         stats = {"dynamic/refill_rounds": 0.0}
         if not self.cfg.dynamic_sampling:
             return rollout, idx, scores, {**stats, **decode_figures(self.engine)}
@@ -211,7 +215,7 @@ class GRPOTrainer:
                 break
             more = process_share(self.acc, self.order(step, draw))
             r = self.sample(more)
-            s = self.score(r, more)
+            s = self.score(r, more, step)
             parts.append((r, s, more, spread_groups(s.total, G, s.graded_rows)))
             stats["dynamic/refill_rounds"] = float(draw)
         rollout, idx, scores = concat_groups(parts, G, want, self.tokenizer.pad_token_id)
@@ -427,6 +431,8 @@ class GRPOTrainer:
                 opt_stats = self.optimise(batch)
             elapsed = time.perf_counter() - t0
             done = step + 1
+            if cfg.schedule.reference_every and done % cfg.schedule.reference_every == 0:
+                self.refresh_reference()
             metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen, t_ref))
             if self.hooks:  # every process's samples (a collective: each process calls it every step)
                 table = gather_table(self.acc, self._samples_table(rollout, idx, scores))
@@ -481,14 +487,25 @@ class GRPOTrainer:
         # two: a damaged newest one falls back to the one before
         save_checkpoint(self.acc, root, step, keep=2, save_state=self._save_state)
 
+    def refresh_reference(self) -> None:
+        """The KL term's reference becomes the policy as it is now (`grpo.schedule.reference_every`): the whole
+        weights the sampler reads (under fsdp the gathered copy, in the sampler's precision), cast to the
+        reference's dtype."""
+        with torch.no_grad():
+            self.ref_model.load_state_dict(self.strategy.sampler_model().state_dict())
+
     def _save_state(self, folder: str) -> None:
         self.strategy.save_state(Path(folder))
         if self.acc.is_main_process:
             for hook in self.hooks:
                 hook.save(Path(folder))
+            if self.cfg.schedule.reference_every:  # a refreshed reference is no longer the starting checkpoint
+                torch.save(self.ref_model.state_dict(), Path(folder) / REFERENCE_FILE)
 
     def _load_state(self, folder: str) -> None:
         self.strategy.load_state(Path(folder))
+        if self.cfg.schedule.reference_every:
+            self.ref_model.load_state_dict(torch.load(Path(folder) / REFERENCE_FILE, weights_only=True))
         for hook in self.hooks:
             hook.load(Path(folder))
 
