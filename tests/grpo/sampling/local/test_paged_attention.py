@@ -31,7 +31,7 @@ from tiny_decoders import EOS, PAD, fp32_gap, greedy_reference
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # one thread where numbers are compared (conftest)
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                 reason="Triton is not installed (`pip install -e '.[dev]'` installs it on Linux x86-64)")]
+                                 reason="Triton is not installed (the dev extra installs it on Linux x86-64)")]
 
 
 @pytest.fixture(scope="module")
