@@ -194,9 +194,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", default=None, help="the model id clients send (default: CHECKPOINT as given)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
     serve.add_argument("--sampler", default="auto", choices=["auto", "loop"],
-                       help="auto: the static-cache sampler for Qwen2/Llama-style models; loop: the model's forward")
+                       help="auto: the paged-cache sampler for Qwen2/Llama-style models; loop: step-by-step decoding")
     serve.add_argument("--kv-cache-mb", type=_positive_int, default=None,
-                       help="the static sampler's KV cache budget in MiB (default: half the GPU's free memory)")
+                       help="the K/V cache's page pool at most, in MiB (default: half the GPU's free memory; no "
+                            "limit on a CPU)")
     serve.add_argument("--api-key-env", default=None,
                        help="NAME of an env var holding a key every request must send as a Bearer token")
     serve.add_argument("--slots", type=_positive_int, default=64,

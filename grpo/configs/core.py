@@ -405,11 +405,11 @@ class GenerationConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: Literal["local", "http"] = "local"  # local: the model in this process; http: /v1/completions servers
-    # local only: "auto" samples Qwen2/Qwen3/Llama/Mistral-style models with the static-cache sampler (CUDA graphs on
-    # a GPU) and other models through their own forward; "loop" always the latter
+    # local only: "auto" samples Qwen2/Qwen3/Llama/Mistral-style models with the paged-cache sampler (CUDA graphs on
+    # a GPU) and other models step by step; "loop" always step by step (docs/sampling.md)
     sampler: Literal["auto", "loop"] = "auto"
-    kv_cache_mb: int | None = Field(None, ge=1)  # local only: the static sampler's KV cache budget; None: half the
-    #                                              GPU's free memory (no limit on a CPU); a batch over it runs in parts
+    kv_cache_mb: int | None = Field(None, ge=1)  # local only: the K/V cache's page pool at most; None: half the
+    #                                              GPU's free memory (no limit on a CPU); rows beyond it wait their turn
     endpoints: tuple[str, ...] = ()  # http only: endpoint roots, the part before /completions (http://gpu-0:8000/v1)
     model: str = ""  # http only: the model name the endpoints serve (vLLM: --served-model-name)
     max_in_flight: int = Field(32, ge=1)  # http only: requests in flight at once per endpoint (per process)

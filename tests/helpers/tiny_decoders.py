@@ -76,6 +76,40 @@ def reference_loop(model, ids, mask, s: SamplingConfig, streams: torch.Tensor):
     return torch.stack(toks, 1), torch.stack(alive, 1).long(), torch.stack(lps, 1), ~done
 
 
+def greedy_reference(model, ids, mask, budget: int):
+    """Greedy decoding written apart from the engine: a full forward over the whole sequence for every token (no
+    cache), its argmax, and the token's log softmax; a row stops at its first end id. (ids [B, C], mask [B, C],
+    logprobs [B, C]) as the sampler returns them."""
+    B = ids.size(0)
+    done = torch.zeros(B, dtype=torch.bool)
+    toks, lps, alive = [], [], []
+    for _ in range(budget):
+        full_ids = torch.cat([ids, *[t[:, None] for t in toks]], 1)
+        full_mask = torch.cat([mask, *[a[:, None].long() for a in alive]], 1)
+        logits = forward_logits(model, full_ids, full_mask)[:, -1]  # [B, V]
+        tok = logits.argmax(-1)  # [B]
+        alive.append(~done)
+        toks.append(tok.masked_fill(done, PAD))
+        lps.append(logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1).masked_fill(done, 0.0))
+        done = done | torch.isin(tok, torch.tensor(EOS))
+        if done.all():
+            break
+    return torch.stack(toks, 1), torch.stack(alive, 1).long(), torch.stack(lps, 1)
+
+
+def allowed_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The tokens top-k then top-p sampling may draw, written apart from the engine, in float64: [..., V] bool.
+
+    The k most likely under softmax(logits / temperature) (ties at the k-th kept), renormalised; of those, the most
+    likely first, each token whose predecessors' mass is below top_p (the smallest prefix that reaches it)."""
+    probs = (logits.double() / temperature).softmax(-1)  # [..., V]
+    kth = probs.topk(top_k, -1).values[..., -1:]  # [..., 1]
+    probs = torch.where(probs >= kth, probs, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    ordered, order = probs.sort(-1, descending=True)
+    before = ordered.cumsum(-1) - ordered  # [..., V] the mass of the tokens ahead of each
+    keep = (before < top_p) & (ordered > 0)
+    return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
 def recorded_logits(monkeypatch) -> list:

@@ -147,7 +147,7 @@ class PagedState(SlotState):
     shared with the other rows of its prompt) and owns (`own`), and the pages each prompt's prefix is in."""
 
     _PER_SLOT = ("next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs", "table", "plen",
-                 "start", "base")
+                 "start", "base", "read")
 
     def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device,
                  max_pages: int | None = None, page: int = PAGE_TOKENS, layout: str = "dense",
@@ -172,12 +172,14 @@ class PagedState(SlotState):
         self.plen = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         self.start = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         self.base = torch.zeros(S, dtype=torch.long, device=device)  # [S]
+        # [S] K/V positions each slot's attention read since the last `take_read`, added where they are read (the
+        # kernel, the reference or the dense rows), on the device: a captured step counts as it replays
+        self.read = torch.zeros(S, dtype=torch.long, device=device)
         self.prefix: list[list[int]] = [[] for _ in range(S)]  # slot -> pages it reads, its prompt's (shared)
         self.own: list[list[int]] = [[] for _ in range(S)]  # slot -> pages it wrote itself
         self.chosen_in_prefix = [0] * S  # slot -> tokens of its row its prefix holds (a resumed row's)
         self.resident: dict[object, list[int]] = {}  # prompt -> the pages its prefix is in, while rows read them
         self.positions = torch.arange(self.max_pages_a_row * page, device=device)  # [L max]
-        self.stats = {"positions_read": 0}  # the last step's, shared by the views
         self.stale: set[int] = set()
         if layout == "kernel":  # attention reads the pages themselves (`paged_attention`): no dense rows
             self.dense_k = self.dense_v = []
@@ -199,11 +201,14 @@ class PagedState(SlotState):
         self.resident.clear()
         self.stale.clear()
         self.table.zero_()
+        self.read.zero_()  # a capture's warm-up steps read too
         self.done.fill_(True)
         self.n.zero_()
 
     def move(self, src: int, dst: int) -> None:
         for name in self._PER_SLOT:
+            if name == "read":  # a count, summed over the slots: it stays where it was made
+                continue
             t = getattr(self, name)
             t[dst] = t[src]
         self.prefix[dst], self.own[dst], self.prefix[src], self.own[src] = self.prefix[src], self.own[src], [], []
@@ -338,12 +343,16 @@ class PagedState(SlotState):
                 got = pools[i].view(Hkv, -1, page * D).index_select(1, index)  # [Hkv, r * n_pages, page * D]
                 rows[i][at, :, : n_pages * page] = got.view(Hkv, len(stale), n_pages * page, D).transpose(0, 1)
 
+    def take_read(self) -> int:
+        """K/V positions the steps' attention read since the last take, summed over the slots (a sync on a GPU)."""
+        got = int(self.read.sum())
+        self.read.zero_()
+        return got
+
     def kv_len(self, m: int, full: bool) -> int:
         """Positions a step over the first m slots reads: the pages of the slot that has the most (every page a row
-        could have when `full`). In the kernel layout each slot reads its own pages alone, counted in `stats`."""
+        could have when `full`). In the kernel layout each slot reads its own pages alone (where the kernel runs)."""
         held = [len(self.prefix[s]) + len(self.own[s]) for s in range(m)]
-        if self.layout == "kernel":
-            self.stats["positions_read"] = sum(held) * self.page
         if full:
             return self.max_pages_a_row * self.page
         return max(held) * self.page or self.page
@@ -375,7 +384,6 @@ class _PagedAttention:
         self.bias = torch.zeros(valid.shape, dtype=st.dtype, device=st.device).masked_fill_(~valid, floor)[:, None,
                                                                                                             None]
         self.st, self.S, self.L = st, S, kv_len
-        st.stats["positions_read"] = S * kv_len  # for the counts
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [S, Hkv, D]: each slot's new token's, at its position."""
@@ -388,9 +396,11 @@ class _PagedAttention:
     def attend(self, i: int, q: torch.Tensor) -> torch.Tensor:
         """q [S, Hkv, Hq/Hkv, D] over layer i's dense rows: [S, Hkv, Hq/Hkv, D]."""
         st = self.st
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, st.dense_k[i][: self.S, :, : self.L], st.dense_v[i][: self.S, :, : self.L], attn_mask=self.bias,
-            scale=st.scale)
+        keys = st.dense_k[i][: self.S, :, : self.L]  # [S, Hkv, L, D]
+        if i == 0:  # every layer reads the same positions: the first counts them
+            st.read += keys.size(2)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, st.dense_v[i][: self.S, :, : self.L],
+                                                                attn_mask=self.bias, scale=st.scale)
 
 
 class _KernelAttention:
@@ -416,4 +426,4 @@ class _KernelAttention:
         """q [S, Hkv, Hq/Hkv, D] over layer i's pages, each slot its own positions: [S, Hkv, Hq/Hkv, D]."""
         st = self.st
         return paged_decode(q, st.k[i], st.v[i], st.table, st.plen, st.start, self.at, st.scale, st.page,
-                            kv_len=self.kv_len)
+                            kv_len=self.kv_len, read=st.read if i == 0 else None)  # the first layer counts

@@ -189,7 +189,7 @@ class SlotBatch:
             self.cap.run(m, kv_len)
             counts.steps += 1
             counts.rows_computed += self.cap.rows_run(m)
-            counts.kv_positions_read += st.stats["positions_read"]
+        counts.kv_positions_read += st.take_read()  # counted where attention read them
         counts.kv_bytes_allocated = max(counts.kv_bytes_allocated, st.kv_bytes())
         counts.pages_high_water = max(counts.pages_high_water, st.pool.high_water)
         return out

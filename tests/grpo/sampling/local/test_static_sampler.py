@@ -13,8 +13,8 @@ from grpo.sampling.draws import draw_streams
 from grpo.sampling.local import static_sampler
 from grpo.sampling.local.decode_step import read_weights
 from grpo.sampling.local.static_sampler import StaticSampler, prompt_bucket, unsupported_reason
-from tiny_decoders import (EOS, KINDS, PAD, forward_logits, fp32_gap, left_padded, make_model, recorded_logits,
-                           reference_loop)
+from tiny_decoders import (EOS, KINDS, PAD, allowed_tokens, forward_logits, fp32_gap, left_padded, make_model,
+                           recorded_logits, reference_loop)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
 
@@ -47,6 +47,34 @@ def test_the_same_tokens_as_a_reference_loop_with_the_same_streams(kind, samplin
     assert torch.equal(got.completion_ids, want_ids) and torch.equal(got.completion_mask, want_mask)
     assert torch.equal(got.truncated, want_truncated)
     assert torch.allclose(got.logprobs, want_lp, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampler", ["static", "loop"])
+def test_top_k_and_top_p_draw_only_inside_the_cut(sampler):
+    # The reference loop above chooses with the engine's own rule, so it cannot see a cut the engine leaves out.
+    # Here every sampled token must lie in the top-k / nucleus set of the model's own forward logits at its
+    # position, that set computed apart from the engine (`allowed_tokens`, float64); and the cut matters: outside
+    # it lies enough mass that a sampler drawing from the whole distribution would land there.
+    from grpo.sampling.local.backend import sample_batch
+
+    model = make_model(head_scale=4.0)  # spread: the cut drops a real share of the mass
+    ids, mask = left_padded([5, 11, 3, 8], repeat=4)
+    s = SamplingConfig(max_new_tokens=16, temperature=1.2, top_k=10, top_p=0.8)
+    torch.manual_seed(12)
+    if sampler == "static":
+        out = StaticSampler(model).sample(ids, mask, s, EOS, PAD)
+        got_ids, got_mask = out.completion_ids, out.completion_mask
+    else:
+        got_ids, got_mask, _, _ = sample_batch(model, ids, mask, s, EOS, PAD)  # the decode loop's `_pick`
+    logits = forward_logits(model, torch.cat([ids, got_ids], 1),
+                            torch.cat([mask, got_mask], 1))[:, ids.size(1) - 1 : -1]  # [B, C, V]
+    allowed = allowed_tokens(logits, s.temperature, s.top_k, s.top_p)  # [B, C, V]
+    on = got_mask.bool()
+    inside = allowed.gather(-1, got_ids[..., None]).squeeze(-1)  # [B, C]
+    assert inside[on].all(), f"{int((~inside & on).sum())} of {int(on.sum())} tokens outside the cut"
+    outside = ((logits.double() / s.temperature).softmax(-1) * ~allowed).sum(-1)[on]  # [N] the mass cut off
+    assert on.sum() > 50 and outside.mean() > 0.1
+    assert (1 - outside).prod() < 1e-6  # the odds that uncut draws all stayed inside
 
 
 def test_rows_that_end_stop_changing_and_are_padded():
