@@ -127,10 +127,16 @@ def stage_budget(cfg: RejectionSamplingConfig, prompts: pd.DataFrame, model_dir:
         k = rs.samples_per_prompt
         texts = prompts["prompt"].tolist()
         model_cfg = cfg.model.model_copy(update={"name_or_path": model_dir})
-        engine = _engine(cfg, model_cfg)
+        # servers: an engine of its own, so the shard tasks' shared one counts only their samples
+        engine = (build_engine(cfg.generation, tokenizer=load_tokenizer(model_cfg), text_only_ok=True) if http
+                  else _engine(cfg, model_cfg))
         batch = texts[:max(1, (cfg.generation.max_in_flight * generators if http else rs.sampling.batch_size) // k)]
-        with shards.seeded_torch(rs.seed):  # the process's RNG as it was: the shards draw under their own seeds
-            rate, tokens, seconds = measure_tokens_per_s(engine, batch, k, rs.sampling)
+        try:
+            with shards.seeded_torch(rs.seed):  # the process's RNG as it was: the shards draw under their own seeds
+                rate, tokens, seconds = measure_tokens_per_s(engine, batch, k, rs.sampling)
+        finally:
+            if http:
+                engine.close()
         if http:
             rate /= generators
         tokens_per_s, how = rate, (f"measured: {tokens:,} tokens in {seconds:.1f} s, {len(batch) * k} samples"
