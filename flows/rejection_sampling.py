@@ -8,7 +8,9 @@ task runner on a Ray cluster (`cluster.ray_address` in the recipe), whose shard 
 MLflow and write to a shared store (`cluster.shard_store`). Each shard writes one Parquet file, and a shard whose
 file exists is not sampled again, so a killed run resumes without losing or duplicating a sample. Each shard task
 also marks its rows' dedupe keys and which copy a held-out prompt; the merge dedupes across shards, drops the
-contaminated rows and caps to the recipe's target from those marks.
+contaminated rows and caps to the recipe's target from those marks. The plan (`r1 plan`'s figures, for the
+recipe's `budget` assumptions) is printed before the first shard and logged after the merge against each shard's
+measured time, with the judge's calls per second and per 1,000 kept rows.
 
 Run alone:  r1 stage rejection_sampling --checkpoint runs:/<reasoning_grpo run id>/checkpoint
 """

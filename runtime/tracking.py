@@ -395,6 +395,11 @@ def log_table(run_id: str, df: pd.DataFrame, artifact_file: str) -> None:
         client().set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, value)
 
 
+def log_text(run_id: str, text: str, artifact_file: str) -> None:
+    """`text` as the run's artifact file `artifact_file` (a report a person reads beside the metrics)."""
+    client().log_text(run_id, text, artifact_file)
+
+
 def log_dir(run_id: str, local_dir: str | Path, artifact_path: str) -> str:
     """Upload a folder as an artifact and return its `runs:/` URI, the handle the next stage takes. The folder
     travels with a manifest of its files (sizes, checksums), which `download` checks."""

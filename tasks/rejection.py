@@ -12,13 +12,22 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import SELF_JUDGE, ModelConfig, RejectionConfig
+from grpo.configs.core import SELF_JUDGE, JudgeConfig, ModelConfig, RejectionConfig
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.data.row_files import describe_row_files
 from grpo.data.tables import DataError, read_table, validate_rows
 from grpo.interrupts import interruptible
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
+from grpo.rejection.budget import (
+    Budget,
+    format_budget,
+    format_plan_against_run,
+    judge_metrics,
+    measure_tokens_per_s,
+    plan_against_run,
+    plan_budget,
+)
 from grpo.rejection.curate import HeldoutIndex, build_heldout_index
 from grpo.rejection.filters import summary_line
 from grpo.sampling.engines import Engine, build_engine, local_generation
@@ -38,6 +47,8 @@ class RejectionPlan(NamedTuple):
     non_reasoning_uri: str | None  # the non-reasoning rows to append, if the config asks for any
     ray_address: str | None = None  # the cluster the shard tasks run on (checked reachable); None = threads here
     heldout_uri: str | None = None  # the held-out prompts each shard task decontaminates its rows against
+    budget: Budget | None = None  # the plan printed before sampling; None without a throughput to plan time with
+    shard_prompts: tuple[int, ...] = ()  # prompts in each shard, for the plan's prediction of its time
 
 
 @task(name="plan_rejection_sampling")
@@ -49,7 +60,10 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     # served samples come from whatever model the servers serve: keyed by its name, not by the endpoints, so a
     # rerun with other (or more) servers resumes the same shards
     served = [{"backend": "http", "model": cfg.generation.model}] if cfg.generation.backend == "http" else []
-    keys = (checkpoint_uri, cfg.model, cfg.judge, shard_keys, cfg.data, *served)
+    # likewise the judge: by what decides its verdicts, not by where it is or how hard it is asked, so a rerun
+    # after a judge outage resumes the shards written, with the judge restarted at another address
+    judge = cfg.judge.model_dump(mode="json", exclude=set(JUDGE_REACH_FIELDS)) if cfg.judge is not None else None
+    keys = (checkpoint_uri, cfg.model, judge, shard_keys, cfg.data, *served)
     store = cfg.cluster.shard_store
     out = shard_store_dir(store, "rejection_sampling", work_key(*keys)) if store else str(
         work_dir(run_id, "rejection_sampling", *keys))
@@ -71,18 +85,64 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     will_judge = judge_cfg if judge_cfg is not None and rs.judge_when != "never" else None
     prompts = shards.validate_prompts(read_frame(prompts_uri).reset_index(drop=True), rs, will_judge,
                                          source=prompts_uri)
+    model_dir = checkpoint_uri if ray_address else resolve_model(cfg.model, checkpoint_uri).name_or_path
     non_reasoning_uri = None
     if rs.non_reasoning_rows:
         rows = non_reasoning_rows(cfg.non_reasoning_source, rs.non_reasoning_rows, rs.seed)
         non_reasoning_uri = tracking.log_frame(run_id, rows, "dataset/non_reasoning")
-    model_dir = checkpoint_uri if ray_address else resolve_model(cfg.model, checkpoint_uri).name_or_path
     shards.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
-    indices = [s.index for s in shards.plan_shards(prompts, rs)]
+    planned = shards.plan_shards(prompts, rs)
+    indices = [s.index for s in planned]
     done = sum(shards.shard_done(out, i) for i in indices)
-    get_run_logger().info("rejection sampling: %d prompts in %d shards (%d already written in %s)", len(prompts),
-                          len(indices), done, out)
+    logger = get_run_logger()
+    logger.info("rejection sampling: %d prompts in %d shards (%d already written in %s)", len(prompts),
+                len(indices), done, out)
     tracking.log_params(run_id, {"rejection.shards": len(indices), "rejection.prompts": len(prompts)})
-    return RejectionPlan(out, indices, prompts_uri, model_dir, non_reasoning_uri, ray_address, heldout_uri)
+    budget = stage_budget(cfg, prompts, model_dir, ray_address)
+    text = format_budget(budget, "the stage's prompt table") if budget else (
+        "no throughput to plan time with: set budget.tokens_per_s (shards sampled locally on a Ray cluster)")
+    logger.info("rejection sampling, the plan before sampling:\n%s", text)
+    tracking.log_text(run_id, text + "\n", "plan/budget.txt")
+    return RejectionPlan(out, indices, prompts_uri, model_dir, non_reasoning_uri, ray_address, heldout_uri, budget,
+                         tuple(s.stop - s.start for s in planned))
+
+
+# Judge settings that say where it is and how hard to ask it, not what it answers: they do not key the shards
+JUDGE_REACH_FIELDS = ("base_url", "api_key_env", "timeout_s", "max_retries", "backoff_s", "max_workers")
+
+
+def stage_budget(cfg: RejectionSamplingConfig, prompts: pd.DataFrame, model_dir: str,
+                 ray_address: str | None) -> Budget | None:
+    """The plan of sampling `prompts` under the recipe's `budget` assumptions; its throughput given, or measured
+    now by a short real generation where it can be: from the recipe's endpoints, or with the checkpoint in this
+    process when the shards sample here (which loads it once for them). None on a Ray cluster sampling locally
+    without a given throughput: the driver does not load the model."""
+    rs, b = cfg.rejection, cfg.budget
+    http = cfg.generation.backend == "http"
+    generators = b.generators or (len(cfg.generation.endpoints) if http else 1)
+    tokens_per_s, how = b.tokens_per_s, "given"
+    if tokens_per_s is None:
+        if ray_address and not http:
+            return None
+        k = rs.samples_per_prompt
+        texts = prompts["prompt"].tolist()
+        model_cfg = cfg.model.model_copy(update={"name_or_path": model_dir})
+        # servers: an engine of its own, so the shard tasks' shared one counts only their samples
+        engine = (build_engine(cfg.generation, tokenizer=load_tokenizer(model_cfg), text_only_ok=True) if http
+                  else _engine(cfg, model_cfg))
+        batch = texts[:max(1, (cfg.generation.max_in_flight * generators if http else rs.sampling.batch_size) // k)]
+        try:
+            with shards.seeded_torch(rs.seed):  # the process's RNG as it was: the shards draw under their own seeds
+                rate, tokens, seconds = measure_tokens_per_s(engine, batch, k, rs.sampling)
+        finally:
+            if http:
+                engine.close()
+        if http:
+            rate /= generators
+        tokens_per_s, how = rate, (f"measured: {tokens:,} tokens in {seconds:.1f} s, {len(batch) * k} samples"
+                                   + (f" from {generators} endpoint(s), divided by them" if http else ", local"))
+    return plan_budget(len(prompts), rs, mean_fraction=b.mean_fraction, keep_rate=b.keep_rate,
+                       tokens_per_s=tokens_per_s, generators=generators, tokens_per_s_source=how)
 
 
 def non_reasoning_rows(source: str, n: int, seed: int) -> pd.DataFrame:
@@ -122,6 +182,14 @@ def _policy(model_cfg: ModelConfig):
 
 _servers: dict[str, Engine] = {}
 _heldout: dict[tuple, HeldoutIndex] = {}
+_judge_slots: dict[tuple, threading.BoundedSemaphore] = {}
+
+
+def _in_flight(judge: JudgeConfig) -> threading.BoundedSemaphore:
+    """The one bound on requests in flight to a judge endpoint, shared by this process's shard tasks."""
+    key = (judge.base_url, judge.max_workers)
+    with _load_lock:
+        return _judge_slots.setdefault(key, threading.BoundedSemaphore(judge.max_workers))
 
 
 def _heldout_index(uri: str | None, cfg: RejectionConfig) -> HeldoutIndex | None:
@@ -166,7 +234,8 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
         local = local_generation(cfg.generation)  # a local judge samples as the stage does
         judge = (build_judge(cfg.judge, *_policy(model_cfg), generation=local)
                  if cfg.judge.backend == "transformers" and cfg.judge.model == SELF_JUDGE
-                 else build_judge(cfg.judge, generation=local))
+                 else build_judge(cfg.judge, generation=local,
+                                  in_flight=_in_flight(cfg.judge) if cfg.judge.backend == "http" else None))
     prompts = read_frame(plan.prompts_uri).reset_index(drop=True)
     shard = shards.plan_shards(prompts, cfg.rejection)[index]
     heldout = _heldout_index(plan.heldout_uri, cfg.rejection)  # decontaminated here, where the samples are
@@ -174,9 +243,11 @@ def sample_shard(plan: RejectionPlan, index: int, cfg: RejectionSamplingConfig) 
         result = shards.process_shard(engine, shards.rows_of_shard(prompts, shard), cfg.rejection, judge, index,
                                       heldout)
     shards.write_shard(result, out, index)
-    c = result.counts
+    c, t = result.counts, result.timing
     given_up = [url for url, s in engine.stats().items() if s["dead"]] if cfg.generation.backend == "http" else []
-    get_run_logger().info("shard %d/%d: %d generated, %d kept%s", index + 1, len(plan.shards), c.generated, c.kept,
+    judged = f", judge {t.judge_calls} calls in {t.judge_s:.1f} s" if t.judge_calls else ""
+    get_run_logger().info("shard %d/%d: %d generated in %.1f s, %d kept%s%s", index + 1, len(plan.shards),
+                          c.generated, t.sample_s, c.kept, judged,
                           f" (generation endpoints given up so far: {given_up})" if given_up else "")
     return c.to_dict()
 
@@ -198,7 +269,10 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
         metrics["rejection/non_reasoning_rows"] = float(merged.non_reasoning)
         if c.judge_asked:
             metrics["rejection/judge_accept_rate"] = c.judge_accepted / c.judge_asked
-        tracking.MetricsLogger(run_id)(0, metrics)
+        log_metrics = tracking.MetricsLogger(run_id)
+        compared = log_plan_against_run(run_id, plan, cfg, c.kept, log_metrics)
+        metrics.update(compared)
+        log_metrics(0, metrics)
         if not merged.rows:  # the counts are logged; the shards stay in the store for a rerun with other filters
             raise DataError(f"rejection sampling kept no rows ({summary_line(metrics)}): the SFT stage would have "
                             "nothing to train on; loosen the `rejection` filters, sample more per prompt, or check "
@@ -210,3 +284,23 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
         tracking.log_dir(run_id, Path(tmp) / "curated", "dataset/curated")
     get_run_logger().info("rejection sampling: %s", summary_line(metrics))
     return uri, metrics
+
+
+def log_plan_against_run(run_id: str, plan: RejectionPlan, cfg: RejectionSamplingConfig, kept: int,
+                         log_metrics: tracking.MetricsLogger) -> dict[str, float]:
+    """Each shard's predicted and measured sampling time (metrics `plan/predicted_s` and `plan/measured_s` at the
+    shard's index as step, and the table `plan/shards.json`) and the stage's summary figures, which it returns:
+    the plan's totals against the run's, and the judge's calls per second and per 1,000 kept rows."""
+    timings = [shards.read_timing(plan.out_dir, i) for i in plan.shards]  # each shard's footer, no rows
+    if plan.budget is None:
+        calls = sum(t.judge_calls for t in timings if t)
+        judge_s = sum(t.judge_s for t in timings if t)
+        return judge_metrics(calls, judge_s, kept) if calls else {}
+    rows, summary = plan_against_run(plan.budget, list(plan.shard_prompts), timings, kept,
+                                     spread_over_generators=cfg.generation.backend == "http")
+    for row in rows:
+        if "measured_s" in row:
+            log_metrics(row["shard"], {"plan/predicted_s": row["predicted_s"], "plan/measured_s": row["measured_s"]})
+    tracking.log_table(run_id, pd.DataFrame(rows), "plan/shards.json")
+    get_run_logger().info("rejection sampling, the plan against the run: %s", format_plan_against_run(summary))
+    return summary

@@ -208,13 +208,17 @@ def _parser() -> argparse.ArgumentParser:
                                                          "shards, tokens, rows kept, time) without running it")
     plan.add_argument("--recipe", default="tiny")
     plan.add_argument("--tokens-per-s", type=float, default=None,
-                      help="generation throughput per generator (default: measured by a short real generation)")
-    plan.add_argument("--mean-fraction", type=float, default=0.5,
-                      help="assumed mean completion length as a share of max_new_tokens (default: 0.5)")
-    plan.add_argument("--keep-rate", type=float, default=0.5,
-                      help="assumed share of samples that pass every check (default: 0.5)")
+                      help="generation throughput per generator (default: the recipe's budget.tokens_per_s, else "
+                           "measured by a short real generation)")
+    plan.add_argument("--mean-fraction", type=float, default=None,
+                      help="assumed mean completion length as a share of max_new_tokens (default: the recipe's "
+                           "budget.mean_fraction, 0.5)")
+    plan.add_argument("--keep-rate", type=float, default=None,
+                      help="assumed share of samples that pass every check (default: the recipe's "
+                           "budget.keep_rate, 0.5)")
     plan.add_argument("--generators", type=int, default=None,
-                      help="servers or GPUs sampling at once (default: the recipe's endpoints, or 1 locally)")
+                      help="servers or GPUs sampling at once (default: the recipe's budget.generators, else its "
+                           "endpoints, or 1 locally)")
     plan.add_argument("--checkpoint", default=None, help="a model folder to measure with (default: the recipe's)")
     sub.add_parser("where", parents=[common], help="print where state, MLflow and Prefect live")
     up = sub.add_parser("up", parents=[common],
@@ -337,9 +341,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from flows.cli.plan import plan_text
 
         try:
-            print(plan_text(recipe.rejection_sampling, tokens_per_s=args.tokens_per_s,
-                            mean_fraction=args.mean_fraction, keep_rate=args.keep_rate, generators=args.generators,
-                            checkpoint=args.checkpoint))
+            # a figure given here wins over the recipe's `budget`, the assumptions its stage plans with
+            budget = recipe.rejection_sampling.budget
+            print(plan_text(recipe.rejection_sampling, checkpoint=args.checkpoint, **{
+                name: budget_value if (flag := getattr(args, name)) is None else flag
+                for name, budget_value in budget.model_dump().items()}))
         except (OSError, ValueError, RuntimeError) as e:  # a bad figure, a model or an endpoint out of reach
             raise preflight.UsageError(f"plan: {e}") from None
         return 0

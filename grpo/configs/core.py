@@ -367,7 +367,9 @@ class JudgeConfig(BaseModel):
     timeout_s: float = Field(60.0, gt=0)  # http only: per-request socket timeout
     max_retries: int = Field(2, ge=0)  # http only: further tries after a connection error, timeout, 5xx or 429
     backoff_s: float = Field(1.0, ge=0)  # http only: wait before the first retry; doubles on each further one
-    max_workers: int = Field(4, ge=1)  # http only: requests in flight at once in judge_many
+    # http only: requests in flight to the endpoint at once, from all of a process's shard tasks together; the
+    # server batches the requests in flight (a chat request carries one conversation), so this is the judge's batch
+    max_workers: int = Field(4, ge=1)
     batch_size: int = Field(16, ge=1)  # transformers only: judge prompts decoded together
     prompt_template: str = JUDGE_PROMPT  # str.format template with {question}, {reference} and {response}
 

@@ -33,6 +33,7 @@ from grpo.configs.core import (
     SFTConfig,
 )
 from grpo.configs.alignment import AlignmentEvalConfig, AlignmentWatchConfig
+from grpo.configs.budget import BudgetConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.dpo import DPOConfig
 from grpo.configs.ppo import PPOConfig, check_ppo_settings
@@ -203,6 +204,7 @@ class RejectionSamplingConfig(StageConfig):
     non_reasoning_source: str = "synthetic"  # rows (prompt, response) added as non-reasoning data: "synthetic"
     #                                          (generated general requests) or a file/dataset read like `data`
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # threads here, or shard tasks on a Ray cluster
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)  # the plan printed first, then logged against the run
 
 
 class SFTStageConfig(StageConfig):

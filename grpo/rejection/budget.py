@@ -13,7 +13,12 @@ For a recipe's `RejectionConfig` and its number of prompts:
     time        = tokens / (tokens_per_s x generators), tokens_per_s per generator (one server, or one GPU)
 
 Prompt tokens are left out: a server prefills a prompt once per sample (or once, with prefix caching), which is
-small next to thousands of decoded tokens. Must not depend on Prefect or MLflow.
+small next to thousands of decoded tokens.
+
+The plan against the run: each shard task measures its sampling, curation and judging (`ShardTiming`, kept in the
+shard's file), and `plan_against_run` sets each shard's measured sampling time beside the plan's prediction for it,
+its tokens over `tokens_per_s`, so a run shows how far off the plan was, and which assumption. Must not depend on
+Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -23,6 +28,24 @@ import time
 from typing import NamedTuple
 
 from grpo.configs.core import RejectionConfig, SamplingConfig
+
+
+class ShardTiming(NamedTuple):
+    """What one shard task measured (seconds of wall time in the task)."""
+
+    samples: int  # completions sampled
+    completion_tokens: int  # their tokens
+    sample_s: float  # generating them
+    curate_s: float  # curating them: filters, rule check and judge (judge_s is part of it)
+    judge_s: float  # waiting for the judge
+    judge_calls: int  # requests sent to the judge, retries included (a local judge: items judged)
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardTiming":
+        return cls(**{k: d[k] for k in cls._fields})
 
 
 class Budget(NamedTuple):
@@ -140,3 +163,80 @@ def measure_tokens_per_s(backend, prompts: list, n: int, sampling: SamplingConfi
     seconds = time.perf_counter() - start
     tokens = int(out.completion_tokens.sum())
     return tokens / seconds, tokens, seconds
+
+
+def predicted_shard_s(b: Budget, prompts: int) -> float:
+    """The plan's sampling time for a shard of `prompts` prompts: its expected completion tokens over one
+    generator's `tokens_per_s` (a shard's samples go to one generator, or are spread over the endpoints: then
+    over all of them).
+
+    >>> b = Budget(10, 4, 40, 2, 100, 0.5, 2000.0, 0.5, 0, 20.0, 10, 0, 50.0, 1, "given")
+    >>> predicted_shard_s(b, 5)  # 5 prompts x 4 samples x 100 tokens x 0.5 / 50 tokens/s
+    20.0
+    """
+    return prompts * b.samples_per_prompt * b.max_new_tokens * b.mean_fraction / b.tokens_per_s
+
+
+def plan_against_run(b: Budget, shard_prompts: list[int], timings: list[ShardTiming | None], kept: int,
+                     spread_over_generators: bool = False) -> tuple[list[dict], dict[str, float]]:
+    """Each shard's predicted against measured sampling time, as table rows, and the stage's summary figures.
+
+    `shard_prompts[i]` and `timings[i]` are shard i's (a timing is None for a shard written before shards kept
+    theirs: it is left out of the sums). `spread_over_generators`: a shard's samples go to every generator (the
+    HTTP backend's endpoints), so its prediction is over all of them.
+    """
+    per = b.tokens_per_s * (b.generators if spread_over_generators else 1)
+    rows, measured, predicted, tokens, seconds = [], 0.0, 0.0, 0, 0.0
+    judge_calls, judge_s = 0, 0.0
+    for index, (prompts, t) in enumerate(zip(shard_prompts, timings)):
+        expect = prompts * b.samples_per_prompt * b.max_new_tokens * b.mean_fraction / per
+        row = {"shard": index, "prompts": prompts, "predicted_tokens": expect * per, "predicted_s": expect}
+        if t is not None:
+            row.update(completion_tokens=t.completion_tokens, measured_s=t.sample_s, curate_s=t.curate_s,
+                       judge_s=t.judge_s, judge_calls=t.judge_calls,
+                       measured_over_predicted=t.sample_s / expect if expect else float("nan"))
+            predicted, measured = predicted + expect, measured + t.sample_s
+            tokens, seconds = tokens + t.completion_tokens, seconds + t.sample_s
+            judge_calls, judge_s = judge_calls + t.judge_calls, judge_s + t.judge_s
+        rows.append(row)
+    timed = sum(t is not None for t in timings)
+    summary = {"plan/predicted_kept": b.kept, "plan/kept": float(kept), "plan/shards_timed": float(timed)}
+    if timed:
+        summary.update({
+            "plan/predicted_sampling_s": predicted,
+            "plan/measured_sampling_s": measured,
+            "plan/measured_over_predicted": measured / predicted if predicted else float("nan"),
+            "plan/predicted_tokens_per_s": per,
+            "plan/measured_tokens_per_s": tokens / seconds if seconds else 0.0,
+            "plan/predicted_mean_fraction": b.mean_fraction,
+            "plan/measured_mean_fraction": tokens / (sum(t.samples for t in timings if t) * b.max_new_tokens),
+        })
+    if judge_calls:
+        summary.update(judge_metrics(judge_calls, judge_s, kept))
+    return rows, summary
+
+
+def judge_metrics(calls: int, seconds: float, kept: int) -> dict[str, float]:
+    """The judge's load: calls (requests, retries included), calls per second of judging (summed over the shards,
+    whose requests each ran `max_workers` at once) and calls per 1,000 kept rows.
+
+    >>> judge_metrics(300, 60.0, 150)["judge/calls_per_1k_kept"]
+    2000.0
+    """
+    return {"judge/calls": float(calls), "judge/seconds": seconds,
+            "judge/calls_per_s": calls / seconds if seconds else 0.0,
+            "judge/calls_per_1k_kept": 1000 * calls / kept if kept else float("nan")}
+
+
+def format_plan_against_run(summary: dict[str, float]) -> str:
+    """One line: the plan's sampling time and tokens/s against what the shards measured."""
+    if "plan/measured_sampling_s" not in summary:
+        return "no shard measured its time"
+    return (f"sampling took {_duration(summary['plan/measured_sampling_s'] / 3600)} over "
+            f"{summary['plan/shards_timed']:.0f} shard(s), the plan said "
+            f"{_duration(summary['plan/predicted_sampling_s'] / 3600)} "
+            f"(x{summary['plan/measured_over_predicted']:.2f}): {summary['plan/measured_tokens_per_s']:,.1f} tokens/s "
+            f"against {summary['plan/predicted_tokens_per_s']:,.1f}, mean length "
+            f"{summary['plan/measured_mean_fraction']:.2f} of max_new_tokens against "
+            f"{summary['plan/predicted_mean_fraction']:g}; kept {summary['plan/kept']:,.0f} rows against "
+            f"{summary['plan/predicted_kept']:,.0f}")

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from grpo.configs.core import RejectionConfig
 from grpo.data.tables import DataError
+from grpo.rejection.budget import ShardTiming
 from grpo.rejection.filters import (
     DUPLICATE,
     INCORRECT,
@@ -363,6 +364,7 @@ class ShardResult(NamedTuple):
     samples: pd.DataFrame | None  # every sample with drop_reason ("" when kept) and verdicts; None when read back
     counts: Counts
     marks: ShardMarks | None = None  # the merge's keys for `kept`, when the shard task worked them out
+    timing: ShardTiming | None = None  # what the shard task measured, where it did (grpo.rejection.budget)
 
 
 def curate(samples: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None = None) -> ShardResult:

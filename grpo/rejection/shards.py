@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from grpo.configs.core import RejectionConfig
 from grpo.data.tables import DataError, validate_rows
+from grpo.rejection.budget import ShardTiming
 from grpo.rejection.curate import (
     HeldoutIndex,
     ShardResult,
@@ -36,6 +38,7 @@ from grpo.rejection.merge import MergedDataset, RejectionResult, merge_shards, w
 from grpo.rejection.store import (  # noqa: F401
     check_writable,
     read_shard,
+    read_timing,
     shard_done,
     shard_path,
     store_of,
@@ -107,12 +110,14 @@ def process_shard(engine: Engine, shard_rows: pd.DataFrame, cfg: RejectionConfig
     rows = validate_prompts(shard_rows, cfg, judge, source=f"shard {shard_index}")
     prompt_ids = rows["source_prompt_id"].tolist() if "source_prompt_id" in rows.columns else rows.index.tolist()
     seed = shard_seed(cfg.seed, shard_index)
+    start = time.perf_counter()
     if getattr(engine, "takes_seed", False):
         # no process-wide RNG to guard: shards sampled by servers run side by side
         rollout = engine.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling, seed=seed)
     else:
         with seeded_torch(seed):
             rollout = engine.generate(rows["prompt"].tolist(), cfg.samples_per_prompt, cfg.sampling)
+    sample_s = time.perf_counter() - start
     k = cfg.samples_per_prompt  # the rollout is laid out prompt by prompt, k rows each
 
     def repeat(values: list) -> list:
@@ -130,8 +135,33 @@ def process_shard(engine: Engine, shard_rows: pd.DataFrame, cfg: RejectionConfig
     for column in CODE_COLUMNS:  # a code row's tests go with its samples: curate checks them by running the tests
         if column in rows.columns:
             samples[column] = pd.Series(repeat(rows[column].tolist()), dtype=object)
-    result = curate(samples, cfg, judge)
-    return result._replace(marks=mark_rows(result.kept, heldout))
+    timed = TimedJudge(judge) if judge is not None else None
+    start = time.perf_counter()
+    result = curate(samples, cfg, timed)
+    timing = ShardTiming(len(samples), int(rollout.completion_tokens.sum()), sample_s, time.perf_counter() - start,
+                         timed.seconds if timed else 0.0, timed.calls if timed else 0)
+    return result._replace(marks=mark_rows(result.kept, heldout), timing=timing)
+
+
+class TimedJudge:
+    """A judge that also measures how long its caller waited on it and how many calls it sent meanwhile (the
+    judge's own `calls` where it counts them, retries included; else the items asked)."""
+
+    def __init__(self, judge: Judge):
+        self.judge_backend, self.seconds, self.calls = judge, 0.0, 0
+
+    def judge(self, prompt: str, response: str, reference: str | None):
+        return self.judge_many([(prompt, response, reference)])[0]
+
+    def judge_many(self, items: list) -> list:
+        before = getattr(self.judge_backend, "calls", None)
+        start = time.perf_counter()
+        try:
+            return self.judge_backend.judge_many(items)
+        finally:
+            self.seconds += time.perf_counter() - start
+            after = getattr(self.judge_backend, "calls", None)
+            self.calls += len(items) if before is None or after is None else after - before
 
 
 def validate_prompts(prompts_df: pd.DataFrame, cfg: RejectionConfig, judge: Judge | None,

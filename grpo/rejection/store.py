@@ -22,10 +22,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from grpo.rejection.budget import ShardTiming
 from grpo.rejection.curate import ShardMarks, ShardResult
 from grpo.rejection.filters import Counts
 # A shard is shard-00003.parquet (kept rows and their marks, counts in its metadata) and shard-00003.json (the counts)
 COUNTS_KEY = b"r1.rejection.counts"
+TIMING_KEY = b"r1.rejection.timing"  # the ShardTiming its task measured
 HELDOUT_KEY = b"r1.rejection.heldout"  # the HeldoutIndex digest the `contaminated` column was made against
 MARK_COLUMNS = ("merge_key", "contaminated")  # ShardMarks as columns beside the kept rows
 
@@ -111,6 +113,8 @@ def write_shard(result: ShardResult, out_dir: str | Path, index: int) -> str | P
         if marks.contaminated is not None:
             table = table.append_column("contaminated", pa.array(marks.contaminated, pa.bool_()))
             metadata[HELDOUT_KEY] = marks.heldout.encode()
+    if result.timing is not None:
+        metadata[TIMING_KEY] = json.dumps(result.timing.to_dict()).encode()
     table = table.replace_schema_metadata(metadata)
     write_atomically(fs, path, lambda f: pq.write_table(table, f))
     return shard_path(out_dir, index)
@@ -136,4 +140,16 @@ def read_shard(out_dir: str | Path, index: int) -> ShardResult:
         flags = table.column("contaminated").to_numpy() if "contaminated" in table.column_names else None
         marks = ShardMarks(table.column("merge_key").to_numpy(), flags, metadata.get(HELDOUT_KEY, b"").decode())
     kept = as_frame(table.drop_columns([c for c in MARK_COLUMNS if c in table.column_names]))
-    return ShardResult(kept, None, counts, marks)
+    return ShardResult(kept, None, counts, marks, _timing(metadata))
+
+
+def read_timing(out_dir: str | Path, index: int) -> ShardTiming | None:
+    """What a written shard's task measured, from its file's footer alone; None for a shard written without it."""
+    fs, root = store_of(out_dir)
+    with fs.open(f"{root}/shard-{index:05d}.parquet", "rb") as f:
+        return _timing(pq.ParquetFile(f).schema_arrow.metadata or {})
+
+
+def _timing(metadata: dict) -> ShardTiming | None:
+    raw = metadata.get(TIMING_KEY)
+    return None if raw is None else ShardTiming.from_dict(json.loads(raw))

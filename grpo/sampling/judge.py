@@ -11,7 +11,12 @@ Backends:
 - `TransformersJudge`: a local causal LM with its chat template, batched greedy decoding (the local engine).
 - `HTTPJudge`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, TGI, a hosted API, or `r1 serve`), with
   retries and exponential backoff (`openai_client`); the API key is read from an environment variable named in the
-  config, never stored in the config itself (configs are logged as run params).
+  config, never stored in the config itself (configs are logged as run params). At most `max_workers` requests are
+  in flight at once; judges that share one `in_flight` semaphore (a process's shard tasks) share the bound. A chat
+  request carries one conversation, so the batching is the server's: it decodes the requests in flight together.
+
+Each judge counts its `calls` (requests sent, retries included; a local judge: items judged), so a stage can log
+how hard it was asked.
 
 Differences from the paper: the judge model is whatever the recipe names (the tiny recipe's judge is a few-million
 parameter model whose verdicts are mostly unparseable: `accepted=None`); the prompt is ours, not DeepSeek's.
@@ -22,6 +27,7 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
@@ -109,6 +115,7 @@ class TransformersJudge:
         self.engine = build_engine(generation or GenerationConfig(), model, tokenizer, who="the judge")
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        batch_size=cfg.batch_size)
+        self.calls = 0  # items judged
 
     def judge(self, prompt: str, response: str, reference: str | None) -> Verdict:
         return self.judge_many([(prompt, response, reference)])[0]
@@ -117,6 +124,7 @@ class TransformersJudge:
         if not items:
             return []
         prompts = [render_judge_prompt(self.cfg.prompt_template, *item) for item in items]
+        self.calls += len(prompts)
         rollout = self.engine.generate(prompts, 1, self.sampling)
         return [parse_verdict(text) for text in rollout.texts]
 
@@ -126,13 +134,23 @@ class TransformersJudge:
 
 
 class HTTPJudge:
-    """Any OpenAI-compatible chat endpoint judges; `judge_many` keeps `cfg.max_workers` requests in flight."""
+    """Any OpenAI-compatible chat endpoint judges, at most `cfg.max_workers` requests in flight.
 
-    def __init__(self, cfg: JudgeConfig):
+    `in_flight`: a semaphore of `cfg.max_workers` shared with other judges of the same endpoint, so the bound holds
+    across them (the shard tasks of one process each build a judge); None: this judge's own.
+    """
+
+    def __init__(self, cfg: JudgeConfig, in_flight: threading.Semaphore | None = None):
         self.cfg = cfg
         self.base_url = cfg.base_url
         self.endpoint = OpenAIEndpoint(cfg.base_url, api_key_env=cfg.api_key_env, timeout_s=cfg.timeout_s,
                                        label="judge", error=JudgeUnavailable)
+        self.in_flight = in_flight or threading.BoundedSemaphore(cfg.max_workers)
+
+    @property
+    def calls(self) -> int:
+        """Requests sent to the endpoint so far, each retry one more."""
+        return self.endpoint.tries
 
     def check_available(self) -> list[str]:
         """The endpoint's model ids; raises JudgeUnavailable if it is down or does not serve `cfg.model`.
@@ -152,7 +170,8 @@ class HTTPJudge:
         shard. A refusal (HTTP 4xx: a wrong key, an unknown model) or nothing listening at the address still
         raises: no request would pass."""
         try:
-            text = self._complete(render_judge_prompt(self.cfg.prompt_template, prompt, response, reference))
+            with self.in_flight:
+                text = self._complete(render_judge_prompt(self.cfg.prompt_template, prompt, response, reference))
         except JudgeUnavailable as e:
             if not getattr(e, "transient", False) or getattr(e, "refused", False):
                 raise
@@ -194,11 +213,12 @@ class HTTPJudge:
 
 def build_judge(cfg: JudgeConfig, model: PreTrainedModel | None = None,
                 tokenizer: PreTrainedTokenizerBase | None = None,
-                generation: GenerationConfig | None = None) -> TransformersJudge | HTTPJudge:
+                generation: GenerationConfig | None = None,
+                in_flight: threading.Semaphore | None = None) -> TransformersJudge | HTTPJudge:
     """The judge `cfg` describes; a transformers judge uses `model`/`tokenizer` if given, else loads `cfg.model`, and
-    samples with the engine `generation` (local) describes."""
+    samples with the engine `generation` (local) describes; an HTTP judge shares `in_flight` (see `HTTPJudge`)."""
     if cfg.backend == "http":
-        return HTTPJudge(cfg)
+        return HTTPJudge(cfg, in_flight)
     if (model is None) != (tokenizer is None):
         raise ValueError("build_judge takes both model and tokenizer, or neither (then it loads cfg.model)")
     if model is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +51,8 @@ class OpenAIEndpoint:
         self.base_url, self.api_key_env, self.timeout_s = base_url.rstrip("/"), api_key_env, timeout_s
         self.label, self.error = label, error
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        self.tries = 0  # requests sent, each retry one more: what the endpoint was asked to answer
+        self._tries_lock = threading.Lock()
         key = os.environ.get(api_key_env)
         if key:  # the key lives only in this header, never in the config or a message
             self._headers["Authorization"] = f"Bearer {key}"
@@ -76,6 +79,8 @@ class OpenAIEndpoint:
     def send(self, method: str, path: str, payload: dict | None = None) -> dict:
         """One try: the parsed JSON reply, Retryable for a failure that may pass, else `self.error`."""
         url = f"{self.base_url}{path}"
+        with self._tries_lock:
+            self.tries += 1
         data = None if payload is None else json.dumps(payload).encode()
         request = urllib.request.Request(url, data=data, headers=self._headers, method=method)
         try:

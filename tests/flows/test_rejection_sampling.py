@@ -130,3 +130,80 @@ def test_when_nothing_is_kept_the_stage_fails_saying_so_and_keeps_its_counts(pre
                                        "tags.stage = 'rejection_sampling' and attributes.status = 'FAILED'")
     assert any(r.data.metrics.get("rejection/generated") == 64 and r.data.metrics.get("rejection/kept") == 0
                for r in failed)  # what was dropped, and why, is on the run
+
+
+def test_a_judge_outage_mid_stage_keeps_the_shards_done_and_the_rerun_goes_on_from_them(
+        prefect_harness, r1_home, answering_checkpoint, prompts_file, mlflow_client, tmp_path):
+    """`r1 serve` as the judge, stopped once the first shard is written: the stage fails naming it, the shards
+    written stay, and a rerun against the judge started again elsewhere samples only the others. The run logs the
+    judge's calls and the plan it printed first against each shard's measured time."""
+    from flows.cli.serve import make_server
+    from flows.rejection_sampling import rejection_sampling
+    from grpo.rejection.store import read_timing
+
+    model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))
+
+    def serve():
+        server = make_server(model, tok, port=0, model_name="judge")
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    def config(url: str) -> RejectionSamplingConfig:
+        raw = stage_config(prompts_file, judge_when="always", shard_size=4, seed=11)
+        raw["data"]["num_train"] = 16
+        raw["judge"] = {"backend": "http", "base_url": url, "model": "judge", "max_new_tokens": 8,
+                        "max_retries": 1, "backoff_s": 0.05}
+        return RejectionSamplingConfig.model_validate(raw)
+
+    before = set(shard_files(r1_home))
+    first = serve()
+
+    def stop_once_a_shard_is_written():
+        deadline = time.monotonic() + 240
+        while not set(shard_files(r1_home)) - before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first.shutdown()
+        first.server_close()
+
+    watcher = threading.Thread(target=stop_once_a_shard_is_written, daemon=True)
+    watcher.start()
+    with pytest.raises(Exception, match=f"could not reach judge at {first.url}"):
+        rejection_sampling(answering_checkpoint, config(first.url))
+    watcher.join()
+    done = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in set(shard_files(r1_home)) - before}
+    assert 0 < len(done) < 4, f"the outage should land midway; {len(done)} of 4 shards were written"
+
+    second = serve()  # the judge back, at another address: the shards are keyed by what it answers, not where
+    try:
+        result = rejection_sampling(answering_checkpoint, config(second.url))
+    finally:
+        second.shutdown()
+        second.server_close()
+    written = set(shard_files(r1_home)) - before
+    assert len(written) == 4 and {p.parent for p in written} == {p.parent for p in done}
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in done} == done  # not sampled again
+    m = result.metrics
+    assert m["rejection/generated"] == 16 * 4  # every sample counted once
+
+    # the judge's load: every shard's calls (their files keep them), per second of judging and per 1,000 kept rows
+    timings = [read_timing(next(iter(done)).parent, i) for i in range(4)]
+    assert all(t.judge_calls >= 1 and t.judge_s > 0 for t in timings)
+    assert m["judge/calls"] == sum(t.judge_calls for t in timings) >= m["rejection/judge_asked"]
+    assert m["judge/calls_per_1k_kept"] == pytest.approx(1000 * m["judge/calls"] / m["rejection/kept"])
+    assert m["judge/calls_per_s"] == pytest.approx(m["judge/calls"] / sum(t.judge_s for t in timings))
+
+    # the plan, printed before sampling, against each shard's measured time
+    run_id = result.run_id
+    budget = mlflow_client.download_artifacts(run_id, "plan/budget.txt", str(tmp_path))
+    text = Path(budget).read_text()
+    assert "shards               4" in text and "samples              64" in text and "generation time" in text
+    assert "tokens/s per generator (measured:" in text
+    table = pd.read_json(mlflow_client.download_artifacts(run_id, "plan/shards.json", str(tmp_path)),
+                         orient="split")
+    assert table["shard"].tolist() == [0, 1, 2, 3] and (table["prompts"] == 4).all()
+    assert (table["predicted_s"] > 0).all() and (table["measured_s"] > 0).all()
+    assert table["completion_tokens"].tolist() == [t.completion_tokens for t in timings]
+    history = mlflow_client.get_metric_history(run_id, "plan/measured_s")
+    assert sorted((h.step, h.value) for h in history) == [(i, t.sample_s) for i, t in enumerate(timings)]
+    assert m["plan/measured_over_predicted"] == pytest.approx(
+        sum(t.sample_s for t in timings) / table["predicted_s"].sum())

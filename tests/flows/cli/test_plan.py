@@ -16,7 +16,7 @@ from flows.cli.plan import plan_text
 from flows.cli.r1 import main
 from grpo.configs.core import ModelConfig, RejectionConfig, SamplingConfig
 from grpo.configs.recipe import RejectionSamplingConfig, load_recipe
-from grpo.rejection.budget import expected_kept_per_prompt, plan_budget
+from grpo.rejection.budget import ShardTiming, expected_kept_per_prompt, plan_against_run, plan_budget
 from tiny_configs import TINY_MODEL as SMALL
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -41,6 +41,26 @@ def test_the_budget_by_hand():
     assert b.kept == pytest.approx(812.5)
     assert b.reasoning_rows == 600  # capped to target - non-reasoning
     assert b.generator_hours * 3600 == pytest.approx(48.0) and b.wall_hours * 3600 == pytest.approx(24.0)
+
+
+def test_the_plan_against_the_run_by_hand():
+    cfg = RejectionConfig(samples_per_prompt=4, sampling=SamplingConfig(max_new_tokens=48), shard_size=100)
+    b = plan_budget(150, cfg, mean_fraction=0.5, keep_rate=0.5, tokens_per_s=1000, generators=2)
+    # shard 0: 100 prompts x 4 samples x 48 x 0.5 = 9,600 tokens: 9.6 s at 1,000 tokens/s; shard 1 (50): 4.8 s
+    # shard 0 took 19.2 s for 9,600 tokens (500/s, 2x the plan); shard 1 was written without a timing
+    timings = [ShardTiming(400, 9600, 19.2, 3.0, 2.5, 250), None]
+    rows, summary = plan_against_run(b, [100, 50], timings, kept=125)
+    assert [r["predicted_s"] for r in rows] == pytest.approx([9.6, 4.8])
+    assert rows[0]["measured_s"] == 19.2 and rows[0]["measured_over_predicted"] == pytest.approx(2.0)
+    assert "measured_s" not in rows[1]  # no timing: left out of the sums, not counted as 0 s
+    assert summary["plan/measured_over_predicted"] == pytest.approx(2.0)
+    assert summary["plan/measured_tokens_per_s"] == pytest.approx(500.0)
+    assert summary["plan/measured_mean_fraction"] == pytest.approx(9600 / (400 * 48))  # 0.5, as assumed
+    assert summary["judge/calls_per_s"] == pytest.approx(100.0)  # 250 calls in 2.5 s
+    assert summary["judge/calls_per_1k_kept"] == pytest.approx(2000.0)  # 250 calls for 125 rows
+    # with a shard's samples spread over both endpoints, it is predicted at their sum: 2,000 tokens/s
+    rows, _ = plan_against_run(b, [100, 50], timings, kept=125, spread_over_generators=True)
+    assert [r["predicted_s"] for r in rows] == pytest.approx([4.8, 2.4])
 
 
 @pytest.mark.parametrize("flag, value, message", [

@@ -79,6 +79,8 @@ def test_config_errors_name_the_bad_field():
     with pytest.raises(ValidationError, match="base_url must start with http"):
         JudgeConfig(base_url="localhost:8000/v1")
     assert "api_key" not in JudgeConfig.model_fields  # only the variable's name is config (and so logged)
+    with pytest.raises(ValidationError, match="max_workers\n  Input should be greater than or equal to 1"):
+        JudgeConfig(backend="http", max_workers=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,6 +149,7 @@ def test_http_judge_asks_the_served_checkpoint_with_its_key(server, monkeypatch)
     verdicts = judge.judge_many(ITEMS)
     assert len(verdicts) == 3 and all(isinstance(v, Verdict) for v in verdicts)
     assert judge.judge(*ITEMS[0]) == verdicts[0]  # temperature 0 over HTTP too
+    assert judge.calls == 1 + 3 + 1  # GET /models, three items, one more: each request counted once
 
 
 def test_http_judge_without_the_key_is_refused_and_says_which_variable(server, monkeypatch):
@@ -284,6 +287,57 @@ def test_retries_only_what_may_pass(status, fail_first, hits, accepted):
         else:
             assert judge.judge(*ITEMS[0]) == Verdict(True, "VERDICT: yes\nREASON: matches")
         assert handler.hits == hits
+        assert judge.calls == hits  # a retry is one more call: what the endpoint was asked to answer
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+class _Slow(BaseHTTPRequestHandler):
+    """Answers each request after 0.2 s, counting the most it held at once."""
+
+    lock, now, most = threading.Lock(), 0, 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        cls = type(self)
+        with cls.lock:
+            cls.now += 1
+            cls.most = max(cls.most, cls.now)
+        time.sleep(0.2)
+        with cls.lock:
+            cls.now -= 1
+        data = json.dumps({"choices": [{"message": {"content": "VERDICT: no"}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("shared, most", [(True, 2), (False, 4)])
+def test_judges_sharing_one_bound_keep_at_most_max_workers_requests_in_flight(shared, most):
+    """A process's shard tasks each build a judge: with one `in_flight` semaphore between them the endpoint sees
+    at most `max_workers` requests at once, whatever the number of shards; each judge on its own would add its own."""
+    handler = type("Handler", (_Slow,), {"lock": threading.Lock(), "now": 0, "most": 0})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        cfg = _http_cfg(f"http://127.0.0.1:{srv.server_address[1]}/v1", max_workers=2)
+        slots = threading.BoundedSemaphore(cfg.max_workers) if shared else None
+        judges = [build_judge(cfg, in_flight=slots) for _ in range(2)]
+        answers = [None, None]
+        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, judges[i].judge_many(ITEMS * 2)))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [len(a) for a in answers] == [6, 6] and all(v.accepted is False for a in answers for v in a)
+        assert handler.most == most
+        assert [j.calls for j in judges] == [6, 6]
     finally:
         srv.shutdown()
         srv.server_close()
