@@ -15,8 +15,9 @@ One call samples a set of left-padded prompt rows by continuous batching:
 - the keys and values live in pages (`grpo.sampling.local.pages`): a row takes a page each 16 tokens it writes and gives
   them back when it ends, a prompt's pages are written once and read by its G rows, and the cache's size follows
   the rows' lengths, not the budget; under a budget (`memory_budget`) rows are admitted by free pages and the
-  newest is preempted when they run out (it resumes with the same tokens). Eager steps (a CPU) attend over dense
-  rows kept from step to step; kept, captured steps (CUDA) over the pages themselves, each row as far as it has
+  newest is preempted when they run out (it resumes with the same tokens). Eager steps (a CPU) attend over each
+  row's keys and values kept from step to step, grouped by length (`length_rows`: no row reads or holds a page past
+  its own length); kept, captured steps (CUDA) over the pages themselves, each row as far as it has
   written (`paged_attention`), their pool shared by every kept shape (the static cache of P + C positions a slot,
   attended in full, that captured steps had before is gone: BENCHMARKS.md, "Long budgets", compares the two);
 - each decode step (`grpo.sampling.local.decode_step`) reads the weights straight from the model, each slot at its own
@@ -134,7 +135,7 @@ class DecodeCounts:
         self.kv_positions_read = 0  # cache positions those steps' attention read, summed over their slots and steps
         self.preemptions = 0  # rows a paged cache put back in the queue for want of pages
         self.pages_high_water = 0  # the most pages of a paged cache in use at once
-        self.kv_bytes_allocated = 0  # the largest KV cache a call held: its page pool (and dense rows, eagerly)
+        self.kv_bytes_allocated = 0  # the largest KV cache a call held: its page pool (and the rows by length, eagerly)
 
     def take(self) -> "DecodeCounts":
         """What was counted since the last take (or the start), and a fresh count from here."""
@@ -393,7 +394,7 @@ class StaticSampler:
         """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
         if not self.keep_captures:  # made afresh each call, its pool at the budget's size (which it
-            # never outgrows) or growing; attention reads dense rows kept from step to step (fastest on a CPU)
+            # never outgrows) or growing; attention reads rows kept from step to step, grouped by length (`length_rows`)
             budget = self._kv_budget()
             max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
             st = PagedState(model, S, P, C, self.dtype, self.device, max_pages=max_pages)
