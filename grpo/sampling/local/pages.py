@@ -156,7 +156,7 @@ class PagedState(SlotState):
                  pools: "SharedPools | None" = None):
         if layout not in ("rows", "kernel"):
             raise ValueError(f"layout must be 'rows' or 'kernel', got {layout!r}")
-        self._slot_fields(model, S, P, C, dtype, device)
+        self._slot_fields(model, S, P, C, dtype, device, grow=layout == "rows")  # captured: fixed addresses
         self.page, self.layout = page, layout
         self.max_pages_a_row = pages_for(P, page) + pages_for(C, page) + 1  # a resumed row's prefix may end mid-page
         if max_pages is not None and max_pages - 1 < self.max_pages_a_row:
@@ -170,7 +170,9 @@ class PagedState(SlotState):
         self.pools = pools
         self.pool = PagePool(pools.size, limit=max_pages)
         self.k, self.v = pools.k, pools.v  # [Hkv, pages * page, D] each: the same lists, a grown pool seen by all
-        self.table = torch.zeros(S, self.max_pages_a_row, dtype=torch.long, device=device)  # [S, pages a row]
+        # [S, pages a row]: the budget's width where a step is captured, else a prompt's and two, grown as rows do
+        width = self.max_pages_a_row if layout == "kernel" else min(self.max_pages_a_row, pages_for(P, page) + 2)
+        self.table = torch.zeros(S, width, dtype=torch.long, device=device)
         self.plen = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         self.start = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         self.base = torch.zeros(S, dtype=torch.long, device=device)  # [S]
@@ -281,6 +283,7 @@ class PagedState(SlotState):
             self.prefix[slot], self.own[slot] = pages, []
             start = len(pages) * self.page
             self.table[slot] = 0
+            self._widen_table(len(pages))
             self.table[slot, : len(pages)] = torch.tensor(pages, device=self.device)
             self.plen[slot], self.start[slot], self.base[slot] = length, start, start - chosen[j]
             self.chosen_in_prefix[slot] = chosen[j]
@@ -318,8 +321,18 @@ class PagedState(SlotState):
                 continue
             at = start + len(self.own[slot])
             self.own[slot] += pages
+            self._widen_table(at + len(pages))
             self.table[slot, at : at + len(pages)] = torch.tensor(pages, device=self.device)
         return short
+
+    def _widen_table(self, width: int) -> None:
+        """Block tables of `width` pages a row at least (doubling, up to the most a row can have)."""
+        if width <= self.table.size(1):
+            return
+        wider = self.table.new_zeros(self.S, min(self.max_pages_a_row, max(width, 2 * self.table.size(1))))
+        wider[:, : self.table.size(1)] = self.table
+        self.table = wider
+        self._views.clear()  # they hold the old table
 
     def kv_bytes(self) -> int:
         rows = 0 if self.by_length is None else self.by_length.nbytes()
