@@ -34,16 +34,18 @@ class _Group:
     (the first len(slots) rows are taken, packed: a row that leaves is filled by the last)."""
 
     def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device):
-        # zeros: a shorter row's positions past its end are read under the mask, and must be numbers
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.empty(shape, dtype=dtype, device=device)  # each row's tail zeroed as it comes (`add`)
         self.slots: list[int] = []
 
-    def add(self, slot: int) -> int:
+    def add(self, slot: int, written: int) -> int:
+        """A row for `slot`, of which the caller writes the first `written` positions; the rest are zeroed: a
+        shorter row's positions past its end are read under the mask, and must be numbers."""
         r = len(self.slots)
         if r == self.kv.size(0):  # full: twice the rows
-            grown = self.kv.new_zeros((2 * r,) + tuple(self.kv.shape[1:]))
+            grown = self.kv.new_empty((2 * r,) + tuple(self.kv.shape[1:]))
             grown[:r] = self.kv
             self.kv = grown
+        self.kv[r, :, :, :, written:] = 0
         self.slots.append(slot)
         return r
 
@@ -99,12 +101,12 @@ class LengthRows:
             pages, r = self.home[dst] = self.home.pop(src)
             self.groups[pages].slots[r] = dst
 
-    def _take(self, slot: int, pages: int) -> tuple[_Group, int]:
+    def _take(self, slot: int, pages: int, written: int) -> tuple[_Group, int]:
         group = self.groups.get(pages)
         if group is None:
             shape = (1, self.n_layers, 2, self.n_kv, pages * self.page, self.head_dim)
             group = self.groups[pages] = _Group(shape, self.dtype, self.device)
-        r = group.add(slot)
+        r = group.add(slot, written)
         self.home[slot] = (pages, r)
         return group, r
 
@@ -122,13 +124,13 @@ class LengthRows:
             need = pages_for(lengths[s], self.page)
             if s in fresh or s not in self.home:
                 self.forget(s)
-                group, r = self._take(s, need)
+                group, r = self._take(s, need, lengths[s] - 1)
                 self._read_pages(st, s, group, r, plen[s], lengths[s] - plen[s] - 1)
             elif self.home[s][0] != need:  # it outgrew its group: its row moves up
                 old_pages, old_r = self.home[s]
                 row = self.groups[old_pages].kv[old_r]  # [layers, 2, Hkv, old_pages x page, D]
-                group, r = self._take(s, need)  # copied before it leaves: another row may move into its place
-                group.kv[r, :, :, :, : row.size(-2)] = row
+                group, r = self._take(s, need, row.size(-2))  # copied before it leaves: another row may move
+                group.kv[r, :, :, :, : row.size(-2)] = row  # into its place
                 self._leave(old_pages, old_r)
         return Plan(self, lengths)
 

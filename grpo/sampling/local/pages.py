@@ -130,10 +130,12 @@ class SharedPools:
     def size(self) -> int:
         return self.k[0].size(1) // self.page
 
-    def grow(self, pages: int) -> None:
+    def grow(self, pages: int, zeros: bool = True) -> None:
+        """The pools grown to `pages`; zeros=False leaves the new pages unwritten (a reader of written positions
+        only: the eager path's; the memory a page takes is then only touched as rows write it)."""
         for pools in (self.k, self.v):
             for i, t in enumerate(pools):
-                grown = t.new_zeros(t.size(0), pages * self.page, t.size(2))
+                grown = (t.new_zeros if zeros else t.new_empty)(t.size(0), pages * self.page, t.size(2))
                 grown[:, : t.size(1)] = t
                 pools[i] = grown
         self.version += 1
@@ -235,7 +237,7 @@ class PagedState(SlotState):
             # GiB more at a GRPO step's peak (benchmarks/grpo_step.py --memory-at-peak)
             new = max(min(2 * self.pool.size, 1 + self.S * self.max_pages_a_row), self.pool.size + k)
             new = new if limit is None else min(new, limit)
-            self.pools.grow(new)
+            self.pools.grow(new, zeros=self.layout == "kernel")  # the kernel's reference reads whole pages
             self.pool.grow(new)
         return self.pool.take(k)
 
