@@ -9,12 +9,15 @@ tokens, held 5.4 GB of K/V rows where the rows wrote ~64 MB. Here each slot's ke
 rows, as long as the group's longest, so no row reads past its written length by a page or more, and a row's bytes
 follow its length.
 
-Measured on one thread of a Xeon with AMX (benchmarks/long_budgets.py; docs/benchmarks/sampling.md) against the
-other ways to read by length: gathering each row's pages every step cost as much again as the attention (the copy
-is as large as the read); one SDPA per slot costs ~16 us a slot a layer whatever its length (2.6x a batched SDPA of
-64 rows of 128); PyTorch's FlexAttention needs a compiled kernel per shape on a CPU (eager, it scores the whole
-pool). Rows of a group are the same length often (the G rows of a GRPO prompt start together), so the common case
-stays one batched SDPA, unmasked. A row crossing a page boundary moves to the next group: a copy of its row once per
+Chosen from one layer's attention for 64 slots of the embedded model's shape, one thread of a Xeon with AMX, busy
+(benchmarks/ragged_attention.py; docs/benchmarks/sampling.md, "One long row among short ones"): one SDPA over kept
+rows every slot as wide as the longest, the eager step's before, is fastest where lengths are equal (0.57 ms at 128,
+these groups 0.81) but 36 ms with one row of 4k among rows of 30 (these 1.0) and 3.7 ms on a long-tailed mix (these
+1.7, in 18 groups); one SDPA a slot costs ~2 to 3 ms at any lengths (~40 us a slot); gathering each slot's pages
+every step (the kernel's torch reference) 1.3 to 145 ms: the copy is as large as the read, as wide as the widest.
+FlexAttention was not measured: eager it scores the whole pool, compiled it is a C++ kernel per shape on a CPU.
+Rows of a group are often the same length (the G rows of a GRPO prompt start together), so the common case stays
+one batched SDPA, unmasked. A row crossing a page boundary moves to the next group: a copy of its row once per
 `PAGE_TOKENS` steps (a sixteenth of what attention reads in those steps).
 
 Must not depend on Prefect or MLflow.
