@@ -3,11 +3,11 @@
 CPU attention (SDPA) reads rectangular batches: [rows, Hkv, positions, D], every row as long as the batch's
 longest. One batch of every slot as wide as the longest live row (what the eager step read before) brought back the
 static cache's size with one long row among short ones: 64 slots of the tiny model, one row to 16k and the rest a few
-tokens, held 4.2 GB of K/V (5.4 GB peak RSS) where the rows wrote ~64 MB. Here each slot's keys and values are kept contiguous
-(its prefix, then its own tokens: no gap at the prefix's last page), in a group of the rows with as many pages as it
-(`PAGE_TOKENS` positions a page), each group one tensor of all layers; a step's attention is one SDPA a group over its
-rows, as long as the group's longest, so no row reads past its written length by a page or more, and a row's bytes
-follow its length.
+tokens, held 4.2 GB of K/V (5.4 GB peak RSS) where the rows wrote ~64 MB. Here each slot's keys and values are kept
+contiguous (its prefix, then its own tokens: no gap at the prefix's last page), in a group of the rows with as many
+pages as it (`PAGE_TOKENS` positions a page), each group one tensor of all layers; a step's attention is one SDPA a
+group over its rows, as long as the group's longest, so no row reads past its written length by a page or more, and
+a row's bytes follow its length.
 
 Chosen from one layer's attention for 64 slots of the embedded model's shape, one thread of a Xeon with AMX, busy
 (benchmarks/ragged_attention.py; docs/benchmarks/sampling.md, "One long row among short ones"): one SDPA over kept
