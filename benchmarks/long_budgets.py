@@ -4,12 +4,15 @@ on a CPU, captured on CUDA), run from `STATIC_REV`, the last commit that had it,
 
 usage: python benchmarks/long_budgets.py [--budgets 512,4096,16384] [--ways paged,static] [--prompts 64]
                                          [--samples 4] [--slots 64] [--threads 1] [--clock cpu|wall]
+                                         [--mix short|r1|tail]
 
 The workload, the same at every budget: the embedded recipe's model shape (Qwen2, hidden 256, 4 layers, 2 KV heads
 of 64: 4 KiB of fp32 keys and values a position) with a context of the budget + 128, `--prompts` prompts of 19 to
 24 tokens, `--samples` rows each, every row stopped at its own length (`SlotBatch.submit`'s limit) drawn from a
 long-tailed mix (seeded: log-normal around 60 tokens, capped at 500: p50 ~60, p90 ~220, a few at 500), its random
-stream seeded, so every budget samples the same tokens. `--slots` rows decode together.
+stream seeded, so every budget samples the same tokens. `--slots` rows decode together. `--mix tail`: the first row
+runs to the budget and every other ends within 1 to 4 tokens (one long row among short ones: what the K/V rows by
+length are for); its tokens differ from budget to budget only by the long row's length.
 
 Each (way, budget) runs in a process of its own (after a warm-up call) and prints one JSON line: tokens per second
 (CPU time of the process with `--clock cpu`), the K/V bytes allocated (the largest cache a call held: the paged
@@ -82,6 +85,9 @@ def run(args) -> list[dict]:
     rows = args.prompts * args.samples
     if args.mix == "r1":  # R1-like traces: median 3,000, a long tail to 16k (mean ~4.6k, ~84% within 8k)
         limits = (torch.randn(rows, generator=g) + math.log(3000.0)).exp().ceil().clamp(1, R1_LONGEST)
+    elif args.mix == "tail":  # one row to the budget, every other within a few tokens (1 to 4)
+        limits = torch.randint(1, 5, (rows,), generator=g).float()
+        limits[0] = 10**9  # (cut at the budget)
     else:  # short rows: median 60, a few at 500 (under the smallest budget)
         limits = (torch.randn(rows, generator=g) + math.log(60.0)).exp().ceil().clamp(1, LONGEST)
     streams = draw_streams(rows, generator=g)  # [rows] each row's random stream
@@ -202,8 +208,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="the weights' and the cache's dtype (bfloat16 on a GPU)")
     ap.add_argument("--kv-gib", type=float, default=None, help="the KV cache's budget (default: the engine's)")
-    ap.add_argument("--mix", choices=["short", "r1"], default="short",
-                    help="the rows' lengths: short (median 60, capped at 500) or r1 (median 3,000, capped at 16k)")
+    ap.add_argument("--mix", choices=["short", "r1", "tail"], default="short",
+                    help="the rows' lengths: short (median 60, capped at 500), r1 (median 3,000, capped at 16k) or "
+                         "tail (the first row to the budget, the others 1 to 4 tokens)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop the timed call after this long (its rows' tokens so far count): for long mixes")
     ap.add_argument("--way", help=argparse.SUPPRESS)

@@ -45,7 +45,7 @@ def run_sampler(slots, budget_pages: int | None, temperature: float, lengths: tu
     got = sampler.sample(ids, mask, s, EOS, PAD, streams=u, slots=slots)
     st = next(iter(sampler._captures.values())).state
     c = sampler.counts
-    return {"sampled": tuple(got), "layout": st.layout, "dense": len(st.dense_k), "preemptions": c.preemptions,
+    return {"sampled": tuple(got), "layout": st.layout, "rows": st.by_length is not None, "preemptions": c.preemptions,
             "steps": c.steps, "kv_positions_read": c.kv_positions_read, "pages_in_use": st.pool.in_use}
 
 

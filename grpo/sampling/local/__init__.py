@@ -11,6 +11,7 @@ only (tests/test_layers.py holds both).
 | `slots` | continuous batching (`SlotBatch`): which row each slot holds, the waiting rows, refills, rows handed back as they end |
 | `decode_step` | the decode step itself: the slots' state (`SlotState`), each slot at its own position, captured per slot-count bucket |
 | `pages` | the paged KV cache (`PagedState`, `PagePool`): pages rows take as they grow, a prompt's shared by its rows |
+| `length_rows` | the eager (CPU) step's K/V rows, each row contiguous in a group of rows with as many pages: attention by each row's own length |
 | `paged_attention` | one decode step's attention over the pages: a Triton kernel on CUDA, SDPA over gathered pages elsewhere |
 | `paged_kernel` | that Triton kernel, loaded only where it runs (CUDA, or Triton's interpreter on a CPU) |
 | `cpu_decoder` | a lean decode step for plain Qwen2/Llama models (its fused, packed linears serve the static sampler) |

@@ -34,6 +34,7 @@ from grpo.sampling.local.cpu_decoder import COPY_MAX_BYTES, LeanLayer, PackedLin
 
 F = torch.nn.functional
 
+FIRST_COLUMNS = 32  # an eager state's chosen-token columns to start with (they grow with the rows: `reach`)
 # entries per block of `inverse_cdf`: ~150 blocks and one block's cumsum for Qwen's 151,936, not a cumsum of them all
 CDF_BLOCK = 1024
 
@@ -159,14 +160,20 @@ class SlotState:
     stream, its limit, its chosen tokens and their log-probs. Slots are kept packed at the front (`rows(m)` is the
     first m of every tensor, views of the same storage), so a step over the live slots is a step over a prefix.
 
+    Where `grow` (an eager step), the fields a budget would size, the chosen tokens and log-probs ([S, columns]) and
+    the rotary table ([positions, D]), start small and grow with the rows (`reach`, doubling, never past P + C):
+    a budget the rows do not reach costs nothing. A captured step reads them at fixed addresses: there they are
+    allocated at the budget's size ([S, C + 1], [P + C, D]).
+
     The keys and values are the subclass's (`pages.PagedState`): it answers `place`, `release`, `kv_len`,
     `kv_bytes` and `attention` for `slots.SlotBatch` and the step."""
 
-    def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device):
-        self._slot_fields(model, S, P, C, dtype, device)
+    def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device,
+                 grow: bool = False):
+        self._slot_fields(model, S, P, C, dtype, device, grow)
 
     def _slot_fields(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype,
-                     device: torch.device) -> None:
+                     device: torch.device, grow: bool = False) -> None:
         model = decoder(model)
         cfg, attn = model.config, model.model.layers[0].self_attn
         T = P + C
@@ -178,18 +185,42 @@ class SlotState:
         self.limit = torch.full((S,), C, dtype=torch.long, device=device)  # [S] the slot's row's budget (<= C)
         self.tok = torch.zeros(S, dtype=torch.long, device=device)  # [S] the last chosen token
         self.done = torch.ones(S, dtype=torch.bool, device=device)  # [S] ended (an end token), or the slot is free
-        # column C of these is a dump: a finished slot that a captured step still computes writes there
-        self.ids = torch.zeros(S, C + 1, dtype=torch.long, device=device)  # [S, C+1]
-        self.alive = torch.zeros(S, C + 1, dtype=torch.bool, device=device)  # [S, C+1]
-        self.logprobs = torch.zeros(S, C + 1, dtype=torch.float32, device=device)  # [S, C+1]
-        positions = torch.arange(T, device=device)[None]  # [1, T]: every position a row can reach is below T
-        embed = model.model.embed_tokens.weight
-        cos, sin = model.model.rotary_emb(embed[:1].to(dtype), position_ids=positions)  # [1, T, D] each, HF's
+        # the last column of these is a dump: a finished slot that a step still computes writes there
+        width = min(C, FIRST_COLUMNS) if grow else C
+        self.ids = torch.zeros(S, width + 1, dtype=torch.long, device=device)  # [S, columns + 1]
+        self.alive = torch.zeros(S, width + 1, dtype=torch.bool, device=device)  # [S, columns + 1]
+        self.logprobs = torch.zeros(S, width + 1, dtype=torch.float32, device=device)  # [S, columns + 1]
+        self._rotary = model.model.rotary_emb, model.model.embed_tokens.weight[:1].to(dtype)
+        self.S, self.P, self.C, self.T = S, P, C, T
+        self._views: dict[int, SlotState] = {}
+        self._rotary_table(min(T, P + FIRST_COLUMNS) if grow else T)
+
+    def _rotary_table(self, T: int) -> None:
+        """cos and sin [T, D] of positions 0 to T - 1, as HF's rotary computes them."""
+        rotary, embed = self._rotary
+        cos, sin = rotary(embed, position_ids=torch.arange(T, device=self.device)[None])  # [1, T, D] each
         half = self.head_dim // 2
         # rotate_half(x) * sin == flip_halves(x) * sin_signed: the halves swapped and the first half negated
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)  # [T, D] each
-        self.S, self.P, self.C, self.T = S, P, C, T
-        self._views: dict[int, SlotState] = {}
+
+    def reach(self, tokens: int, positions: int) -> None:
+        """Room for `tokens` chosen tokens a slot and rotary positions below `positions` (both doubling as they grow,
+        up to the budget's C and P + C): the next steps' rows."""
+        grown = False
+        columns = self.ids.size(1) - 1
+        if tokens > columns:
+            new = min(self.C, max(tokens, 2 * columns))
+            for name in ("ids", "alive", "logprobs"):
+                old = getattr(self, name)
+                wider = old.new_zeros(old.size(0), new + 1)
+                wider[:, :columns] = old[:, :columns]  # (the old dump column is not carried)
+                setattr(self, name, wider)
+            grown = True
+        if positions > self.cos.size(0):
+            self._rotary_table(min(self.T, max(positions, 2 * self.cos.size(0))))
+            grown = True
+        if grown:  # the views hold the old tensors
+            self._views.clear()
 
     _PER_SLOT = ("next_pos", "streams", "n", "limit", "tok", "done", "ids", "alive", "logprobs")
 
@@ -281,12 +312,12 @@ def _choose(st: SlotState, logits: torch.Tensor, s: SamplingConfig, eos: torch.T
             want_logprobs: bool) -> None:
     """Choose token number st.n[i] of every slot i from `logits` [S, V], each slot at its own count; a slot that
     has ended (an end token, the budget, or free) gets the pad id, written to the dump column, and stays as it is."""
-    C = st.C
+    dump = st.ids.size(1) - 1
     ended = st.done | (st.n >= st.limit)  # [S]
     u = uniform_at(st.streams, st.n)  # [S] each slot's draw for its token
     tok, lp = choose_tokens(logits, u, s, want_logprobs)  # [S], [S]
     tok = tok.masked_fill(ended, pad_id)
-    col = st.n.masked_fill(ended, C)[:, None]  # [S, 1]
+    col = st.n.masked_fill(ended, dump)[:, None]  # [S, 1]
     st.ids.scatter_(1, col, tok[:, None])
     st.alive.scatter_(1, col, ~ended[:, None])
     if lp is not None:

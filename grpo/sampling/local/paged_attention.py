@@ -14,7 +14,9 @@ for a slot that reads nothing). A slot reads positions [0, plen) and [start, at]
   FlexAttention (a compiled block mask per shape; the decode step is already a graph per row bucket). Triton is
   imported only when the kernel runs.
 - Elsewhere (a CPU, or torch without Triton), `reference`: the same arithmetic in torch over the first kv_len
-  positions of every slot's table (what it gathers, every slot as wide as the widest). Triton's interpreter
+  positions of every slot's table (what it gathers, every slot as wide as the widest): the kernel's oracle, and
+  what the captured layout runs on a CPU in tests (the eager CPU step reads its own rows by length instead,
+  `length_rows`). Triton's interpreter
   (`TRITON_INTERPRET=1` set before Triton is first imported) runs the kernel on a CPU:
   tests/grpo/sampling/local/test_paged_attention.py compares the two there.
 

@@ -12,11 +12,12 @@ layout CPU attention reads fastest); a slot has a block table, the pages it read
   page goes back to the pool when the last row reading it ends); a row's own tokens start on a page of its own, so
   a prompt's last page, partly filled, is never written by its rows;
 - a step writes each slot's new keys and values at its own position (page and offset from its table) and attends
-  over the pages the furthest of the live slots has, each slot's own positions opened by its lengths, so no step
-  reads past a live slot's written length by more than the longest row's pages;
-- attention reads, on the eager path (`layout="dense"`), dense rows kept from step to step; in the captured layout
-  (`layout="kernel"`, what CUDA graphs replay) the pages themselves, each slot as far as it has written
-  (`paged_attention.paged_decode`), the pools shared by a sampler's kept states (`SharedPools`);
+  over each slot's own positions;
+- attention reads, on the eager path (`layout="rows"`, a CPU), each slot's row kept from step to step in the group
+  of rows with as many pages (`length_rows.LengthRows`: one SDPA a group, so no row reads or holds K/V a page or
+  more past its own length, whatever the longest row); in the captured layout (`layout="kernel"`, what CUDA graphs
+  replay) the pages themselves, each slot as far as it has written (`paged_attention.paged_decode`), the pools
+  shared by a sampler's kept states (`SharedPools`);
 - the pool (`PagePool`) starts at each slot's prompt and two pages and grows as rows need (doubling, never past
   what the slots could hold at the budget), up to the KV cache budget (`memory_budget`, `generation.kv_cache_mb`)
   when there is one; with a budget, `slots.SlotBatch` admits a row when its prompt's pages and
@@ -35,6 +36,7 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo.sampling.local.decode_step import SlotState, decoder
+from grpo.sampling.local.length_rows import LengthRows
 from grpo.sampling.local.paged_attention import paged_decode
 
 PAGE_TOKENS = 16  # positions a page holds (vLLM's default block size): a row wastes fewer than this at its end
@@ -128,10 +130,12 @@ class SharedPools:
     def size(self) -> int:
         return self.k[0].size(1) // self.page
 
-    def grow(self, pages: int) -> None:
+    def grow(self, pages: int, zeros: bool = True) -> None:
+        """The pools grown to `pages`; zeros=False leaves the new pages unwritten (a reader of written positions
+        only: the eager path's; the memory a page takes is then only touched as rows write it)."""
         for pools in (self.k, self.v):
             for i, t in enumerate(pools):
-                grown = t.new_zeros(t.size(0), pages * self.page, t.size(2))
+                grown = (t.new_zeros if zeros else t.new_empty)(t.size(0), pages * self.page, t.size(2))
                 grown[:, : t.size(1)] = t
                 pools[i] = grown
         self.version += 1
@@ -139,7 +143,7 @@ class SharedPools:
 
 class PagedState(SlotState):
     """The slots' fields (`SlotState`) and their keys and values, in pages of a pool (a view of the first m slots,
-    `rows(m)`, shares the pools and dense rows: the same list objects, so a grown pool is seen by every view). Per
+    `rows(m)`, shares the pools and the rows by length: the same objects, so a grown pool is seen by every view). Per
     slot, on the device: its block table [S, max pages], its prefix's valid length (`plen`: the prompt, or for a
     resumed row the prompt and the tokens it had chosen),
     where its own tokens start (`start`: a page boundary) and `base` (start less the chosen tokens its prefix holds):
@@ -150,11 +154,11 @@ class PagedState(SlotState):
                  "start", "base", "read")
 
     def __init__(self, model: PreTrainedModel, S: int, P: int, C: int, dtype: torch.dtype, device: torch.device,
-                 max_pages: int | None = None, page: int = PAGE_TOKENS, layout: str = "dense",
+                 max_pages: int | None = None, page: int = PAGE_TOKENS, layout: str = "rows",
                  pools: "SharedPools | None" = None):
-        if layout not in ("dense", "kernel"):
-            raise ValueError(f"layout must be 'dense' or 'kernel', got {layout!r}")
-        self._slot_fields(model, S, P, C, dtype, device)
+        if layout not in ("rows", "kernel"):
+            raise ValueError(f"layout must be 'rows' or 'kernel', got {layout!r}")
+        self._slot_fields(model, S, P, C, dtype, device, grow=layout == "rows")  # captured: fixed addresses
         self.page, self.layout = page, layout
         self.max_pages_a_row = pages_for(P, page) + pages_for(C, page) + 1  # a resumed row's prefix may end mid-page
         if max_pages is not None and max_pages - 1 < self.max_pages_a_row:
@@ -168,28 +172,26 @@ class PagedState(SlotState):
         self.pools = pools
         self.pool = PagePool(pools.size, limit=max_pages)
         self.k, self.v = pools.k, pools.v  # [Hkv, pages * page, D] each: the same lists, a grown pool seen by all
-        self.table = torch.zeros(S, self.max_pages_a_row, dtype=torch.long, device=device)  # [S, pages a row]
+        # [S, pages a row]: the budget's width where a step is captured, else a prompt's and two, grown as rows do
+        width = self.max_pages_a_row if layout == "kernel" else min(self.max_pages_a_row, pages_for(P, page) + 2)
+        self.table = torch.zeros(S, width, dtype=torch.long, device=device)
         self.plen = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         self.start = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         self.base = torch.zeros(S, dtype=torch.long, device=device)  # [S]
         # [S] K/V positions each slot's attention read since the last `take_read`, added where they are read (the
-        # kernel, the reference or the dense rows), on the device: a captured step counts as it replays
+        # kernel, the reference or the rows by length), on the device: a captured step counts as it replays
         self.read = torch.zeros(S, dtype=torch.long, device=device)
         self.prefix: list[list[int]] = [[] for _ in range(S)]  # slot -> pages it reads, its prompt's (shared)
         self.own: list[list[int]] = [[] for _ in range(S)]  # slot -> pages it wrote itself
         self.chosen_in_prefix = [0] * S  # slot -> tokens of its row its prefix holds (a resumed row's)
         self.resident: dict[object, list[int]] = {}  # prompt -> the pages its prefix is in, while rows read them
-        self.positions = torch.arange(self.max_pages_a_row * page, device=device)  # [L max]
         self.stale: set[int] = set()
-        if layout == "kernel":  # attention reads the pages themselves (`paged_attention`): no dense rows
-            self.dense_k = self.dense_v = []
-            return
-        # the rows attention reads: per layer [S, Hkv, capacity, D], each slot's pages laid out in order, kept from
-        # step to step (a step writes its token into them as into the pages), read again from the pages only for a
-        # slot that took a new row (`stale`); the capacity follows the live rows' pages, not the budget
-        self.dense_k = [torch.zeros(S, self.n_kv, start_pages * page, self.head_dim, dtype=dtype,
-                                    device=device) for _ in range(self.n_layers)]
-        self.dense_v = [torch.zeros_like(k) for k in self.dense_k]
+        # the rows the eager step's attention reads (`length_rows`): each slot's keys and values contiguous, in the
+        # group of its page count, kept from step to step (a step writes its token into them as into the pages),
+        # read from the pages only for a slot that took a new row (`stale`); in the kernel layout attention reads
+        # the pages themselves (`paged_attention`)
+        self.by_length = None if layout == "kernel" else LengthRows(self.n_layers, self.n_kv, self.head_dim, dtype,
+                                                                    device, page)
 
     def reset(self) -> None:
         """Every slot free and every page back in the pool (a kept state at the start of a call: its pools may have
@@ -200,6 +202,8 @@ class PagedState(SlotState):
         self.chosen_in_prefix[:] = [0] * self.S
         self.resident.clear()
         self.stale.clear()
+        if self.by_length is not None:
+            self.by_length.clear()
         self.table.zero_()
         self.read.zero_()  # a capture's warm-up steps read too
         self.done.fill_(True)
@@ -215,7 +219,11 @@ class PagedState(SlotState):
         self.chosen_in_prefix[dst] = self.chosen_in_prefix[src]
         self.table[src] = 0
         self.done[src] = True
-        self.stale.add(dst)
+        if src in self.stale:  # its row not read from its pages yet: dst's is to be
+            self.stale.discard(src)
+            self.stale.add(dst)
+        if self.by_length is not None:  # the row it reads goes with it
+            self.by_length.relabel(src, dst)
 
     # pages
 
@@ -229,7 +237,7 @@ class PagedState(SlotState):
             # GiB more at a GRPO step's peak (benchmarks/grpo_step.py --memory-at-peak)
             new = max(min(2 * self.pool.size, 1 + self.S * self.max_pages_a_row), self.pool.size + k)
             new = new if limit is None else min(new, limit)
-            self.pools.grow(new)
+            self.pools.grow(new, zeros=self.layout == "kernel")  # the kernel's reference reads whole pages
             self.pool.grow(new)
         return self.pool.take(k)
 
@@ -277,6 +285,7 @@ class PagedState(SlotState):
             self.prefix[slot], self.own[slot] = pages, []
             start = len(pages) * self.page
             self.table[slot] = 0
+            self._widen_table(len(pages))
             self.table[slot, : len(pages)] = torch.tensor(pages, device=self.device)
             self.plen[slot], self.start[slot], self.base[slot] = length, start, start - chosen[j]
             self.chosen_in_prefix[slot] = chosen[j]
@@ -292,6 +301,9 @@ class PagedState(SlotState):
         self.prefix[slot], self.own[slot] = [], []
         self.table[slot] = 0
         self.done[slot] = True
+        self.stale.discard(slot)
+        if self.by_length is not None:
+            self.by_length.forget(slot)
 
     def grow_rows(self, slots: list[int], counts: list[int], ahead: int) -> list[int]:
         """Give each of `slots` (with `counts` tokens chosen) the pages its next `ahead` steps write; returns the
@@ -311,37 +323,22 @@ class PagedState(SlotState):
                 continue
             at = start + len(self.own[slot])
             self.own[slot] += pages
+            self._widen_table(at + len(pages))
             self.table[slot, at : at + len(pages)] = torch.tensor(pages, device=self.device)
         return short
 
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.dense_k + self.dense_v)
+    def _widen_table(self, width: int) -> None:
+        """Block tables of `width` pages a row at least (doubling, up to the most a row can have)."""
+        if width <= self.table.size(1):
+            return
+        wider = self.table.new_zeros(self.S, min(self.max_pages_a_row, max(width, 2 * self.table.size(1))))
+        wider[:, : self.table.size(1)] = self.table
+        self.table = wider
+        self._views.clear()  # they hold the old table
 
-    def dense(self, m: int, L: int) -> None:
-        """Make the dense rows hold L positions (growing them by half, at least) and read the first m slots'
-        stale ones from their pages."""
-        cap = self.dense_k[0].size(2)
-        if L > cap:
-            new = min(max(L, cap + cap // 2), self.max_pages_a_row * self.page)
-            for rows in (self.dense_k, self.dense_v):
-                for i, t in enumerate(rows):
-                    grown = t.new_zeros(t.size(0), t.size(1), new, t.size(3))
-                    grown[:, :, :cap] = t
-                    rows[i] = grown
-        stale = sorted(s for s in self.stale if s < m)
-        if not stale:
-            return
-        self.stale.difference_update(stale)
-        Hkv, D, page = self.n_kv, self.head_dim, self.page
-        n_pages = max(len(self.prefix[s]) + len(self.own[s]) for s in stale)
-        if not n_pages:
-            return
-        index = self.table[stale, :n_pages].flatten()  # [r * n_pages]
-        at = torch.tensor(stale, device=self.device)
-        for pools, rows in ((self.k, self.dense_k), (self.v, self.dense_v)):
-            for i in range(self.n_layers):
-                got = pools[i].view(Hkv, -1, page * D).index_select(1, index)  # [Hkv, r * n_pages, page * D]
-                rows[i][at, :, : n_pages * page] = got.view(Hkv, len(stale), n_pages * page, D).transpose(0, 1)
+    def kv_bytes(self) -> int:
+        rows = 0 if self.by_length is None else self.by_length.nbytes()
+        return sum(t.numel() * t.element_size() for t in self.k + self.v) + rows
 
     def take_read(self) -> int:
         """K/V positions the steps' attention read since the last take, summed over the slots (a sync on a GPU)."""
@@ -350,8 +347,9 @@ class PagedState(SlotState):
         return got
 
     def kv_len(self, m: int, full: bool) -> int:
-        """Positions a step over the first m slots reads: the pages of the slot that has the most (every page a row
-        could have when `full`). In the kernel layout each slot reads its own pages alone (where the kernel runs)."""
+        """Positions the torch reference of the kernel layout reads a slot over the first m slots (the pages of the
+        slot that has the most; every page a row could have when `full`). The kernel reads each slot's own pages
+        alone, and the eager path each slot's row (`length_rows`)."""
         held = [len(self.prefix[s]) + len(self.own[s]) for s in range(m)]
         if full:
             return self.max_pages_a_row * self.page
@@ -362,45 +360,37 @@ class PagedState(SlotState):
 
 
 class _PagedAttention:
-    """One step's cache access in a `PagedState`: each slot's new K/V at position base + n - 1 of its pages (and of
-    its dense row), and attention over the dense rows' first kv_len positions, each slot's open where it has written
-    (its prefix, then its own tokens).
+    """One step's cache access on the eager path: each slot's new K/V at position base + n - 1 of its pages and at
+    the end of its row (`length_rows`), and attention over the rows, each live slot its own, one SDPA a group of
+    rows with as many pages.
 
-    The pages are the record (what a row holds, shared, given back, counted against the budget); the dense rows are
-    what attention reads on this eager path: gathering every slot's pages each step cost as much again as the
-    attention itself (+30% a step on a CPU), while the dense rows are gathered only when a slot takes a row. They
-    hold as many positions as the longest live row has pages, not the budget."""
+    The pages are the record (what a row holds, shared, given back, counted against the budget); the rows are what
+    attention reads on this eager path: gathering every slot's pages each step cost as much again as the attention
+    itself (+30% a step on a CPU), while a row is read from the pages only when its slot takes it. A row holds its
+    prefix and tokens, no more than a page past them; no row is as wide as another's."""
 
     def __init__(self, st: PagedState, kv_len: int):
         page, S = st.page, st.tok.size(0)
-        st.dense(S, kv_len)
         at = st.base + st.n - 1  # [S] the new token's position in the slot's pages
         row_page = st.table.gather(1, (at // page).clamp(min=0, max=st.table.size(1) - 1)[:, None]).squeeze(1)
         self.flat = row_page * page + at % page  # [S] into a pool's positions
-        self.at = at.clamp(min=0, max=kv_len - 1).view(S, 1, 1, 1).expand(S, st.n_kv, 1, st.head_dim)
-        pos = st.positions[:kv_len][None]  # [1, L]
-        valid = (pos < st.plen[:, None]) | ((pos >= st.start[:, None]) & (pos <= at[:, None]))  # [S, L]
-        floor = torch.finfo(st.dtype).min
-        self.bias = torch.zeros(valid.shape, dtype=st.dtype, device=st.device).masked_fill_(~valid, floor)[:, None,
-                                                                                                            None]
-        self.st, self.S, self.L = st, S, kv_len
+        done = st.done.tolist()
+        fresh = {s for s in st.stale if s < S}
+        st.stale.difference_update(fresh)
+        self.plan = st.by_length.arrange(st, [s for s in range(S) if not done[s]], fresh)
+        self.st = st
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [S, Hkv, D]: each slot's new token's, at its position."""
         st = self.st
         st.k[i].index_copy_(1, self.flat, k.transpose(0, 1))
         st.v[i].index_copy_(1, self.flat, v.transpose(0, 1))
-        st.dense_k[i][: self.S].scatter_(2, self.at, k[:, :, None])
-        st.dense_v[i][: self.S].scatter_(2, self.at, v[:, :, None])
+        self.plan.write(i, k, v)
 
     def attend(self, i: int, q: torch.Tensor) -> torch.Tensor:
-        """q [S, Hkv, Hq/Hkv, D] over layer i's dense rows: [S, Hkv, Hq/Hkv, D]."""
-        st = self.st
-        keys = st.dense_k[i][: self.S, :, : self.L]  # [S, Hkv, L, D]
-        if i == 0:  # every layer reads the same positions: the first counts them
-            st.read += keys.size(2)
-        return torch.nn.functional.scaled_dot_product_attention(q, keys, st.dense_v[i][: self.S, :, : self.L],
-                                                                attn_mask=self.bias, scale=st.scale)
+        """q [S, Hkv, Hq/Hkv, D] over layer i's rows: [S, Hkv, Hq/Hkv, D]."""
+        st = self.st  # every layer reads the same positions: the first counts them
+        return self.plan.attend(i, q, st.scale, st.read if i == 0 else None)
 
 
 class _KernelAttention:

@@ -23,9 +23,9 @@ class Ended(NamedTuple):
     """A row that has ended, as `SlotBatch.step` hands it back (tensors on the sampler's device)."""
 
     key: int  # what the row was submitted as
-    ids: torch.Tensor  # [C] its tokens, then the pad id
-    alive: torch.Tensor  # [C] bool: True up to and including its last token
-    logprobs: torch.Tensor  # [C] each token's log-prob (0 past the end; 0 throughout when not asked)
+    ids: torch.Tensor  # [n] its n tokens (its end token included): as long as the row, not the budget
+    alive: torch.Tensor  # [n] bool: True (up to and including its last token)
+    logprobs: torch.Tensor  # [n] each token's log-prob (0 throughout when not asked)
     truncated: bool  # its limit ran out before an end token (or it was cancelled)
 
 
@@ -148,7 +148,7 @@ class SlotBatch:
     def step(self) -> list[Ended]:
         """Hand back the rows that ended, refill their slots from the queue, then run one decode step (on CUDA,
         `check_every` of them: the host looks at the slots only that often) over the live slots."""
-        st, C, out = self.state, self.C, []
+        st, out = self.state, []
         while True:
             taken = [i for i, row in enumerate(self.slot_row) if row is not None]
             fin = []
@@ -162,8 +162,9 @@ class SlotBatch:
                 self.sampler.counts.tokens += sum(chosen)
                 for j, slot in enumerate(fin):
                     key = self.slot_row[slot]
-                    out.append(Ended(key, st.ids[slot, :C].clone(), st.alive[slot, :C].clone(),
-                                     st.logprobs[slot, :C].clone(), not done[j]))
+                    n = chosen[j]
+                    out.append(Ended(key, st.ids[slot, :n].clone(), st.alive[slot, :n].clone(),
+                                     st.logprobs[slot, :n].clone(), not done[j]))
                     self.slot_row[slot] = None
                     st.release(slot)
                     self._drop(key)
@@ -183,6 +184,8 @@ class SlotBatch:
         if not taken:
             return out
         m = taken[-1] + 1
+        if st.ids.size(1) - 1 < st.C or st.cos.size(0) < st.T:  # an eager state: its columns grow with the rows
+            st.reach(int(st.n[:m].max()) + every, int((st.next_pos[:m] + st.n[:m]).max()) + every)
         counts = self.sampler.counts
         kv_len = st.kv_len(m, self.sampler.full_cache_attention)  # covers the pages taken ahead
         for _ in range(every):
@@ -311,6 +314,7 @@ class SlotBatch:
         st = self.state
         prompt, chosen, logprobs = self._resume.pop(key)
         n = chosen.numel()
+        st.reach(n + 1, max(1, prompt.numel()) + n + 1)
         ids = torch.cat([prompt, chosen[:-1]])[None]  # [1, p + n - 1]
         cache = DynamicCache()
         self.model(input_ids=ids, **cached(cache), logits_to_keep=1)

@@ -15,8 +15,9 @@ One call samples a set of left-padded prompt rows by continuous batching:
 - the keys and values live in pages (`grpo.sampling.local.pages`): a row takes a page each 16 tokens it writes and gives
   them back when it ends, a prompt's pages are written once and read by its G rows, and the cache's size follows
   the rows' lengths, not the budget; under a budget (`memory_budget`) rows are admitted by free pages and the
-  newest is preempted when they run out (it resumes with the same tokens). Eager steps (a CPU) attend over dense
-  rows kept from step to step; kept, captured steps (CUDA) over the pages themselves, each row as far as it has
+  newest is preempted when they run out (it resumes with the same tokens). Eager steps (a CPU) attend over each
+  row's keys and values kept from step to step, grouped by length (`length_rows`: no row reads or holds a page past
+  its own length); kept, captured steps (CUDA) over the pages themselves, each row as far as it has
   written (`paged_attention`), their pool shared by every kept shape (the static cache of P + C positions a slot,
   attended in full, that captured steps had before is gone: BENCHMARKS.md, "Long budgets", compares the two);
 - each decode step (`grpo.sampling.local.decode_step`) reads the weights straight from the model, each slot at its own
@@ -55,7 +56,7 @@ from grpo.sampling.local.cpu_decoder import STATIC_ROPE, lora_reason
 from grpo.sampling.local.decode_step import (CDF_BLOCK, F, Capture, Weights, choose_tokens, decoder, distinct_rows,
                                              inverse_cdf, read_weights, step_slots, weight_tensors)
 from grpo.sampling.local.pages import PagedState, SharedPools, page_bytes
-from grpo.sampling.local.slots import SlotBatch
+from grpo.sampling.local.slots import Ended, SlotBatch
 
 __all__ = ["CDF_BLOCK", "Group", "Sampled", "SlotBatch", "StaticSampler", "choose_tokens", "decoder", "distinct_rows",
            "inverse_cdf", "prompt_bucket", "unsupported_reason"]
@@ -134,7 +135,7 @@ class DecodeCounts:
         self.kv_positions_read = 0  # cache positions those steps' attention read, summed over their slots and steps
         self.preemptions = 0  # rows a paged cache put back in the queue for want of pages
         self.pages_high_water = 0  # the most pages of a paged cache in use at once
-        self.kv_bytes_allocated = 0  # the largest KV cache a call held: its page pool (and dense rows, eagerly)
+        self.kv_bytes_allocated = 0  # the largest KV cache a call held: its page pool (and the rows by length, eagerly)
 
     def take(self) -> "DecodeCounts":
         """What was counted since the last take (or the start), and a fresh count from here."""
@@ -302,19 +303,10 @@ class StaticSampler:
         slots decode them, at any budget the rows do not reach.
         """
         ids, mask, streams, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, streams, slots)
-        B, C = ids.size(0), s.max_new_tokens
-        out_ids = torch.full((B, C), pad_id, dtype=torch.long, device=self.device)  # [B, C]
-        out_alive = torch.zeros(B, C, dtype=torch.bool, device=self.device)  # [B, C]
-        out_lp = torch.zeros(B, C, dtype=torch.float32, device=self.device)  # [B, C]
-        out_trunc = torch.zeros(B, dtype=torch.bool, device=self.device)  # [B]
-        for rows, got_ids, got_alive, got_lp, got_trunc in self._run(ids, mask, streams, s, eos_ids, pad_id,
-                                                                     return_logprobs, S):
-            out_ids[rows], out_alive[rows], out_trunc[rows] = got_ids, got_alive, got_trunc
-            if return_logprobs:
-                out_lp[rows] = got_lp
-        used = int(out_alive.sum(1).max())  # columns past every row's end are dropped, as if decoding had stopped
-        return Sampled(out_ids[:, :used].cpu(), out_alive[:, :used].long().cpu(),
-                       out_lp[:, :used].cpu() if return_logprobs else None, out_trunc.cpu())
+        got: dict[int, Ended] = {}
+        for ended in self._run(ids, mask, streams, s, eos_ids, pad_id, return_logprobs, S):
+            got.update((e.key, e) for e in ended)
+        return padded([got[row] for row in range(ids.size(0))], pad_id, return_logprobs)
 
     @torch.inference_mode()
     def stream(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig, eos_ids: list[int],
@@ -327,21 +319,16 @@ class StaticSampler:
         if group_size < 1 or B % group_size:
             raise ValueError(f"group_size must divide the {B} rows, got {group_size}")
         ids, mask, streams, S = self._prepare(prompt_ids, prompt_mask, s, pad_id, streams, slots)
-        got: dict[int, dict[int, tuple]] = {}
-        for rows, *parts in self._run(ids, mask, streams, s, eos_ids, pad_id, return_logprobs, S):
-            for j, row in enumerate(rows):
-                g = row // group_size
-                got.setdefault(g, {})[row] = tuple(p[j] if p is not None else None for p in parts)
+        got: dict[int, dict[int, Ended]] = {}
+        for ended in self._run(ids, mask, streams, s, eos_ids, pad_id, return_logprobs, S):
+            for e in ended:
+                g = e.key // group_size
+                got.setdefault(g, {})[e.key] = e
                 if len(got[g]) < group_size:
                     continue
-                members = [got[g][r] for r in range(g * group_size, (g + 1) * group_size)]
-                del got[g]
-                alive = torch.stack([x[1] for x in members])  # [G, C]
-                used = int(alive.sum(1).max())
-                yield Group(range(g * group_size, (g + 1) * group_size), Sampled(
-                    torch.stack([x[0] for x in members])[:, :used].cpu(), alive[:, :used].long().cpu(),
-                    torch.stack([x[2] for x in members])[:, :used].cpu() if return_logprobs else None,
-                    torch.stack([x[3] for x in members]).cpu()))
+                members = got.pop(g)
+                rows = range(g * group_size, (g + 1) * group_size)
+                yield Group(rows, padded([members[r] for r in rows], pad_id, return_logprobs))
 
     def _kv_budget(self) -> int | None:
         """Bytes the KV cache may take: `memory_budget`, else on a GPU a share of what is free now (the trainer's
@@ -369,8 +356,8 @@ class StaticSampler:
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, streams: torch.Tensor, s: SamplingConfig,
              eos_ids: list[int], pad_id: int, want_logprobs: bool, S: int) -> Iterator[tuple]:
-        """The B rows streamed through S slots (`SlotBatch`). Yields (rows, ids [r, C], alive [r, C], logprobs
-        [r, C] or None, truncated [r]) for the rows that ended since the last yield, on the device."""
+        """The B rows streamed through S slots (`SlotBatch`). Yields the rows that ended since the last yield
+        (`Ended`, keyed by their row, each as long as its own tokens), on the device."""
         batch = SlotBatch(self, S, ids.size(1), s, eos_ids, pad_id, want_logprobs)
         inverse, first = distinct_rows(torch.cat([ids, mask.to(ids.dtype)], 1))  # [B], [U]
         rows_of = collections.defaultdict(list)
@@ -383,17 +370,14 @@ class StaticSampler:
         while batch.busy:
             ended = batch.step()
             if ended:
-                yield ([e.key for e in ended], torch.stack([e.ids for e in ended]),
-                       torch.stack([e.alive for e in ended]),
-                       torch.stack([e.logprobs for e in ended]) if want_logprobs else None,
-                       torch.tensor([e.truncated for e in ended], device=ids.device))
+                yield ended
 
     def capture(self, model: PreTrainedModel, S: int, P: int, s: SamplingConfig, eos: torch.Tensor, pad_id: int,
                  want_logprobs: bool) -> Capture:
         """The shape's state and step: made afresh each call, or (on CUDA) captured once and kept for the next."""
         C = s.max_new_tokens
         if not self.keep_captures:  # made afresh each call, its pool at the budget's size (which it
-            # never outgrows) or growing; attention reads dense rows kept from step to step (fastest on a CPU)
+            # never outgrows) or growing; attention reads rows kept from step to step, grouped by length (`length_rows`)
             budget = self._kv_budget()
             max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
             st = PagedState(model, S, P, C, self.dtype, self.device, max_pages=max_pages)
@@ -412,6 +396,15 @@ class StaticSampler:
                 st, lambda view, kv_len: step_slots(view, w, model.config, s, eos, pad_id, want_logprobs, kv_len),
                 self.graphs)
         return self._captures[key]
+
+
+def padded(rows: list[Ended], pad_id: int, logprobs: bool) -> Sampled:
+    """Ended rows, in order, as one batch on the CPU: [r, the longest row's tokens], right-padded."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    return Sampled(pad([e.ids for e in rows], batch_first=True, padding_value=pad_id).cpu(),
+                   pad([e.alive for e in rows], batch_first=True).long().cpu(),
+                   pad([e.logprobs for e in rows], batch_first=True).cpu() if logprobs else None,
+                   torch.tensor([e.truncated for e in rows]))
 
 
 def _fingerprint(model: PreTrainedModel) -> list[tuple[int, int]]:

@@ -111,18 +111,62 @@ def test_the_counts_a_stage_logs_add_up():
     assert counts.figures() and sampler.counts.figures() == {}  # nothing decoded since the take
 
 
-def test_the_eager_steps_read_what_the_rows_wrote_and_the_longest_rows_pages_at_most():
-    """Counted where attention reads (the dense rows): at least each live row's prompt and tokens, and no more than
-    every computed slot as wide as the longest live row's pages. The captured layout on the kernel reads exactly
-    what the rows wrote (test_paged_attention.py)."""
+def wrote_and_read_bound(prompt_lengths: list[int], lengths: list[int]) -> tuple[int, int]:
+    """What the decode steps of rows of these prompt lengths and token counts wrote before each read, summed: a row of
+    p prompt tokens and n chosen has its first from the prefill and token j (1 <= j < n) from a step that reads its
+    p prompt positions and the j tokens before it. And the most a step may read past that: under a page a row."""
+    wrote = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lengths, lengths))
+    return wrote, (PAGE_TOKENS - 1) * sum(n - 1 for n in lengths if n > 0)
+
+
+def test_the_eager_steps_read_what_the_rows_wrote_up_to_a_page():
+    """Counted where attention reads (each row in its group, `length_rows`): each live row's prompt and tokens, and
+    less than a page more (a group is as wide as its longest row, whose page count every row of it has). The
+    captured layout on the kernel reads exactly what the rows wrote (test_paged_attention.py)."""
     model, ids, mask, s, u = long_tailed()
     sampler = StaticSampler(model)
     out = sampler.sample(ids, mask, s, EOS, PAD, streams=u)
     lengths, c = out.completion_mask.sum(1), sampler.counts  # [B]
-    # a row of p prompt tokens and n chosen: token j (1 <= j < n) from a step reading p + j positions
-    wrote = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(mask.sum(1).tolist(), lengths.tolist()))
-    widest = (-(-ids.size(1) // PAGE_TOKENS) + -(-int(lengths.max()) // PAGE_TOKENS)) * PAGE_TOKENS
-    assert wrote < c.kv_positions_read <= c.rows_computed * widest, (wrote, c.kv_positions_read)
+    wrote, slack = wrote_and_read_bound(mask.sum(1).tolist(), lengths.tolist())
+    assert lengths.max() > PAGE_TOKENS and lengths.min() < lengths.max()  # ragged, and past a page of a row's own
+    assert wrote <= c.kv_positions_read <= wrote + slack, (wrote, c.kv_positions_read)
+
+
+def long_row_among_short_ones(budget: int, long: int = 200) -> tuple[dict, object, int]:
+    """24 rows (6 prompts of 2 to 11 tokens, 4 rows each) through 8 slots at `budget`: the first row stops at `long`
+    tokens, every other at 1 to 4 (their limits; no end token). The rows' tokens by key, the counts, and the most
+    bytes of tensors alive at once during the call (the batch and its state made inside it)."""
+    model, ids, mask, _, u = long_tailed(positions=16384 + 64, lengths=(5, 11, 3, 7, 2, 9), repeat=4)
+    limits = [long] + [1 + i % 4 for i in range(1, ids.size(0))]
+    sampler = StaticSampler(model)
+    got = {}
+    with BytesAlive() as alive:
+        batch = SlotBatch(sampler, 8, ids.size(1), SamplingConfig(max_new_tokens=budget, temperature=1.0), [], PAD)
+        for row in range(ids.size(0)):
+            batch.submit(ids[row], mask[row], u[row:row + 1], keys=[row], limit=min(limits[row], budget))
+        while batch.busy:
+            got.update({e.key: e.ids[e.alive].tolist() for e in batch.step()})
+    return got, sampler.counts, alive.peak
+
+
+def test_one_long_row_among_short_ones_takes_and_reads_k_v_by_the_rows_lengths_at_any_budget():
+    """One row of 200 tokens among 23 of 1 to 4: the K/V the call holds follows the rows' lengths (the pool the
+    rows' pages are in, and each row once more, by its length), not 8 slots as wide as the longest (what the eager
+    step held before: every slot's row as wide as the longest live one); attention reads what the rows wrote, up to a
+    page a row; and at a budget of 16384 the rows sample the tokens of 512 with the same bytes alive at the peak, to
+    the byte: nothing is sized by the budget (the chosen tokens' columns, the rotary table and the block tables grow
+    with the rows)."""
+    position = 2 * 2 * 2 * 16 * 4  # layers, K and V, KV heads, head dim, fp32: 512 bytes a position
+    runs = {budget: long_row_among_short_ones(budget) for budget in (512, 16384)}
+    (got, counts, peak), (got_16k, counts_16k, peak_16k) = runs[512], runs[16384]
+    assert got_16k == got and len(got[0]) == 200 and max(len(t) for k, t in got.items() if k) <= 4
+    longest = (5 + 200) * position  # the long row's prompt and tokens
+    assert counts.kv_bytes_allocated == counts_16k.kv_bytes_allocated <= 4 * longest, counts
+    assert 8 * longest > 2 * counts.kv_bytes_allocated  # what 8 slots as wide as the longest row would hold
+    _, ids, mask, _, _ = long_tailed(lengths=(5, 11, 3, 7, 2, 9), repeat=4)
+    wrote, slack = wrote_and_read_bound(mask.sum(1).tolist(), [len(got[k]) for k in range(ids.size(0))])
+    assert wrote <= counts.kv_positions_read == counts_16k.kv_positions_read <= wrote + slack
+    assert peak_16k == peak
 
 
 def test_kept_shapes_share_one_pool_and_each_call_starts_with_every_page_free():
