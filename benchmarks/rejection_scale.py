@@ -2,17 +2,19 @@
 process per size; rows a second, MiB of text a second and the merge's peak RSS growth.
 
     PYTHONPATH=. .venv/bin/python benchmarks/rejection_scale.py --rows 20000 80000
+    PYTHONPATH=. .venv/bin/python benchmarks/rejection_scale.py --rows 800000 --ways write_merged
 
 Each size's shards are written first (with the shard task's marks where the code has them, timed apart: that work
 runs in the shard tasks, in parallel, beside sampling). Then, each in its own process: `merge_shards` (the dataset
 in memory), where the code has it `write_merged` (streamed to Parquet), and where the code has that too, one pass of
-SFT's data loading over `write_merged`'s part files: tokenized into the memory-mapped Arrow file (the tiny recipe's
+SFT's data loading over `write_merged`'s part files: tokenized into the Arrow token file (the tiny recipe's
 tokenizer, max_seq_len 4096), then every batch of 16 of one epoch taken as the loop takes them (`batch_indices`,
-`collate`). With `--unmarked` the shards are written without marks, as older code wrote them, and the merge does all
-the curation on its one core. Rows: 4 samples per prompt, 1% of them repeated in a later shard (case changed), 0.5%
-quoting a held-out prompt; held-out set of `--heldout` problems; target 90% of the rows. Run against older code by
-pointing PYTHONPATH at its checkout. The CPU (lscpu) and the load average before and after each merge are printed:
-on a shared machine, read the figures with it.
+`collate`), each row read from the file. `--ways` picks some of the three. With `--unmarked` the shards are
+written without marks, as older code wrote them, and the merge does all the curation on its one core. Rows: 4
+samples per prompt, 1% of them repeated in a later shard (case changed), 0.5% quoting a held-out prompt; held-out set
+of `--heldout` problems; target 90% of the rows. Run against older code by pointing PYTHONPATH at its checkout.
+The CPU (lscpu) and the load average before and after each merge are printed: on a shared machine, read the figures
+with it.
 """
 
 from __future__ import annotations
@@ -150,8 +152,8 @@ def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> Non
 
 
 def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None:
-    """SFT's data loading over the merged part files, in this process: tokenize once (`TOKENIZE_ROWS` rows at a
-    time, as the loop does), then one epoch of batches."""
+    """SFT's data loading over the merged part files, in this process: tokenize once (as the loop does), then one
+    epoch of batches."""
     from grpo.configs.core import ModelConfig
     from grpo.models import load_tokenizer
     from grpo.training.batches import batch_indices
@@ -183,6 +185,8 @@ def main() -> None:
     ap.add_argument("--batch-rows", type=int, default=4096)
     ap.add_argument("--unmarked", action="store_true",
                     help="write shards without the shard task's marks: the merge then does all the curation itself")
+    ap.add_argument("--ways", nargs="+", default=None, choices=["merge_shards", "write_merged", "sft_loading"],
+                    help="run only these (default: every one the code has)")
     ap.add_argument("--work", default=None, help="folder for the shards (default: a temporary one)")
     ap.add_argument("--child", nargs=2, metavar=("HOW", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -200,6 +204,9 @@ def main() -> None:
         ways += ["sft_loading"] if "write_merged" in ways else []
     except ImportError:
         pass
+    # sft_loading reads what write_merged wrote
+    ways = [w for w in ways
+            if args.ways is None or w in args.ways or (w == "write_merged" and "sft_loading" in args.ways)]
     with tempfile.TemporaryDirectory(dir=args.work) as work:
         for rows in args.rows:
             out = Path(work) / f"rows-{rows}"
@@ -220,7 +227,7 @@ def main() -> None:
                 if how == "sft_loading":
                     print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
                           f"peak RSS +{r['rss_growth_mib']:,.0f} MiB (anonymous +{r['anon_growth_mib']:,.0f} MiB at "
-                          f"the end; the rest is the mapped token file)  "
+                          f"the end)  "
                           f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s), one epoch "
                           f"of batches {r['iterate_s']:.1f} s ({r['kept'] / r['iterate_s']:,.0f} rows/s, "
                           f"{r['tokens'] / r['iterate_s'] / 1e6:.1f} M tokens/s)  load {before} -> {load()}")
