@@ -188,9 +188,11 @@ def one_epoch(examples, batch_size: int) -> tuple[float, int]:
 def sft_reading(out: str, rows: int, batch_size: int = 16) -> None:
     """The reading side of SFT's loading alone, at sizes whose tokenizing a shared machine cannot wait for: a token
     file of `rows` rows of 2,000-4,000 random tokens (written first, not timed, as `tokenize_files` lays it out),
-    then one epoch of batches from it."""
+    then every row of one epoch's batches read from it, as the loop asks for them (not collated: that costs the
+    same a batch at any size)."""
     import pyarrow as pa
 
+    from grpo.training.batches import batch_indices
     from grpo.training.sft_rows import SCHEMA, TokenizedRows
 
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -207,7 +209,10 @@ def sft_reading(out: str, rows: int, batch_size: int = 16) -> None:
                                                 pa.array(lengths), pa.array(lengths - 40)], schema=SCHEMA))
     base, anon = rss_kib(reset_peak=True), rss_anon_kib()
     examples = TokenizedRows(path)
-    iterate_s, tokens = one_epoch(examples, batch_size)
+    t, tokens = time.perf_counter(), 0
+    for step in range(len(examples) // batch_size):
+        tokens += sum(len(examples[i].input_ids) for i in batch_indices(len(examples), batch_size, step, 0))
+    iterate_s = time.perf_counter() - t
     print(json.dumps({"seconds": iterate_s, "rss_growth_mib": (rss_kib(peak=True) - base) / 1024,
                       "anon_growth_mib": (rss_anon_kib() - anon) / 1024, "kept": len(examples), "tokens": tokens,
                       "file_mib": os.path.getsize(path) / 2**20}))
