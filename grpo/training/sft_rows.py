@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -83,25 +84,31 @@ class TokenPlaces(NamedTuple):
     labels_at: np.ndarray  # [B] int64 and of its labels
 
 
-def token_places(path: str | Path) -> TokenPlaces:
-    """Read from the file mapped, then unmapped: its map goes with the last view of it, as this returns."""
-    where = pa.memory_map(str(path))
-    base = where.read_buffer(1).address  # the map's first byte: a buffer's place in the map is its place in the file
-    table = pa.ipc.open_file(where).read_all()  # views of the map, not copies
-    ids_at, labels_at, starts = [], [], []
-    for ids, labels in zip(table.column("input_ids").chunks, table.column("labels").chunks):
+def token_places(path: str | Path, release_batches: int = 64) -> TokenPlaces:
+    """Read from the file mapped, a record batch at a time, its pages let go every `release_batches` batches (each
+    batch's offsets are a few bytes, but each page touched maps its neighbours too: ~130 KB a batch)."""
+    lengths, label_tokens, first, starts, ids_at, labels_at = [], [], [0], [], [], []
+    with open(path, "rb") as f:
+        whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # unmapped with the last view of it, as this returns
+    view = pa.py_buffer(whole)  # a buffer's place in this view is its place in the file
+    reader = pa.ipc.open_file(pa.BufferReader(view))
+    for k in range(reader.num_record_batches):
+        batch = reader.get_batch(k)  # views of the map, not copies
+        ids, labels = batch.column("input_ids"), batch.column("labels")
         offsets = ids.offsets.to_numpy()
         if not np.array_equal(offsets, labels.offsets.to_numpy()):
             raise DataError(f"{path}: input_ids and labels differ in length; delete the file to tokenize again")
-        ids_at.append(ids.values.buffers()[1].address - base + 4 * ids.values.offset)
-        labels_at.append(labels.values.buffers()[1].address - base + 4 * labels.values.offset)
+        ids_at.append(ids.values.buffers()[1].address - view.address + 4 * ids.values.offset)
+        labels_at.append(labels.values.buffers()[1].address - view.address + 4 * labels.values.offset)
         starts.append(offsets[:-1].astype(np.int64))
-    where.close()
-    return TokenPlaces(np.array(table.column("length").to_numpy(), np.int32),  # copies, not views
-                       np.array(table.column("label_tokens").to_numpy(), np.int32),
-                       np.cumsum([0] + [len(c) for c in table.column("input_ids").chunks], dtype=np.int64),
-                       np.concatenate(starts) if starts else np.zeros(0, np.int64),
-                       np.array(ids_at, np.int64), np.array(labels_at, np.int64))
+        lengths.append(np.array(batch.column("length").to_numpy(), np.int32))  # copies, not views
+        label_tokens.append(np.array(batch.column("label_tokens").to_numpy(), np.int32))
+        first.append(first[-1] + batch.num_rows)
+        if hasattr(whole, "madvise") and k % release_batches == release_batches - 1:
+            whole.madvise(mmap.MADV_DONTNEED)  # the pages stay in the kernel's page cache
+    join = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+    return TokenPlaces(join(lengths, np.int32), join(label_tokens, np.int32), np.array(first, np.int64),
+                       join(starts, np.int64), np.array(ids_at, np.int64), np.array(labels_at, np.int64))
 
 
 class TokenizedRows(Sequence[Example]):
