@@ -2,17 +2,19 @@
 process per size; rows a second, MiB of text a second and the merge's peak RSS growth.
 
     PYTHONPATH=. .venv/bin/python benchmarks/rejection_scale.py --rows 20000 80000
+    PYTHONPATH=. .venv/bin/python benchmarks/rejection_scale.py --rows 800000 --ways write_merged
 
 Each size's shards are written first (with the shard task's marks where the code has them, timed apart: that work
 runs in the shard tasks, in parallel, beside sampling). Then, each in its own process: `merge_shards` (the dataset
 in memory), where the code has it `write_merged` (streamed to Parquet), and where the code has that too, one pass of
-SFT's data loading over `write_merged`'s part files: tokenized into the memory-mapped Arrow file (the tiny recipe's
+SFT's data loading over `write_merged`'s part files: tokenized into the Arrow token file (the tiny recipe's
 tokenizer, max_seq_len 4096), then every batch of 16 of one epoch taken as the loop takes them (`batch_indices`,
-`collate`). With `--unmarked` the shards are written without marks, as older code wrote them, and the merge does all
-the curation on its one core. Rows: 4 samples per prompt, 1% of them repeated in a later shard (case changed), 0.5%
-quoting a held-out prompt; held-out set of `--heldout` problems; target 90% of the rows. Run against older code by
-pointing PYTHONPATH at its checkout. The CPU (lscpu) and the load average before and after each merge are printed:
-on a shared machine, read the figures with it.
+`collate`), each row read from the file. `--ways` picks some of the three. With `--unmarked` the shards are
+written without marks, as older code wrote them, and the merge does all the curation on its one core. Rows: 4
+samples per prompt, 1% of them repeated in a later shard (case changed), 0.5% quoting a held-out prompt; held-out set
+of `--heldout` problems; target 90% of the rows. Run against older code by pointing PYTHONPATH at its checkout.
+The CPU (lscpu) and the load average before and after each merge are printed: on a shared machine, read the figures
+with it.
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> Non
     if how == "sft_loading":
         sft_loading(out)
         return
+    if how == "sft_reading":
+        sft_reading(out, rows)
+        return
     base = rss_kib(reset_peak=True)  # after the imports, whose own peak does not count
     t = time.perf_counter()
     if how == "merge_shards":
@@ -150,12 +155,10 @@ def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> Non
 
 
 def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None:
-    """SFT's data loading over the merged part files, in this process: tokenize once (`TOKENIZE_ROWS` rows at a
-    time, as the loop does), then one epoch of batches."""
+    """SFT's data loading over the merged part files, in this process: tokenize once (as the loop does), then one
+    epoch of batches."""
     from grpo.configs.core import ModelConfig
     from grpo.models import load_tokenizer
-    from grpo.training.batches import batch_indices
-    from grpo.training.loops.sft_trainer import collate
     from grpo.training.sft_rows import tokenize_files
 
     tok = load_tokenizer(ModelConfig())
@@ -163,15 +166,83 @@ def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None
     t = time.perf_counter()
     examples = tokenize_files([f"{out}/curated"], tok, max_seq_len, f"{out}/tokens", "curated")
     tokenize_s = time.perf_counter() - t
-    t, tokens = time.perf_counter(), 0
-    for step in range(len(examples) // batch_size):
-        batch = collate([examples[i] for i in batch_indices(len(examples), batch_size, step, 0)], 0)
-        tokens += int(batch["attention_mask"].sum())
-    iterate_s = time.perf_counter() - t
+    iterate_s, tokens = one_epoch(examples, batch_size)
     print(json.dumps({"seconds": tokenize_s + iterate_s, "tokenize_s": tokenize_s, "iterate_s": iterate_s,
                       "rss_growth_mib": (rss_kib(peak=True) - base) / 1024, "kept": len(examples),
                       "anon_growth_mib": (rss_anon_kib() - anon) / 1024,
                       "tokens": tokens, "dropped": {}}))
+
+
+def one_epoch(examples, batch_size: int) -> tuple[float, int]:
+    """Every batch of one epoch taken as the loop takes them; the seconds and the tokens."""
+    from grpo.training.batches import batch_indices
+    from grpo.training.loops.sft_trainer import collate
+
+    t, tokens = time.perf_counter(), 0
+    for step in range(len(examples) // batch_size):
+        batch = collate([examples[i] for i in batch_indices(len(examples), batch_size, step, 0)], 0)
+        tokens += int(batch["attention_mask"].sum())
+    return time.perf_counter() - t, tokens
+
+
+def sft_reading(out: str, rows: int, batch_size: int = 16) -> None:
+    """The reading side of SFT's loading alone, at sizes whose tokenizing a shared machine cannot wait for: a token
+    file of `rows` rows of 2,000-4,000 random tokens (written first, not timed, as `tokenize_files` lays it out),
+    then every row of one epoch's batches read from it, as the loop asks for them (not collated: that costs the
+    same a batch at any size)."""
+    import pyarrow as pa
+
+    from grpo.training.batches import batch_indices
+    from grpo.training.sft_rows import SCHEMA, TokenizedRows
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path, rng = f"{out}/tokens-synthetic.arrow", np.random.default_rng(0)
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+        for start in range(0, rows, 128):
+            lengths = rng.integers(2000, 4001, size=min(128, rows - start)).astype(np.int32)
+            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+            ids = rng.integers(3, 1024, size=int(lengths.sum())).astype(np.int32)
+            labels = ids.copy()
+            labels[(offsets.to_numpy()[:-1, None] + np.arange(40)).ravel()] = -100  # a 40-token prompt
+            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(offsets, pa.array(ids)),
+                                                pa.ListArray.from_arrays(offsets, pa.array(labels)),
+                                                pa.array(lengths), pa.array(lengths - 40)], schema=SCHEMA))
+    base, anon = rss_kib(reset_peak=True), rss_anon_kib()
+    examples = TokenizedRows(path)
+    t, tokens = time.perf_counter(), 0
+    for step in range(len(examples) // batch_size):
+        tokens += sum(len(examples[i].input_ids) for i in batch_indices(len(examples), batch_size, step, 0))
+    iterate_s = time.perf_counter() - t
+    print(json.dumps({"seconds": iterate_s, "rss_growth_mib": (rss_kib(peak=True) - base) / 1024,
+                      "anon_growth_mib": (rss_anon_kib() - anon) / 1024, "kept": len(examples), "tokens": tokens,
+                      "file_mib": os.path.getsize(path) / 2**20}))
+    os.unlink(path)
+
+
+def run_way(how: str, out: Path, rows: int, args: argparse.Namespace, mib: float) -> None:
+    """One way in a fresh process (single-threaded); prints its line."""
+    before = load()
+    cmd = [sys.executable, __file__, "--child", how, str(out), "--rows", str(rows),
+           "--heldout", str(args.heldout), "--batch-rows", str(args.batch_rows)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        sys.exit(f"{how} failed:\n{proc.stderr}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    if how == "sft_loading":
+        print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
+              f"peak RSS +{r['rss_growth_mib']:,.0f} MiB (anonymous +{r['anon_growth_mib']:,.0f} MiB at the end)  "
+              f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s), one epoch "
+              f"of batches {r['iterate_s']:.1f} s ({r['kept'] / r['iterate_s']:,.0f} rows/s, "
+              f"{r['tokens'] / r['iterate_s'] / 1e6:.1f} M tokens/s)  load {before} -> {load()}")
+    elif how == "sft_reading":
+        print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
+              f"{r['tokens'] / r['seconds'] / 1e6:.1f} M tokens/s  peak RSS +{r['rss_growth_mib']:,.0f} MiB "
+              f"(anonymous +{r['anon_growth_mib']:,.0f} MiB at the end), token file {r['file_mib']:,.0f} MiB  "
+              f"load {before} -> {load()}")
+    else:
+        print(f"  {how:13s} {r['seconds']:7.1f} s  {rows / r['seconds']:9,.0f} rows/s  "
+              f"{mib / r['seconds']:6.1f} MiB/s  peak RSS +{r['rss_growth_mib']:,.0f} MiB  "
+              f"kept {r['kept']:,} {r['dropped']}  load {before} -> {load()}")
 
 
 def main() -> None:
@@ -183,6 +254,9 @@ def main() -> None:
     ap.add_argument("--batch-rows", type=int, default=4096)
     ap.add_argument("--unmarked", action="store_true",
                     help="write shards without the shard task's marks: the merge then does all the curation itself")
+    ap.add_argument("--ways", nargs="+", default=None,
+                    choices=["merge_shards", "write_merged", "sft_loading", "sft_reading"],
+                    help="run only these (default: every one the code has, but sft_reading)")
     ap.add_argument("--work", default=None, help="folder for the shards (default: a temporary one)")
     ap.add_argument("--child", nargs=2, metavar=("HOW", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -200,9 +274,16 @@ def main() -> None:
         ways += ["sft_loading"] if "write_merged" in ways else []
     except ImportError:
         pass
+    # sft_loading reads what write_merged wrote; sft_reading (asked for by name) writes its own token file
+    ways = [w for w in ways
+            if args.ways is None or w in args.ways or (w == "write_merged" and "sft_loading" in args.ways)]
+    ways += ["sft_reading"] if args.ways and "sft_reading" in args.ways else []
     with tempfile.TemporaryDirectory(dir=args.work) as work:
         for rows in args.rows:
             out = Path(work) / f"rows-{rows}"
+            if ways == ["sft_reading"]:
+                run_way("sft_reading", out, rows, args, 0.0)
+                continue
             written = write_shards(out, rows, args.shard_rows, args.response_bytes, args.heldout, args.unmarked)
             mib = written["text_bytes"] / 2**20
             marks = ("" if written["mark_s"] is None else
@@ -210,24 +291,7 @@ def main() -> None:
                      f"{rows / written['mark_s']:,.0f} rows/s")
             print(f"{rows:,} rows, {mib:,.0f} MiB of text in {len(list(out.glob('shard-*.parquet')))} shards{marks}")
             for how in ways:
-                before = load()
-                cmd = [sys.executable, __file__, "--child", how, str(out), "--rows", str(rows),
-                       "--heldout", str(args.heldout), "--batch-rows", str(args.batch_rows)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-                if proc.returncode:
-                    sys.exit(f"{how} failed:\n{proc.stderr}")
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
-                if how == "sft_loading":
-                    print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
-                          f"peak RSS +{r['rss_growth_mib']:,.0f} MiB (anonymous +{r['anon_growth_mib']:,.0f} MiB at "
-                          f"the end; the rest is the mapped token file)  "
-                          f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s), one epoch "
-                          f"of batches {r['iterate_s']:.1f} s ({r['kept'] / r['iterate_s']:,.0f} rows/s, "
-                          f"{r['tokens'] / r['iterate_s'] / 1e6:.1f} M tokens/s)  load {before} -> {load()}")
-                    continue
-                print(f"  {how:13s} {r['seconds']:7.1f} s  {rows / r['seconds']:9,.0f} rows/s  "
-                      f"{mib / r['seconds']:6.1f} MiB/s  peak RSS +{r['rss_growth_mib']:,.0f} MiB  "
-                      f"kept {r['kept']:,} {r['dropped']}  load {before} -> {load()}")
+                run_way(how, out, rows, args, mib)
             for folder in ("curated", "tokens"):
                 if (out / folder).exists():
                     for p in (out / folder).iterdir():

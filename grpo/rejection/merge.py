@@ -146,7 +146,7 @@ def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutInde
     `batch_rows` rows at a time (shards written before marks existed, or against another held-out set).
     """
     with fs.open(shard.path, "rb") as f:
-        pf = pq.ParquetFile(f)
+        pf = pq.ParquetFile(f, pre_buffer=False)  # pre-buffered, a file's column chunks stay until it closes
         names = set(pf.schema_arrow.names)
         missing = [c for c in ("prompt", "response", "source_prompt_id", "sample_index") if c not in names]
         if missing:
@@ -229,7 +229,7 @@ def _kept_batches(plan: _MergePlan, shard: int, start: int, batch_rows: int) -> 
     """The kept rows of one shard, `batch_rows` read at a time; `start`: the shard's first row in `keep`."""
     s = plan.shards[shard]
     with plan.fs.open(s.path, "rb") as f:
-        pf = pq.ParquetFile(f)
+        pf = pq.ParquetFile(f, pre_buffer=False)
         at = start
         for batch in pf.iter_batches(batch_size=batch_rows, columns=s.schema.names):
             keep = plan.selection.keep[at:at + len(batch)]

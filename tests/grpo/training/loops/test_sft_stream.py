@@ -1,6 +1,9 @@
 """SFT from a stream: the curated dataset's Parquet part files (and an older run's single file) tokenized once into
-a memory-mapped Arrow file give the loop exactly the batches today's in-memory frame gives it."""
+an Arrow file give the loop exactly the batches today's in-memory frame gives it, holding a bounded part of them."""
 
+import sys
+
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,7 +18,7 @@ from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local import render_prompts, response_text
 from grpo.training.batches import batch_indices
 from grpo.training.loops.sft_trainer import collate, tokenize_rows, train_sft
-from grpo.training.sft_rows import tokenize_files
+from grpo.training.sft_rows import text_runs, tokenize_files
 from tiny_configs import SMALL
 
 # reasoning rows with text prompts, as the merge writes them
@@ -63,7 +66,7 @@ def test_the_stream_gives_the_frames_batches(datasets, tmp_path):
     streamed = tokenize_files(datasets, tok, 64, tmp_path / "tokens", batch_rows=5)  # batches across files
     assert len(streamed) == len(expected) == 27
     assert [streamed[i] for i in range(len(streamed))] == expected
-    assert streamed.label_tokens == [sum(t != -100 for t in e.labels[1:]) for e in expected]
+    assert streamed.label_tokens.tolist() == [sum(t != -100 for t in e.labels[1:]) for e in expected]
     for step in range(12):  # two epochs of batches of 4
         idx = batch_indices(len(expected), 4, step, seed=3)
         a, b = collate([expected[i] for i in idx], 0), collate([streamed[i] for i in idx], 0)
@@ -124,3 +127,37 @@ def test_an_older_runs_single_file_is_still_read(datasets, tmp_path):
         assert described.schema["prompt"].startswith("list<")
         assert list(tokenize_files([path], tok, 64, tmp_path / "tokens")) == tokenize_rows(pd.read_parquet(older),
                                                                                           tok, 64)
+
+
+def test_text_runs_cut_rows_in_order_within_the_budget():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        chars, budget = rng.integers(1, 50, size=rng.integers(0, 30)).tolist(), int(rng.integers(1, 120))
+        runs = text_runs(chars, budget)
+        assert [i for r in runs for i in range(len(chars))[r]] == list(range(len(chars)))  # every row once, in order
+        assert all(sum(chars[r]) <= budget or r.stop - r.start == 1 for r in runs)
+        # next-fit: a run closes only when its next row would pass the budget
+        assert all(sum(chars[a]) + chars[b.start] > budget for a, b in zip(runs, runs[1:]))
+
+
+def test_tokenizing_holds_a_calls_text_and_reading_holds_the_rows_asked_for(datasets, tmp_path):
+    _, tok = load_model_and_tokenizer(SMALL)
+    frame = pd.concat([pd.read_parquet(d)[["prompt", "response"]] for d in datasets], ignore_index=True)
+    expected = tokenize_rows(frame, tok, 64)
+    # a budget under any row's text: one tokenizer call a row, each its own record batch in the token file
+    one = tokenize_files(datasets, tok, 64, tmp_path / "one", max_chars=1)
+    assert np.diff(one.places.first).tolist() == [1] * 27 and list(one) == expected
+    # 130 characters: two curated rows a call, one cold-start row (text_runs), none past the budget with two or more
+    some = tokenize_files(datasets, tok, 64, tmp_path / "some", batch_rows=5, max_chars=130)
+    chars = [len(str(p)) + len(r) for p, r in zip(frame["prompt"], frame["response"])]
+    # read 5 rows at a time from each file: part files of 8, 8 and 5 rows, then the older run's 6
+    frames = ((0, 5), (5, 8), (8, 13), (13, 16), (16, 21), (21, 26), (26, 27))
+    runs = [text_runs(chars[a:b], 130) for a, b in frames]
+    assert np.diff(some.places.first).tolist() == [r.stop - r.start for rs in runs for r in rs] \
+        == [2, 2, 1, 2, 1] * 2 + [2, 2, 1] + [1] * 6
+    assert list(some) == expected
+    # what a reader holds: 16 bytes a row (token counts, place in the file), none of the file mapped
+    assert sum(a.nbytes for a in some.places) == 16 * 27 + 8 * (1 + 3 * len(some.places.ids_at))
+    if sys.platform == "linux":
+        maps = open("/proc/self/maps").read()
+        assert not any(str(f) in maps for f in (tmp_path / "some").glob("tokens-*.arrow"))
