@@ -270,9 +270,10 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
         if c.judge_asked:
             metrics["rejection/judge_accept_rate"] = c.judge_accepted / c.judge_asked
         log_metrics = tracking.MetricsLogger(run_id)
+        # the plan against the run and the judge's rates: timings, logged on the stage's run, kept out of the
+        # stage's figures (the pipeline's summary, which reruns and placements compare)
         compared = log_plan_against_run(run_id, plan, cfg, c.kept, log_metrics)
-        metrics.update(compared)
-        log_metrics(0, metrics)
+        log_metrics(0, {**metrics, **compared})
         if not merged.rows:  # the counts are logged; the shards stay in the store for a rerun with other filters
             raise DataError(f"rejection sampling kept no rows ({summary_line(metrics)}): the SFT stage would have "
                             "nothing to train on; loosen the `rejection` filters, sample more per prompt, or check "
