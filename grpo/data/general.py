@@ -189,7 +189,7 @@ FORMS: dict[str, tuple[str, dict[str, str], tuple[str, ...], tuple[str, ...], st
 }
 LEAD_INS = ("", "Please help. ", "Quick question: ", "Hi! ", "Hello. ", "I wonder: ")  # more prompts, same subjects
 HELDOUT_SUBJECT_EVERY = 5  # every fifth subject of each form is never trained on
-# the SFT rows use the first four training phrasings of each form, the alignment stage's prompts all six: as R1's RL
+# the SFT rows use the first three training phrasings of each form, the alignment stage's prompts all six: as R1's RL
 # prompts reach past its SFT data, the RL stage meets phrasings the SFT model has not memorised (where the SFT model
 # is right on nearly every prompt it trained on, those give GRPO no signal)
 SFT_PHRASINGS = 3
