@@ -59,7 +59,8 @@ from grpo.training.packing import loss_parts, micro_batch_rows
 from grpo.training.policy import (check_prompts, check_token_budget, checkpointing_on, frozen_reference, gemm_plan,
                                   prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
                                   samples_table, save_policy, score_rollout, scored_logps, trainable)
-from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
+from grpo.training.process import (StepRewards, graded_by_steps, process_advantages, score_steps, step_metrics,
+                                   token_char_ends)
 from grpo.training.rollouts import Plan, Rollouts, start_rollouts
 from grpo.training.strategy import make_strategy
 
@@ -232,7 +233,7 @@ class GRPOTrainer:
         chars = token_char_ends(self.tokenizer, rollout.completion_ids, rollout.completion_mask, rollout.texts)
         columns = row_columns(self.columns, self.cells, idx, self.cfg.num_generations)
         steps = score_steps(self.step_verifier, rollout.texts, columns, outcome, chars, name=self.cfg.step_verifier)
-        if first and not any(steps.checked):
+        if first and not any(steps.checked) and not all(steps.ungraded or []):  # all ungraded: the watch's to say
             raise ValueError(f"step_verifier {self.cfg.step_verifier!r} found no step in any of the first "
                              f"{len(rollout.texts)} completions (one reads {rollout.texts[0][:200]!r}); choose a "
                              f"step verifier that reads this data's reasoning")
@@ -247,7 +248,10 @@ class GRPOTrainer:
         rows."""
         cfg = self.cfg
         C = rollout.completion_ids.size(1)
-        trains = None if graded is None or all(graded) else trained_rows(graded, cfg.num_generations)  # [N]
+        trains = None  # [N] the rows that train
+        if graded is not None and not all(graded):
+            # a coefficient needs no group to be compared against: a graded sample trains whatever its group's others
+            trains = torch.tensor(graded) if self.coefficients is not None else trained_rows(graded, cfg.num_generations)
         if self.coefficients is not None:  # `rewards` are already each sample's coefficient: no baseline, no scale
             advantages = torch.tensor(rewards, dtype=torch.float32)  # [N]
         elif steps is None:
@@ -256,7 +260,8 @@ class GRPOTrainer:
                                           graded=None if trains is None else torch.tensor(graded))  # [N]
         else:
             advantages = process_advantages(steps.rewards, steps.ends, cfg.num_generations, C,
-                                            scale=cfg.scale_rewards)  # [N, C]
+                                            scale=cfg.scale_rewards,
+                                            graded=None if trains is None else trains.tolist())  # [N, C]
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
         ref_logps = None
@@ -409,15 +414,17 @@ class GRPOTrainer:
             torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
-            self.watch_grading(step, scores, ckpt_root, start)  # may stop the run here, its steps kept
             steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
-            t_gen = time.perf_counter() - t0
+            if steps is not None:  # a completion the step verifier could not check is ungraded, as a reward's
+                scores = graded_by_steps(scores, steps)
             rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
-            if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise
-                metrics["rft/correct"] = sum(rewards) / len(rewards)
             graded = scores.graded_rows
-            if steps is not None and steps.ungraded and any(steps.ungraded):  # the step verifier could not check
-                graded = [g and why is None for g, why in zip(graded, steps.ungraded)]
+            # may stop the run here, its steps kept
+            self.watch_grading(step, scores, ckpt_root, start, self.signal_groups(rewards, graded, steps))
+            t_gen = time.perf_counter() - t0
+            if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise (graded ones)
+                correct = [c for c, g in zip(rewards, graded) if g]
+                metrics["rft/correct"] = sum(correct) / len(correct) if correct else float("nan")
             batch = self.build_batch(rollout, rewards, steps, graded)
             # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
             # the policy itself has nothing to compare)
@@ -449,14 +456,28 @@ class GRPOTrainer:
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
 
-    def watch_grading(self, step: int, scores, ckpt_root: Path, start: int) -> None:
-        """Hand the step's grading (every process's rows) to the watch; when it stops the run, the steps done so
-        far are saved first (unless a checkpoint of them is there: the one this run resumed from, or the loop's
-        own), so the same command resumes here."""
+    def signal_groups(self, rewards: list[float], graded: list[bool], steps: StepRewards | None) -> int:
+        """How many of the step's groups carry a gradient, over their graded rows: with coefficients (online RFT)
+        those with a graded sample of non-zero coefficient; with process supervision those of two or more graded
+        rows whose step rewards differ; else those whose rewards differ."""
+        G = self.cfg.num_generations
+        groups = [[i for i in range(g * G, (g + 1) * G) if graded[i]] for g in range(len(graded) // G)]
+        if self.coefficients is not None:
+            return sum(any(rewards[i] != 0 for i in rows) for rows in groups)
+        if steps is not None:
+            values = [[r for i in rows for r in steps.rewards[i]] for rows in groups if len(rows) >= 2]
+            return sum(max(v) > min(v) for v in values)
+        return len(spread_groups(rewards, G, graded))
+
+    def watch_grading(self, step: int, scores, ckpt_root: Path, start: int, spread: int) -> None:
+        """Hand the step's grading (every process's rows; `spread`: this process's groups that carry a gradient,
+        `signal_groups`) to the watch; when it stops the run, the steps done so far are saved first (unless a
+        checkpoint of them is there: the one this run resumed from, or the loop's own), so the same command resumes
+        here."""
         G = self.cfg.num_generations
         graded = scores.graded_rows
         mine = StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()),
-                           len(graded) // G, len(spread_groups(scores.total, G, graded)))
+                           len(graded) // G, spread)
         every = mine
         if self.acc.num_processes > 1:  # the same verdict on every process: a stop there is a collective save
             every = functools.reduce(StepGrading.plus, [StepGrading(*g) for g in gather_object([tuple(mine)])])
