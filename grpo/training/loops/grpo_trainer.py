@@ -208,8 +208,11 @@ class GRPOTrainer:
         if not self.cfg.dynamic_sampling:
             return rollout, idx, scores, {**stats, **decode_figures(self.engine)}
         parts = [(rollout, scores, idx, spread_groups(scores.total, G, scores.graded_rows))]
-        # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too
-        stats["dynamic/first_draw_reward"] = sum(scores.total) / len(scores.total)
+        # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too (its
+        # graded rows: an ungraded row's total is no reward)
+        first = [t for t, g in zip(scores.total, scores.graded_rows) if g]
+        stats["dynamic/first_draw_reward"] = sum(first) / len(first) if first else float("nan")
+        stats["dynamic/first_draw_ungraded_share"] = 1 - len(first) / len(scores.total)
         stats["dynamic/first_draw_zero_std_groups"] = 1 - len(parts[0][3]) / len(idx)
         for draw in range(1, self.cfg.max_refill_rounds + 1):
             if sum(len(p[3]) for p in parts) >= want:
