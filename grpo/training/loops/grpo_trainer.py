@@ -19,16 +19,13 @@ Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import pandas as pd
 import torch
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -50,15 +47,16 @@ from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (check_split, gather_table, local_processes, matched_chunks, process_share,
                                        process_weight, sampling_seed)
 from grpo.training.dynamic import concat_groups, spread_groups
-from grpo.training.grading import GradingStop, GradingWatch, StepGrading
+from grpo.training.grading import GradingStop
 from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
 from grpo.training.loss import AGGREGATORS, grpo_loss
 from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
 from grpo.training.packing import loss_parts, micro_batch_rows
 from grpo.training.policy import (check_prompts, check_token_budget, checkpointing_on, frozen_reference, gemm_plan,
-                                  prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
-                                  samples_table, save_policy, score_rollout, scored_logps, trainable)
+                                  grading_watch, observe_grading, prepared, report_step, reward_registry,
+                                  rollout_metrics, row_columns, sample_rollout, samples_table, save_policy,
+                                  score_rollout, scored_logps, trainable)
 from grpo.training.process import (StepRewards, graded_by_steps, process_advantages, score_steps, step_metrics,
                                    token_char_ends)
 from grpo.training.rollouts import Plan, Rollouts, start_rollouts
@@ -174,8 +172,7 @@ class GRPOTrainer:
         self.generation = generation or GenerationConfig()
         self.push_s = 0.0
         # the run's grading: a stop when graders keep failing, a line when groups stop carrying signal
-        self.grading = GradingWatch(cfg.max_ungraded_share, cfg.ungraded_window, cfg.no_signal_steps,
-                                    cfg.stop_without_signal, stage="GRPO")
+        self.grading = grading_watch(cfg, "GRPO")
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
@@ -477,20 +474,13 @@ class GRPOTrainer:
         `signal_groups`) to the watch; when it stops the run, the steps done so far are saved first (unless a
         checkpoint of them is there: the one this run resumed from, or the loop's own), so the same command resumes
         here."""
-        G = self.cfg.num_generations
-        graded = scores.graded_rows
-        mine = StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()),
-                           len(graded) // G, spread)
-        every = mine
-        if self.acc.num_processes > 1:  # the same verdict on every process: a stop there is a collective save
-            every = functools.reduce(StepGrading.plus, [StepGrading(*g) for g in gather_object([tuple(mine)])])
-        try:
-            self.grading.observe(step, every)
-        except GradingStop:
+        def save() -> None:
             every_n = self.cfg.checkpoint_every
             if step > start and not (every_n and step % every_n == 0):  # decided alike on every process
                 self._save(ckpt_root, step)
-            raise
+
+        groups = len(scores.graded_rows) // self.cfg.num_generations
+        observe_grading(self.acc, self.grading, step, scores, groups, spread, save)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
