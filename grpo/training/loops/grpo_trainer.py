@@ -47,7 +47,7 @@ from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (check_split, gather_table, local_processes, matched_chunks, process_share,
                                        process_weight, sampling_seed)
 from grpo.training.dynamic import concat_groups, spread_groups
-from grpo.training.grading import GradingStop
+from grpo.training.grading import GradingStop, signal_groups
 from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
 from grpo.training.loss import AGGREGATORS, grpo_loss
@@ -251,7 +251,8 @@ class GRPOTrainer:
         trains = None  # [N] the rows that train
         if graded is not None and not all(graded):
             # a coefficient needs no group to be compared against: a graded sample trains whatever its group's others
-            trains = torch.tensor(graded) if self.coefficients is not None else trained_rows(graded, cfg.num_generations)
+            trains = (torch.tensor(graded) if self.coefficients is not None
+                      else trained_rows(graded, cfg.num_generations))
         if self.coefficients is not None:  # `rewards` are already each sample's coefficient: no baseline, no scale
             advantages = torch.tensor(rewards, dtype=torch.float32)  # [N]
         elif steps is None:
@@ -420,7 +421,9 @@ class GRPOTrainer:
             rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
             graded = scores.graded_rows
             # may stop the run here, its steps kept
-            self.watch_grading(step, scores, ckpt_root, start, self.signal_groups(rewards, graded, steps))
+            spread = signal_groups(rewards, graded, cfg.num_generations, steps and steps.rewards,
+                                   baseline=self.coefficients is None)  # RFT's coefficients have none
+            self.watch_grading(step, scores, ckpt_root, start, spread)
             t_gen = time.perf_counter() - t0
             if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise (graded ones)
                 correct = [c for c, g in zip(rewards, graded) if g]
@@ -456,24 +459,10 @@ class GRPOTrainer:
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
 
-    def signal_groups(self, rewards: list[float], graded: list[bool], steps: StepRewards | None) -> int:
-        """How many of the step's groups carry a gradient, over their graded rows: with coefficients (online RFT)
-        those with a graded sample of non-zero coefficient; with process supervision those of two or more graded
-        rows whose step rewards differ; else those whose rewards differ."""
-        G = self.cfg.num_generations
-        groups = [[i for i in range(g * G, (g + 1) * G) if graded[i]] for g in range(len(graded) // G)]
-        if self.coefficients is not None:
-            return sum(any(rewards[i] != 0 for i in rows) for rows in groups)
-        if steps is not None:
-            values = [[r for i in rows for r in steps.rewards[i]] for rows in groups if len(rows) >= 2]
-            return sum(max(v) > min(v) for v in values)
-        return len(spread_groups(rewards, G, graded))
-
     def watch_grading(self, step: int, scores, ckpt_root: Path, start: int, spread: int) -> None:
-        """Hand the step's grading (every process's rows; `spread`: this process's groups that carry a gradient,
-        `signal_groups`) to the watch; when it stops the run, the steps done so far are saved first (unless a
-        checkpoint of them is there: the one this run resumed from, or the loop's own), so the same command resumes
-        here."""
+        """Hand the step's grading (`spread`: this process's groups that carry a gradient) to the watch; when it
+        stops the run, the steps done so far are saved first (unless a checkpoint of them is there: the one this run
+        resumed from, or the loop's own), so the same command resumes here."""
         def save() -> None:
             every_n = self.cfg.checkpoint_every
             if step > start and not (every_n and step % every_n == 0):  # decided alike on every process

@@ -157,6 +157,36 @@ def test_a_step_verifier_that_cannot_check_leaves_its_rows_ungraded_and_the_watc
                                       f"most often, for {reason} (2 rows)")
 
 
+def reaches(completions, answer, **_):
+    """The answer is reached from a prefix whose first step is right; from UNSURE's second step the check cannot
+    say (it timed out)."""
+    return [Ungraded(TIMEOUT) if "12 - 2 = 9." in c else float("9 + 3 = 12." in c) for c in completions]
+
+
+def test_a_step_whose_rollouts_could_not_be_graded_gets_no_label_and_changes_no_other(tmp_path):
+    """UNSURE's second step: no rollout from it graded. It is left out (no end, no label) and counted; every other
+    step's label is the one it has when UNSURE is not labelled at all. Past the share allowed, the labelling stops
+    in the grading watch's line."""
+    from grpo.training.grading import GradingStop
+
+    model, tok = load_model_and_tokenizer(SMALL)
+    backend = TransformersBackend(model, tok)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    completions = [RIGHT, WRONG_FIRST, UNSURE]
+    rows = pd.DataFrame({"prompt": [PROMPT] * 3, "answer": ["10"] * 3})
+    labels = label_steps(backend, rows, completions, 2, sampling, grade=reaches, max_ungraded_share=0.5)
+    alone = label_steps(backend, rows[:2], completions[:2], 2, sampling, grade=reaches, max_ungraded_share=0.5)
+    pd.testing.assert_frame_equal(labels[:2], alone)
+    assert alone["labels"].tolist() == [[1, 1], [0, 0]]
+    unsure = labels.iloc[2]
+    assert unsure["step_ends"] == [RIGHT.index("12.") + 3] and unsure["labels"] == [1]  # its first step only
+    assert labels.attrs == {"prm/steps": 6.0, "prm/ungraded_steps": 1.0, "reward_ungraded/accuracy/timeout": 1.0}
+    with pytest.raises(GradingStop, match=r"^PRM labelling stopped before step 1: 1 of the last 6 rows \(17%, over 1 "
+                                          r"steps\) could not be graded, past grpo.max_ungraded_share 5%; the grader "
+                                          r"'accuracy' most often, for timeout \(1 rows\)"):
+        label_steps(backend, rows, completions, 2, sampling, grade=reaches)
+
+
 def test_a_step_verifier_that_finds_no_step_stops_the_first_step(tmp_path):
     trainer, _ = make_trainer(tmp_path)  # an untrained model writes no equation
     with pytest.raises(ValueError, match="step_verifier 'arithmetic' found no step in any of the first 2 "
