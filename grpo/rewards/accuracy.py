@@ -16,11 +16,13 @@ from grpo.rewards.answers import extract_answer, extract_boxed
 from grpo.rewards.forms import rewrite, word, word_verdict
 from grpo.rewards.math_fast import fast_verdict, parse_plain
 from grpo.rewards.math_latex import latex_value
-from grpo.rewards.outcomes import TIMEOUT as UNGRADED_TIMEOUT
+from grpo.rewards import outcomes
 from grpo.rewards.outcomes import Ungraded
 from grpo.rewards.math_verify_pool import (
     BAD_REFERENCE,
+    CRASHED,
     EQUAL,
+    RAISED,
     TIMEOUT,
     symbolic_verdicts,
 )
@@ -39,6 +41,7 @@ class AccuracyReport(NamedTuple):
     fast_path: int  # decided without math-verify (plain numbers, LaTeX shortcut, no answer)
     symbolic: int  # completions sent to math-verify
     timeouts: int  # completions whose check timed out (ungraded: TIMEOUT)
+    failed: int = 0  # completions whose check raised or lost its worker process (ungraded: RAISED, POOL_CRASH)
 
 
 def _reference_text(reference: Any) -> str | None:
@@ -73,6 +76,23 @@ def _without_currency(text: str) -> str:
     """An amount without its dollar sign, which math-verify cannot read ("\\$272.62" is 272.62); anything else as is.
     Found by the audit set (grpo/rewards/audit.py): every currency pair was missed before."""
     return _CURRENCY.sub("", text.strip())
+
+
+def symbolic_outcome(code: int, timeout_s: float) -> float | None | Ungraded:
+    """A completion's score from its symbolic check's verdict code: 1.0 or 0.0; None for a reference math-verify
+    cannot parse; ungraded, with what happened, for a check that gave no verdict (past its time limit and the
+    retry's, raised, or its worker process died).
+
+    >>> symbolic_outcome(CRASHED, 2.0).reason, symbolic_outcome(EQUAL, 2.0)
+    ('pool_crash', 1.0)
+    """
+    if code == TIMEOUT:  # not a wrong answer: the check could not say (a busy machine, a huge expression)
+        return Ungraded(outcomes.TIMEOUT, f"math-verify ran past {timeout_s:g} s, then {timeout_s * RETRY_FACTOR:g} s")
+    if code == RAISED:
+        return Ungraded(outcomes.RAISED, "math-verify raised")
+    if code == CRASHED:
+        return Ungraded(outcomes.POOL_CRASH, "the math-verify worker process died, and again in a fresh pool")
+    return None if code == BAD_REFERENCE else float(code == EQUAL)
 
 
 def check_accuracy(
@@ -120,16 +140,13 @@ def check_accuracy(
     slow = [pair for pair, code in codes.items() if code == TIMEOUT]
     if slow:  # once more, by themselves, with RETRY_FACTOR times the time: a busy machine's slowness is not theirs
         codes.update(zip(slow, symbolic_verdicts(slow, timeout_s * RETRY_FACTOR, symbolic_backend)))
-    timeouts = 0
+    timeouts = failed = 0
     for pair, code in codes.items():
         for i in pending[pair]:
-            if code == TIMEOUT:  # not a wrong answer: the check could not say (a busy machine, a huge expression)
-                scores[i] = Ungraded(UNGRADED_TIMEOUT, f"math-verify ran past {timeout_s:g} s, "
-                                                       f"then {timeout_s * RETRY_FACTOR:g} s")
-                timeouts += 1
-            else:
-                scores[i] = None if code == BAD_REFERENCE else float(code == EQUAL)
-    return AccuracyReport(scores, fast, sum(map(len, pending.values())), timeouts)
+            scores[i] = symbolic_outcome(code, timeout_s)
+            timeouts += code == TIMEOUT
+            failed += code in (RAISED, CRASHED)
+    return AccuracyReport(scores, fast, sum(map(len, pending.values())), timeouts, failed)
 
 
 def accuracy_reward(
@@ -155,7 +172,8 @@ def accuracy_reward(
     guard since workers are started with "spawn"), at most ``timeout_s`` per
     parse+verify; a check past it is made once more, apart from the others, with
     ``RETRY_FACTOR`` (5) times the limit, and one still past that is ungraded
-    (``Ungraded("timeout")``, logged), not wrong; a reference that math-verify cannot parse scores None.
+    (``Ungraded("timeout")``, logged), not wrong, as is a check that raised (``"raised"``) or whose worker
+    process died (``"pool_crash"``); a reference that math-verify cannot parse scores None.
     Safe to call from any thread.
     """
     report = check_accuracy(
@@ -163,4 +181,7 @@ def accuracy_reward(
     )
     if report.timeouts:
         logger.warning("accuracy_reward: %d of %d checks timed out (ungraded)", report.timeouts, len(completions))
+    if report.failed:
+        logger.warning("accuracy_reward: %d of %d checks raised or lost their worker (ungraded)", report.failed,
+                       len(completions))
     return report.scores

@@ -54,8 +54,9 @@ class _DropTimeoutDisabledNotice(logging.Filter):
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledNotice())
 
-# Verdict codes exchanged with the worker processes (small ints pickle cheaply).
-EQUAL, DIFFERENT, TIMEOUT, BAD_REFERENCE = 1, 0, -1, -2
+# Verdict codes exchanged with the worker processes (small ints pickle cheaply). The last three are no verdict, each
+# for what happened: the check ran past its time, raised, or lost its worker process (the pool broke)
+EQUAL, DIFFERENT, TIMEOUT, BAD_REFERENCE, RAISED, CRASHED = 1, 0, -1, -2, -3, -4
 
 
 class _SymbolicTimeout(BaseException):
@@ -167,6 +168,9 @@ def _check_group(gold: str, preds: Sequence[str | None], timeout_s: float, use_a
             gold_parsed = _mv_parse(gold)
     except _SymbolicTimeout:
         return [TIMEOUT] * len(preds)
+    except Exception:  # a BaseException, the alarm is not caught here
+        logger.warning("symbolic check of the reference %r raised", gold, exc_info=True)
+        return [RAISED] * len(preds)
     if not gold_parsed:
         return [BAD_REFERENCE] * len(preds)
     codes = []
@@ -182,6 +186,9 @@ def _check_group(gold: str, preds: Sequence[str | None], timeout_s: float, use_a
             code = EQUAL if equal else DIFFERENT  # outside the with: the alarm may fire in its exit
         except _SymbolicTimeout:
             code = TIMEOUT
+        except Exception:  # this pair alone: the others of the group keep their verdicts
+            logger.warning("symbolic check of %r against %r raised", pred, gold, exc_info=True)
+            code = RAISED
         codes.append(code)
     return codes
 
@@ -241,8 +248,9 @@ def _check_in_thread(gold: str, pred: str | None, timeout_s: float) -> int:
     def run() -> None:
         try:
             result.extend(_check_group(gold, [pred], timeout_s, use_alarm=False))
-        except Exception:  # never let a worker error escape; scored as a timeout
+        except Exception:  # never let a worker error escape; a check that raised, not one that ran out of time
             logger.exception("symbolic check failed")
+            result.append(RAISED)
 
     thread = threading.Thread(target=run, name="accuracy-reward-symbolic", daemon=True)
     thread.start()
@@ -326,8 +334,9 @@ class _SymbolicPool:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
 
-    def run(self, chunks: list[_Chunk], timeout_s: float, retry: bool = True) -> list[list[list[int]] | None]:
-        """Per chunk, its verdict codes; None for a chunk that did not finish in time."""
+    def run(self, chunks: list[_Chunk], timeout_s: float, retry: bool = True) -> list[list[list[int]] | int]:
+        """Per chunk, its verdict codes; or one code for a chunk that gave none, saying why: TIMEOUT (stuck past
+        the backstop, the pool killed), CRASHED (a worker died, and again in a fresh pool), RAISED."""
         executor, starting = self._get()
         if executor is None:
             return [_run_chunk_in_threads(chunk, timeout_s) for chunk in chunks]
@@ -349,21 +358,21 @@ class _SymbolicPool:
             logger.warning("symbolic check stuck past %.0fs; killing the worker pool", budget)
             self._discard(executor, broken=False)
 
-        results: list[list[list[int]] | None] = []
+        results: list[list[list[int]] | int] = []
         broken = []
         for i, future in enumerate(futures):
             if future in not_done:
-                results.append(None)
+                results.append(TIMEOUT)
                 continue
             try:
                 results.append(future.result())
                 self._warm = True
             except cf.process.BrokenProcessPool:
                 broken.append(i)
-                results.append(None)
+                results.append(CRASHED)
             except Exception:
                 logger.exception("symbolic check failed")
-                results.append(None)
+                results.append(RAISED)
         if broken:
             self._discard(executor, broken=True)
             if retry:  # one fresh pool for the chunks a crash took down
@@ -408,8 +417,10 @@ def symbolic_verdicts(pairs: Sequence[tuple[str, str | None]], timeout_s: float,
         chunk_index.append(list(index.values()))
     codes = [TIMEOUT] * len(pairs)
     for result, idx_groups in zip(_POOL.run(chunks, timeout_s), chunk_index):
-        if result is None:
-            continue  # pool killed or crashed: scored as timeouts
+        if isinstance(result, int):  # the chunk gave no verdicts: each pair of it takes the reason why
+            for i in (i for idxs in idx_groups for i in idxs):
+                codes[i] = result
+            continue
         for group_codes, idxs in zip(result, idx_groups):
             for code, i in zip(group_codes, idxs):
                 codes[i] = code

@@ -22,11 +22,13 @@ JUDGE_TIMEOUT = "judge_timeout"  # the judge did not answer in time
 JUDGE_HTTP_ERROR = "judge_http_error"  # the judge's endpoint failed the request
 JUDGE_NO_VERDICT = "judge_no_verdict"  # the judge answered without a verdict that could be read
 RAISED = "raised"  # the grader raised
+POOL_CRASH = "pool_crash"  # the worker process that held the check died (the pool broke), even once retried
+MALFORMED = "malformed"  # the grader answered something that is not its contract's (a step verifier's bad steps)
 NOT_A_NUMBER = "not_a_number"  # the grader answered NaN, an infinity or something that is not a number
 WRONG_LENGTH = "wrong_length"  # the grader answered more or fewer scores than there were completions
 
 REASONS = (TIMEOUT, TIMEOUT_UNDER_LOAD, SANDBOX_ERROR, JUDGE_TIMEOUT, JUDGE_HTTP_ERROR, JUDGE_NO_VERDICT, RAISED,
-           NOT_A_NUMBER, WRONG_LENGTH)
+           POOL_CRASH, MALFORMED, NOT_A_NUMBER, WRONG_LENGTH)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,8 @@ Pure Python; must not depend on torch, Prefect or MLflow.
 from __future__ import annotations
 
 import ast
+import math
+import numbers
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -207,14 +209,34 @@ STEP_VERIFIER_FUNCTIONS: dict[str, StepVerifier] = {"arithmetic": arithmetic_ste
 assert set(STEP_VERIFIER_FUNCTIONS) | {"prm"} == set(STEP_VERIFIERS), "grpo.configs.core.STEP_VERIFIERS names these"
 
 
+def step_problem(s: Any, i: int = 0) -> str | None:
+    """What is wrong with a verifier's answer `s` for completion `i`, or None where it is well-formed Steps: ends
+    and rewards of one length, the ends whole offsets in order, the rewards finite numbers.
+
+    >>> step_problem(Steps((5, 3), (1.0, 1.0))), step_problem(Steps((5,), (1.0,)))
+    ("completion 0's step ends [5, 3] are not in order", None)
+    """
+    ends, rewards = getattr(s, "ends", None), getattr(s, "rewards", None)
+    if not isinstance(ends, Sequence) or not isinstance(rewards, Sequence):
+        return f"completion {i}'s answer {s!r:.80} is not Steps"
+    if len(ends) != len(rewards):
+        return f"completion {i} has {len(ends)} step ends and {len(rewards)} rewards"
+    if not all(isinstance(e, numbers.Integral) and not isinstance(e, bool) and e >= 0 for e in ends):
+        return f"completion {i}'s step ends {list(ends)!r:.80} are not character offsets"
+    if any(b < a for a, b in zip(ends, ends[1:])):
+        return f"completion {i}'s step ends {list(ends)} are not in order"
+    if not all(isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
+        return f"completion {i}'s step rewards {list(rewards)!r:.80} are not all finite numbers"
+    return None
+
+
 def check_steps(steps: Sequence[Steps], n: int, name: str = "step verifier") -> list[Steps]:
     """A verifier's output as `n` well-formed Steps, or a ValueError that says what is wrong."""
     steps = list(steps)
     if len(steps) != n:
         raise ValueError(f"{name} returned {len(steps)} step lists for {n} completions")
     for i, s in enumerate(steps):
-        if len(s.ends) != len(s.rewards):
-            raise ValueError(f"{name}: completion {i} has {len(s.ends)} step ends and {len(s.rewards)} rewards")
-        if any(b < a for a, b in zip(s.ends, s.ends[1:])):
-            raise ValueError(f"{name}: completion {i}'s step ends {list(s.ends)} are not in order")
+        problem = step_problem(s, i)
+        if problem is not None:
+            raise ValueError(f"{name}: {problem}")
     return steps

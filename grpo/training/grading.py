@@ -42,6 +42,26 @@ class StepGrading(NamedTuple):
                            self.groups + other.groups, self.spread + other.spread)
 
 
+def signal_groups(rewards: list[float], graded: list[bool], group_size: int,
+                  step_rewards: list[list[float]] | None = None, baseline: bool = True) -> int:
+    """How many groups (`group_size` rows each) carry a gradient, over their graded rows. With a baseline (the
+    group's mean): those of two or more graded rows whose rewards differ (`step_rewards`: every step reward of the
+    rows, process supervision's). Without one (online RFT's coefficients): those with a graded row of non-zero
+    reward.
+
+    >>> rewards = [1.0, 0.0, 1.0, 1.0]  # the second group ties: no spread, yet both its rows are pushed up in RFT
+    >>> signal_groups(rewards, [True] * 4, 2), signal_groups(rewards, [True] * 4, 2, baseline=False)
+    (1, 2)
+    """
+    groups = [[i for i in range(g * group_size, (g + 1) * group_size) if graded[i]]
+              for g in range(len(graded) // group_size)]
+    if not baseline:
+        return sum(any(rewards[i] != 0 for i in rows) for rows in groups)
+    values = [[v for i in rows for v in ([rewards[i]] if step_rewards is None else step_rewards[i])]
+              for rows in groups if len(rows) >= 2]
+    return sum(bool(v) and max(v) > min(v) for v in values)
+
+
 class GradingWatch:
     """Feed it each step's `StepGrading` (`observe`), before the step trains; it raises `GradingStop` when the run
     must stop. `stage` names the run in its lines ("reasoning GRPO")."""

@@ -12,14 +12,17 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import shutil
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import pandas as pd
 import torch
+from accelerate.utils import gather_object
 
 from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
@@ -29,6 +32,7 @@ from grpo.sampling.engines import Engine, Rollout, require_tokens
 from grpo.sampling.local import render_prompts
 from grpo.training.accelerator import shared_gemm_plan
 from grpo.training.distributed import gather_table, main_only, matched_chunks, reduce_metrics
+from grpo.training.grading import GradingStop, GradingWatch, StepGrading
 from grpo.training.logprobs import token_logps
 from grpo.training.lora import add_lora, save_merged
 from grpo.training.optimizers import cast_parameters, make_optimizer
@@ -196,6 +200,31 @@ def check_token_budget(cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, who: s
                          f"({lengths[longest]} tokens) with a whole completion (sampling.max_new_tokens="
                          f"{cfg.sampling.max_new_tokens}); raise it to at least "
                          f"{lengths[longest] + cfg.sampling.max_new_tokens}")
+
+
+def grading_watch(cfg: GRPOConfig, stage: str) -> GradingWatch:
+    """The run's grading watch (`grpo.training.grading`): a stop when graders keep failing, a line when the groups
+    stop carrying signal."""
+    return GradingWatch(cfg.max_ungraded_share, cfg.ungraded_window, cfg.no_signal_steps, cfg.stop_without_signal,
+                        stage=stage)
+
+
+def observe_grading(acc, watch: GradingWatch, step: int, scores, groups: int, spread: int,
+                    save: Callable[[], None]) -> None:
+    """Hand the step's grading to the watch before the step trains: this process's rows (`scores`: their graded
+    flags and ungraded reasons), `groups` and how many of them carry a gradient (`spread`), summed over every
+    process so each reaches the same verdict. When it stops the run, `save` runs first (on every process: a save
+    is a collective) and the stop is raised."""
+    graded = scores.graded_rows
+    mine = StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()), groups, spread)
+    every = mine
+    if acc.num_processes > 1:
+        every = functools.reduce(StepGrading.plus, [StepGrading(*g) for g in gather_object([tuple(mine)])])
+    try:
+        watch.observe(step, every)
+    except GradingStop:
+        save()
+        raise
 
 
 # -- what a step reports -----------------------------------------------------------------------------------------

@@ -22,14 +22,15 @@ Pure tensor and text functions: must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-from grpo.rewards.outcomes import RAISED
-from grpo.rewards.steps import Steps, StepVerifier, check_steps
+from grpo.rewards.outcomes import MALFORMED, RAISED
+from grpo.rewards.steps import Steps, StepVerifier, step_problem
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +41,22 @@ class StepRewards(NamedTuple):
     ends: list[list[int]]  # per completion: index of the last completion token of each step, increasing
     rewards: list[list[float]]  # per completion: one reward per step; the last is the outcome reward
     checked: list[int]  # per completion: how many steps a step verifier checked (0: the outcome fallback)
-    # per completion: why the step verifier could not check it (it raised: `grpo.rewards.outcomes`), else None;
-    # such a completion is ungraded, and trains nothing
+    # per completion: why the step verifier could not check it (it raised, or answered malformed steps:
+    # `grpo.rewards.outcomes`), else None; such a completion is ungraded, and trains nothing
     ungraded: list[str | None] | None = None
 
 
 def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Sequence[Sequence[int]],
-                       group_size: int, width: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+                       group_size: int, width: int, scale: str = "group", eps: float = 1e-4,
+                       graded: Sequence[bool] | None = None) -> Tensor:
     """Token advantages [N, width] from each completion's step rewards and the token index each step ends at.
 
     Rows are laid out group by group, as in `group_advantages`. The mean is each group's over all its steps; the
     std (unbiased, 0 for fewer than two steps) is the group's (`scale="group"`), the whole batch's over all steps
     (`"batch"`), or not divided by (`"none"`). Tokens after a completion's last step get 0.
+
+    `graded` (per row): the rows whose rewards could be had; the steps of the others are no reward at all, left out
+    of every mean and std before they are taken, and their tokens get 0 (as `group_advantages` does).
 
     Hand-worked (group of two; steps r = [1, 0] ending at tokens 0 and 2, and [1] ending at token 1; scale none):
     mean 2/3, r~ = [1/3, -2/3] and [1/3]; first row [1/3 - 2/3, -2/3, -2/3], second [1/3, 1/3, 0]
@@ -66,6 +71,8 @@ def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Seque
         raise ValueError(f"{len(step_ends)} rows of step ends for {N} rows of step rewards")
     if group_size < 1 or N % group_size:
         raise ValueError(f"{N} completions are not whole groups of group_size {group_size}")
+    if graded is not None and len(graded) != N:
+        raise ValueError(f"{len(graded)} graded flags for {N} rows of step rewards")
     rows, ends, values = [], [], []
     for i, (r, e) in enumerate(zip(step_rewards, step_ends)):
         if len(r) != len(e):
@@ -73,6 +80,8 @@ def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Seque
         bad = [t for t in e if not 0 <= t < width]
         if bad:
             raise ValueError(f"completion {i}: step ends {bad} lie outside the {width} completion tokens")
+        if graded is not None and not graded[i]:
+            continue
         rows += [i] * len(r)
         ends += list(e)
         values += [float(x) for x in r]
@@ -168,7 +177,7 @@ def score_steps(verifier: StepVerifier, texts: Sequence[str], columns: Mapping[s
     texts = list(texts)
     failed: list[str | None] = [None] * len(texts)
     try:
-        raw = verifier(texts, **columns)
+        raw = list(verifier(texts, **columns))
     except Exception:  # one by one, so a completion the verifier cannot check fails alone
         logger.warning("process supervision: the %s raised on the batch; checking its completions one by one", name,
                        exc_info=True)
@@ -177,11 +186,21 @@ def score_steps(verifier: StepVerifier, texts: Sequence[str], columns: Mapping[s
             single = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == len(texts) else v
                       for k, v in columns.items()}
             try:
-                raw += list(verifier([text], **single))
+                one = list(verifier([text], **single))
             except Exception:
-                raw.append(Steps())
-                failed[i] = RAISED
-    steps = check_steps(raw, len(texts), name)
+                one, failed[i] = [Steps()], RAISED
+            raw.append(one[0] if len(one) == 1 else f"{len(one)} step lists for 1 completion")
+    if len(raw) != len(texts):  # no answer can be told from another's: every completion is ungraded
+        logger.warning("process supervision: the %s returned %d step lists for %d completions; all ungraded "
+                       "(malformed)", name, len(raw), len(texts))
+        raw, failed = [Steps()] * len(texts), [MALFORMED] * len(texts)
+    steps = []
+    for i, s in enumerate(raw):  # a malformed answer makes its completion ungraded, not the stage fail
+        problem = None if failed[i] else step_problem(s, i)
+        if problem is not None:
+            logger.warning("process supervision: the %s answered malformed steps: %s; ungraded", name, problem)
+            failed[i] = MALFORMED
+        steps.append(s if failed[i] is None else Steps())
     result = step_rewards(steps, outcome, token_chars)._replace(ungraded=failed)
     fallback = sum(n == 0 for n in result.checked)
     if fallback:
@@ -190,12 +209,26 @@ def score_steps(verifier: StepVerifier, texts: Sequence[str], columns: Mapping[s
     return result
 
 
+def graded_by_steps(scores, steps: StepRewards):
+    """The step's reward scores (`grpo.rewards.RewardScores`) with the step verifier's verdicts added as one more
+    grader, `step_verifier`: a completion it could not check is ungraded for its reason, so the loop's group
+    statistics, figures, samples table and grading watch leave it out and count it as they do a reward's."""
+    why = steps.ungraded or [None] * len(scores.total)
+    if not any(why):
+        return scores
+    graded = [g and w is None for g, w in zip(scores.graded_rows, why)]
+    return dataclasses.replace(scores, ungraded={**scores.ungraded, "step_verifier": list(why)}, graded=graded)
+
+
 def step_metrics(steps: StepRewards) -> dict[str, float]:
-    """process/steps_per_completion and process/step_accuracy (checked steps only, the answer step apart) and
-    process/fallback: completions with no checked step, which took the outcome reward alone."""
+    """process/steps_per_completion and process/step_accuracy (checked steps only, the answer step apart),
+    process/fallback: completions with no checked step, which took the outcome reward alone, and the completions
+    the step verifier left ungraded, by reason (`reward_ungraded/step_verifier/<reason>`)."""
     checked = [r for rewards, n in zip(steps.rewards, steps.checked) for r in rewards[:n]]
     n = max(len(steps.checked), 1)
+    why = steps.ungraded or [None] * len(steps.checked)
     return {"process/steps_per_completion": len(checked) / n,
             "process/step_accuracy": sum(checked) / len(checked) if checked else float("nan"),
-            "process/fallback": float(sum(c == 0 for c in steps.checked)),
-            "reward_ungraded/step_verifier/raised": float(sum(why is not None for why in steps.ungraded or []))}
+            # an ungraded completion took no reward at all, not the outcome's alone
+            "process/fallback": float(sum(c == 0 and w is None for c, w in zip(steps.checked, why))),
+            **{f"reward_ungraded/step_verifier/{reason}": float(why.count(reason)) for reason in (RAISED, MALFORMED)}}

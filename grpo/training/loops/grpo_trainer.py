@@ -19,16 +19,13 @@ Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import pandas as pd
 import torch
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -50,16 +47,18 @@ from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
 from grpo.training.distributed import (check_split, gather_table, local_processes, matched_chunks, process_share,
                                        process_weight, sampling_seed)
 from grpo.training.dynamic import concat_groups, spread_groups
-from grpo.training.grading import GradingStop, GradingWatch, StepGrading
+from grpo.training.grading import GradingStop, signal_groups
 from grpo.training.logprobs import packing_on, token_logps
 from grpo.training.lora import adapters_off, causal_lm, require_peft
 from grpo.training.loss import AGGREGATORS, grpo_loss
 from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
 from grpo.training.packing import loss_parts, micro_batch_rows
 from grpo.training.policy import (check_prompts, check_token_budget, checkpointing_on, frozen_reference, gemm_plan,
-                                  prepared, report_step, reward_registry, rollout_metrics, row_columns, sample_rollout,
-                                  samples_table, save_policy, score_rollout, scored_logps, trainable)
-from grpo.training.process import StepRewards, process_advantages, score_steps, step_metrics, token_char_ends
+                                  grading_watch, observe_grading, prepared, report_step, reward_registry,
+                                  rollout_metrics, row_columns, sample_rollout, samples_table, save_policy,
+                                  score_rollout, scored_logps, trainable)
+from grpo.training.process import (StepRewards, graded_by_steps, process_advantages, score_steps, step_metrics,
+                                   token_char_ends)
 from grpo.training.rollouts import Plan, Rollouts, start_rollouts
 from grpo.training.strategy import make_strategy
 
@@ -173,8 +172,7 @@ class GRPOTrainer:
         self.generation = generation or GenerationConfig()
         self.push_s = 0.0
         # the run's grading: a stop when graders keep failing, a line when groups stop carrying signal
-        self.grading = GradingWatch(cfg.max_ungraded_share, cfg.ungraded_window, cfg.no_signal_steps,
-                                    cfg.stop_without_signal, stage="GRPO")
+        self.grading = grading_watch(cfg, "GRPO")
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
@@ -207,8 +205,11 @@ class GRPOTrainer:
         if not self.cfg.dynamic_sampling:
             return rollout, idx, scores, {**stats, **decode_figures(self.engine)}
         parts = [(rollout, scores, idx, spread_groups(scores.total, G, scores.graded_rows))]
-        # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too
-        stats["dynamic/first_draw_reward"] = sum(scores.total) / len(scores.total)
+        # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too (its
+        # graded rows: an ungraded row's total is no reward)
+        first = [t for t, g in zip(scores.total, scores.graded_rows) if g]
+        stats["dynamic/first_draw_reward"] = sum(first) / len(first) if first else float("nan")
+        stats["dynamic/first_draw_ungraded_share"] = 1 - len(first) / len(scores.total)
         stats["dynamic/first_draw_zero_std_groups"] = 1 - len(parts[0][3]) / len(idx)
         for draw in range(1, self.cfg.max_refill_rounds + 1):
             if sum(len(p[3]) for p in parts) >= want:
@@ -232,7 +233,7 @@ class GRPOTrainer:
         chars = token_char_ends(self.tokenizer, rollout.completion_ids, rollout.completion_mask, rollout.texts)
         columns = row_columns(self.columns, self.cells, idx, self.cfg.num_generations)
         steps = score_steps(self.step_verifier, rollout.texts, columns, outcome, chars, name=self.cfg.step_verifier)
-        if first and not any(steps.checked):
+        if first and not any(steps.checked) and not all(steps.ungraded or []):  # all ungraded: the watch's to say
             raise ValueError(f"step_verifier {self.cfg.step_verifier!r} found no step in any of the first "
                              f"{len(rollout.texts)} completions (one reads {rollout.texts[0][:200]!r}); choose a "
                              f"step verifier that reads this data's reasoning")
@@ -247,7 +248,11 @@ class GRPOTrainer:
         rows."""
         cfg = self.cfg
         C = rollout.completion_ids.size(1)
-        trains = None if graded is None or all(graded) else trained_rows(graded, cfg.num_generations)  # [N]
+        trains = None  # [N] the rows that train
+        if graded is not None and not all(graded):
+            # a coefficient needs no group to be compared against: a graded sample trains whatever its group's others
+            trains = (torch.tensor(graded) if self.coefficients is not None
+                      else trained_rows(graded, cfg.num_generations))
         if self.coefficients is not None:  # `rewards` are already each sample's coefficient: no baseline, no scale
             advantages = torch.tensor(rewards, dtype=torch.float32)  # [N]
         elif steps is None:
@@ -256,7 +261,8 @@ class GRPOTrainer:
                                           graded=None if trains is None else torch.tensor(graded))  # [N]
         else:
             advantages = process_advantages(steps.rewards, steps.ends, cfg.num_generations, C,
-                                            scale=cfg.scale_rewards)  # [N, C]
+                                            scale=cfg.scale_rewards,
+                                            graded=None if trains is None else trains.tolist())  # [N, C]
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
         ref_logps = None
@@ -409,15 +415,19 @@ class GRPOTrainer:
             torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
-            self.watch_grading(step, scores, ckpt_root, start)  # may stop the run here, its steps kept
             steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
-            t_gen = time.perf_counter() - t0
+            if steps is not None:  # a completion the step verifier could not check is ungraded, as a reward's
+                scores = graded_by_steps(scores, steps)
             rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
-            if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise
-                metrics["rft/correct"] = sum(rewards) / len(rewards)
             graded = scores.graded_rows
-            if steps is not None and steps.ungraded and any(steps.ungraded):  # the step verifier could not check
-                graded = [g and why is None for g, why in zip(graded, steps.ungraded)]
+            # may stop the run here, its steps kept
+            spread = signal_groups(rewards, graded, cfg.num_generations, steps and steps.rewards,
+                                   baseline=self.coefficients is None)  # RFT's coefficients have none
+            self.watch_grading(step, scores, ckpt_root, start, spread)
+            t_gen = time.perf_counter() - t0
+            if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise (graded ones)
+                correct = [c for c, g in zip(rewards, graded) if g]
+                metrics["rft/correct"] = sum(correct) / len(correct) if correct else float("nan")
             batch = self.build_batch(rollout, rewards, steps, graded)
             # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
             # the policy itself has nothing to compare)
@@ -449,24 +459,17 @@ class GRPOTrainer:
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 self._save(ckpt_root, done)
 
-    def watch_grading(self, step: int, scores, ckpt_root: Path, start: int) -> None:
-        """Hand the step's grading (every process's rows) to the watch; when it stops the run, the steps done so
-        far are saved first (unless a checkpoint of them is there: the one this run resumed from, or the loop's
-        own), so the same command resumes here."""
-        G = self.cfg.num_generations
-        graded = scores.graded_rows
-        mine = StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()),
-                           len(graded) // G, len(spread_groups(scores.total, G, graded)))
-        every = mine
-        if self.acc.num_processes > 1:  # the same verdict on every process: a stop there is a collective save
-            every = functools.reduce(StepGrading.plus, [StepGrading(*g) for g in gather_object([tuple(mine)])])
-        try:
-            self.grading.observe(step, every)
-        except GradingStop:
+    def watch_grading(self, step: int, scores, ckpt_root: Path, start: int, spread: int) -> None:
+        """Hand the step's grading (`spread`: this process's groups that carry a gradient) to the watch; when it
+        stops the run, the steps done so far are saved first (unless a checkpoint of them is there: the one this run
+        resumed from, or the loop's own), so the same command resumes here."""
+        def save() -> None:
             every_n = self.cfg.checkpoint_every
             if step > start and not (every_n and step % every_n == 0):  # decided alike on every process
                 self._save(ckpt_root, step)
-            raise
+
+        groups = len(scores.graded_rows) // self.cfg.num_generations
+        observe_grading(self.acc, self.grading, step, scores, groups, spread, save)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:

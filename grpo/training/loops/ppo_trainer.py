@@ -56,9 +56,9 @@ from grpo.training.loss import AGGREGATORS, k3_kl
 from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
 from grpo.training.packing import loss_parts, micro_batch_rows
 from grpo.training.policy import (MetricsCallback, SamplesCallback, check_prompts, check_token_budget,
-                                  checkpointing_on, frozen_reference, gemm_plan, prepared, report_step,
-                                  reward_registry, rollout_metrics, row_columns, sample_rollout, samples_table,
-                                  save_policy, score_rollout, scored_logps, trainable)
+                                  checkpointing_on, frozen_reference, gemm_plan, grading_watch, observe_grading,
+                                  prepared, report_step, reward_registry, rollout_metrics, row_columns,
+                                  sample_rollout, samples_table, save_policy, score_rollout, scored_logps, trainable)
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
 from grpo.training.strategy import make_strategy
 from grpo.training.value import ValueModel
@@ -133,6 +133,8 @@ class PPOTrainer:
         # checkpoints hold both, in this order
         critic, optimizer = trainable(critic, cfg, self.acc.device, self.ppo.value_learning_rate or cfg.learning_rate)
         self.critic, self.critic_optimizer, self.critic_scheduler = prepared(self.strategy, critic, optimizer, cfg)
+        # the run's grading, as GRPO's: a stop when graders keep failing, a line when the rewards stop differing
+        self.grading = grading_watch(cfg, "PPO")
 
     # -- one step ----------------------------------------------------------------------------------------------
 
@@ -155,7 +157,8 @@ class PPOTrainer:
     def build_batch(self, rollout: Rollout, rewards: list[float], graded: list[bool] | None = None) -> PPOBatch:
         """The step's batch: per-token rewards (the outcome at the last token, the KL on each), the critic's values,
         GAE advantages whitened over the global batch's tokens, and the critic's targets. Rows not `graded` (no
-        reward could be had: `grpo.rewards.outcomes`) have no loss token, for the policy or the critic."""
+        reward could be had: `grpo.rewards.outcomes`) have no loss token, for the policy or the critic, and are in no
+        statistic: not the whitening's, nor the step's value, return, advantage or KL figures."""
         cfg, ppo = self.cfg, self.ppo
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
@@ -180,23 +183,28 @@ class PPOTrainer:
         loss_mask = token_mask
         if cfg.mask_truncated_completions:  # in the returns, but no gradient of their own
             loss_mask = token_mask * (~rollout.truncated).float().to(self.acc.device)[:, None]
+        rows = torch.ones(N, device=self.acc.device)  # [N] 1 on a graded row
         if graded is not None and not all(graded):
-            loss_mask = loss_mask * torch.tensor(graded, dtype=torch.float32, device=self.acc.device)[:, None]
-        scores = torch.tensor(rewards, dtype=torch.float32, device=self.acc.device)  # [N]
+            rows = torch.tensor(graded, dtype=torch.float32, device=self.acc.device)
+            loss_mask = loss_mask * rows[:, None]
+        graded_tokens = token_mask * rows[:, None]  # [N, C] the tokens the step's figures are over
+        scores = torch.tensor(rewards, dtype=torch.float32, device=self.acc.device) * rows  # [N] no reward: none
         per_token = token_rewards(scores, token_mask, old_logps, ref_logps, cfg.beta if kl_reward else 0.0)  # [N, C]
+        # per row: an ungraded row's GAE is its own, in no other row's and in no statistic below
         advantages, returns = gae_advantages(per_token, old_values, token_mask, ppo.gamma, ppo.lam)  # [N, C]
         total = self._total  # the figures of the global batch's tokens, on every process
         stats = {
-            "value/explained_variance": explained_variance(old_values, returns, token_mask, total),
-            "value/mean": masked_mean(old_values, token_mask, total).item(),
-            "value/returns_mean": masked_mean(returns, token_mask, total).item(),
-            "advantages/raw_std": masked_mean((advantages - masked_mean(advantages, token_mask, total)) ** 2,
-                                              token_mask, total).sqrt().item(),
+            "value/explained_variance": explained_variance(old_values, returns, graded_tokens, total),
+            "value/mean": masked_mean(old_values, graded_tokens, total).item(),
+            "value/returns_mean": masked_mean(returns, graded_tokens, total).item(),
+            "advantages/raw_std": masked_mean((advantages - masked_mean(advantages, graded_tokens, total)) ** 2,
+                                              graded_tokens, total).sqrt().item(),
         }
         if kl_reward:  # the loss has no KL term: say how far pi_old is from the reference, as GRPO's `kl` does (k3)
-            stats["kl"] = masked_mean(k3_kl(old_logps, ref_logps), token_mask, total).item()
-            # the KL part of a completion's return, on average
-            stats["reward/kl_penalty"] = -cfg.beta * ((old_logps - ref_logps) * token_mask).sum().item() / N
+            stats["kl"] = masked_mean(k3_kl(old_logps, ref_logps), graded_tokens, total).item()
+            # the KL part of a (graded) completion's return, on average
+            stats["reward/kl_penalty"] = (-cfg.beta * ((old_logps - ref_logps) * graded_tokens).sum().item()
+                                          / max(rows.sum().item(), 1.0))
         return PPOBatch(input_ids, attention_mask, loss_mask, old_logps if cfg.num_iterations > 1 else None,
                         ref_logps if ppo.kl_in == "loss" else None,
                         masked_whiten(advantages, loss_mask, total=total),  # over the global batch's tokens
@@ -301,6 +309,7 @@ class PPOTrainer:
             torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
             t0 = time.perf_counter()
             rollout, idx, scores, metrics = self.collect(step)
+            self.watch_grading(step, scores, ckpt_root, start)  # may stop the run here, its steps kept
             t_gen = time.perf_counter() - t0
             batch = self.build_batch(rollout, scores.total, scores.graded_rows)
             # the sampler's copy against the policy on a few of the rows it sampled
@@ -319,16 +328,34 @@ class PPOTrainer:
             report_step(self.acc, cfg, done, metrics, lambda: samples_table(self.cells, rollout, idx, scores, 1),
                         self.on_metrics, self.on_samples)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                # two: a damaged newest one falls back to the one before
-                save_checkpoint(self.acc, ckpt_root, done, keep=2,
-                                save_state=lambda folder: self.strategy.save_state(Path(folder)))
+                self._save(ckpt_root, done)
+
+    def _save(self, root: Path, step: int) -> None:
+        # two: a damaged newest one falls back to the one before
+        save_checkpoint(self.acc, root, step, keep=2, save_state=lambda folder: self.strategy.save_state(Path(folder)))
+
+    def watch_grading(self, step: int, scores, ckpt_root: Path, start: int) -> None:
+        """Hand the step's grading to the watch, as GRPO's loop does; PPO has no groups (a critic is its baseline),
+        so each process's rows are one, carrying a signal when their graded rewards differ. When the watch stops
+        the run, the steps done so far are saved first (unless a checkpoint of them is there), so the same command
+        resumes here."""
+        def save() -> None:
+            every_n = self.cfg.checkpoint_every
+            if step > start and not (every_n and step % every_n == 0):  # decided alike on every process
+                self._save(ckpt_root, step)
+
+        graded = [t for t, g in zip(scores.total, scores.graded_rows) if g]
+        spread = int(len(graded) >= 2 and max(graded) > min(graded))
+        observe_grading(self.acc, self.grading, step, scores, 1, spread, save)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
         m = rollout_metrics(rollout, scores, elapsed, t_gen, t_ref, self.scheduler.get_last_lr()[0])
-        total = torch.tensor(scores.total, device=self.acc.device)  # [N]
+        total = torch.tensor([t if g else float("nan") for t, g in zip(scores.total, scores.graded_rows)],
+                             device=self.acc.device)  # [N] NaN: an ungraded row, no reward
         if self.acc.num_processes > 1:  # every process's rows (each calls this once a step)
             total = self.acc.gather(total)
+        total = total[~total.isnan()]  # the graded rows'
         m["reward/std"] = total.std().item() if total.numel() > 1 else 0.0  # over the global batch
         m.update(opt)
         m.update(decode_figures(self.engine))

@@ -27,8 +27,10 @@ Must not depend on Prefect or MLflow: metrics go to a callback.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
@@ -43,16 +45,20 @@ from grpo.data.arithmetic import Problem, format_response
 from grpo.kernels.attention import PACKED, attending_packed
 from grpo.models import DTYPES, check_model_config, load_tokenizer
 from grpo.rewards import accuracy_reward
+from grpo.rewards.outcomes import reason_of
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, Steps, StepVerifier
 from grpo.sampling.local import TransformersBackend, render_prompts
 from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import batch_indices, pad_right
+from grpo.training.grading import GradingWatch, StepGrading
 from grpo.training.optimizers import make_adamw, optimizer_step
 from grpo.training.packing import pack_sequences
 from grpo.training.reward_scorer import packs
 from grpo.training.schedules import make_scheduler
 from grpo.training.strategy import make_strategy
+
+logger = logging.getLogger(__name__)
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 
@@ -68,13 +74,21 @@ class PRMResult(NamedTuple):
 # Labels
 
 def label_steps(engine: TransformersBackend, rows: pd.DataFrame, completions: Sequence[str], k: int,
-                sampling: SamplingConfig, segment: str = "arithmetic") -> pd.DataFrame:
+                sampling: SamplingConfig, segment: str = "arithmetic", *, grade: Callable = accuracy_reward,
+                max_ungraded_share: float = 0.05) -> pd.DataFrame:
     """Math-Shepherd hard labels: a step is good if one of `k` rollouts from its prefix reaches the answer.
 
     `engine`: the policy's local engine (`grpo.sampling.engines.build_engine`), which continues text as it is.
+    `grade`: whether a rollout reaches the answer, a reward function's contract (`fn(completions, answer=...)`:
+    1.0 reaches it).
 
-    `rows` holds `prompt` and `answer`, one row a completion. Returns one row a completion that has steps:
-    prompt, completion, step_ends (character offsets), labels (1 good, 0 bad).
+    `rows` holds `prompt` and `answer`, one row a completion. Returns one row a completion that has a labelled
+    step: prompt, completion, step_ends (character offsets), labels (1 good, 0 bad). A step none of whose rollouts
+    reaches the answer while some could not be graded (a check that timed out, raised, ...: `grpo.rewards.outcomes`)
+    is neither: it is left out, its end and label both, and counted in the frame's `attrs` ("prm/steps",
+    "prm/ungraded_steps", "reward_ungraded/accuracy/<reason>"). Past `max_ungraded_share` of the steps so left out,
+    the labelling stops (`grpo.training.grading.GradingStop`) in the grading watch's line rather than hand a PRM
+    labels from a biased few.
     """
     if len(rows) != len(completions):
         raise ValueError(f"{len(rows)} rows for {len(completions)} completions")
@@ -90,15 +104,36 @@ def label_steps(engine: TransformersBackend, rows: pd.DataFrame, completions: Se
     rollout = engine.generate_from_text(prefixes, k, sampling)  # k rows a prefix, prefix by prefix
     answers = rows["answer"].astype(str).tolist()
     # a rollout's whole completion: the original up to the step's end, then what the policy wrote from there
-    right = accuracy_reward([completions[i][: steps[i].ends[j]] + rollout.texts[n * k + r]
-                             for n, (i, j) in enumerate(owners) for r in range(k)],
-                            answer=[answers[i] for i, _ in owners for _ in range(k)])
-    labels: dict[int, list[int]] = {}
+    right = grade([completions[i][: steps[i].ends[j]] + rollout.texts[n * k + r]
+                   for n, (i, j) in enumerate(owners) for r in range(k)],
+                  answer=[answers[i] for i, _ in owners for _ in range(k)])
+    labels: dict[int, list[int | None]] = {}
+    reasons: Counter = Counter()  # ("accuracy", reason) -> steps left unlabelled
     for n, (i, j) in enumerate(owners):
-        # a step is good when some rollout from it reaches the answer (an ungraded check is no such rollout)
-        labels.setdefault(i, [0] * len(steps[i].ends))[j] = int(any(r == 1.0 for r in right[n * k : (n + 1) * k]))
-    return pd.DataFrame([{"prompt": rows["prompt"].iloc[i], "completion": completions[i],
-                          "step_ends": list(steps[i].ends), "labels": labels[i]} for i in sorted(labels)])
+        checks = right[n * k : (n + 1) * k]
+        why = [reason_of(r) for r in checks if reason_of(r) is not None]
+        # good when some rollout from it reaches the answer; bad only when every rollout was graded and none did
+        label = 1 if any(r == 1.0 for r in checks) else None if why else 0
+        if label is None:
+            reasons["accuracy", Counter(why).most_common(1)[0][0]] += 1
+        labels.setdefault(i, [None] * len(steps[i].ends))[j] = label
+    ungraded = sum(reasons.values())
+    # one pass, one window; labels that all tie are said below, in the labelling's own words
+    watch = GradingWatch(max_ungraded_share, 1, no_signal_steps=2, stop_without_signal=False, stage="PRM labelling")
+    watch.observe(0, StepGrading(len(owners), ungraded, reasons, 1, 1))  # may stop here, in one line
+    out = []
+    for i in sorted(labels):
+        kept = [(e, y) for e, y in zip(steps[i].ends, labels[i]) if y is not None]
+        if kept:
+            out.append({"prompt": rows["prompt"].iloc[i], "completion": completions[i],
+                        "step_ends": [e for e, _ in kept], "labels": [y for _, y in kept]})
+    frame = pd.DataFrame(out)
+    if len({y for row in out for y in row["labels"]}) < 2:  # every label alike: no step told from another
+        logger.warning("PRM labelling: all %d labelled steps are %s; a PRM trained on them learns no step from "
+                       "another", len(owners) - ungraded, "good" if out and out[0]["labels"][0] else "bad")
+    frame.attrs = {"prm/steps": float(len(owners)), "prm/ungraded_steps": float(ungraded),
+                   **{f"reward_ungraded/{name}/{reason}": float(n) for (name, reason), n in reasons.items()}}
+    return frame
 
 
 def label_worked_solutions(problems: Sequence[Problem], seed: int = 0) -> pd.DataFrame:

@@ -215,7 +215,7 @@ def test_stuck_pool_is_killed_and_counted_as_timeouts(monkeypatch):
     start = time.perf_counter()
     results = pool.run([[("\\sqrt{2}", ["\\sqrt{2}"])]], timeout_s=1.0)
     assert time.perf_counter() - start < 5.0
-    assert results == [None]
+    assert results == [math_verify_pool.TIMEOUT]
     assert pool._executor is None  # killed and forgotten; the next call builds a new one
     monkeypatch.setattr(pool, "_BACKSTOP_SLACK_S", 10.0)
     monkeypatch.setattr(pool, "_STARTUP_GRACE_S", 60.0)
@@ -235,3 +235,36 @@ def test_the_rule_on_the_audit_set_and_an_amount_in_dollars():
     result = audit(lambda refs, comps: [s == 1.0 for s in accuracy_reward(comps, refs, timeout_s=5.0)], pairs)
     assert result.precision >= 0.99 and result.recall >= 0.97, result
     assert accuracy_reward(["<answer>\\$1,272.50</answer>", "<answer>$12$</answer>"], ["1272.5", "\\$12"]) == [1.0, 1.0]
+
+
+class _KillsItsWorker:
+    """Unpickled in a worker process, it ends that process: a worker that dies mid-check, as one killed for memory
+    or in C code does."""
+
+    def __reduce__(self):
+        import os
+
+        return os._exit, (1,)
+
+
+def test_a_check_that_raises_and_a_pool_that_crashes_are_named_for_what_happened(monkeypatch):
+    """A check that raises is ungraded for `raised`, one whose worker process died (in the pool and again in the
+    fresh one it is retried in) for `pool_crash`; neither is reported as a timeout."""
+    from grpo.rewards.accuracy import symbolic_outcome
+    from grpo.rewards.outcomes import POOL_CRASH, RAISED
+
+    # a prediction that is not a string: the check itself raises (in a thread, beside a pair that checks fine)
+    assert math_verify_pool.symbolic_verdicts([("\\sqrt{2}", 5), ("\\sqrt{2}", "\\sqrt{2}")], 2.0, "thread") == [
+        math_verify_pool.RAISED, math_verify_pool.EQUAL]
+    monkeypatch.setenv("R1_REWARD_WORKERS", "1")
+    pool = math_verify_pool._SymbolicPool()
+    try:
+        assert pool.run([[("\\sqrt{2}", [_KillsItsWorker()])], [("2", ["2"])]], timeout_s=5.0) == [
+            math_verify_pool.CRASHED, math_verify_pool.CRASHED]  # the broken pool takes every chunk it held
+        assert pool.run([[("\\sqrt{2}", ["\\sqrt{2}", 5])]], timeout_s=5.0) == [[[math_verify_pool.EQUAL,
+                                                                                   math_verify_pool.RAISED]]]
+    finally:
+        pool.shutdown()
+    assert [reason_of(symbolic_outcome(code, 2.0)) for code in (math_verify_pool.TIMEOUT, math_verify_pool.RAISED,
+                                                                math_verify_pool.CRASHED)] == [TIMEOUT, RAISED,
+                                                                                               POOL_CRASH]

@@ -179,14 +179,15 @@ def constant(completions, **_):
     return [1.0] * len(completions)
 
 
-def make_ppo(tmp_path, ppo=None, **overrides):
+def make_ppo(tmp_path, ppo=None, registry=None, **overrides):
     model, tok = load_model_and_tokenizer(SMALL)
     cfg = GRPOConfig(**{"max_steps": 2, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
                         "sampling": SamplingConfig(max_new_tokens=8), "rewards": {"digits": 1.0},
                         "learning_rate": 1e-3, "samples_every": 1, **overrides})
     seen, tables = {}, {}
     trainer = PPOTrainer(model, tok, PROMPTS, cfg, tmp_path, ppo=ppo or PPOConfig(),
-                         reward_functions={**REWARD_FUNCTIONS, "digits": digits, "constant": constant},
+                         reward_functions={**REWARD_FUNCTIONS, "digits": digits, "constant": constant,
+                                           **(registry or {})},
                          progress=False,
                          on_metrics=lambda step, m: seen.__setitem__(step, m),
                          on_samples=lambda step, t: tables.__setitem__(step, t))
@@ -255,6 +256,83 @@ def test_an_interrupted_ppo_run_resumes_policy_and_critic(tmp_path):
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "model").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "model").state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_an_ungraded_row_changes_no_other_rows_advantage_return_or_figure(tmp_path):
+    """One row a reward could not grade: every other row's whitened advantages and returns, and the step's value,
+    return, advantage and KL figures, are those of the batch without that row; the ungraded row trains nothing."""
+    from grpo.rewards.outcomes import TIMEOUT, Ungraded
+
+    plant = {}
+
+    def unsure(completions, **_):
+        return [Ungraded(TIMEOUT) if i == plant["row"] else float(sum(ch.isdigit() for ch in c))
+                for i, c in enumerate(completions)]
+
+    torch.manual_seed(0)
+    trainer, _, _ = make_ppo(tmp_path, registry={"unsure": unsure}, rewards={"unsure": 1.0}, beta=0.04,
+                             mixed_precision="no")
+    idx = list(range(8))
+    rollout = trainer.sample(idx)
+    lengths = rollout.completion_mask.sum(1)
+    plant["row"] = int(lengths.argmin())  # the shortest: the batch without it is as wide
+    scores = trainer.score(rollout, idx)
+    keep = [i for i in idx if i != plant["row"]]
+    assert scores.graded_rows == [i != plant["row"] for i in idx]
+    batch = trainer.build_batch(rollout, scores.total, scores.graded_rows)
+    alone = rollout._replace(texts=[rollout.texts[i] for i in keep],
+                             **{k: getattr(rollout, k)[keep] for k in ("truncated", "prompt_ids", "prompt_mask",
+                                                                       "completion_ids", "completion_mask")})
+    assert alone.completion_ids.size(1) == rollout.completion_ids.size(1)
+    without = trainer.build_batch(alone, [scores.total[i] for i in keep])
+    for field in ("advantages", "returns", "old_values", "completion_mask"):
+        torch.testing.assert_close(getattr(batch, field)[keep], getattr(without, field), atol=1e-5, rtol=1e-4)
+    assert batch.completion_mask[plant["row"]].sum() == 0
+    assert batch.stats.keys() == without.stats.keys() and {"kl", "value/explained_variance"} <= batch.stats.keys()
+    for key, value in without.stats.items():
+        assert batch.stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_past_the_ungraded_limit_ppo_stops_in_grpo_s_line_keeps_its_steps_and_resumes(tmp_path):
+    """A grader that breaks at step 3 of 6: PPO stops as GRPO does, in one line naming the grader and its reason,
+    with steps 1-3 saved; fixed, the same command resumes at step 4."""
+    from grpo.training.grading import GradingStop
+
+    broken = {"from": 3}
+
+    def grader(completions, **_):
+        broken["calls"] = broken.get("calls", 0) + 1
+        if broken["calls"] > broken["from"]:
+            raise RuntimeError("the verifier's service is down")
+        return digits(completions)
+
+    def run():
+        return make_ppo(tmp_path, registry={"grader": grader}, rewards={"grader": 1.0}, max_steps=6,
+                        max_ungraded_share=0.05, ungraded_window=2, samples_every=0)
+
+    trainer, seen, _ = run()
+    with pytest.raises(GradingStop) as stop:
+        trainer.train()
+    line = str(stop.value)
+    assert "\n" not in line and line.startswith("PPO stopped before step 4: 8 of the last 16 rows (50%, over 2 steps) "
+                                                "could not be graded, past grpo.max_ungraded_share 5%")
+    assert "the grader 'grader' most often, for raised (8 rows)" in line and "resumes at step 4" in line
+    assert sorted(seen) == [1, 2, 3] and (tmp_path / "checkpoints" / "step-3").is_dir()
+
+    broken["from"] = 10**9  # fixed
+    trainer, seen, _ = run()
+    trainer.train()
+    assert sorted(seen) == [4, 5, 6] and all(seen[s]["reward/ungraded_share"] == 0.0 for s in seen)
+
+
+def test_a_ppo_run_without_reward_spread_stops_where_asked(tmp_path):
+    from grpo.training.grading import GradingStop
+
+    trainer, seen, _ = make_ppo(tmp_path, rewards={"constant": 1.0}, max_steps=3, no_signal_steps=2,
+                                stop_without_signal=True)
+    with pytest.raises(GradingStop, match=r"^PPO: no learning signal for 2 steps .* stopped \(grpo.stop_without_"):
+        trainer.train()
+    assert sorted(seen) == [1]
 
 
 def test_too_few_prompts_for_a_ppo_step_fail_before_any_model_work(tmp_path):

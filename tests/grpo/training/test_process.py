@@ -110,7 +110,8 @@ def test_the_answer_step_carries_the_outcome_and_stepless_completions_fall_back(
     assert result.rewards == [[1.0, 0.0, 1.5], [0.5]]
     assert result.checked == [2, 0]
     assert step_metrics(result) == {"process/steps_per_completion": 1.0, "process/step_accuracy": 0.5,
-                                    "process/fallback": 1.0, "reward_ungraded/step_verifier/raised": 0.0}
+                                    "process/fallback": 1.0, "reward_ungraded/step_verifier/raised": 0.0,
+                                    "reward_ungraded/step_verifier/malformed": 0.0}
 
 
 def test_a_step_verifier_that_raises_on_a_completion_leaves_it_ungraded_and_checks_the_others():
@@ -124,6 +125,28 @@ def test_a_step_verifier_that_raises_on_a_completion_leaves_it_ungraded_and_chec
     result = score_steps(picky, ["ok text", "boom", "fine"], {}, [1.0, 0.0, 1.0], [[2, 4, 7], [3, 4], [2, 4]])
     assert result.ungraded == [None, "raised", None] and result.checked == [1, 0, 1]
     assert step_metrics(result)["reward_ungraded/step_verifier/raised"] == 1.0
+
+
+def test_a_malformed_step_verifier_answer_leaves_its_completion_ungraded_not_the_stage_failed():
+    """Steps out of order, ends and rewards of different lengths, a NaN reward, something that is not Steps: each
+    such completion is ungraded for `malformed` (no steps, no reward), the others checked; the wrong number of
+    answers leaves every completion ungraded."""
+    from grpo.training.process import score_steps
+
+    answers = {"order": Steps((5, 3), (1.0, 1.0)), "lengths": Steps((5,), (1.0, 0.0)),
+               "nan": Steps((2,), (math.nan,)), "none": None, "fine": Steps((2,), (1.0,))}
+
+    def verifier(texts, **_):
+        return [answers[t] for t in texts]
+
+    texts = list(answers)
+    chars = [[2, 4, 7]] * len(texts)
+    result = score_steps(verifier, texts, {}, [1.0] * len(texts), chars)
+    assert result.ungraded == ["malformed"] * 4 + [None] and result.checked == [0, 0, 0, 0, 1]
+    metrics = step_metrics(result)
+    assert metrics["reward_ungraded/step_verifier/malformed"] == 4.0 and metrics["process/fallback"] == 0.0
+    short = score_steps(lambda texts, **_: [Steps()], ["a", "b"], {}, [1.0, 0.0], [[1], [1]])
+    assert short.ungraded == ["malformed", "malformed"]
 
 
 def test_step_ends_map_to_the_token_that_holds_their_last_character():

@@ -136,6 +136,63 @@ def test_a_trainer_step_trains_each_sample_with_its_coefficient(tmp_path):
     assert {"reward/total", "reward/accuracy", "kl", "train/loss", "grad_norm"} <= set(seen[1])
 
 
+def rft_trainer(tmp_path, correct, **overrides):
+    """A GRPO trainer with online RFT's coefficients, `correct` the accuracy reward."""
+    model, tok = load_model_and_tokenizer(SMALL)
+    prompts = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
+    cfg = GRPOConfig(**{"max_steps": 1, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
+                        "beta": 0.0, "mixed_precision": "no", "sampling": SamplingConfig(max_new_tokens=8),
+                        "rewards": {"accuracy": 1.0}, **overrides})
+    seen = {}
+    trainer = GRPOTrainer(model, tok, prompts, cfg, tmp_path, progress=False,
+                          reward_functions={**REWARD_FUNCTIONS, "accuracy": correct},
+                          coefficients=coefficient_function(OnlineRFTConfig()),
+                          on_metrics=lambda step, m: seen.__setitem__(step, m))
+    return trainer, seen
+
+
+def first_row_only(completions, **_):
+    """Grades the first completion of the step (correct) and the second group (rows 4, 7 correct); rows 1-3 of the
+    first group it cannot (a check that timed out)."""
+    from grpo.rewards.outcomes import TIMEOUT, Ungraded
+
+    return [Ungraded(TIMEOUT) if i in (1, 2, 3) else float(i in (0, 4, 7)) for i in range(len(completions))]
+
+
+def test_an_ungraded_sample_changes_no_other_samples_coefficient_or_the_share_correct(tmp_path):
+    """Online RFT compares a sample with nothing: the one graded sample of a group whose others are ungraded trains
+    with its coefficient as it would alone, and the share correct is over the graded samples."""
+    torch.manual_seed(0)
+    trainer, seen = rft_trainer(tmp_path, first_row_only)
+    rollout, idx, scores, _ = trainer.collect(0)
+    graded = scores.graded_rows
+    assert graded == [True, False, False, False, True, True, True, True]
+    coefficients = trainer.coefficients(scores)
+    batch = trainer.build_batch(rollout, coefficients.tolist(), None, graded)
+    kept = [0, 4, 5, 6, 7]
+    assert batch.advantages[kept].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0]  # as without the ungraded rows
+    assert torch.equal(batch.completion_mask[kept].cpu(), rollout.completion_mask[kept].float())
+    assert batch.completion_mask[[1, 2, 3]].sum() == 0 and batch.advantages[[1, 2, 3]].abs().sum() == 0
+    trainer.train()
+    assert seen[1]["rft/correct"] == pytest.approx(3 / 5) and seen[1]["reward/ungraded_share"] == 3 / 8
+
+
+@pytest.mark.parametrize("right, stops", [(1.0, False), (0.0, True)])
+def test_online_rft_has_signal_when_a_sample_is_correct_not_when_rewards_differ(tmp_path, right, stops):
+    """Every sample correct: each is pushed up, a signal though every group's rewards tie; none correct: no
+    coefficient anywhere, and the run stops where the recipe asks."""
+    from grpo.training.grading import GradingStop
+
+    trainer, seen = rft_trainer(tmp_path, lambda completions, **_: [right] * len(completions), no_signal_steps=1,
+                                stop_without_signal=True)
+    if stops:
+        with pytest.raises(GradingStop, match="no learning signal for 1 steps"):
+            trainer.train()
+    else:
+        trainer.train()
+        assert seen[1]["rft/correct"] == 1.0 and seen[1]["grad_norm"] > 0
+
+
 def grpo_job(tmp_path, prompts: pd.DataFrame, cfg: GRPOConfig, out: str = "out", **kw):
     """A stage's GRPO job (grpo.training.launchers.jobs) on these prompts, as its task builds it."""
     from grpo.training.launchers.jobs import GRPOJob

@@ -271,6 +271,20 @@ def test_dynamic_sampling_refills_groups_with_spread(tmp_path):
     assert m["dynamic/groups"] == 2.0 and m["reward/zero_std_groups"] == 0.0  # refilled with groups that have spread
 
 
+def test_dynamic_sampling_reads_its_first_draw_over_the_graded_rows(tmp_path):
+    """Rows 2-3 of each group ungraded, the others rewarded 1.0: the first draw's reward is 1.0, not a mean that
+    counts the ungraded rows' partial totals (0.0) as rewards; their share is reported beside it."""
+    from grpo.rewards.outcomes import TIMEOUT, Ungraded
+
+    def half_ungraded(completions, **_):
+        return [1.0 if i % 4 < 2 else Ungraded(TIMEOUT) for i in range(len(completions))]
+
+    trainer, seen = make_trainer(tmp_path, {"half": 1.0}, {"half": half_ungraded}, dynamic_sampling=True,
+                                 max_refill_rounds=1, beta=0.0)
+    trainer.train()
+    assert seen[1]["dynamic/first_draw_reward"] == 1.0 and seen[1]["dynamic/first_draw_ungraded_share"] == 0.5
+
+
 class Interrupt(Exception):
     pass
 

@@ -16,8 +16,9 @@ from grpo.configs.core import (
 from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import generate_problems, rl_rows, sft_rows
 from grpo.models import load_model_and_tokenizer
-from grpo.rewards import accuracy_reward
-from grpo.rewards.steps import arithmetic_steps
+from grpo.rewards import REWARD_FUNCTIONS, accuracy_reward
+from grpo.rewards.outcomes import TIMEOUT, Ungraded
+from grpo.rewards.steps import Steps, arithmetic_steps
 from grpo.sampling.local.backend import Rollout, TransformersBackend, render_prompts
 from grpo.training.logprobs import token_logps
 from grpo.training.loops.grpo_trainer import GRPOTrainer
@@ -32,7 +33,8 @@ RIGHT = "<think>Given 9, 3, 2. 9 + 3 = 12. 12 - 2 = 10.</think><answer>10</answe
 WRONG_FIRST = "<think>Given 9, 3, 2. 9 + 3 = 13. 13 - 2 = 11.</think><answer>11</answer>"
 
 
-def make_trainer(tmp_path, model=None, tok=None, prompts=None, **overrides):
+def make_trainer(tmp_path, model=None, tok=None, prompts=None, reward_functions=None, step_verifiers=None,
+                 **overrides):
     if model is None:
         model, tok = load_model_and_tokenizer(SMALL)
     prompts = prompts if prompts is not None else pd.DataFrame({"prompt": [PROMPT], "answer": ["10"]})
@@ -40,8 +42,8 @@ def make_trainer(tmp_path, model=None, tok=None, prompts=None, **overrides):
                         "sampling": SamplingConfig(max_new_tokens=8), "supervision": "process",
                         "step_verifier": "arithmetic", "beta": 0.0, "mixed_precision": "no", **overrides})
     seen = {}
-    trainer = GRPOTrainer(model, tok, prompts, cfg, tmp_path, progress=False,
-                          on_metrics=lambda step, m: seen.__setitem__(step, m))
+    trainer = GRPOTrainer(model, tok, prompts, cfg, tmp_path, progress=False, reward_functions=reward_functions,
+                          step_verifiers=step_verifiers, on_metrics=lambda step, m: seen.__setitem__(step, m))
     return trainer, seen
 
 
@@ -106,6 +108,83 @@ def test_completions_without_steps_fall_back_to_outcome_grpo_exactly(tmp_path):
     process = trainer.build_batch(rollout, outcome, steps).advantages  # [N, C]
     sequence = trainer.build_batch(rollout, outcome).advantages  # [N]
     torch.testing.assert_close(process, sequence[:, None] * rollout.completion_mask)
+
+
+UNSURE = "<think>Given 9, 3, 2. 9 + 3 = 12. 12 - 2 = 9.</think><answer>9</answer>"  # its second step wrong
+
+
+def unsure(completions, **_):
+    """Cannot grade the completion that answers 9 (a check that timed out); 0.0 for the others."""
+    return [Ungraded(TIMEOUT) if "<answer>9<" in c else 0.0 for c in completions]
+
+
+def test_an_ungraded_completion_changes_no_other_completions_token_advantages(tmp_path):
+    """A group of three whose third completion a reward could not grade: the other two get exactly the advantages
+    of a group of those two alone (its checked steps, partial outcome and all, are in no mean or std), and the
+    ungraded one has no advantage and no loss token."""
+    trainer, _ = make_trainer(tmp_path, num_generations=3, rewards={"accuracy": 1.0, "format": 0.5, "unsure": 1.0},
+                              reward_functions={**REWARD_FUNCTIONS, "unsure": unsure})
+    rollout = forced_rollout(trainer.tokenizer, PROMPT, [RIGHT, WRONG_FIRST, UNSURE])
+    scores = trainer.score(rollout, [0])
+    assert scores.graded_rows == [True, True, False]
+    steps = trainer.score_steps(rollout, [0], scores.total)
+    assert steps.checked == [2, 2, 2]  # the ungraded completion's steps were checked, and still count for nothing
+    batch = trainer.build_batch(rollout, scores.total, steps, scores.graded_rows)
+    C = rollout.completion_ids.size(1)
+    alone = process_advantages(steps.rewards[:2], steps.ends[:2], 2, C)  # the group without the ungraded row
+    torch.testing.assert_close(batch.advantages[:2].cpu(), alone)
+    assert batch.advantages[2].abs().sum() == 0 and batch.completion_mask[2].sum() == 0
+
+
+@pytest.mark.parametrize("answer, reason", [("malformed", "malformed"), ("raises", "raised")])
+def test_a_step_verifier_that_cannot_check_leaves_its_rows_ungraded_and_the_watch_stops_the_run(tmp_path, answer,
+                                                                                                reason):
+    """Step ends out of order, or a raise: every completion ungraded for that reason, not a crash of the stage nor
+    a run that trains on nothing unseen; the grading watch counts them and stops in its one line."""
+    from grpo.training.grading import GradingStop
+
+    def verifier(completions, **_):
+        if answer == "raises":
+            raise RuntimeError("the verifier's service is down")
+        return [Steps((5, 3), (1.0, 1.0)) for _ in completions]
+
+    trainer, _ = make_trainer(tmp_path, step_verifiers={"arithmetic": verifier}, max_ungraded_share=0.05,
+                              ungraded_window=1)
+    with pytest.raises(GradingStop) as stop:
+        trainer.train()
+    assert str(stop.value).startswith("GRPO stopped before step 1: 2 of the last 2 rows (100%, over 1 steps) could "
+                                      f"not be graded, past grpo.max_ungraded_share 5%; the grader 'step_verifier' "
+                                      f"most often, for {reason} (2 rows)")
+
+
+def reaches(completions, answer, **_):
+    """The answer is reached from a prefix whose first step is right; from UNSURE's second step the check cannot
+    say (it timed out)."""
+    return [Ungraded(TIMEOUT) if "12 - 2 = 9." in c else float("9 + 3 = 12." in c) for c in completions]
+
+
+def test_a_step_whose_rollouts_could_not_be_graded_gets_no_label_and_changes_no_other(tmp_path):
+    """UNSURE's second step: no rollout from it graded. It is left out (no end, no label) and counted; every other
+    step's label is the one it has when UNSURE is not labelled at all. Past the share allowed, the labelling stops
+    in the grading watch's line."""
+    from grpo.training.grading import GradingStop
+
+    model, tok = load_model_and_tokenizer(SMALL)
+    backend = TransformersBackend(model, tok)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    completions = [RIGHT, WRONG_FIRST, UNSURE]
+    rows = pd.DataFrame({"prompt": [PROMPT] * 3, "answer": ["10"] * 3})
+    labels = label_steps(backend, rows, completions, 2, sampling, grade=reaches, max_ungraded_share=0.5)
+    alone = label_steps(backend, rows[:2], completions[:2], 2, sampling, grade=reaches, max_ungraded_share=0.5)
+    pd.testing.assert_frame_equal(labels[:2], alone)
+    assert alone["labels"].tolist() == [[1, 1], [0, 0]]
+    unsure = labels.iloc[2]
+    assert unsure["step_ends"] == [RIGHT.index("12.") + 3] and unsure["labels"] == [1]  # its first step only
+    assert labels.attrs == {"prm/steps": 6.0, "prm/ungraded_steps": 1.0, "reward_ungraded/accuracy/timeout": 1.0}
+    with pytest.raises(GradingStop, match=r"^PRM labelling stopped before step 1: 1 of the last 6 rows \(17%, over 1 "
+                                          r"steps\) could not be graded, past grpo.max_ungraded_share 5%; the grader "
+                                          r"'accuracy' most often, for timeout \(1 rows\)"):
+        label_steps(backend, rows, completions, 2, sampling, grade=reaches)
 
 
 def test_a_step_verifier_that_finds_no_step_stops_the_first_step(tmp_path):
