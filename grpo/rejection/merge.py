@@ -294,8 +294,10 @@ def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
     extra = pa.Table.from_pandas(plan.extra.assign(kind="non_reasoning"), preserve_index=False) if len(
         plan.extra) else None
     try:
-        schema = pa.unify_schemas([s.schema.remove_metadata() for s in plan.shards if s.rows]
-                                  + [pa.schema([("kind", pa.string())])]
+        # the columns of shards that kept rows (an empty one's may be typed null); of every shard when none did
+        columns = [s.schema.remove_metadata() for s in plan.shards if s.rows] or [
+            s.schema.remove_metadata() for s in plan.shards]
+        schema = pa.unify_schemas(columns + [pa.schema([("kind", pa.string())])]
                                   + ([extra.schema.remove_metadata()] if extra is not None else []),
                                   promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:

@@ -21,6 +21,7 @@ from grpo.data.tables import DataError
 from grpo.models import load_model_and_tokenizer
 from grpo.rejection.curate import KEPT_COLUMNS, contamination_mask, curate, decontaminate, dedupe
 from grpo.rejection.filters import READABILITY_CHECKS, Counts, summary_line
+from grpo.rejection.merge import write_merged
 from grpo.rejection.shards import (
     check_writable,
     merge_shards,
@@ -431,8 +432,21 @@ def test_a_folder_keeps_shards_from_one_set_of_inputs(tmp_path):
 
 
 def test_merge_with_nothing_kept_keeps_the_columns(tmp_path):
-    """A model that gets nothing right still yields a dataset with the expected columns (then the non-reasoning)."""
-    empty = pd.DataFrame(columns=KEPT_COLUMNS)
+    """A model that gets nothing right still yields a dataset with the kept rows' columns: sampled, curated, merged
+    in memory and written as files, the non-reasoning rows then its only rows."""
+    wrong = CannedBackend({p: "not the answer" for p in PROBLEMS["prompt"]})
+    cfg = changed(TINY_CFG, target_samples=6, non_reasoning_rows=2)
+    chat = pd.DataFrame({"prompt": ["Write a haiku.", "Say hi."], "response": ["...", "Hi!"]})
+    result = run_rejection_sampling(wrong, PROBLEMS, cfg, tmp_path / "shards", non_reasoning=chat, progress=False)
+    assert result.counts.generated == 2 * len(PROBLEMS) and result.counts.kept == 0
+    right = CannedBackend(dict(zip(PROBLEMS["prompt"], PROBLEMS["answer"])))
+    some = run_rejection_sampling(right, PROBLEMS, cfg, tmp_path / "some", non_reasoning=chat, progress=False)
+    assert some.counts.kept > 0 and list(result.dataset.columns) == list(some.dataset.columns)
+    assert result.dataset["kind"].tolist() == ["non_reasoning"] * 2
+    written = write_merged(tmp_path / "shards", cfg, tmp_path / "curated", non_reasoning=chat)
+    table = pq.read_table(written.files)
+    assert table.column_names == list(some.dataset.columns) and written.rows == 2 and written.counts.kept == 0
+    empty = pd.DataFrame(columns=KEPT_COLUMNS)  # the in-memory helpers too
     assert list(dedupe(empty).columns) == KEPT_COLUMNS
     assert list(decontaminate(empty, ["a b c d e f g h i j"], 8, 0.8).columns) == KEPT_COLUMNS
 
