@@ -147,6 +147,11 @@ def _png(fig) -> bytes:
 
 def setting_plots(table: pd.DataFrame, settings: list[str], metrics: list[str]) -> dict[str, bytes]:
     """{file name: PNG} of each final number against each swept setting."""
+    return {name: _png(fig) for name, fig in setting_figures(table, settings, metrics).items()}
+
+
+def setting_figures(table: pd.DataFrame, settings: list[str], metrics: list[str]) -> dict:
+    """{file name: matplotlib Figure} of each final number against each swept setting (`setting_plots`' figures)."""
     from grpo.sweep import short_names
 
     plots, short = {}, short_names(settings)
@@ -180,7 +185,7 @@ def setting_plots(table: pd.DataFrame, settings: list[str], metrics: list[str]) 
             if others:
                 ax.legend(fontsize=8)
             fig.tight_layout()
-            plots[f"{_file(metric)}--{_file(setting)}.png"] = _png(fig)
+            plots[f"{_file(metric)}--{_file(setting)}.png"] = fig
     return plots
 
 
