@@ -71,5 +71,8 @@ def test_reasoning_grpo_on_code_rows_reports_pass_at_1_on_held_out_code(bwrap, p
         rows = [dict(zip(columns, row)) for row in table["data"]]
         assert [r["answer"] for r in rows] == ["3 tests", "3 tests"]
         assert all(r["tests_passed"].endswith("/3") for r in rows)
-        # pass@1: a row is correct exactly when all of its tests passed
+        # pass@1 is the table's share of rows whose every test passed (a right and a wrong program, where that can
+        # be told apart: tests/grpo/test_code_eval.py; this random model passes none)
         assert [r["correct"] for r in rows] == [float(r["tests_passed"] == "3/3") for r in rows]
+        headline = result.metrics["eval/accuracy_before" if step == 0 else "eval/accuracy"]
+        assert headline == sum(r["correct"] for r in rows) / len(rows)
