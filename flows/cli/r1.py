@@ -355,18 +355,34 @@ def _dispatch(args: argparse.Namespace) -> int:
         stages = preflight.check_stages([s.strip() for s in args.stages.split(",")] if args.stages else STAGES)
     else:
         stages = preflight.check_stages([args.name])
+    print(_first_line(args, recipe, stages), flush=True)
+    # the checks that load neither Prefect nor MLflow nor torch come first: a mistake in the recipe's data or models is
+    # told within seconds, not after the libraries have loaded
+    preflight.check_tracking_server()  # first: the recipe's runs:/ URIs are looked up on the tracking server
+    preflight.check_recipe(recipe, stages)
+    preflight.check_precision(recipe, stages)
     from flows.cli.local_api import start_early
 
     start_early()  # the local Prefect API comes up while the checks below load the stages' libraries
-    preflight.check_servers()  # first: the recipe's runs:/ URIs are looked up on the tracking server
+    preflight.check_prefect_server()
     if args.command == "run":
         from flows.placement import check_placement
 
         check_placement(recipe, stages)  # stages placed on pools: pools, workers and deployments are there
-    preflight.check_recipe(recipe, stages)
-    preflight.check_precision(recipe, stages)
     preflight.check_distributed(recipe, stages)
     return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
+
+
+def _first_line(args: argparse.Namespace, recipe, stages: list[str]) -> str:
+    """What `r1 run` or `r1 stage` will run and where its runs go, said before any check or library loads (a second
+    or so), so a person sees at once what the command understood."""
+    from runtime.env import home_path, tracking_uri
+
+    named = recipe.name if args.recipe == recipe.name else f"{recipe.name} ({args.recipe})"
+    what = f"stages {', '.join(stages)}" if args.command == "run" else f"stage {stages[0]} alone"
+    if getattr(args, "from_run", None):
+        what += f", the others' outputs from pipeline run {args.from_run}"
+    return f"recipe {named}, {what}; runs tracked in MLflow at {tracking_uri()}, state folder {home_path()}"
 
 
 def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
