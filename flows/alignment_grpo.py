@@ -28,9 +28,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.checks import check_model_folder, check_rewards, check_uri, looks_like_a_path, reading
 from flows.stages import Stage, run_name
-from grpo.configs.checks import check_prompts_per_step
 from grpo.configs.recipe import AlignmentGRPOConfig
 from runtime.report import publish_stage_report
 from runtime.stage import StageResult, stage_run
@@ -132,62 +130,6 @@ def _last_logged(run_id: str, keys: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
-    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
-    from grpo.data.general import CATEGORIES
-    from grpo.data.preferences import load_preference_data
-    from grpo.data.tables import DataError, load_rl_data, read_table, validate_rows
-
-    with reading("alignment_grpo.data"):
-        train, heldout = load_rl_data(cfg.data)
-    if cfg.alignment_eval.enabled:
-        from grpo.data.general import alignment_eval_sets
-
-        with reading("alignment_grpo.alignment_eval"):
-            alignment_eval_sets(cfg.alignment_eval)
-    if cfg.algorithm == "dpo":  # no reward model, no general prompts: the preference pairs are what it reads
-        with reading("alignment_grpo.preferences"):
-            load_preference_data(cfg.preferences)
-        return
-    check_rewards("alignment_grpo", cfg.grpo, train, heldout)
-    general = cfg.general_prompts
-    if cfg.general_source != "synthetic":
-        routed = {"helpfulness", "harmlessness"} & set(cfg.grpo.rewards)  # R1's two read each row's category
-        schema = {"prompt": "text or chat messages", **({"category": "harmful, benign or borderline"} if routed else {})}
-        with reading("alignment_grpo.general_source"):
-            rows = validate_rows(read_table(cfg.general_source), schema, cfg.general_source)
-            bad = [i for i, c in enumerate(rows["category"]) if c not in CATEGORIES] if routed else []
-            if bad:
-                raise DataError(f"{cfg.general_source}: row {bad[0]}, column 'category': expected one of "
-                                f"{', '.join(CATEGORIES)} (it routes the row to its reward model), got "
-                                f"{rows['category'].iat[bad[0]]!r:.80}")
-        general = min(general, len(rows))
-    with reading("alignment_grpo"):
-        check_prompts_per_step(cfg.grpo.prompts_per_step, len(train) + general,
-                               f"{cfg.data.source} with {general} general prompts")
-    from grpo.configs.core import REWARD_MODEL
-    from grpo.configs.reward import REWARD_MODELS
-    from grpo.data.preferences import pairs_for
-
-    for name in (n for n in REWARD_MODELS if n in cfg.grpo.rewards):
-        given = cfg.reward_model_uris.get(name) or (cfg.reward_model_uri if name == REWARD_MODEL else None)
-        where = f"alignment_grpo.reward_model_uris.{name}" if name in cfg.reward_model_uris else \
-            "alignment_grpo.reward_model_uri"
-        if given is None:  # trained in the stage: its pairs are read as it will read them
-            with reading("alignment_grpo.preferences"):
-                pairs_for(load_preference_data(cfg.preferences)[0], name, cfg.preferences.source,
-                          cfg.reward_model.helpfulness_reads == "answer")
-        elif given.startswith("runs:/"):
-            check_uri(where, given)
-        elif looks_like_a_path(given):
-            check_model_folder(where, given)
-
-
 STAGE = Stage(flow=alignment_grpo,
               inputs={"checkpoint_uri": "sft_checkpoint"},
-              outputs={"final_checkpoint": "checkpoint", "registered_model": "registered_model"},
-              check=check_alignment_grpo,
-              loads=lambda config: [] if config.reward_model_uri or config.algorithm == "dpo"
-              or config.reward_model.from_policy else [
-                  # a given reward model trains nothing, DPO has none, and one from the policy loads the checkpoint
-                  ("alignment_grpo.reward_model.model.name_or_path", config.reward_model.model)])
+              outputs={"final_checkpoint": "checkpoint", "registered_model": "registered_model"})

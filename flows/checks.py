@@ -1,8 +1,8 @@
-"""Pre-flight checks a stage declares (flows/stages.py), and the helpers they share: each reads files or asks a
-server, loads no model and trains nothing, and fails with a `UsageError` that names the field and what was expected.
+"""The helpers of each stage's pre-flight (flows/stage_checks.py): each reads files or asks a server, loads no model
+and trains nothing, and fails with a `UsageError` that names the field and what was expected.
 
-The pipeline runs them before its first stage, whether `r1` or a deployment started it; the CLI adds the checks of
-the machine it runs on (flows/cli/preflight.py).
+`r1` runs the stages' pre-flights before anything starts, with the checks of the machine it runs on
+(flows/cli/preflight.py).
 """
 
 from __future__ import annotations

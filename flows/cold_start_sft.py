@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.checks import check_sandbox, has_tests, reading
 from flows.stages import Stage, run_name
 from grpo.configs.recipe import ColdStartSFTConfig
 from runtime.report import publish_stage_report
@@ -42,18 +41,6 @@ def cold_start_sft(config: ColdStartSFTConfig = ColdStartSFTConfig(), parent_run
     return result
 
 
-def check_cold_start_sft(cfg: ColdStartSFTConfig) -> None:
-    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
-    from grpo.data.tables import load_sft_data
-
-    with reading("cold_start_sft.data"):
-        _, heldout = load_sft_data(cfg.data)
-    if has_tests(heldout):  # evaluated after training, under the default limits (an SFT stage has no code section)
-        check_sandbox("cold_start_sft.data.heldout_source")
-
-
 STAGE = Stage(flow=cold_start_sft,
               inputs={},
-              outputs={"cold_start_checkpoint": "checkpoint", "cold_start_dataset": "dataset"},
-              check=check_cold_start_sft,
-              loads=lambda config: [("cold_start_sft.model.name_or_path", config.model)])
+              outputs={"cold_start_checkpoint": "checkpoint", "cold_start_dataset": "dataset"})

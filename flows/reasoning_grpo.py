@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.checks import check_model_folder, check_rewards, check_uri, reading
 from flows.stages import Stage, run_name
 from grpo.configs.recipe import ReasoningGRPOConfig
 from runtime.report import publish_stage_report
@@ -58,23 +57,6 @@ def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningG
     return result
 
 
-def check_reasoning_grpo(cfg: ReasoningGRPOConfig) -> None:
-    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
-    from grpo.data.tables import load_rl_data
-
-    with reading("reasoning_grpo.data"):
-        train, heldout = load_rl_data(cfg.data)
-    check_rewards("reasoning_grpo", cfg.grpo, train, heldout)
-    with reading("reasoning_grpo"):
-        cfg.check_prompts(len(train), cfg.data.source)
-    if cfg.grpo.prm_path is not None:  # the process reward model that checks the steps
-        if cfg.grpo.prm_path.startswith("runs:/"):
-            check_uri("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
-        else:
-            check_model_folder("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
-
-
 STAGE = Stage(flow=reasoning_grpo,
               inputs={"checkpoint_uri": "cold_start_checkpoint"},
-              outputs={"reasoning_checkpoint": "checkpoint"},
-              check=check_reasoning_grpo)
+              outputs={"reasoning_checkpoint": "checkpoint"})

@@ -20,9 +20,7 @@ from __future__ import annotations
 from prefect import flow, unmapped
 from prefect.logging import get_run_logger
 
-from flows.checks import UsageError, check_judge_endpoint, check_model_folder, check_sandbox, has_tests, reading
 from flows.stages import Stage, run_name
-from grpo.configs.core import SELF_JUDGE, TINY
 from grpo.configs.recipe import RejectionSamplingConfig
 from runtime.cluster import ray_task_runner, shard_gpus
 from runtime.report import publish_stage_report
@@ -68,34 +66,6 @@ def rejection_sampling(checkpoint_uri: str, config: RejectionSamplingConfig = Re
     return result
 
 
-def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:
-    """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
-    from grpo.data.tables import load_rl_data, read_table, validate_rows
-
-    with reading("rejection_sampling.data"):
-        train, heldout = load_rl_data(cfg.data)
-    rs = cfg.rejection
-    # its rule check runs the training rows' tests; its held-out rows are the ones the SFT stage evaluates later
-    if has_tests(train):
-        check_sandbox("rejection_sampling.data", rs.code)
-    elif has_tests(heldout):
-        check_sandbox("rejection_sampling.data.heldout_source")
-    if rs.non_reasoning_rows and cfg.non_reasoning_source != "synthetic":
-        with reading("rejection_sampling.non_reasoning_source"):
-            rows = validate_rows(read_table(cfg.non_reasoning_source),
-                                 {"prompt": "text or chat messages", "response": "text"}, cfg.non_reasoning_source)
-        if len(rows) < rs.non_reasoning_rows:
-            raise UsageError(f"rejection_sampling.non_reasoning_source: {cfg.non_reasoning_source} has {len(rows)} "
-                             f"rows; rejection.non_reasoning_rows asks for {rs.non_reasoning_rows}")
-    judge = cfg.judge
-    if judge is not None and rs.judge_when != "never":
-        if judge.backend == "http":
-            check_judge_endpoint(judge)
-        elif judge.model not in (SELF_JUDGE, TINY):
-            check_model_folder("rejection_sampling.judge.model", judge.model)
-
-
 STAGE = Stage(flow=rejection_sampling,
               inputs={"checkpoint_uri": "reasoning_checkpoint"},
-              outputs={"curated_dataset": "dataset", "heldout": "heldout"},
-              check=check_rejection_sampling)
+              outputs={"curated_dataset": "dataset", "heldout": "heldout"})

@@ -50,5 +50,4 @@ STAGE = Stage(flow=sft,
               inputs={"dataset_uri": "curated_dataset", "heldout_uri": "heldout",
                       "cold_start_dataset_uri": "cold_start_dataset"},
               outputs={"sft_checkpoint": "checkpoint"},
-              optional=frozenset({"heldout", "cold_start_dataset"}),
-              loads=lambda config: [("sft.model.name_or_path", config.model)])
+              optional=frozenset({"heldout", "cold_start_dataset"}))

@@ -1,22 +1,22 @@
 """Every stage, declared once beside its flow, and what the pipeline, pre-flight, the CLI and `r1 deploy` read there.
 
 A stage is three things: its settings (a `StageConfig` section of the recipe, grpo/configs/recipe.py), its flow
-(`flows/<stage>.py`, which ends with its `STAGE = Stage(...)` declaration: inputs, outputs, pre-flight check, the
-models it loads) and its tasks. The recipe's sections give the order; this module finds each stage's declaration in
-the flow module of the same name. Nothing else lists the stages.
+(`flows/<stage>.py`, which ends with its `STAGE = Stage(...)` declaration: inputs and outputs) and its tasks. The
+recipe's sections give the order; this module finds each stage's declaration in the flow module of the same name.
+Nothing else lists the stages. What a stage reads is checked before it runs by its pre-flight (flows/stage_checks.py),
+kept out of the flow module so that `r1` checks it before Prefect and the stages' libraries load.
 """
 
 from __future__ import annotations
 
 import importlib
 from functools import lru_cache
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 from prefect import Flow
 
 from grpo import startup
-from grpo.configs.core import ModelConfig
 from grpo.configs.recipe import STAGES
 from runtime import tracking
 from runtime.stage import StageResult
@@ -35,10 +35,6 @@ def run_name(stage: str) -> Callable[[], str]:
     return name
 
 
-def _no_check(config: Any) -> None:
-    """A stage whose inputs all come from other stages' URIs (checked where they are given) has nothing to read."""
-
-
 @dataclass(frozen=True)
 class Stage:
     """One stage of the recipe: its flow and what it takes from and gives to the pipeline."""
@@ -47,9 +43,6 @@ class Stage:
     inputs: dict[str, str]  # flow parameter -> the pipeline URI it is filled from (required ones first)
     outputs: dict[str, str]  # pipeline URI name -> the key of its StageResult.uris that holds it
     optional: frozenset[str] = frozenset()  # pipeline URIs among `inputs` it runs without (no eval, no mixing)
-    check: Callable[[Any], None] = _no_check  # pre-flight of its data, models and sandbox; raises UsageError
-    # the models it loads by name, (recipe field, model settings): their context is checked against token budgets
-    loads: Callable[[Any], list[tuple[str, ModelConfig]]] = field(default=lambda config: [])
 
     @property
     def name(self) -> str:

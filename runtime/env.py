@@ -16,6 +16,17 @@ def home_path() -> Path:
     return Path(os.environ.get("R1_HOME") or PROJECT_ROOT / ".r1").expanduser().resolve()
 
 
+def embedded_uri() -> str:
+    """The embedded default's MLflow store: a SQLite file in the state folder (not made here)."""
+    return f"sqlite:///{home_path() / 'mlflow.db'}"
+
+
+def tracking_uri() -> str:
+    """Where MLflow runs go: MLFLOW_TRACKING_URI, else the embedded store; read without importing MLflow (what `r1`
+    says in its first line)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or embedded_uri()
+
+
 def use_local_defaults() -> None:
     """Set Prefect's home and switches for an offline machine; variables the user set are left alone.
 

@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from grpo.faults import DISK_FULL, MIN_FREE, Fault, disk_fault, disk_full_line, file_size_limit, free_bytes
 from grpo.interrupts import signals_deferred
 from grpo.training.checkpoints import NO_MANIFEST, verify_manifest, write_manifest
-from runtime import store_copies
+from runtime import env, store_copies
 from runtime.env import home_path
 from runtime.home import reroot_embedded_store
 
@@ -51,8 +51,9 @@ def r1_home() -> Path:
 
 
 def embedded_uri() -> str:
-    """The embedded default's store, in R1_HOME."""
-    return f"sqlite:///{r1_home() / 'mlflow.db'}"
+    """The embedded default's store, in R1_HOME (made here)."""
+    r1_home()
+    return env.embedded_uri()
 
 
 def tracking_uri() -> str:

@@ -1,5 +1,6 @@
 """`r1 compare RUN_A RUN_B [RUN ...]`: pipeline runs stage by stage: the params that differ, the metrics side by
 side, and the MLflow UI's pages for each and for their comparison. A sweep run (`r1 sweep`) stands for its points.
+`r1 show RUN`: one pipeline run's every figure, stage by stage (what the summary `r1 run` ends with leaves out).
 
 A pipeline run is an MLflow parent run; its stages are the child runs tagged `stage=<name>`. Upstream URIs
 (`input.*` params) differ between any two runs by construction, so they are left out of the diff; a stage one run
@@ -134,4 +135,28 @@ def compare(*run_ids: str) -> str:
             delta = f"  {values[1] - values[0]:+.4g}" if two and None not in values else ""
             lines.append(row(k, values, delta))
     lines += ["", ui_links.ui_text(dict(zip(letters, ids)))]
+    return "\n".join(lines)
+
+
+def show(run_id: str) -> str:
+    """Every figure a pipeline run's stages logged (the last value of each), stage by stage, with the URIs each made
+    and the run's MLflow UI page; a stage run (a run with no stage runs under it) alone. A reused stage's figures are
+    those of the run that did its work, with what the reusing run logged itself. What `r1 show` prints."""
+    from runtime.reuse import REUSED_FROM
+    from runtime.stage import read_result
+
+    run = tracking.client().get_run(run_id)  # raises MlflowException for an unknown id
+    stages = stage_runs(run_id) or {run.data.tags.get("stage", run.info.run_name): run}
+    lines = [f"{run.info.run_id}  {run.info.run_name}  {run.info.status}"]
+    for stage, r in stages.items():
+        worked = _worked(r)
+        reused = f", reused {r.data.tags[REUSED_FROM]}" if r.data.tags.get(REUSED_FROM) else ""
+        lines += ["", f"== {stage}  (run {r.info.run_id}, {r.info.status}{reused})"]
+        metrics = {k: v for k, v in {**worked.data.metrics, **r.data.metrics}.items()
+                   if not k.startswith(HIDDEN_METRICS)}
+        width = max(map(len, metrics), default=0)
+        lines += [f"  {k:<{width}}  {_fmt(v)}" for k, v in sorted(metrics.items())] or ["  no metrics"]
+        result = read_result(r)
+        lines += [f"  {key}: {uri}" for key, uri in (result.uris if result else {}).items()]
+    lines += ["", ui_links.ui_text({"run": run_id})]
     return "\n".join(lines)

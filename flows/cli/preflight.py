@@ -21,7 +21,6 @@ import os
 import socket
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Sequence
 
 from flows.checks import UsageError, check_model_folder, check_run
@@ -43,21 +42,22 @@ def check_stages(names: Sequence[str]) -> list[str]:
 
 
 def check_recipe(recipe: Recipe, stages: Sequence[str]) -> None:
-    """Data and model checks for the stages that will run (the recipe's settings were checked when it was read)."""
-    from flows.stages import declared
+    """Data and model checks for the stages that will run (the recipe's settings were checked when it was read).
+    Light: no Prefect, and no MLflow or torch unless the recipe names a `runs:/` URI or an HTTP judge."""
+    from flows.stage_checks import preflight
 
     for stage in stages:
-        declared()[stage].check(getattr(recipe, stage))
+        preflight(stage).check(getattr(recipe, stage))
     _check_models(recipe, stages)
 
 
 def _check_models(recipe: Recipe, stages: Sequence[str]) -> None:
     """The models the selected stages load by name, and their context against the recipe's token budgets."""
-    from flows.stages import declared
+    from flows.stage_checks import preflight
 
     contexts: dict[str, int] = {}
     for stage in stages:
-        for field, model in declared()[stage].loads(getattr(recipe, stage)):
+        for field, model in preflight(stage).loads(getattr(recipe, stage)):
             config = check_model_folder(field, model.name_or_path) if model.name_or_path != TINY else None
             if config and "max_position_embeddings" in config:
                 contexts[model.name_or_path] = int(config["max_position_embeddings"])
@@ -142,6 +142,12 @@ def _answers(url: str, timeout: float = 5.0, headers: dict[str, str] | None = No
 
 def check_servers() -> None:
     """The MLflow and Prefect servers the environment names answer (the embedded default has none to check)."""
+    check_tracking_server()
+    check_prefect_server()
+
+
+def check_tracking_server() -> None:
+    """The MLflow server MLFLOW_TRACKING_URI names answers and takes this process's login (plain HTTP: no MLflow)."""
     mlflow_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if mlflow_uri.startswith(("http://", "https://")):
         why = _answers(mlflow_uri.rstrip("/") + "/health")
@@ -152,6 +158,10 @@ def check_servers() -> None:
     elif mlflow_uri and not mlflow_uri.startswith(("sqlite:", "postgresql", "mysql", "mssql", "databricks")):
         raise UsageError(f"MLFLOW_TRACKING_URI={mlflow_uri}: expected an http(s):// server or a database URI "
                          "such as sqlite:///path/mlflow.db")
+
+
+def check_prefect_server() -> None:
+    """The Prefect server PREFECT_API_URL names answers and takes this process's login (which imports Prefect)."""
     prefect_api = os.environ.get("PREFECT_API_URL", "")
     if prefect_api:
         why = _answers(prefect_api.rstrip("/") + "/health")

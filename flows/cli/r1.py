@@ -12,6 +12,7 @@
     r1 down                       # stop what `r1 up` started
     r1 deploy [--recipe R] [--pool P]   # each stage's deployment <stage>/<pool>, on the pool its section names
     r1 compare RUN_A RUN_B [...]  # pipeline runs (or a sweep's points) stage by stage: params that differ, metrics
+    r1 show RUN                   # every figure of a pipeline run's stages (or of one stage run), and their URIs
     r1 sweep [--recipe R] --grid PATH=V1,V2 [--grid ...] [--seeds N] [--stages ...]   # a grid of pipeline runs
 
 A mistake in what was asked for (recipe, data, model, run id, stage, endpoint, port, folder) is found before
@@ -50,34 +51,6 @@ def _where() -> str:
         lines.append(f"  browse it  : {ui_links.tool_command('r1')} up   (both UIs: http://127.0.0.1:4200 and "
                      f"{ui_links.ui_base(uri)}), or PREFECT_HOME={home} {prefect} server start")
     return "\n".join(lines)
-
-
-HEADLINE = ("eval/accuracy", "eval/accuracy_before", "eval/pass_at_k", "eval/format_rate")  # a stage's line first
-PER_LINE = 4  # the stage's other figures, this many a line under it
-
-
-def _print_stage(name: str, result) -> None:
-    rest: list[str] = []
-    changes: dict[str, str] = {}
-    if name == "rejection_sampling":  # dozens of counters, most of them zero: what was kept, and why the rest went
-        from grpo.rejection.filters import summary_line
-
-        metrics = summary_line(result.metrics)
-    else:
-        from grpo.stats import CHANGE_SUFFIXES, logged_changes
-
-        changes = logged_changes(result.metrics)  # before -> after with a paired interval: a line each
-        shown = {k + s for k in changes for s in CHANGE_SUFFIXES}
-        first = [k for k in HEADLINE if k in result.metrics]
-        metrics = ", ".join(f"{k}={result.metrics[k]:.3f}" for k in first)
-        rest = [f"{k}={v:.3f}" for k, v in sorted(result.metrics.items()) if k not in first and k not in shown]
-    print(f"  {name:<20} run {result.run_id}  {metrics}")
-    for key, line in changes.items():
-        print(f"  {'':<20} {key}: {line}")
-    for i in range(0, len(rest), PER_LINE):
-        print(f"  {'':<20} " + ", ".join(rest[i:i + PER_LINE]))
-    for key, uri in result.uris.items():
-        print(f"  {'':<20} {key}: {uri}")
 
 
 def _print_links(runs: dict[str, str]) -> None:
@@ -237,6 +210,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="compare pipeline runs (MLflow parent run ids; a sweep run: its points) stage by "
                                   "stage")
     compare.add_argument("runs", nargs="+", metavar="RUN", help="two pipeline runs or more, or a sweep run")
+    show = sub.add_parser("show", parents=[common], help="every figure a pipeline run's stages logged, stage by "
+                                                         "stage, and the URIs they made (or one stage run's)")
+    show.add_argument("run", metavar="RUN", help="a pipeline run (MLflow parent run id) or a stage run")
     return parser
 
 
@@ -316,6 +292,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from flows.cli import sweep as sweep_command
 
         return sweep_command.run(args, until_stopped)
+    if args.command == "show":
+        from flows.checks import check_run
+        from flows.cli.compare import show
+
+        preflight.check_servers()
+        check_run("RUN", args.run)
+        print(show(args.run))
+        return 0
     if args.command == "compare":
         from mlflow.exceptions import MlflowException
 
@@ -355,18 +339,34 @@ def _dispatch(args: argparse.Namespace) -> int:
         stages = preflight.check_stages([s.strip() for s in args.stages.split(",")] if args.stages else STAGES)
     else:
         stages = preflight.check_stages([args.name])
+    print(_first_line(args, recipe, stages), flush=True)
+    # the checks that load neither Prefect nor MLflow nor torch come first: a mistake in the recipe's data or models is
+    # told within seconds, not after the libraries have loaded
+    preflight.check_tracking_server()  # first: the recipe's runs:/ URIs are looked up on the tracking server
+    preflight.check_recipe(recipe, stages)
+    preflight.check_precision(recipe, stages)
     from flows.cli.local_api import start_early
 
     start_early()  # the local Prefect API comes up while the checks below load the stages' libraries
-    preflight.check_servers()  # first: the recipe's runs:/ URIs are looked up on the tracking server
+    preflight.check_prefect_server()
     if args.command == "run":
         from flows.placement import check_placement
 
         check_placement(recipe, stages)  # stages placed on pools: pools, workers and deployments are there
-    preflight.check_recipe(recipe, stages)
-    preflight.check_precision(recipe, stages)
     preflight.check_distributed(recipe, stages)
     return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
+
+
+def _first_line(args: argparse.Namespace, recipe, stages: list[str]) -> str:
+    """What `r1 run` or `r1 stage` will run and where its runs go, said before any check or library loads (a second
+    or so), so a person sees at once what the command understood."""
+    from runtime.env import home_path, tracking_uri
+
+    named = recipe.name if args.recipe == recipe.name else f"{recipe.name} ({args.recipe})"
+    what = f"stages {', '.join(stages)}" if args.command == "run" else f"stage {stages[0]} alone"
+    if getattr(args, "from_run", None):
+        what += f", the others' outputs from pipeline run {args.from_run}"
+    return f"recipe {named}, {what}; runs tracked in MLflow at {tracking_uri()}, state folder {home_path()}"
 
 
 def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
@@ -387,9 +387,10 @@ def _run(args: argparse.Namespace, recipe, stages: list[str]) -> int:
                             "the same `r1 run` resumes where it stopped (--fresh starts over)")
     if result is None:
         return 130
+    from flows.cli.summary import table
+
     print(f"\nMLflow pipeline run {result.run_id} (recipe {recipe.name}):")
-    for name, r in result.stages.items():
-        _print_stage(name, r)
+    print(table(result.stages, result.run_id))
     _print_links({"pipeline run": result.run_id})
     print("\n" + _where())
     return 0
@@ -456,8 +457,10 @@ def _stage(args: argparse.Namespace, recipe) -> int:
                             "the same `r1 stage` resumes from its last checkpoint")
     if result is None:
         return 130
+    from flows.cli.summary import table
+
     print()
-    _print_stage(args.name, result)
+    print(table({args.name: result}, result.run_id))
     _print_links({"stage run": result.run_id})
     print("\n" + _where())
     return 0

@@ -87,3 +87,44 @@ def test_a_reused_stage_is_compared_by_the_run_that_did_its_work_and_system_figu
     assert f"(reused {worked})" in cold.splitlines()[0]
     assert "params that differ: none" in cold
     assert "system/" not in cold and ["eval/accuracy", "0.25", "0.25", "+0"] in [l.split() for l in cold.splitlines()]
+
+
+def test_show_prints_every_figure_of_each_stage_and_the_uris_they_made(capsys):
+    from flows.cli.compare import show
+    from runtime.stage import StageResult, record_result
+
+    parent = make_pipeline("0.001", 0.25)
+    cold = stage_runs(parent)["cold_start_sft"].info.run_id
+    record_result(StageResult(stage="cold_start_sft", run_id=cold, uris={"checkpoint": f"runs:/{cold}/checkpoint"}))
+    tracking.MetricsLogger(cold)(4, {"system/cpu_utilization_percentage": 50.0})
+    assert main(["show", parent]) == 0
+    text = capsys.readouterr().out.strip()
+    assert text == show(parent) and text.splitlines()[0].startswith(f"{parent}  r1_pipeline:tiny  FINISHED")
+    sections = {part.splitlines()[0].split()[0]: part for part in text.split("== ")[1:]}
+    assert list(sections) == ["cold_start_sft", "reasoning_grpo"]
+    rows = [line.split() for line in sections["cold_start_sft"].splitlines()]
+    assert ["eval/accuracy", "0.25"] in rows and ["train/loss", "1"] in rows  # the last values
+    assert ["checkpoint:", f"runs:/{cold}/checkpoint"] in rows
+    assert "system/" not in text  # the machine's figures: the MLflow UI's system metrics tab
+    assert f"runs/{parent}" in text  # the run's page
+
+    assert main(["show", cold]) == 0  # a stage run alone
+    alone = capsys.readouterr().out
+    assert f"== cold_start_sft  (run {cold}, FINISHED)" in alone and "reasoning_grpo" not in alone
+
+    # a later pipeline that reused that stage: the figures of the run that did the work, with the reusing run's own
+    again = tracking.start_run("r1_pipeline:tiny", tags={"recipe": "tiny"})
+    reusing = tracking.start_run("cold_start_sft", tags={"stage": "cold_start_sft", "r1.reused_from": cold},
+                                 parent_run_id=again)
+    tracking.MetricsLogger(reusing)(4, {"eval/accuracy": 0.25})
+    tracking.end_run(reusing)
+    tracking.end_run(again)
+    rows = [line.split() for line in show(again).splitlines()]
+    assert ["eval/accuracy", "0.25"] in rows and ["train/loss", "1"] in rows
+    assert f"(run {reusing}, FINISHED, reused {cold})" in show(again)
+
+
+def test_show_names_a_run_that_is_not_there(capsys):
+    make_pipeline("0.001", 0.25)  # the store exists
+    assert main(["show", "0123456789abcdef0123456789abcdef"]) == 2
+    assert "RUN: no MLflow run '0123456789abcdef0123456789abcdef'" in capsys.readouterr().err

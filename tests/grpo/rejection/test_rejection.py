@@ -490,13 +490,12 @@ def test_the_summary_line_shows_what_was_kept_and_only_the_filters_that_dropped_
     assert "tags" not in line and "=0" not in line  # the filters that dropped nothing are left out
 
 
-def test_the_cli_prints_the_rejection_summary_line(capsys):
-    from flows.cli.r1 import _print_stage
+def test_the_cli_prints_the_rejection_summary_line():
+    from flows.cli.summary import table
     from runtime.stage import StageResult
 
     counts = Counts.zero(RejectionConfig())._replace(generated=8, kept=2)
     counts.dropped["incorrect"] = 6
-    _print_stage("rejection_sampling", StageResult(stage="rejection_sampling", run_id="r", uris={},
-                                                   metrics=counts.metrics()))
-    out = capsys.readouterr().out
+    out = table({"rejection_sampling": StageResult(stage="rejection_sampling", run_id="r", uris={},
+                                                   metrics=counts.metrics())}, "r")
     assert "kept 2 of 8 samples (keep rate 0.250); dropped: incorrect 6" in out and "dropped/tags" not in out
