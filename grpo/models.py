@@ -18,11 +18,15 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from transformers.utils import logging as hf_logging
 
 from grpo.configs.core import TINY, ModelConfig
 from grpo.tiny import build_tiny_model, build_tokenizer
@@ -81,6 +85,62 @@ def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrai
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
+
+
+# a model that scores with one output: a whole sequence (a reward model) or each token (a process reward model)
+SCORING_HEADS = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification}
+
+
+def load_scoring_model(cfg: ModelConfig, head: str, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A one-output classifier over `cfg`'s backbone (`head`: "sequence" or "token", SCORING_HEADS), with
+    `pad_token_id` set so a sequence head finds each row's last token.
+
+    "tiny" builds the embedded backbone (the weights `build_tiny_model` gives for its seed) under a fresh head drawn
+    with `seed`; anything else goes to the head's `from_pretrained`, which keeps a causal LM's backbone and starts a
+    new head (a policy's folder), or reloads a trained scorer whole.
+    """
+    if head not in SCORING_HEADS:
+        raise ValueError(f"head must be one of {sorted(SCORING_HEADS)}, got {head!r}")
+    check_model_config(cfg)
+    tok = load_tokenizer(cfg)
+    if cfg.name_or_path == TINY:
+        lm = build_tiny_model(cfg.tiny, tok)
+        lm.config.num_labels = 1
+        torch.manual_seed(seed)  # the head's initialisation
+        model = SCORING_HEADS[head].from_config(lm.config)
+        model.model.load_state_dict(lm.model.state_dict())
+        return model.to(DTYPES[cfg.dtype]), tok
+    kwargs = dict(num_labels=1, pad_token_id=tok.pad_token_id, trust_remote_code=cfg.trust_remote_code,
+                  dtype=DTYPES[cfg.dtype])
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    torch.manual_seed(seed)
+    with _quiet_new_head(cfg.name_or_path):
+        return SCORING_HEADS[head].from_pretrained(cfg.name_or_path, **kwargs), tok
+
+
+@contextlib.contextmanager
+def _quiet_new_head(path: str):
+    """A causal LM's folder has no scoring head: transformers' loading report would print it as missing, which is
+    the point; a scorer's own folder (or a hub name) is loaded with its report."""
+    architectures = []
+    config = Path(path) / "config.json"
+    if config.is_file():
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        yield
+        return
+    # its loading report, and the tensor-parallel plan's note on the layers the new head adds
+    loggers = [hf_logging.get_logger(n) for n in ("transformers.modeling_utils",
+                                                  "transformers.distributed.tensor_parallel")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(hf_logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

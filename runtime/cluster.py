@@ -8,7 +8,6 @@ or an unwritable store is one clear error before anything is sampled, not a hang
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -16,9 +15,12 @@ from pathlib import Path
 from grpo.configs.core import ClusterConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.recipe import RejectionSamplingConfig
+from grpo.extras import require
 from grpo.rejection import shards
 from runtime import tracking
 from runtime.env import LOCAL_API
+
+CLUSTER_EXTRA = "pip install 'r1-pipeline[cluster]' (here and on every node)"
 
 HINT = "start one with `ray start --head`, or fix rejection_sampling.cluster.ray_address (or $RAY_ADDRESS)"
 
@@ -68,10 +70,7 @@ def check_ray_address(address: str, timeout: float = 5.0) -> None:
 
 def check_cluster(cfg: ClusterConfig, checkpoint_uri: str, shard_dir: str) -> str:
     """Everything a Ray run needs, checked on the driver before any shard; returns the resolved Ray address."""
-    missing = [m for m in ("ray", "prefect_ray") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ModuleNotFoundError(f"rejection_sampling.cluster.ray_address is set, but {' and '.join(missing)} "
-                                  f"is not installed: pip install 'r1-pipeline[cluster]' (here and on every node)")
+    require(["ray", "prefect_ray"], "rejection_sampling.cluster.ray_address", CLUSTER_EXTRA)
     address = resolve_ray_address(cfg.ray_address)
     uri = tracking.tracking_uri()
     if not uri.startswith(("http://", "https://", "databricks")):
@@ -130,9 +129,7 @@ def check_training_cluster(cfg: DistributedConfig, stage: str) -> str | None:
     None for a stage that trains on this machine."""
     if cfg.engine != "ray":
         return None
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
-        raise ModuleNotFoundError(f"{stage}.distributed.engine is ray, but ray[train] is not installed: pip install "
-                                  f"'r1-pipeline[cluster]' (here and on every node)")
+    require(["ray", "ray.train"], f"{stage}.distributed.engine: ray", CLUSTER_EXTRA)
     if not cfg.ray_address:
         raise ValueError(f"{stage}.distributed.engine is ray but names no cluster: set distributed.ray_address, or "
                          f"rejection_sampling.cluster.ray_address in the recipe")
@@ -160,9 +157,7 @@ def check_rollout_cluster(cfg, distributed: DistributedConfig, stage: str):
     rollout = cfg.rollout
     if not rollout.asynchronous or rollout.launcher != "ray":
         return cfg
-    if importlib.util.find_spec("ray") is None:
-        raise ModuleNotFoundError(f"{stage}.grpo.rollout.launcher is ray, but ray is not installed: pip install "
-                                  f"'r1-pipeline[cluster]' (here and on every node)")
+    require(["ray"], f"{stage}.grpo.rollout.launcher: ray", CLUSTER_EXTRA)
     address = rollout.ray_address or (distributed.ray_address if distributed.engine == "ray" else None)
     if not address:
         raise ValueError(f"{stage}.grpo.rollout.launcher is ray but names no cluster: set grpo.rollout.ray_address, "

@@ -11,22 +11,18 @@ Must not depend on Prefect or MLflow. peft is imported only when LoRA is asked f
 from __future__ import annotations
 
 import contextlib
-import importlib
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
 from grpo.configs.core import LoRAConfig
+from grpo.extras import require
 
 
 def require_peft() -> None:
     """Fail, saying what to install, when peft (for `lora:`) is not importable."""
-    try:
-        importlib.import_module("peft")
-    except ImportError as e:
-        raise ImportError(f"lora: needs peft ({e}); install it with `pip install peft` or remove `lora:` from the "
-                          f"recipe") from None
+    require(["peft"], "lora:", "pip install peft", "remove `lora:` from the recipe")
 
 
 def add_lora(model: PreTrainedModel, cfg: LoRAConfig) -> torch.nn.Module:

@@ -14,10 +14,11 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 import torch
+
+from grpo.extras import require
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -56,11 +57,7 @@ def optimizer_step(acc: Accelerator, model: torch.nn.Module, optimizer, schedule
 
 def require_bitsandbytes() -> None:
     """Fail, saying what to install, when bitsandbytes (for `optimizer: adamw_8bit`) is not importable."""
-    try:
-        importlib.import_module("bitsandbytes")
-    except ImportError as e:
-        raise ImportError(f"optimizer: adamw_8bit needs bitsandbytes ({e}); install it with "
-                          f"`pip install bitsandbytes` or set optimizer: adamw") from None
+    require(["bitsandbytes"], "optimizer: adamw_8bit", "pip install bitsandbytes", "set optimizer: adamw")
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, *, eight_bit: bool = False,

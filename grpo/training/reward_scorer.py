@@ -17,27 +17,22 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
-import contextlib
-import json
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
-                          Qwen2ForSequenceClassification)
-from transformers.utils import logging as hf_logging
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import REWARD_MODEL, TINY, ModelConfig
+from grpo.configs.core import REWARD_MODEL, ModelConfig
 from grpo.configs.reward import HARMLESSNESS, HELPFULNESS
 from grpo.data.general import answer_text
 from grpo.data.tables import DataError
 from grpo.kernels.attention import PACKED, attending_packed
-from grpo.models import DTYPES, check_model_config, load_tokenizer
+from grpo.models import load_scoring_model
 from grpo.rewards import completion_text
 from grpo.sampling.local import render_prompts, response_text
-from grpo.tiny import build_tiny_model
 from grpo.training.batches import pad_right
 from grpo.training.logprobs import packing_on
 from grpo.training.packing import pack_sequences
@@ -70,52 +65,10 @@ def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -
 # The model
 
 def build_reward_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A sequence classifier with one output and `pad_token_id` set, so it can find each row's last token.
-
-    "tiny" builds the embedded backbone (the same weights `build_tiny_model` gives for its seed) under a fresh
-    head; anything else goes to `AutoModelForSequenceClassification.from_pretrained`, which keeps a causal LM's
-    backbone and starts a new head, or reloads a trained reward model whole.
-    """
-    check_model_config(cfg)
-    tok = load_tokenizer(cfg)
-    if cfg.name_or_path == TINY:
-        lm = build_tiny_model(cfg.tiny, tok)
-        lm.config.num_labels = 1
-        torch.manual_seed(seed)  # the head's initialisation
-        model = Qwen2ForSequenceClassification(lm.config)
-        model.model.load_state_dict(lm.model.state_dict())
-        return model.to(DTYPES[cfg.dtype]), tok
-    kwargs = dict(num_labels=1, pad_token_id=tok.pad_token_id, trust_remote_code=cfg.trust_remote_code,
-                  dtype=DTYPES[cfg.dtype])
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
-    torch.manual_seed(seed)
-    with _quiet_new_head(cfg.name_or_path):
-        return AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, **kwargs), tok
-
-
-@contextlib.contextmanager
-def _quiet_new_head(path: str):
-    """A causal LM's folder (`reward_model.from_policy`) has no `score` head: transformers' loading report would print
-    it as missing, which is the point; a reward model's own folder (or a hub name) is loaded with its report."""
-    architectures = []
-    config = Path(path) / "config.json"
-    if config.is_file():
-        architectures = json.loads(config.read_text()).get("architectures") or []
-    if not any(a.endswith("ForCausalLM") for a in architectures):
-        yield
-        return
-    # its loading report, and the tensor-parallel plan's note on the layers the new head adds
-    loggers = [hf_logging.get_logger(n) for n in ("transformers.modeling_utils",
-                                                  "transformers.distributed.tensor_parallel")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(hf_logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    """A sequence classifier with one output and `pad_token_id` set, so it can find each row's last token
+    (`grpo.models.load_scoring_model`: the embedded backbone under a fresh head, a policy's folder under a new one, or
+    a trained reward model reloaded whole)."""
+    return load_scoring_model(cfg, "sequence", seed)
 
 
 def load_reward_model(path: str | Path, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

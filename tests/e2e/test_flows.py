@@ -78,6 +78,20 @@ def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, 
     assert "eval/accuracy_before" in result.metrics and "eval/accuracy" in result.metrics
     samples = json.loads(download(f"runs:/{result.run_id}/samples/step_00001.json", tmp_path / "s").read_text())
     assert {"prompt", "completion", "reward", "reward/accuracy"} <= set(samples["columns"])
+    # the trained weights are the cold start's moved by two small steps (none where no group's rewards differ),
+    # nearer it than the base model the cold start began from
+    from grpo.configs.core import ModelConfig
+    from grpo.models import load_model_and_tokenizer
+
+    start = AutoModelForCausalLM.from_pretrained(download(ckpt, tmp_path / "cold")).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"], tmp_path / "grpo")).state_dict()
+    base = load_model_and_tokenizer(ModelConfig.model_validate(TINY_GRPO["model"]))[0].state_dict()
+
+    def distance(a, b):
+        return sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in b) ** 0.5
+
+    assert trained.keys() == start.keys()
+    assert distance(trained, start) < 0.1 * distance(start, base), (distance(trained, start), distance(start, base))
     model = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"], tmp_path / "ckpt"))
     assert model.config.num_hidden_layers == 2  # (the trainer's own tests check that GRPO moves the weights)
 

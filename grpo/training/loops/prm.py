@@ -37,18 +37,17 @@ from typing import Callable, NamedTuple, Sequence
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import TINY, ModelConfig, SamplingConfig
+from grpo.configs.core import ModelConfig, SamplingConfig
 from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import Problem, format_response
 from grpo.kernels.attention import PACKED, attending_packed
-from grpo.models import DTYPES, check_model_config, load_tokenizer
+from grpo.models import load_scoring_model
 from grpo.rewards import accuracy_reward
 from grpo.rewards.outcomes import reason_of
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, Steps, StepVerifier
 from grpo.sampling.local import TransformersBackend, render_prompts
-from grpo.tiny import build_tiny_model
 from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import batch_indices, pad_right
 from grpo.training.grading import GradingWatch, StepGrading
@@ -165,19 +164,9 @@ def _labelled(question: str, response: str, n_steps: int, bad: int | None) -> di
 # The model, and reading it at the steps' ends
 
 def build_prm(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A one-output token classifier: the embedded backbone ("tiny") or a folder's (a policy, or a trained PRM)."""
-    check_model_config(cfg)
-    tok = load_tokenizer(cfg)
-    if cfg.name_or_path == TINY:
-        lm = build_tiny_model(cfg.tiny, tok)
-        lm.config.num_labels = 1
-        torch.manual_seed(seed)  # the head's initialisation
-        model = AutoModelForTokenClassification.from_config(lm.config)
-        model.model.load_state_dict(lm.model.state_dict())
-        return model.to(DTYPES[cfg.dtype]), tok
-    torch.manual_seed(seed)
-    return AutoModelForTokenClassification.from_pretrained(
-        cfg.name_or_path, num_labels=1, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code), tok
+    """A one-output token classifier: the embedded backbone ("tiny") or a folder's (a policy, or a trained PRM)
+    (`grpo.models.load_scoring_model`)."""
+    return load_scoring_model(cfg, "token", seed)
 
 
 def encode_steps(tok: PreTrainedTokenizerBase, prompts: Sequence, completions: Sequence[str],
