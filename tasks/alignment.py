@@ -15,7 +15,7 @@ from grpo.data.general import alignment_eval_sets, general_prompts
 from grpo.data.preferences import alignment_prompts, load_preference_data, pairs_for
 from grpo.data.tables import load_rl_data, read_table, validate_rows
 from grpo.training.launchers import launch
-from grpo.training.launchers.jobs import DPOJob, RewardModelJob, run, write_frame
+from grpo.training.jobs import DPOJob, RewardModelJob, run, write_frame
 from grpo.training.loops.reward_model import RewardModelResult
 from runtime import cluster, tracking
 from runtime.durable import durable_resume

@@ -15,7 +15,7 @@ from grpo.configs.ppo import PPOConfig
 from grpo.configs.reward import PreferenceDataConfig, RewardModelConfig
 from grpo.configs.rft import OnlineRFTConfig
 from grpo.training.launchers import launch
-from grpo.training.launchers.jobs import GRPOJob, run, write_frame
+from grpo.training.jobs import GRPOJob, run, write_frame
 from runtime import cluster, tracking
 from runtime.durable import durable_resume
 from runtime.progress import TrainingProgress

@@ -12,7 +12,7 @@ from grpo.configs.distributed import DistributedConfig
 from grpo.data.row_files import check_row_files, content_digest, parquet_files
 from grpo.data.tables import SFT_SCHEMA
 from grpo.training.launchers import launch
-from grpo.training.launchers.jobs import SFTJob, run
+from grpo.training.jobs import SFTJob, run
 from runtime import cluster, dataset_refs, tracking
 from runtime.durable import durable_resume
 from runtime.progress import TrainingProgress

@@ -68,3 +68,51 @@ def test_the_readme_is_a_front_page_that_links_every_docs_page():
     unlinked = [p.name for p in (ROOT / "docs").glob("*.md") if p.resolve() not in linked]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
     assert "make demo" in readme and "make test" in readme
+
+
+SPAN = re.compile(r"`((?:grpo|runtime|tasks|flows|benchmarks|deployments)[./][\w./-]*\w/?)`")
+
+
+def module_file(parts: list[str]) -> Path | None:
+    """The file of the module (or package) `parts` names, if there is one."""
+    base = ROOT.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def defines(source: str, name: str) -> bool:
+    """Whether a module's source binds `name` at its top level (a def, a class, an assignment or an import)."""
+    return re.search(rf"^(?:(?:async )?def |class ){name}\b|^{name}\s*[:=]|^(?:from \S+ )?import .*\b{name}\b",
+                     source, re.M) is not None
+
+
+def stale(span: str) -> str | None:
+    """Why the project path a page names (a file or folder, `grpo/x.py`, or a dotted module and one of its names,
+    `grpo.x.NAME`) does not exist; None when it does. A dotted span whose only module is the top package
+    (`grpo.beta`) is a recipe setting's path (the `grpo` section), not a module's: left alone."""
+    path, _, dotted = span.rstrip("/").rpartition("/")
+    parts = [*(path.split("/") if path else []), *dotted.split(".")]
+    if (ROOT / span).exists():
+        return None
+    for n in range(len(parts), 0, -1):  # the longest prefix that is a module, then a name it defines
+        found = module_file(parts[:n])
+        if found is None:
+            continue
+        if n == len(parts) or parts[n] == "py" or defines(found.read_text(), parts[n]) or (n == 1 and not path):
+            return None
+        return f"{found.relative_to(ROOT)} defines no {parts[n]!r}"
+    return "no such file, folder or module"
+
+
+def test_every_module_path_the_pages_name_exists():
+    """A page that names `grpo/training/jobs.py`, `grpo.configs.recipe.STAGES` or `flows/cli/` names something the
+    clone has: after a module moves, the pages that still say where it was fail here."""
+    missing = []
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for span in SPAN.findall(line):
+                if why := stale(span):
+                    missing.append(f"{page.relative_to(ROOT)}:{number}: `{span}` ({why})")
+    assert not missing, "\n".join(missing)

@@ -117,23 +117,28 @@ def test_no_import_circle_in_the_project():
 
 LOOPS = "grpo.training.loops"
 LAUNCHERS = "grpo.training.launchers"
+JOBS = "grpo.training.jobs"  # the job runner: builds a loop from its job; what launchers start
 
 
-def test_training_is_parts_loops_and_launchers():
-    """`grpo/training/` holds loops (`loops/`), what starts them (`launchers/`) and the parts they share (loose):
-    no loop imports another loop, parts import neither loops nor launchers, and loops import no launcher."""
+def test_training_is_parts_loops_the_job_runner_and_launchers():
+    """`grpo/training/` holds loops (`loops/`), the job runner that builds one from its job (`jobs.py`), what starts
+    them (`launchers/`) and the parts they share (loose): no loop imports another loop, the job runner, or a
+    launcher; the job runner imports no launcher; parts import none of loops, the job runner and launchers."""
     graph = _import_graph()
     assert any(m.startswith(LOOPS + ".") for m in graph), f"{LOOPS} holds the training loops"
     assert any(m.startswith(LAUNCHERS + ".") for m in graph), f"{LAUNCHERS} holds what starts them"
+    assert any(dep.startswith(LOOPS + ".") for dep in graph[JOBS]), f"{JOBS} builds the loops"
     wrong = []
     for module, deps in sorted(graph.items()):
         for dep in sorted(deps):
             if module.startswith(LOOPS + ".") and dep.startswith(LOOPS + ".") and dep != module:
                 wrong.append(f"loop {module} imports loop {dep}")
-            elif module.startswith(LOOPS + ".") and dep.startswith(LAUNCHERS):
-                wrong.append(f"loop {module} imports launcher {dep}")
-            elif (module.startswith("grpo.") and not module.startswith((LOOPS, LAUNCHERS))
-                  and dep.startswith((LOOPS + ".", LAUNCHERS + "."))):
+            elif module.startswith(LOOPS + ".") and (dep.startswith(LAUNCHERS) or dep == JOBS):
+                wrong.append(f"loop {module} imports {dep}")
+            elif module == JOBS and dep.startswith(LAUNCHERS):
+                wrong.append(f"the job runner imports launcher {dep}")
+            elif (module.startswith("grpo.") and not module.startswith((LOOPS, LAUNCHERS)) and module != JOBS
+                  and (dep.startswith((LOOPS + ".", LAUNCHERS + ".")) or dep == JOBS)):
                 wrong.append(f"part {module} imports {dep}")
     assert not wrong, "\n".join(wrong)
 

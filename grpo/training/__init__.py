@@ -1,7 +1,10 @@
-"""Training: the parts every loop shares, loose in this folder; the loops in `loops/`; what starts them in `launchers/`.
+"""Training: the parts every loop shares, loose in this folder; the loops in `loops/`; the job runner (`jobs`); what
+starts them in `launchers/`; asynchronous rollouts in `rollouts/`.
 
-A loop (`loops/`) is a whole training run of one kind (SFT, GRPO, PPO, the reward model, DPO, the PRM); a launcher
-(`launchers/`) runs a loop in other processes or machines; everything here is a part a loop is built from:
+A loop (`loops/`) is a whole training run of one kind (SFT, GRPO, PPO, the reward model, DPO, the PRM); the job runner
+(`jobs`) builds a loop from its typed job; a launcher (`launchers/`) runs a job in other processes or machines; the
+samplers apart from the trainer (processes or Ray actors) are `rollouts/`; everything else here is a part a loop is
+built from:
 
 | module | what it holds |
 |---|---|
@@ -25,8 +28,12 @@ A loop (`loops/`) is a whole training run of one kind (SFT, GRPO, PPO, the rewar
 | `strategy` | how the processes hold a model (`ddp` or `fsdp`): its distributed form, whole weights back (GRPO's sampler, the final checkpoint), resume checkpoints |
 | `lora` | LoRA adapters on the policy: added, switched off for the reference, merged for the next stage |
 | `precision` | `auto`/`bf16`/`fp16`/`no` resolved against the hardware (bf16 only where it is native) |
+| `grading` | the run's grading watch: a stop when graders keep failing (ungraded rows), a line when groups stop carrying signal |
+| `appeal` | a second look at the rule's negatives: a judge, given the reference, may turn a right answer the rule missed |
+| `packing` | padding-free rows: sequences one after another, micro-batches filled to a token budget |
 
-Imports point one way: configs <- grpo's data, rewards, kernels, models, sampling <- these parts <- loops <-
-launchers (tests/test_layers.py holds it: no part imports a loop or a launcher, no loop imports another loop).
+Imports point one way: configs <- grpo's data, rewards, kernels, models, sampling <- these parts <- loops <- the job
+runner <- launchers (tests/test_layers.py holds it: no part imports a loop, the job runner or a launcher; no loop
+imports another loop).
 Must not depend on Prefect or MLflow: loops report through callbacks.
 """

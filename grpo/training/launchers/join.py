@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo.training.launchers.join", description=__doc__.splitlines()[0])
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="how long to wait for machine 0's job")
     args = ap.parse_args(argv)
-    from grpo.training.launchers.jobs import read_launched
+    from grpo.training.jobs import read_launched
 
     job_file = wait_for_job(launch.join_dir(), args.timeout_s)
     cfg = read_launched(job_file.read_text()).job.distributed

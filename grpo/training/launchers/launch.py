@@ -30,7 +30,7 @@ import pandas as pd
 from grpo import cores
 from grpo.configs.distributed import COLLECTIVE_TIMEOUT, DistributedConfig
 from grpo.ports import free_port
-from grpo.training.launchers.jobs import Job, Launched, MetricsCallback, SamplesCallback
+from grpo.training.jobs import Job, Launched, MetricsCallback, SamplesCallback
 
 # what a multi-machine job tells each of its machines (docs/distributed.md)
 MACHINE_RANK, MAIN_IP, MAIN_PORT, JOIN_DIR = ("R1_MACHINE_RANK", "R1_MAIN_PROCESS_IP", "R1_MAIN_PROCESS_PORT",
@@ -146,7 +146,7 @@ def launch_command(cfg: DistributedConfig, n: int, job_file: Path, port: int) ->
 
 def run_launched(job: Job, on_metrics: MetricsCallback | None, on_samples: SamplesCallback | None = None,
                  ray_address: str | None = None) -> dict:
-    """Run the job (`grpo.training.launchers.jobs`) across the processes its `distributed` section asks for; return
+    """Run the job (`grpo.training.jobs`) across the processes its `distributed` section asks for; return
     what its main process reported.
 
     The job's input tables are copied beside the job file, in its work folder (where every process of the job reads:

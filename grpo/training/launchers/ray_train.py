@@ -45,7 +45,7 @@ def check_ray_cluster(cfg: DistributedConfig, address: str) -> None:
 
 
 def share_inputs(job, folder: Path):
-    """The job (`grpo.training.launchers.jobs`) with its local input folders (the model, a reward model, a process
+    """The job (`grpo.training.jobs`) with its local input folders (the model, a reward model, a process
     reward model, the reward model's base) copied under `folder`, in the shared work folder, where every node reads
     them; a hub name or a folder already there stays."""
     import shutil
@@ -139,7 +139,7 @@ def _worker_loop(config: dict) -> None:
 
     import ray.train
 
-    from grpo.training.launchers.jobs import read_launched
+    from grpo.training.jobs import read_launched
     from grpo.training.launchers.worker import run_job
 
     job_file = Path(config["job_file"])

@@ -2,7 +2,7 @@
 
     accelerate launch --num_processes N -m grpo.training.launchers.worker <work folder>/launch/job.json
 
-The stage task builds the loop's typed job (`grpo.training.launchers.jobs`: every input a local file, rows as
+The stage task builds the loop's typed job (`grpo.training.jobs`: every input a local file, rows as
 Parquet, the model a folder or the tiny config); `grpo.training.launchers.launch` writes it with where to report as
 one document (`jobs.Launched`), starts this module under `accelerate launch`, and logs what the main process
 reports. This module checks the document and runs `jobs.run`, as the task's own process does. Only the main process
@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from grpo import startup
-from grpo.training.launchers.jobs import Launched, load_libraries, read_launched, run
+from grpo.training.jobs import Launched, load_libraries, read_launched, run
 
 
 class EventWriter:

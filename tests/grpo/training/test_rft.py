@@ -194,15 +194,15 @@ def test_online_rft_has_signal_when_a_sample_is_correct_not_when_rewards_differ(
 
 
 def grpo_job(tmp_path, prompts: pd.DataFrame, cfg: GRPOConfig, out: str = "out", **kw):
-    """A stage's GRPO job (grpo.training.launchers.jobs) on these prompts, as its task builds it."""
-    from grpo.training.launchers.jobs import GRPOJob
+    """A stage's GRPO job (grpo.training.jobs) on these prompts, as its task builds it."""
+    from grpo.training.jobs import GRPOJob
 
     prompts.to_parquet(tmp_path / "rows.parquet")
     return GRPOJob(model=SMALL, cfg=cfg, rows=str(tmp_path / "rows.parquet"), output_dir=str(tmp_path / out), **kw)
 
 
 def test_the_stage_trainer_refuses_settings_online_rft_cannot_honour(tmp_path):
-    from grpo.training.launchers.jobs import build_rl_trainer
+    from grpo.training.jobs import build_rl_trainer
 
     prompts = pd.DataFrame({"prompt": ["Say 1", "Say 2"], "answer": ["1", "2"]})
     cfg = GRPOConfig(prompts_per_step=2, num_generations=2, dynamic_sampling=True)
@@ -241,7 +241,7 @@ def test_a_launched_process_runs_online_rft_from_its_job_file(tmp_path):
     `online_rft` section reaches the trainer, and the main process reports rft/correct."""
     import json
 
-    from grpo.training.launchers.jobs import Launched, read_launched
+    from grpo.training.jobs import Launched, read_launched
     from grpo.training.launchers.worker import run_job
 
     torch.set_num_threads(1)
@@ -261,7 +261,7 @@ def test_a_launched_process_runs_online_rft_from_its_job_file(tmp_path):
 def test_offline_rft_samples_from_the_frozen_start_while_the_policy_trains(tmp_path):
     """`online_rft.sampler: initial` (DeepSeekMath's offline RFT): the stage's trainer samples every step from a frozen
     copy of its starting model, which training leaves as it was, while the policy it trains moves."""
-    from grpo.training.launchers.jobs import build_rl_trainer
+    from grpo.training.jobs import build_rl_trainer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

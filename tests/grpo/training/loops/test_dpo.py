@@ -212,7 +212,7 @@ def test_bad_preference_files_fail_in_one_line_naming_the_file_row_and_field(tmp
 
 def test_a_launched_process_runs_dpo_from_its_job_file(tmp_path):
     """What each process of a launched stage runs (grpo.training.launchers.worker), here in this process."""
-    from grpo.training.launchers.jobs import DPOJob, Launched, read_launched
+    from grpo.training.jobs import DPOJob, Launched, read_launched
     from grpo.training.launchers.worker import run_job
 
     torch.set_num_threads(1)
