@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 
 from grpo.configs.core import ClusterConfig
-from grpo.configs.distributed import DistributedConfig
+from grpo.configs.distributed import DistributedConfig, rollout_ray_address
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.extras import require
 from grpo.rejection import shards
@@ -158,7 +158,7 @@ def check_rollout_cluster(cfg, distributed: DistributedConfig, stage: str):
     if not rollout.asynchronous or rollout.launcher != "ray":
         return cfg
     require(["ray"], f"{stage}.grpo.rollout.launcher: ray", CLUSTER_EXTRA)
-    address = rollout.ray_address or (distributed.ray_address if distributed.engine == "ray" else None)
+    address = rollout_ray_address(rollout.ray_address, distributed.engine, distributed.ray_address, None)
     if not address:
         raise ValueError(f"{stage}.grpo.rollout.launcher is ray but names no cluster: set grpo.rollout.ray_address, "
                          f"or rejection_sampling.cluster.ray_address in the recipe")

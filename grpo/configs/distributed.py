@@ -91,3 +91,17 @@ class DistributedConfig(BaseModel):
                 raise ValueError("engine ray needs shared_dir: a folder every Ray node and this machine mount, where "
                                  "the stage's job, checkpoints and final model live")
         return self
+
+
+def rollout_ray_address(own: str | None, engine: str | None, training: str | None,
+                        recipe: str | None) -> str | None:
+    """The Ray cluster a GRPO stage's sampler actors (`grpo.rollout.launcher: ray`) run on, one rule wherever it is
+    read: their own `rollout.ray_address`, else the cluster the stage's Ray Train workers run on (`distributed.engine:
+    ray` with its `ray_address`), else the recipe's (`rejection_sampling.cluster.ray_address`); None when none names
+    one.
+
+    >>> rollout_ray_address(None, "ray", "train:6379", "head:6379"), rollout_ray_address(None, "local", None, "head:6379")
+    ('train:6379', 'head:6379')
+    """
+    return own or (training if engine == "ray" else None) or recipe or None
+

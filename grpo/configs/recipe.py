@@ -34,7 +34,7 @@ from grpo.configs.core import (
 )
 from grpo.configs.alignment import AlignmentEvalConfig, AlignmentWatchConfig
 from grpo.configs.budget import BudgetConfig
-from grpo.configs.distributed import DistributedConfig
+from grpo.configs.distributed import DistributedConfig, rollout_ray_address
 from grpo.configs.dpo import DPOConfig
 from grpo.configs.ppo import PPOConfig, check_ppo_settings
 from grpo.configs.reward import HARMLESSNESS, HELPFULNESS, REWARD_MODELS, PreferenceDataConfig, RewardModelConfig
@@ -349,7 +349,9 @@ class Recipe(BaseModel):
             grpo = section.get("grpo") if isinstance(section, Mapping) else None
             rollout = grpo.get("rollout") if isinstance(grpo, Mapping) else None
             if isinstance(rollout, Mapping) and rollout.get("launcher") == "ray" and not rollout.get("ray_address"):
-                data[name] = {**section, "grpo": {**grpo, "rollout": {**rollout, "ray_address": address}}}
+                dist = dist if isinstance(dist, Mapping) else {}
+                chosen = rollout_ray_address(None, dist.get("engine"), dist.get("ray_address"), address)
+                data[name] = {**section, "grpo": {**grpo, "rollout": {**rollout, "ray_address": chosen}}}
         return data
 
     @model_validator(mode="after")

@@ -170,6 +170,13 @@ def test_the_actors_take_the_recipe_s_ray_cluster_unless_they_name_their_own():
     assert cfg.alignment_grpo.grpo.rollout.ray_address is None  # its samplers are processes here
     own = apply_overrides(load_recipe("tiny"), {**on, "reasoning_grpo.grpo.rollout.ray_address": "other:6379"})
     assert own.reasoning_grpo.grpo.rollout.ray_address == "other:6379"
+    # a stage whose Ray Train workers name a cluster samples on that one, not on the recipe's (one rule, read alike
+    # by the recipe and by the stage's check: grpo.configs.distributed.rollout_ray_address)
+    trains = apply_overrides(load_recipe("tiny"), {**on, "reasoning_grpo.distributed.engine": "ray",
+                                                  "reasoning_grpo.distributed.ray_address": "train:6379",
+                                                  "reasoning_grpo.distributed.shared_dir": "/srv/r1"})
+    assert trains.reasoning_grpo.grpo.rollout.ray_address == "train:6379"
+    assert trains.reasoning_grpo.distributed.ray_address == "train:6379"
 
 
 def test_a_stage_on_ray_train_workers_samples_on_ray_actors(prefect_harness, mlflow_client, cluster):
