@@ -76,6 +76,7 @@ class AuditResult(NamedTuple):
     overall: Scores
     by_added: dict[str, Scores]  # before_tuning / after_tuning (a user's `added`); empty where no row says
     by_kind: dict[str, Scores]  # the answer form; empty where no row says
+    kind_added: dict[str, str]  # each kind's `added` (its first row's): where its line goes in the report
 
 
 def _grouped(pairs: Sequence[Pair], said: Sequence[bool | Ungraded], key: Callable[[Pair], str]) -> dict[str, Scores]:
@@ -91,8 +92,11 @@ def audit(check: Callable[[Sequence[Pair]], Verdicts], pairs: Sequence[Pair]) ->
     said = check(pairs)
     if len(said) != len(pairs):
         raise ValueError(f"the checker answered {len(said)} verdicts for {len(pairs)} pairs")
+    kind_added = {}
+    for p in pairs:
+        kind_added.setdefault(p.kind, p.added)
     return AuditResult(scores(pairs, said), _grouped(pairs, said, lambda p: p.added),
-                       _grouped(pairs, said, lambda p: p.kind))
+                       _grouped(pairs, said, lambda p: p.kind), kind_added)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,9 +239,11 @@ def report_text(result: VerifierAudit, by_kind: bool = False) -> str:
     lines = [f"{'checker':<26}{'precision':>9}{'recall':>8}{'TP':>6}{'FP':>6}{'FN':>6}{'TN':>6}{'rows':>6}  ungraded"]
     for name, r in result.results.items():
         lines.append(_line(name, r.overall))
-        lines += [_line(f"  {added}", s) for added, s in r.by_added.items()]
-        if by_kind:
-            lines += [_line(f"    {kind}", s) for kind, s in r.by_kind.items()]
+        for added, s in [*r.by_added.items(), ("", None)]:  # then the kinds of rows that name no `added`
+            if s is not None:
+                lines.append(_line(f"  {added}", s))
+            if by_kind:
+                lines += [_line(f"    {kind}", k) for kind, k in r.by_kind.items() if r.kind_added[kind] == added]
     a = result.appeal
     if a is not None:
         no_verdict = sum(a.no_verdict.values())
