@@ -25,6 +25,7 @@ A loop (`loops/`) is a whole training run of one kind (SFT, GRPO, PPO, the rewar
 | `strategy` | how the processes hold a model (`ddp` or `fsdp`): its distributed form, whole weights back (GRPO's sampler, the final checkpoint), resume checkpoints |
 | `lora` | LoRA adapters on the policy: added, switched off for the reference, merged for the next stage |
 | `precision` | `auto`/`bf16`/`fp16`/`no` resolved against the hardware (bf16 only where it is native) |
+| `verifier_audit` | the answer checkers (the rule, math-verify alone, rule + appeal) scored on labelled pairs: TP/FP/FN/TN, ungraded rows, the judge's calls; what `r1 audit-rewards` prints |
 
 Imports point one way: configs <- grpo's data, rewards, kernels, models, sampling <- these parts <- loops <-
 launchers (tests/test_layers.py holds it: no part imports a loop or a launcher, no loop imports another loop).
