@@ -14,6 +14,7 @@
     r1 compare RUN_A RUN_B [...]  # pipeline runs (or a sweep's points) stage by stage: params that differ, metrics
     r1 show RUN                   # every figure of a pipeline run's stages (or of one stage run), and their URIs
     r1 sweep [--recipe R] --grid PATH=V1,V2 [--grid ...] [--seeds N] [--stages ...]   # a grid of pipeline runs
+    r1 audit-rewards [--file ROWS.jsonl] [--judge URL]   # precision/recall of the rule, math-verify, rule + appeal
 
 A mistake in what was asked for (recipe, data, model, run id, stage, endpoint, port, folder) is found before
 anything starts and told in one line, exit code 2; --debug adds the traceback.
@@ -213,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", parents=[common], help="every figure a pipeline run's stages logged, stage by "
                                                          "stage, and the URIs they made (or one stage run's)")
     show.add_argument("run", metavar="RUN", help="a pipeline run (MLflow parent run id) or a stage run")
+    from flows.cli import audit as audit_command
+
+    audit_command.add_parser(sub, [common])
     return parser
 
 
@@ -266,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "audit-rewards":  # needs no state folder, server or stack: nothing of them loads
+        from flows.cli import audit as audit_command
+
+        return audit_command.run(args)
     from flows.cli import preflight
     from flows.cli.credentials import use_stack_credentials
 

@@ -29,15 +29,15 @@ from __future__ import annotations
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Protocol
-
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from grpo.configs.core import GenerationConfig, JudgeConfig, SamplingConfig
 from grpo.rewards.outcomes import JUDGE_HTTP_ERROR, JUDGE_NO_VERDICT, JUDGE_TIMEOUT
-from grpo.sampling.engines import build_engine
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint
 from grpo.texts import NO_REFERENCE
+
+if TYPE_CHECKING:  # an HTTP judge (`r1 audit-rewards --judge`) loads neither torch nor transformers
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class Verdict(NamedTuple):
@@ -112,6 +112,8 @@ class TransformersJudge:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: JudgeConfig,
                  generation: GenerationConfig | None = None):
         self.cfg = cfg
+        from grpo.sampling.engines import build_engine
+
         self.engine = build_engine(generation or GenerationConfig(), model, tokenizer, who="the judge")
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        batch_size=cfg.batch_size)

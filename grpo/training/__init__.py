@@ -31,6 +31,7 @@ built from:
 | `grading` | the run's grading watch: a stop when graders keep failing (ungraded rows), a line when groups stop carrying signal |
 | `appeal` | a second look at the rule's negatives: a judge, given the reference, may turn a right answer the rule missed |
 | `packing` | padding-free rows: sequences one after another, micro-batches filled to a token budget |
+| `verifier_audit` | the answer checkers (the rule, math-verify alone, rule + appeal) scored on labelled pairs: TP/FP/FN/TN, ungraded rows, the judge's calls; what `r1 audit-rewards` prints |
 
 Imports point one way: configs <- grpo's data, rewards, kernels, models, sampling <- these parts <- loops <- the job
 runner <- launchers (tests/test_layers.py holds it: no part imports a loop, the job runner or a launcher; no loop

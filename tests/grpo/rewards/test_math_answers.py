@@ -228,12 +228,15 @@ def test_stuck_pool_is_killed_and_counted_as_timeouts(monkeypatch):
 def test_the_rule_on_the_audit_set_and_an_amount_in_dollars():
     """The project's labelled audit set (equivalent and non-equivalent answer pairs in the forms graders miss): the
     accuracy reward keeps every non-equivalent pair out and finds the equivalent ones, dollar amounts included."""
-    from grpo.rewards.audit import audit, audit_pairs
+    from grpo.rewards.audit import audit_pairs
+    from grpo.training.verifier_audit import audit, rule
 
     pairs = audit_pairs(seed=0)
     assert len(pairs) >= 400 and {p.kind for p in pairs} >= {"currency", "intervals", "sets", "gsm8k_tails", "boxed"}
-    result = audit(lambda refs, comps: [s == 1.0 for s in accuracy_reward(comps, refs, timeout_s=5.0)], pairs)
-    assert result.precision >= 0.99 and result.recall >= 0.97, result
+    result = audit(rule, pairs)
+    assert result.overall.precision >= 0.99 and result.overall.recall >= 0.97, result
+    held_out = result.by_added["before_tuning"]  # forms the rule read before the set was written
+    assert held_out.precision >= 0.99 and held_out.recall >= 0.97, held_out
     assert accuracy_reward(["<answer>\\$1,272.50</answer>", "<answer>$12$</answer>"], ["1272.5", "\\$12"]) == [1.0, 1.0]
 
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pandas as pd
 import pytest
 
@@ -15,47 +11,8 @@ from grpo.rewards import accuracy_reward
 from grpo.sampling.judge import Verdict
 from grpo.training.appeal import appealed
 from grpo.training.loops.grpo_trainer import GRPOTrainer
+from judges import scripted_judge
 from tiny_configs import SMALL
-
-
-class _Judge(BaseHTTPRequestHandler):
-    """An OpenAI-compatible judge endpoint with a fixed verdict; it records what it was asked."""
-
-    verdict, asked = "yes", []
-
-    def do_GET(self):
-        self._reply({"object": "list", "data": [{"id": "judge", "object": "model"}]})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).asked.append(body["messages"][-1]["content"])
-        self._reply({"choices": [{"message": {"content": f"VERDICT: {self.verdict}\nREASON: said so"}}]})
-
-    def _reply(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def judge_url():
-    def serve(verdict: str):
-        handler = type("Handler", (_Judge,), {"verdict": verdict, "asked": []})
-        srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}/v1", handler
-
-    servers = []
-    yield serve
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
 
 
 class _Says:
@@ -86,21 +43,21 @@ PROMPTS = pd.DataFrame({"prompt": [f"What is {i} plus zero?" for i in range(4)],
 
 
 @pytest.mark.parametrize("verdict", ["yes", "no"])
-def test_grpo_with_an_appeal_over_http_scores_the_judges_yes_and_logs_its_calls(tmp_path, judge_url, verdict):
-    url, handler = judge_url(verdict)
-    model, tok = load_model_and_tokenizer(SMALL)
-    cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0, mixed_precision="no",
-                     sampling=SamplingConfig(max_new_tokens=8), rewards={"accuracy": 1.0},
-                     appeal=JudgeConfig(backend="http", base_url=url, model="judge", backoff_s=0.01))
-    seen = {}
-    trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, progress=False,
-                          on_metrics=lambda step, m: seen.__setitem__(step, m))
-    trainer.train()
-    m = seen[1]
-    negatives = m["reward_figures/accuracy/appeal_calls"]
-    assert negatives == len(handler.asked) > 0  # a random model's answers are wrong: each went to the judge
-    if verdict == "yes":
-        assert m["reward_figures/accuracy/appeal_upheld"] == negatives and m["reward/accuracy"] == 1.0
-    else:
-        assert m["reward_figures/accuracy/appeal_upheld"] == 0 and m["reward/accuracy"] < 1.0
-    assert "Reference answer:" in handler.asked[0]
+def test_grpo_with_an_appeal_over_http_scores_the_judges_yes_and_logs_its_calls(tmp_path, verdict):
+    with scripted_judge(verdict) as (url, handler):
+        model, tok = load_model_and_tokenizer(SMALL)
+        cfg = GRPOConfig(max_steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0, mixed_precision="no",
+                         sampling=SamplingConfig(max_new_tokens=8), rewards={"accuracy": 1.0},
+                         appeal=JudgeConfig(backend="http", base_url=url, model="judge", backoff_s=0.01))
+        seen = {}
+        trainer = GRPOTrainer(model, tok, PROMPTS, cfg, tmp_path, progress=False,
+                              on_metrics=lambda step, m: seen.__setitem__(step, m))
+        trainer.train()
+        m = seen[1]
+        negatives = m["reward_figures/accuracy/appeal_calls"]
+        assert negatives == len(handler.asked) > 0  # a random model's answers are wrong: each went to the judge
+        if verdict == "yes":
+            assert m["reward_figures/accuracy/appeal_upheld"] == negatives and m["reward/accuracy"] == 1.0
+        else:
+            assert m["reward_figures/accuracy/appeal_upheld"] == 0 and m["reward/accuracy"] < 1.0
+        assert "Reference answer:" in handler.asked[0]
