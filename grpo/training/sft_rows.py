@@ -233,9 +233,11 @@ def tokenize_share(files: list[Path], share: list[tuple[int, int, int]], tokeniz
             for k, start, stop in share:
                 name = f"{source} ({files[k].name})" if len(files) > 1 else source
                 for at, frame in frames(files[k], ["prompt", "response"], batch_rows):
+                    if at + len(frame) <= start:  # before the share: read past, not tokenized
+                        continue
                     if at >= stop:
                         break
-                    cut = slice(max(start - at, 0), min(stop - at, len(frame)))  # empty before the share
+                    cut = slice(max(start - at, 0), min(stop - at, len(frame)))
                     frame, at = frame.iloc[cut], at + cut.start
                     chars = frame["prompt"].map(lambda c: len(str(c))) + frame["response"].str.len()
                     for run in text_runs(chars.tolist(), max_chars):

@@ -180,7 +180,7 @@ def _one_of_two(rank: int, folder, how: str, wait_s: float, port: int, queue) ->
         os.environ.update(RANK=str(rank), WORLD_SIZE="2")
     try:
         rows = tokenize_files([folder / "curated"], load_tokenizer(SMALL), 64, folder / "tokens", source="curated",
-                              batch_rows=5, wait_s=wait_s)
+                              batch_rows=2, wait_s=wait_s)
         queue.put((rank, list(rows), rows.tokenized))
     except Exception as e:
         queue.put((rank, f"{type(e).__name__}: {e}", None))
