@@ -165,11 +165,12 @@ def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None
 
     tok = load_tokenizer(ModelConfig())
     base, anon = rss_kib(reset_peak=True), rss_anon_kib()
-    t = time.perf_counter()
+    t, cpu_t = time.perf_counter(), time.process_time()
     examples = tokenize_files([f"{out}/curated"], tok, max_seq_len, f"{out}/tokens", "curated")
-    tokenize_s = time.perf_counter() - t
+    tokenize_s, tokenize_cpu_s = time.perf_counter() - t, time.process_time() - cpu_t
     iterate_s, tokens = one_epoch(examples, batch_size)
-    print(json.dumps({"seconds": tokenize_s + iterate_s, "tokenize_s": tokenize_s, "iterate_s": iterate_s,
+    print(json.dumps({"seconds": tokenize_s + iterate_s, "tokenize_s": tokenize_s, "tokenize_cpu_s": tokenize_cpu_s,
+                      "iterate_s": iterate_s,
                       "tokenized": getattr(examples, "tokenized", None),  # rows this process tokenized
                       "rss_growth_mib": (rss_kib(peak=True) - base) / 1024, "kept": len(examples),
                       "anon_growth_mib": (rss_anon_kib() - anon) / 1024,
@@ -245,7 +246,8 @@ def print_way(how: str, r: dict, rows: int, mib: float, before: str) -> None:
         tokenized = "" if r.get("tokenized") is None else f", {r['tokenized']:,} rows of them here"
         print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
               f"peak RSS +{r['rss_growth_mib']:,.0f} MiB (anonymous +{r['anon_growth_mib']:,.0f} MiB at the end)  "
-              f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s{tokenized}), one epoch "
+              f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s{tokenized}; "
+              f"{r['tokenize_cpu_s']:.1f} s of CPU), one epoch "
               f"of batches {r['iterate_s']:.1f} s ({r['kept'] / r['iterate_s']:,.0f} rows/s, "
               f"{r['tokens'] / r['iterate_s'] / 1e6:.1f} M tokens/s)  load {before} -> {load()}")
     elif how == "sft_reading":

@@ -215,10 +215,13 @@ def row_share(counts: Sequence[int], rank: int, ranks: int) -> list[tuple[int, i
     [(1, 2, 8), (2, 0, 5)]
     """
     total = sum(counts)
-    lo, hi = total * rank // ranks, total * (rank + 1) // ranks
-    starts = np.cumsum([0, *counts])
-    return [(k, max(lo - a, 0), min(hi - a, n)) for k, (a, n) in enumerate(zip(starts, counts))
-            if max(lo - a, 0) < min(hi - a, n)]
+    lo, hi = total * rank // ranks, total * (rank + 1) // ranks  # of the whole table
+    share, first = [], 0  # first: the file's first row in the whole table
+    for k, n in enumerate(counts):
+        if max(lo - first, 0) < min(hi - first, n):
+            share.append((k, max(lo - first, 0), min(hi - first, n)))
+        first += n
+    return share
 
 
 def tokenize_share(files: list[Path], share: list[tuple[int, int, int]], tokenizer: PreTrainedTokenizerBase,
