@@ -9,10 +9,12 @@ runs in the shard tasks, in parallel, beside sampling). Then, each in its own pr
 in memory), where the code has it `write_merged` (streamed to Parquet), and where the code has that too, one pass of
 SFT's data loading over `write_merged`'s part files: tokenized into the Arrow token file (the tiny recipe's
 tokenizer, max_seq_len 4096), then every batch of 16 of one epoch taken as the loop takes them (`batch_indices`,
-`collate`), each row read from the file. `--ways` picks some of the three. With `--unmarked` the shards are
-written without marks, as older code wrote them, and the merge does all the curation on its one core. Rows: 4
-samples per prompt, 1% of them repeated in a later shard (case changed), 0.5% quoting a held-out prompt; held-out set
-of `--heldout` problems; target 90% of the rows. Run against older code by pointing PYTHONPATH at its checkout.
+`collate`), each row read from the file; with `--processes N` in N processes at once, as a launch's (RANK and
+WORLD_SIZE set, as `accelerate launch` sets them), each printing its own line. `--ways` picks some of the three. With
+`--unmarked` the shards are written without marks, as older code wrote them, and the merge does all the curation on
+its one core. Rows: 4 samples per prompt, 1% of them repeated in a later shard (case changed), 0.5% quoting a
+held-out prompt; held-out set of `--heldout` problems; target 90% of the rows. Run against older code by pointing
+PYTHONPATH at its checkout.
 The CPU (lscpu) and the load average before and after each merge are printed: on a shared machine, read the figures
 with it.
 """
@@ -163,11 +165,13 @@ def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None
 
     tok = load_tokenizer(ModelConfig())
     base, anon = rss_kib(reset_peak=True), rss_anon_kib()
-    t = time.perf_counter()
+    t, cpu_t = time.perf_counter(), time.process_time()
     examples = tokenize_files([f"{out}/curated"], tok, max_seq_len, f"{out}/tokens", "curated")
-    tokenize_s = time.perf_counter() - t
+    tokenize_s, tokenize_cpu_s = time.perf_counter() - t, time.process_time() - cpu_t
     iterate_s, tokens = one_epoch(examples, batch_size)
-    print(json.dumps({"seconds": tokenize_s + iterate_s, "tokenize_s": tokenize_s, "iterate_s": iterate_s,
+    print(json.dumps({"seconds": tokenize_s + iterate_s, "tokenize_s": tokenize_s, "tokenize_cpu_s": tokenize_cpu_s,
+                      "iterate_s": iterate_s,
+                      "tokenized": getattr(examples, "tokenized", None),  # rows this process tokenized
                       "rss_growth_mib": (rss_kib(peak=True) - base) / 1024, "kept": len(examples),
                       "anon_growth_mib": (rss_anon_kib() - anon) / 1024,
                       "tokens": tokens, "dropped": {}}))
@@ -220,18 +224,30 @@ def sft_reading(out: str, rows: int, batch_size: int = 16) -> None:
 
 
 def run_way(how: str, out: Path, rows: int, args: argparse.Namespace, mib: float) -> None:
-    """One way in a fresh process (single-threaded); prints its line."""
+    """One way in a fresh process (single-threaded; sft_loading in `args.processes` at once); prints its lines."""
     before = load()
     cmd = [sys.executable, __file__, "--child", how, str(out), "--rows", str(rows),
            "--heldout", str(args.heldout), "--batch-rows", str(args.batch_rows)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode:
-        sys.exit(f"{how} failed:\n{proc.stderr}")
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    if how == "sft_loading":
+    n = args.processes if how == "sft_loading" else 1
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t = time.perf_counter()
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(k), "WORLD_SIZE": str(n)} if n > 1 else env) for k in range(n)]
+    for k, (proc, (stdout, stderr)) in enumerate(zip(procs, [p.communicate() for p in procs])):
+        if proc.returncode:
+            sys.exit(f"{how} failed:\n{stderr}")
+        print_way(how if n == 1 else f"{how} {k}/{n}", json.loads(stdout.strip().splitlines()[-1]), rows, mib, before)
+    if n > 1:
+        print(f"  {n} processes: {time.perf_counter() - t:.1f} s from their start to the last one's end")
+
+
+def print_way(how: str, r: dict, rows: int, mib: float, before: str) -> None:
+    if how.startswith("sft_loading"):
+        tokenized = "" if r.get("tokenized") is None else f", {r['tokenized']:,} rows of them here"
         print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
               f"peak RSS +{r['rss_growth_mib']:,.0f} MiB (anonymous +{r['anon_growth_mib']:,.0f} MiB at the end)  "
-              f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s), one epoch "
+              f"tokenize {r['tokenize_s']:.1f} s ({r['kept'] / r['tokenize_s']:,.0f} rows/s{tokenized}; "
+              f"{r['tokenize_cpu_s']:.1f} s of CPU), one epoch "
               f"of batches {r['iterate_s']:.1f} s ({r['kept'] / r['iterate_s']:,.0f} rows/s, "
               f"{r['tokens'] / r['iterate_s'] / 1e6:.1f} M tokens/s)  load {before} -> {load()}")
     elif how == "sft_reading":
@@ -257,6 +273,8 @@ def main() -> None:
     ap.add_argument("--ways", nargs="+", default=None,
                     choices=["merge_shards", "write_merged", "sft_loading", "sft_reading"],
                     help="run only these (default: every one the code has, but sft_reading)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="sft_loading in this many processes at once, as a launch's")
     ap.add_argument("--work", default=None, help="folder for the shards (default: a temporary one)")
     ap.add_argument("--child", nargs=2, metavar=("HOW", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()

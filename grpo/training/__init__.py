@@ -16,7 +16,7 @@ built from:
 | `dynamic` | DAPO's dynamic sampling: groups whose rewards differ, kept from several draws into one batch |
 | `policy` | what GRPO's and PPO's loops share: the trainable policy with its optimizer, the frozen reference, a step's rollout sampled and scored, log-probs without gradients |
 | `logprobs` | per-token log-probs of completions, with a group's shared prompt run once (chunked head for large vocabularies) |
-| `sft_rows` | SFT rows as tokens: a frame in memory, or Parquet files (the curated dataset) tokenized once into an Arrow file read a row at a time |
+| `sft_rows` | SFT rows as tokens: a frame in memory, or Parquet files (the curated dataset) tokenized once (each process of a launch its share) into Arrow files read a row at a time |
 | `batches` | which rows a step takes (`batch_indices`, `prompt_order`; `mixed_order`: a set share of each kind every step) and token lists padded into tensors (`pad_right`) |
 | `alignment_watch` | the alignment stage's true score beside its reward models' while GRPO runs, and the line when one falls while the other rises |
 | `reward_scorer` | the Bradley-Terry reward model's parts: its loss, the model, the encoding, the scorer as a reward function |

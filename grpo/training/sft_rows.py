@@ -1,11 +1,13 @@
 """SFT rows as tokens: a small frame tokenized in memory, or a dataset of Parquet files (the curated one, any size)
-tokenized once, a batch at a time, into an Arrow file that the loop then reads a row at a time.
+tokenized once, a batch at a time, into Arrow files that the loop then reads a row at a time.
 
-Both give the same `Example` for row i, so a loop takes the same batches from either. The Arrow file sits in the
-loop's output folder, named by what decides its tokens (the files' bytes, the tokenizer, `max_seq_len`): a resumed
-run reads it again instead of tokenizing. What the process holds is bounded by settings, not by the row count: the
-rows of one Parquet read (`TOKENIZE_ROWS`), the text of one tokenizer call (`TOKENIZE_CHARS`), the rows the loop asks
-for; per row only its token counts and place in the file (16 bytes). Must not depend on Prefect or MLflow.
+Both give the same `Example` for row i, so a loop takes the same batches from either. The Arrow files sit in the
+loop's output folder, named by what decides their tokens (the files' bytes, the tokenizer, `max_seq_len`): a resumed
+run reads them again instead of tokenizing. The processes of a launch tokenize once between them: each its own
+contiguous share of the rows into a part file, then every process reads all the parts, in order, as one sequence.
+What a process holds is bounded by settings, not by the row count: the rows of one Parquet read (`TOKENIZE_ROWS`),
+the text of one tokenizer call (`TOKENIZE_CHARS`), the rows the loop asks for; per row only its token counts and place
+in the files (16 bytes). Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import json
 import mmap
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
+import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from grpo.data.row_files import content_digest, frames, parquet_files
@@ -34,6 +39,9 @@ TOKENIZE_ROWS = 256
 # cost ~120 bytes a character (tiny recipe's tokenizer, 4 KB rows: peak +58 MiB at 64 Ki, +108 MiB at 512 Ki,
 # +169 MiB at 256 rows, ~1 MiB), at the same rows a second
 TOKENIZE_CHARS = 1 << 19
+# how long a process waits for another's part before naming it missing: 10 minutes and a second for every 10 rows of
+# a share (~10x under the slowest rate measured: 93 rows/s of 4 KB rows on a busy 2-core machine)
+PART_WAIT_S, PART_ROWS_PER_S = 600, 10
 
 
 class Example(NamedTuple):
@@ -82,6 +90,7 @@ class TokenPlaces(NamedTuple):
     start: np.ndarray  # [N] int64 a row's first token within its record batch
     ids_at: np.ndarray  # [B] int64 file offset of each record batch's input_ids values
     labels_at: np.ndarray  # [B] int64 and of its labels
+    part: np.ndarray  # [B] int32 the file each record batch lies in (0 for one file)
 
 
 def token_places(path: str | Path, release_batches: int = 64) -> TokenPlaces:
@@ -108,27 +117,41 @@ def token_places(path: str | Path, release_batches: int = 64) -> TokenPlaces:
             whole.madvise(mmap.MADV_DONTNEED)  # the pages stay in the kernel's page cache
     join = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
     return TokenPlaces(join(lengths, np.int32), join(label_tokens, np.int32), np.array(first, np.int64),
-                       join(starts, np.int64), np.array(ids_at, np.int64), np.array(labels_at, np.int64))
+                       join(starts, np.int64), np.array(ids_at, np.int64), np.array(labels_at, np.int64),
+                       np.zeros(len(ids_at), np.int32))
+
+
+def joined_places(parts: list[TokenPlaces]) -> TokenPlaces:
+    """Part files' places as one file's: rows and record batches numbered on from the part before."""
+    rows = np.cumsum([0] + [len(p.lengths) for p in parts])  # [P+1] each part's first row, then N
+    cat = lambda field: np.concatenate([getattr(p, field) for p in parts])  # noqa: E731
+    return TokenPlaces(cat("lengths"), cat("label_tokens"),
+                       np.concatenate([p.first[:-1] + n for p, n in zip(parts, rows)] + [rows[-1:]]),
+                       cat("start"), cat("ids_at"), cat("labels_at"),
+                       np.concatenate([np.full(len(p.ids_at), k, np.int32) for k, p in enumerate(parts)]))
 
 
 class TokenizedRows(Sequence[Example]):
-    """Tokenized rows in an Arrow file: row i as an `Example`, read from the file when asked for (two reads), and
-    every row's token counts as arrays without reading any tokens.
+    """Tokenized rows in Arrow files, read as one sequence in the order given: row i as an `Example`, read from its
+    file when asked for (two reads), and every row's token counts as arrays without reading any tokens.
 
-    A row is read, not mapped: this process holds the rows it is asked for and 16 bytes a row, while the file's
+    A row is read, not mapped: this process holds the rows it is asked for and 16 bytes a row, while the files'
     pages stay the kernel's page cache (an epoch's random reads through a map would leave the whole file counted in
-    this process's memory, its resident set growing with the rows)."""
+    this process's memory, its resident set growing with the rows). `tokenized`: the rows this process tokenized
+    into them (0 where it found them written)."""
 
-    def __init__(self, path: str | Path):
-        self.places = token_places(path)
+    def __init__(self, *paths: str | Path, tokenized: int = 0):
+        self.places = joined_places([token_places(p) for p in paths])
         self.lengths, self.label_tokens = self.places.lengths, self.places.label_tokens
-        self._fd = os.open(path, os.O_RDONLY)
-        if hasattr(os, "posix_fadvise"):  # rows are read in a random order: no read-ahead past what is asked for
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.tokenized = tokenized
+        self._fds = [os.open(p, os.O_RDONLY) for p in paths]
+        for fd in self._fds:
+            if hasattr(os, "posix_fadvise"):  # rows are read in a random order: no read-ahead past what is asked for
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def __del__(self):
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+        for fd in getattr(self, "_fds", ()):
+            os.close(fd)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -140,8 +163,9 @@ class TokenizedRows(Sequence[Example]):
         p = self.places
         batch = int(np.searchsorted(p.first, i, side="right")) - 1  # a lookup, not a walk over the batches
         n, at = 4 * int(p.lengths[i]), 4 * int(p.start[i])  # bytes of the row's int32 tokens, and their place
-        return Example(np.frombuffer(os.pread(self._fd, n, int(p.ids_at[batch]) + at), np.int32).tolist(),
-                       np.frombuffer(os.pread(self._fd, n, int(p.labels_at[batch]) + at), np.int32).tolist())
+        fd = self._fds[p.part[batch]]
+        return Example(np.frombuffer(os.pread(fd, n, int(p.ids_at[batch]) + at), np.int32).tolist(),
+                       np.frombuffer(os.pread(fd, n, int(p.labels_at[batch]) + at), np.int32).tolist())
 
 
 def text_runs(chars: Sequence[int], max_chars: int) -> list[slice]:
@@ -175,33 +199,98 @@ def tokens_key(files: list[Path], tokenizer: PreTrainedTokenizerBase, max_seq_le
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
+def launch_place() -> tuple[int, int]:
+    """This process's rank in its launch and the launch's processes: the process group's where one is up, else what
+    the launcher set (torchrun's and `accelerate launch`'s RANK and WORLD_SIZE), else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def row_share(counts: Sequence[int], rank: int, ranks: int) -> list[tuple[int, int, int]]:
+    """Process `rank` of `ranks`'s contiguous share of files of `counts` rows, read in order as one table: each
+    file it takes rows of, as (file, first row, row past the last), in the file's own row numbers.
+
+    >>> row_share([8, 8, 5], 1, 2)  # rows 10 to 20 of 21
+    [(1, 2, 8), (2, 0, 5)]
+    """
+    total = sum(counts)
+    lo, hi = total * rank // ranks, total * (rank + 1) // ranks  # of the whole table
+    share, first = [], 0  # first: the file's first row in the whole table
+    for k, n in enumerate(counts):
+        if max(lo - first, 0) < min(hi - first, n):
+            share.append((k, max(lo - first, 0), min(hi - first, n)))
+        first += n
+    return share
+
+
+def tokenize_share(files: list[Path], share: list[tuple[int, int, int]], tokenizer: PreTrainedTokenizerBase,
+                   max_seq_len: int, path: Path, source: str, batch_rows: int, max_chars: int) -> int:
+    """Rows `share` (`row_share`) tokenized into the Arrow file `path`, written aside and moved into place (so a
+    file there is whole); the rows tokenized. A prompt too long fails naming its file and row."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    done = 0
+    try:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+            for k, start, stop in share:
+                name = f"{source} ({files[k].name})" if len(files) > 1 else source
+                for at, frame in frames(files[k], ["prompt", "response"], batch_rows):
+                    if at + len(frame) <= start:  # before the share: read past, not tokenized
+                        continue
+                    if at >= stop:
+                        break
+                    cut = slice(max(start - at, 0), min(stop - at, len(frame)))
+                    frame, at = frame.iloc[cut], at + cut.start
+                    chars = frame["prompt"].map(lambda c: len(str(c))) + frame["response"].str.len()
+                    for run in text_runs(chars.tolist(), max_chars):
+                        examples = tokenize_rows(frame.iloc[run], tokenizer, max_seq_len, name, at + run.start)
+                        writer.write_batch(as_batch(examples))
+                        done += len(examples)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return done
+
+
+def wait_for_parts(parts: list[Path], timeout_s: float) -> None:
+    """Every process's part in place: past a barrier where a process group is up, then (the files of another machine
+    may take a moment to show) until each is there, or an error naming the first missing after `timeout_s`."""
+    if len(parts) > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    deadline = time.monotonic() + timeout_s
+    for rank, part in enumerate(parts):
+        while not part.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{part}: process {rank} of {len(parts)} wrote no tokens within {timeout_s:.0f} s "
+                                   f"(did it fail? do the processes share this folder?)")
+            time.sleep(0.5)
+
+
 def tokenize_files(paths: Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, max_seq_len: int,
                    cache_dir: str | Path, source: str = "dataset", batch_rows: int = TOKENIZE_ROWS,
-                   max_chars: int = TOKENIZE_CHARS) -> TokenizedRows:
+                   max_chars: int = TOKENIZE_CHARS, wait_s: float | None = None) -> TokenizedRows:
     """The rows of Parquet files (or folders of them), read in order as one table `batch_rows` at a time and
-    tokenized at most `max_chars` characters a call, into `cache_dir/tokens-<key>.arrow` (written aside and moved
-    into place, so a file there is whole), then read from it a row at a time (`TokenizedRows`). A prompt too long
-    fails here naming its file and row, before any training."""
+    tokenized at most `max_chars` characters a call, then read a row at a time (`TokenizedRows`). A prompt too long
+    fails here naming its file and row, before any training.
+
+    Each of a launch's processes (`launch_place`) tokenizes its contiguous share of the rows into
+    `cache_dir/tokens-<key>-<rank>-of-<ranks>.arrow`, then waits for the others' (`wait_s`, by default
+    `PART_WAIT_S` and a second for every `PART_ROWS_PER_S` rows of a share) and reads them all; a part already
+    there is not tokenized again."""
     files = [f for p in paths for f in parquet_files(p)]
-    cache = Path(cache_dir) / f"tokens-{tokens_key(files, tokenizer, max_seq_len)}.arrow"
-    if not cache.exists():
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
-                for file in files:
-                    name = f"{source} ({file.name})" if len(files) > 1 else source
-                    for at, frame in frames(file, ["prompt", "response"], batch_rows):
-                        chars = frame["prompt"].map(lambda c: len(str(c))) + frame["response"].str.len()
-                        for run in text_runs(chars.tolist(), max_chars):
-                            writer.write_batch(as_batch(tokenize_rows(frame.iloc[run], tokenizer, max_seq_len, name,
-                                                                      at + run.start)))
-            os.replace(tmp, cache)  # each process of a launch may write it: the same bytes, the last move wins
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    return TokenizedRows(cache)
+    rank, ranks = launch_place()
+    key = tokens_key(files, tokenizer, max_seq_len)
+    parts = [Path(cache_dir) / f"tokens-{key}-{r}-of-{ranks}.arrow" for r in range(ranks)]
+    counts = [pq.ParquetFile(f).metadata.num_rows for f in files]
+    done = 0
+    if not parts[rank].exists():
+        parts[rank].parent.mkdir(parents=True, exist_ok=True)
+        done = tokenize_share(files, row_share(counts, rank, ranks), tokenizer, max_seq_len, parts[rank], source,
+                              batch_rows, max_chars)
+    wait_for_parts(parts, PART_WAIT_S + sum(counts) / ranks / PART_ROWS_PER_S if wait_s is None else wait_s)
+    return TokenizedRows(*parts, tokenized=done)
 
 
 def tokenized(rows: pd.DataFrame | Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, max_seq_len: int,

@@ -1,7 +1,8 @@
 """Supervised fine-tuning with the loss on response tokens only.
 
 The loop is plain and visible: tokenize every row up front (so a row that cannot fit fails before any training; a
-Parquet dataset once, into an Arrow file the loop reads a row at a time: `grpo.training.sft_rows`),
+Parquet dataset once, each process of a launch its share, into Arrow files the loop reads a row at a time:
+`grpo.training.sft_rows`),
 draw batches by step number (so a resumed run sees exactly the batches it would have seen), and step through
 Hugging Face Accelerate, which handles device placement, mixed precision, gradient accumulation and multi-GPU
 launches (under `accelerate launch --num_processes N` each process takes 1/N of every batch's rows and the loss
@@ -111,7 +112,7 @@ def train_sft(
     """Fine-tune `model` on `rows` (`prompt`, `response`) and save it to `output_dir/model`; resumes if it can.
 
     `rows`: a frame, or Parquet files or folders of them (read in order as one table), tokenized once into
-    `output_dir/tokens` and read from there a row at a time: the same batches either way.
+    `output_dir/tokens` (each process its share) and read from there a row at a time: the same batches either way.
 
     `distributed`: the stage's section; its strategy (ddp or fsdp) decides how the processes hold the model."""
     output_dir = Path(output_dir)

@@ -1,6 +1,9 @@
 """SFT from a stream: the curated dataset's Parquet part files (and an older run's single file) tokenized once into
-an Arrow file give the loop exactly the batches today's in-memory frame gives it, holding a bounded part of them."""
+Arrow files give the loop exactly the batches today's in-memory frame gives it, holding a bounded part of them; the
+processes of a launch (real ones, gloo on 127.0.0.1) tokenize it once between them."""
 
+import multiprocessing as mp
+import os
 import sys
 
 import numpy as np
@@ -14,11 +17,12 @@ from transformers import AutoModelForCausalLM
 from grpo.configs.core import SFTConfig
 from grpo.data.row_files import check_row_files
 from grpo.data.tables import SFT_SCHEMA, DataError
-from grpo.models import load_model_and_tokenizer
+from grpo.models import load_model_and_tokenizer, load_tokenizer
+from grpo.ports import free_port
 from grpo.sampling.local import render_prompts, response_text
 from grpo.training.batches import batch_indices
 from grpo.training.loops.sft_trainer import collate, tokenize_rows, train_sft
-from grpo.training.sft_rows import text_runs, tokenize_files
+from grpo.training.sft_rows import TokenizedRows, row_share, text_runs, tokenize_files
 from tiny_configs import SMALL
 
 # reasoning rows with text prompts, as the merge writes them
@@ -156,8 +160,88 @@ def test_tokenizing_holds_a_calls_text_and_reading_holds_the_rows_asked_for(data
     assert np.diff(some.places.first).tolist() == [r.stop - r.start for rs in runs for r in rs] \
         == [2, 2, 1, 2, 1] * 2 + [2, 2, 1] + [1] * 6
     assert list(some) == expected
-    # what a reader holds: 16 bytes a row (token counts, place in the file), none of the file mapped
-    assert sum(a.nbytes for a in some.places) == 16 * 27 + 8 * (1 + 3 * len(some.places.ids_at))
+    # what a reader holds: 16 bytes a row (token counts, place in the file), 28 a record batch, none of the file mapped
+    assert sum(a.nbytes for a in some.places) == 16 * 27 + 8 * (1 + 3 * len(some.places.ids_at)) + 4 * len(
+        some.places.ids_at)
     if sys.platform == "linux":
         maps = open("/proc/self/maps").read()
         assert not any(str(f) in maps for f in (tmp_path / "some").glob("tokens-*.arrow"))
+
+
+def _one_of_two(rank: int, folder, how: str, wait_s: float, port: int, queue) -> None:
+    """Process `rank` of a two-process launch tokenizing `folder/curated`, its place told by a process group
+    (`how="group"`) or by the launcher's environment alone (`how="env"`, as `accelerate launch` starts the loop); its
+    rows and the rows it tokenized, or its error, on `queue`."""
+    import torch.distributed as dist
+
+    if how == "group":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    else:
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+    try:
+        rows = tokenize_files([folder / "curated"], load_tokenizer(SMALL), 64, folder / "tokens", source="curated",
+                              batch_rows=2, wait_s=wait_s)
+        queue.put((rank, list(rows), rows.tokenized))
+    except Exception as e:
+        queue.put((rank, f"{type(e).__name__}: {e}", None))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def two_processes(folder, how: str, wait_s: float = 120) -> dict[int, tuple]:
+    """What each of two spawned processes tokenizing `folder/curated` reported, by rank (each waiting at most
+    `wait_s` for the other's part)."""
+    ctx, port = mp.get_context("spawn"), free_port()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_one_of_two, args=(rank, folder, how, wait_s, port, queue)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    reports = dict((r[0], r[1:]) for r in (queue.get(timeout=180) for _ in procs))
+    for proc in procs:
+        proc.join(60)
+    return reports
+
+
+def test_row_share_splits_the_rows_in_order_across_the_files():
+    counts = [8, 8, 5]
+    for ranks in (1, 2, 3, 4, 30):
+        shares = [row_share(counts, r, ranks) for r in range(ranks)]
+        # every row once, in the order of one table: rank r's rows follow rank r-1's
+        rows = [(k, i) for share in shares for k, a, b in share for i in range(a, b)]
+        assert rows == [(k, i) for k, n in enumerate(counts) for i in range(n)]
+        assert max(sum(b - a for _, a, b in s) for s in shares) - min(sum(b - a for _, a, b in s) for s in shares) <= 1
+    assert row_share(counts, 1, 2) == [(1, 2, 8), (2, 0, 5)]  # rows 10..20 of 21
+
+
+@pytest.mark.parametrize("how", ["group", "env"])
+def test_two_processes_tokenize_half_each_and_read_the_whole_as_one_process_does(tmp_path, how):
+    write_parts(CURATED, tmp_path / "curated", 8)  # 21 rows: rank 0 takes rows 0-9, rank 1 rows 10-20
+    expected = tokenize_rows(CURATED, load_tokenizer(SMALL), 64)
+    reports = two_processes(tmp_path, how)
+    assert all(isinstance(reports[r][0], list) for r in (0, 1)), reports
+    # both read every row, each the example one process makes of it in memory
+    assert reports[0][0] == reports[1][0] == expected
+    # each tokenized only its share, into a part file of its own, nothing else left there
+    assert [reports[r][1] for r in (0, 1)] == [10, 11]
+    parts = sorted((tmp_path / "tokens").iterdir())
+    assert [p.name.split("-", 2)[2] for p in parts] == ["0-of-2.arrow", "1-of-2.arrow"]
+    assert [list(TokenizedRows(p)) for p in parts] == [expected[:10], expected[10:]]
+    # a rerun (a resumed launch) finds the parts and tokenizes nothing
+    written = [p.stat().st_mtime_ns for p in parts]
+    again = two_processes(tmp_path, how)
+    assert again == {0: (expected, 0), 1: (expected, 0)}
+    assert [p.stat().st_mtime_ns for p in parts] == written and sorted((tmp_path / "tokens").iterdir()) == parts
+
+
+def test_a_prompt_too_long_in_the_second_share_names_its_file_and_dataset_row(tmp_path):
+    long = CURATED.copy()
+    long.loc[12, "prompt"] = "What is " + " + ".join(["1"] * 80) + "?"  # row 4 of part-00001, in rank 1's share
+    write_parts(long, tmp_path / "curated", 8)
+    reports = two_processes(tmp_path, "env", wait_s=3)
+    assert reports[1][0].startswith("DataError: curated (part-00001.parquet): row 4, column 'prompt': ")
+    # the other wrote its share and waited for the part that never came, then named it
+    (part,) = (tmp_path / "tokens").iterdir()  # nothing half-written beside it
+    assert part.name.endswith("-0-of-2.arrow") and len(TokenizedRows(part)) == 10
+    missing = part.name.replace("-0-of-2", "-1-of-2")
+    assert reports[0][0].startswith(f"TimeoutError: {tmp_path / 'tokens' / missing}: process 1 of 2 wrote no "
+                                    f"tokens within 3 s")
