@@ -32,7 +32,9 @@ a `Rollouts` (`start_rollouts`) instead of sampling them itself:
   with its devices, and starts it. What every sampler does, whatever carries it, is `protocol`: `sample_steps`,
   the `Plan` and the `Unit`, and the fault points.
 - **Faults.** Each worker beats a heartbeat every second from a thread. A worker that exits, or whose heartbeat is
-  older than `timeout_s` (stopped, hung), is named in one line, killed and replaced by a new one that takes the
+  older than `timeout_s` (stopped, hung), or that the system says is stopped before its first beat (a process on
+  Linux, `timeout_s` after it was seen so; a starting one otherwise gets `STARTUP_S`), is named in one line, killed
+  and replaced by a new one that takes the
   newest weights and samples the steps its predecessor had not delivered; past `max_restarts` the stage fails with
   one line. Nothing between trainer and worker blocks without a deadline: the trainer reads each worker's pipe in
   a thread of its own, which hands over whole units only, so a worker stopped halfway through writing one holds up

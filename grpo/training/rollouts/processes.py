@@ -77,6 +77,16 @@ def _heartbeat(beats, index: int, parent: int, stop: threading.Event) -> None:
         stop.wait(HEARTBEAT_S)
 
 
+def process_stopped(pid: int | None) -> bool:
+    """Whether the system says process `pid` is stopped (SIGSTOP, or stopped under a debugger): Linux's
+    /proc/<pid>/stat; False where it cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def worker_context() -> mp.context.BaseContext:
     """Forked from a server that imported this module once where the system has one (Linux), spawned elsewhere."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -156,6 +166,7 @@ class ProcessRollouts(Rollouts):
                 for n, p in model.named_parameters()}
         self.skeleton = copy.deepcopy(model, memo).to("cpu")
         self.beats = self.ctx.Array("d", [0.0] * cfg.workers, lock=False)
+        self.stopped_since: dict[int, float] = {}  # worker -> when it was first seen stopped before its first beat
         self.inbox: queue.Queue[bytes] = queue.Queue()  # whole units, from every worker's reader thread
 
     # -- the workers ---------------------------------------------------------------------------------------------
@@ -163,6 +174,7 @@ class ProcessRollouts(Rollouts):
     def _start(self, w: int, first: int) -> None:
         reader, writer = self.ctx.Pipe(duplex=False)
         self.beats[w] = -time.time()  # not yet started (negative): its imports may take longer than the timeout
+        self.stopped_since.pop(w, None)
         with cores.children_share(self.threads):  # its wait policy too, read when its OpenMP loads
             p = self.ctx.Process(target=_worker_main, name=f"r1-rollout-{self.plan.process_index}-{w}", daemon=True,
                                  args=(w, w, self.plan, self.skeleton, self.tokenizer, self.shared, self.beats,
@@ -189,15 +201,22 @@ class ProcessRollouts(Rollouts):
         return f"pid {worker.process.pid}"
 
     def _check(self) -> None:
-        """Replace any worker that died or went silent for longer than the timeout."""
+        """Replace any worker that died or went silent for longer than the timeout; one not yet beating (its imports
+        may take longer than the timeout) within `STARTUP_S`, or within the timeout where the system says it is
+        stopped (SIGSTOP, a debugger)."""
         now = time.time()
         for w, worker in enumerate(self.workers):
             code = worker.process.exitcode
             beat = self.beats[w]
             silent = now - abs(beat)
+            stopped = code is None and beat < 0 and process_stopped(worker.process.pid)
+            since = self.stopped_since.setdefault(w, now) if stopped else self.stopped_since.pop(w, None)
             if code is not None and code != 0:
                 name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else f"code {code}"
                 self._replace(w, f"died ({name})")
+            elif stopped and now - since > self.timeout_s:
+                self._replace(w, f"was stopped before its first heartbeat, for {now - since:.0f} s (rollout.timeout_s "
+                                 f"{self.timeout_s:g})")
             elif code is None and beat < 0 and silent > max(self.timeout_s, STARTUP_S):
                 self._replace(w, f"did not start within {silent:.0f} s")
             elif code is None and beat > 0 and silent > self.timeout_s:

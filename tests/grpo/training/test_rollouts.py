@@ -206,6 +206,36 @@ def test_a_killed_or_stopped_worker_is_named_and_replaced_and_the_stage_finishes
     assert rollout_children() == []
 
 
+def test_a_worker_stopped_before_its_first_heartbeat_is_replaced_within_the_timeout(caplog):
+    """A sampler stopped (SIGSTOP) while it starts, before its heartbeat beats, is named and replaced within the
+    timeout, not after the grace a starting process gets (STARTUP_S, 120 s): the system says it is stopped."""
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(SMALL)
+    for attempt in range(3):  # the stop must land before the first beat, which comes a few hundred ms after start
+        workers = ProcessRollouts(RolloutConfig(mode="async", max_staleness=0, workers=1, threads=1, timeout_s=2.0),
+                                  plan(0, 1), model, tok, first_step=0, timeout_s=2.0, devices=["cpu"])
+        workers.start(model, 0)
+        first = workers.workers[0].process
+        os.kill(first.pid, signal.SIGSTOP)
+        if workers.beats[0] < 0:
+            break
+        workers.close()
+    else:
+        pytest.fail("the worker beat before it could be stopped, three times")
+    try:
+        t0 = time.time()
+        with caplog.at_level("WARNING", logger="grpo.training.rollouts"):
+            unit = workers.take(0)
+        took = time.time() - t0
+    finally:
+        workers.close()
+    lines = [r.getMessage() for r in caplog.records if "rollout worker" in r.getMessage()]
+    assert len(lines) == 1 and "was stopped before its first heartbeat" in lines[0], lines
+    assert unit.version == 0 and workers.restarts == 1 and first.exitcode is not None
+    assert took < 60, took  # the timeout, a new process and its sampling; before, STARTUP_S (120 s) first
+    assert rollout_children() == []
+
+
 @pytest.mark.parametrize("action", ["stop", "kill"])
 def test_a_worker_stopped_or_killed_at_every_point_of_the_protocol_is_replaced_and_trains_the_same(
         tmp_path, monkeypatch, caplog, action):
