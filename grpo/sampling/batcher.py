@@ -155,9 +155,13 @@ class RequestBatcher:
     sampler); max_len: prompt + completion tokens the model takes (None: unknown)."""
 
     def __init__(self, backend: TransformersBackend, *, slots: int = 64, max_waiting: int = 256,
-                 max_len: int | None = None):
-        if slots < 1 or max_waiting < 0:
-            raise ValueError(f"slots must be at least 1 and max_waiting at least 0, got {slots} and {max_waiting}")
+                 max_len: int | None = None, threads: int | None = None):
+        if slots < 1 or max_waiting < 0 or (threads is not None and threads < 1):
+            raise ValueError(f"slots must be at least 1, max_waiting at least 0 and threads at least 1 (or None), "
+                             f"got {slots}, {max_waiting} and {threads}")
+        # the engine thread's CPU threads (None: torch's own); each thread has its own OpenMP setting, so it is set
+        # in that thread, and what it got is read back there (`engine_threads`)
+        self.threads, self.engine_threads = threads, None
         self.backend, self.tokenizer = backend, backend.tokenizer
         self.slots, self.max_waiting, self.max_len = slots, max_waiting, max_len
         sampler = backend.sampler
@@ -216,6 +220,9 @@ class RequestBatcher:
     # The engine thread
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        self.engine_threads = torch.get_num_threads()
         while True:
             idle = not self._pending and not (self.batch is not None and self.batch.busy)
             command = self._inbox.get() if idle else self._next_command()  # sleep while there is nothing to do

@@ -287,3 +287,25 @@ def test_a_stop_mid_request_answers_what_ends_in_the_grace_and_cuts_the_rest_wit
     assert "shutting down" in last["error"]["message"] and len(streamed) > 1  # text came, then the error
     with pytest.raises(httpx.ConnectError):  # and nothing answers any more
         post(srv, "completions", {"prompt": "Next", "max_tokens": 4})
+
+
+def test_the_engine_thread_decodes_on_the_threads_it_is_given(tiny):
+    """Each thread has its own OpenMP setting: the engine sets its threads in its own thread (r1 serve: the cores
+    but one on a CPU, the user's OMP_NUM_THREADS first), and reads back what it got there."""
+    from flows.cli.serve import engine_threads
+    from grpo.sampling.batcher import RequestBatcher
+
+    assert engine_threads("cpu", {}, 2) == 1 and engine_threads("cpu", {}, 16) == 15
+    assert engine_threads("cpu", {"OMP_NUM_THREADS": "3"}, 2) == 3 and engine_threads("cuda", {}, 2) is None
+    wanted = torch.get_num_threads() + 1  # not what a thread of this process gets by itself
+    batcher = RequestBatcher(TransformersBackend(*tiny), slots=2, threads=wanted)
+    batcher.start()
+    try:
+        deadline = time.time() + 30
+        while batcher.engine_threads is None and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        batcher.stop()
+    assert batcher.engine_threads == wanted
+    with pytest.raises(ValueError, match="threads at least 1"):
+        RequestBatcher(TransformersBackend(*tiny), threads=0)
