@@ -5,6 +5,8 @@ processes of a launch (real ones, gloo on 127.0.0.1) tokenize it once between th
 import multiprocessing as mp
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,7 +20,6 @@ from grpo.configs.core import SFTConfig
 from grpo.data.row_files import check_row_files
 from grpo.data.tables import SFT_SCHEMA, DataError
 from grpo.models import load_model_and_tokenizer, load_tokenizer
-from grpo.ports import free_port
 from grpo.sampling.local import render_prompts, response_text
 from grpo.training.batches import batch_indices
 from grpo.training.loops.sft_trainer import collate, tokenize_rows, train_sft
@@ -168,14 +169,15 @@ def test_tokenizing_holds_a_calls_text_and_reading_holds_the_rows_asked_for(data
         assert not any(str(f) in maps for f in (tmp_path / "some").glob("tokens-*.arrow"))
 
 
-def _one_of_two(rank: int, folder, how: str, wait_s: float, port: int, queue) -> None:
+def _one_of_two(rank: int, folder, how: str, wait_s: float, store, queue) -> None:
     """Process `rank` of a two-process launch tokenizing `folder/curated`, its place told by a process group
     (`how="group"`) or by the launcher's environment alone (`how="env"`, as `accelerate launch` starts the loop); its
     rows and the rows it tokenized, or its error, on `queue`."""
     import torch.distributed as dist
 
     if how == "group":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        # a file rendezvous: no port another process could take between choosing it and binding it
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     else:
         os.environ.update(RANK=str(rank), WORLD_SIZE="2")
     try:
@@ -191,9 +193,9 @@ def _one_of_two(rank: int, folder, how: str, wait_s: float, port: int, queue) ->
 def two_processes(folder, how: str, wait_s: float = 120) -> dict[int, tuple]:
     """What each of two spawned processes tokenizing `folder/curated` reported, by rank (each waiting at most
     `wait_s` for the other's part)."""
-    ctx, port = mp.get_context("spawn"), free_port()
+    ctx, store = mp.get_context("spawn"), Path(tempfile.mkdtemp(dir=folder)) / "rendezvous"
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_one_of_two, args=(rank, folder, how, wait_s, port, queue)) for rank in (0, 1)]
+    procs = [ctx.Process(target=_one_of_two, args=(rank, folder, how, wait_s, store, queue)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     reports = dict((r[0], r[1:]) for r in (queue.get(timeout=180) for _ in procs))
