@@ -276,6 +276,9 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=1,
                     help="sft_loading in this many processes at once, as a launch's")
     ap.add_argument("--work", default=None, help="folder for the shards (default: a temporary one)")
+    ap.add_argument("--shards", default=None,
+                    help="keep the written shards in this folder and reuse them on a later run with the same sizes "
+                         "(to time two versions of the merge on the same files)")
     ap.add_argument("--child", nargs=2, metavar=("HOW", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -298,11 +301,20 @@ def main() -> None:
     ways += ["sft_reading"] if args.ways and "sft_reading" in args.ways else []
     with tempfile.TemporaryDirectory(dir=args.work) as work:
         for rows in args.rows:
-            out = Path(work) / f"rows-{rows}"
+            out = Path(args.shards or work) / (f"rows-{rows}-{args.shard_rows}-{args.response_bytes}-{args.heldout}"
+                                               f"{'-unmarked' if args.unmarked else ''}" if args.shards
+                                               else f"rows-{rows}")
             if ways == ["sft_reading"]:
                 run_way("sft_reading", out, rows, args, 0.0)
                 continue
-            written = write_shards(out, rows, args.shard_rows, args.response_bytes, args.heldout, args.unmarked)
+            record = out / "written.json"
+            if args.shards and record.exists():
+                written = json.loads(record.read_text())
+                print(f"(the shards written earlier in {out})")
+            else:
+                written = write_shards(out, rows, args.shard_rows, args.response_bytes, args.heldout, args.unmarked)
+                if args.shards:
+                    record.write_text(json.dumps(written))
             mib = written["text_bytes"] / 2**20
             marks = ("" if written["mark_s"] is None else
                      f"; shard-side marks (dedupe keys + decontamination) {written['mark_s']:.1f} s of one core, "

@@ -39,11 +39,88 @@ class Selection(NamedTuple):
     """Which of the shards' rows the dataset keeps, decided from their keys alone."""
 
     keep: np.ndarray  # [N] bool over every shard's rows end to end, in shard order
-    order: np.ndarray  # [kept] the kept rows (counted in shard order) in the dataset's order
+    order: np.ndarray | None  # [kept] the kept rows (counted in shard order) in the dataset's order; None: in order
     in_order: bool  # the shards' rows already run in (source_prompt_id, sample_index) order (plan_shards' shards do)
     duplicates: int  # dropped as a repeat of an earlier row
     contaminated: int  # dropped as a copy of a held-out prompt
     over_target: int  # dropped by the cap to the target
+    kept: int  # rows kept
+
+
+CHUNK = 1 << 16  # rows a pass over the keys works on at once: its temporaries stay this size, whatever the rows
+
+
+def _in_order(prompt_ids: np.ndarray, sample_indices: np.ndarray) -> bool:
+    """Whether the rows run in (prompt id, sample index) order, checked a chunk at a time (no [N] temporary)."""
+    for a in range(0, max(len(prompt_ids) - 1, 0), CHUNK):
+        b = min(a + CHUNK, len(prompt_ids) - 1)
+        p0, p1 = prompt_ids[a:b], prompt_ids[a + 1:b + 1]
+        if not ((p0 < p1) | ((p0 == p1) & (sample_indices[a:b] <= sample_indices[a + 1:b + 1]))).all():
+            return False
+    return True
+
+
+def _repeated_keys(keys: np.ndarray) -> np.ndarray:
+    """The key values two rows or more hold, sorted. The keys are sorted a sixteenth at a time (split by their top
+    four bits, a chunk of rows read at a time): the copy a sort needs is a sixteenth of the keys', not all of them."""
+    bits = min(4, max(0, (len(keys) // CHUNK).bit_length() - 1))  # 2**bits parts: one when the keys are few
+    found = []
+    for part in range(1 << bits):
+        some = np.concatenate([chunk[chunk >> np.uint64(64 - bits) == np.uint64(part)] if bits else chunk
+                               for chunk in (keys[a:a + CHUNK] for a in range(0, len(keys), CHUNK))] or [keys[:0]])
+        some.sort()
+        found.append(np.unique(some[1:][some[1:] == some[:-1]]))
+    return np.concatenate(found)  # the parts in their top bits' order: sorted
+
+
+def _first_of_each_key(keys: np.ndarray, alive: np.ndarray) -> None:
+    """Clear `alive` for every row whose key an earlier row holds: the repeated key values found first, then only
+    the rows holding one, which are few, looked at."""
+    repeated = _repeated_keys(keys)  # [R] sorted
+    if not len(repeated):
+        return
+    rows = [a + np.flatnonzero(repeated[np.minimum(np.searchsorted(repeated, keys[a:a + CHUNK]), len(repeated) - 1)]
+                               == keys[a:a + CHUNK]) for a in range(0, len(keys), CHUNK)]
+    rows = np.concatenate(rows)  # [D] rows holding a repeated key, in order
+    _, first = np.unique(keys[rows], return_index=True)  # each value's first row (a stable sort keeps row order)
+    alive[rows] = False
+    alive[rows[first]] = True
+
+
+def _cap(prompt_ids: np.ndarray, sample_indices: np.ndarray, alive: np.ndarray, limit: int, seed: int) -> None:
+    """Clear `alive` past `limit` survivors, covering prompts first: every prompt's first survivor before any
+    prompt's second, ties among one rank broken by a hash of (seed, prompt id, sample index), then by position.
+
+    The rows run in prompt order. Per prompt, its survivors count c; the ranks kept whole are those below the
+    largest R with sum(min(c, R)) <= limit; the rest of the limit comes from the rows of rank R, hashed (one a
+    prompt at most). Temporaries: a few numbers a prompt, a chunk's a row."""
+    n = len(prompt_ids)
+    starts = np.flatnonzero(np.r_[True, prompt_ids[1:] != prompt_ids[:-1]]) if n else np.zeros(0, np.int64)  # [P]
+    counts = np.zeros(len(starts), np.int64)  # [P] each prompt's survivors, counted a chunk at a time
+    for a in range(0, n, CHUNK):
+        rows = a + np.flatnonzero(alive[a:a + CHUNK])
+        counts += np.bincount(np.searchsorted(starts, rows, side="right") - 1, minlength=len(starts))
+    low, high = 0, int(counts.max(initial=0))  # the largest R with sum(min(counts, R)) <= limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if int(np.minimum(counts, mid).sum()) <= limit else (low, mid - 1)
+    whole, room = low, limit - int(np.minimum(counts, low).sum())
+    before = np.r_[0, np.cumsum(counts)[:-1]]  # [P] survivors in the prompts before each
+    at_rank, seen = [], 0  # rows of rank `whole`, in order
+    for a in range(0, n, CHUNK):
+        live = alive[a:a + CHUNK]
+        prompt = np.searchsorted(starts, np.arange(a, a + len(live)), side="right") - 1  # [chunk]
+        rank = seen + np.cumsum(live) - 1 - before[prompt]  # [chunk] a survivor's place among its prompt's
+        seen += int(live.sum())
+        at_rank.append(a + np.flatnonzero(live & (rank == whole)))
+        live &= rank < whole  # a view: clears `alive` past the whole ranks
+    candidates = np.concatenate(at_rank) if at_rank else np.zeros(0, np.int64)  # [<= P]
+    ties = np.empty(len(candidates), np.uint64)  # hashed a chunk at a time: Python's numbers are a chunk's
+    for a in range(0, len(candidates), CHUNK):
+        some = candidates[a:a + CHUNK]
+        ties[a:a + len(some)] = [_stable_hash(seed, p, s) for p, s in zip(prompt_ids[some].tolist(),
+                                                                           sample_indices[some].tolist())]
+    alive[candidates[np.lexsort((candidates, ties))[:room]]] = True
 
 
 def select_rows(prompt_ids: np.ndarray, sample_indices: np.ndarray, keys: np.ndarray, flags: np.ndarray | None,
@@ -54,38 +131,39 @@ def select_rows(prompt_ids: np.ndarray, sample_indices: np.ndarray, keys: np.nda
     `keys` value (when `dedupe`), not `flags`, and at most `limit` of them covering prompts first: every prompt's
     first surviving row before any prompt's second. Ties are broken by a hash of (seed, prompt id, sample index),
     so the pick depends on the rows alone, not on the order shards finished in.
+
+    Shards in that order already (plan_shards' always are) cost about a byte a row beyond the arrays given (a flag
+    a row; the sorts work on a sixteenth of the keys at a time); shards out of order are sorted first (`order`,
+    copies of the arrays).
     """
     n = len(keys)
-    order = np.lexsort((sample_indices, prompt_ids))  # [N] stable: rows with equal keys keep their shard order
-    in_order = bool((order == np.arange(n)).all())
-    alive = np.ones(n, dtype=bool)  # [N] in sorted order
+    in_order = _in_order(prompt_ids, sample_indices)
+    order = None
+    if not in_order:
+        order = np.lexsort((sample_indices, prompt_ids))  # [N] stable: rows with equal keys keep their shard order
+        prompt_ids, sample_indices, keys = prompt_ids[order], sample_indices[order], keys[order]
+        flags = None if flags is None else flags[order]
+    alive = np.ones(n, dtype=bool)  # [N] in (prompt, sample) order
     if dedupe:
-        _, first = np.unique(keys[order], return_index=True)  # each key's first row in sorted order
-        alive[:] = False
-        alive[first] = True
+        _first_of_each_key(keys, alive)
     duplicates = n - int(alive.sum())
     contaminated = 0
     if flags is not None:
-        copied = flags[order] & alive
+        copied = flags & alive
         contaminated = int(copied.sum())
         alive &= ~copied
-    survivors = np.flatnonzero(alive)
-    over_target = max(len(survivors) - limit, 0)
+        del copied
+    survivors, limit = int(alive.sum()), max(limit, 0)
+    over_target = max(survivors - limit, 0)
     if over_target:
-        ids, samples = prompt_ids[order][survivors], sample_indices[order][survivors]
-        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])  # each prompt's first survivor
-        rank = np.arange(len(ids)) - np.repeat(starts, np.diff(np.r_[starts, len(ids)]))  # [S] per prompt
-        ties = np.fromiter((_stable_hash(seed, p, s) for p, s in zip(ids.tolist(), samples.tolist())),
-                           dtype=np.uint64, count=len(ids))
-        chosen = np.lexsort((np.arange(len(ids)), ties, rank))[:limit]
-        dropped = np.ones(len(ids), dtype=bool)
-        dropped[chosen] = False
-        alive[survivors[dropped]] = False
+        _cap(prompt_ids, sample_indices, alive, limit, seed)
+    if in_order:
+        return Selection(alive, None, True, duplicates, contaminated, over_target, survivors - over_target)
     kept = order[alive]  # [kept] shard-order positions, in the dataset's order
     keep = np.zeros(n, dtype=bool)
     keep[kept] = True
-    return Selection(keep, np.searchsorted(np.flatnonzero(keep), kept), in_order, duplicates, contaminated,
-                     over_target)
+    return Selection(keep, np.searchsorted(np.flatnonzero(keep), kept), False, duplicates, contaminated,
+                     over_target, len(kept))
 
 
 class _Shard(NamedTuple):
@@ -139,11 +217,11 @@ def _null_columns(meta: pq.FileMetaData, schema: pa.Schema) -> frozenset[str]:
 
 
 def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutIndex | None,
-                batch_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """A shard's (source_prompt_id, sample_index, dedupe key, contaminated) arrays, [rows] each.
+                batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """A shard's (source_prompt_id, sample_index, dedupe key, contaminated) arrays, `batch_rows` rows at a time.
 
-    The shard task's marks where it wrote them against this held-out set; else worked out here from the text,
-    `batch_rows` rows at a time (shards written before marks existed, or against another held-out set).
+    The shard task's marks where it wrote them against this held-out set; else worked out here from the text
+    (shards written before marks existed, or against another held-out set).
     """
     with fs.open(shard.path, "rb") as f:
         pf = pq.ParquetFile(f, pre_buffer=False)  # pre-buffered, a file's column chunks stay until it closes
@@ -156,7 +234,6 @@ def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutInde
             "contaminated" in names and stored.get(HELDOUT_KEY, b"").decode() == index.digest))
         columns = ["source_prompt_id", "sample_index", *(
             ["merge_key", *(["contaminated"] if index is not None else [])] if marked else ["prompt", "response"])]
-        parts: dict[str, list[np.ndarray]] = {c: [] for c in ("pid", "sample", "key", "flag")}
         at = 0
         for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
             for name in columns:
@@ -164,23 +241,15 @@ def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutInde
                     row = at + pc.index(pc.is_null(batch.column(name)), True).as_py()
                     raise DataError(f"{shard.path}: row {row}, column {name!r}: empty; every kept row has one")
             at += len(batch)
-            parts["pid"].append(batch.column("source_prompt_id").to_numpy(zero_copy_only=False))
-            parts["sample"].append(batch.column("sample_index").to_numpy(zero_copy_only=False))
+            pid = batch.column("source_prompt_id").to_numpy(zero_copy_only=False)
+            sample = batch.column("sample_index").to_numpy(zero_copy_only=False)
             if marked:
-                parts["key"].append(batch.column("merge_key").to_numpy(zero_copy_only=False))
-                if index is not None:
-                    parts["flag"].append(batch.column("contaminated").to_numpy(zero_copy_only=False))
+                key = batch.column("merge_key").to_numpy(zero_copy_only=False)
+                flag = batch.column("contaminated").to_numpy(zero_copy_only=False) if index is not None else None
             else:
                 marks = mark_rows(batch.select(["prompt", "response"]).to_pandas(), index)
-                parts["key"].append(marks.row_key)
-                if index is not None:
-                    parts["flag"].append(marks.contaminated)
-
-    def joined(name: str, dtype: Any) -> np.ndarray:
-        return np.concatenate(parts[name]).astype(dtype, copy=False) if parts[name] else np.zeros(0, dtype)
-
-    return (joined("pid", np.int64), joined("sample", np.int64), joined("key", np.uint64),
-            joined("flag", bool) if index is not None else None)
+                key, flag = marks.row_key, marks.contaminated if index is not None else None
+            yield pid, sample, key, flag
 
 
 class _MergePlan(NamedTuple):
@@ -199,16 +268,32 @@ def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame
     if heldout is not None and cfg.decontamination_ngram:
         prompts = heldout["prompt"].tolist() if isinstance(heldout, pd.DataFrame) else list(heldout)
         index = build_heldout_index(prompts, cfg.decontamination_ngram, cfg.decontamination_threshold)
-    keys = []
+    # every row's keys in arrays sized from the footers' row counts, filled a batch at a time: 21 bytes a row
+    n = sum(shard.rows for shard in shards)
+    pid, sample, key = np.empty(n, np.int64), np.empty(n, np.int32), np.empty(n, np.uint64)
+    flags = np.empty(n, bool) if index is not None else None
+    at = 0
     for shard in shards:
+        end = at + shard.rows
         try:
-            keys.append(_shard_keys(fs, shard, index, cfg.merge_batch_rows))
+            for batch in _shard_keys(fs, shard, index, cfg.merge_batch_rows):
+                if at + len(batch[0]) > end:
+                    break
+                if len(batch[1]) and not 0 <= batch[1].min() <= batch[1].max() < 2**31:  # kept in 4 bytes a row
+                    i = int(np.flatnonzero((batch[1] < 0) | (batch[1] >= 2**31))[0])
+                    raise DataError(f"{shard.path}: row {at - (end - shard.rows) + i}, column 'sample_index': "
+                                    f"{batch[1][i]} is not a "
+                                    f"sample's number (0 to 2**31-1, each prompt's samples counted from 0)")
+                for into, part in zip((pid, sample, key, flags), batch):
+                    if into is not None:
+                        into[at:at + len(part)] = part
+                at += len(batch[0])
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{shard.path}: not a readable shard ({type(e).__name__}: {e}); delete it and run the "
                             f"stage again to sample that shard anew") from None
-    pid, sample, key = (np.concatenate([k[i] for k in keys]) if keys else np.zeros(0, t)
-                        for i, t in ((0, np.int64), (1, np.int64), (2, np.uint64)))
-    flags = (np.concatenate([k[3] for k in keys]) if keys else np.zeros(0, bool)) if index is not None else None
+        if at != end:
+            raise DataError(f"{shard.path}: its footer counts {shard.rows} rows but they do not read as that many; "
+                            f"delete it and run the stage again to sample that shard anew")
     selection = select_rows(pid, sample, key, flags, cfg.dedupe, cfg.target_samples - cfg.non_reasoning_rows,
                             cfg.seed)
     counts = Counts.zero(cfg)
@@ -218,7 +303,7 @@ def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame
     dropped[DUPLICATE_ACROSS_SHARDS] += selection.duplicates
     dropped[CONTAMINATED] += selection.contaminated
     dropped[OVER_TARGET] += selection.over_target
-    counts = counts._replace(kept=len(selection.order), dropped=dropped)
+    counts = counts._replace(kept=selection.kept, dropped=dropped)
     extra = pd.DataFrame(columns=["prompt", "response"])
     if non_reasoning is not None and cfg.non_reasoning_rows:
         extra = non_reasoning.head(cfg.non_reasoning_rows)[["prompt", "response"]]
@@ -284,7 +369,7 @@ def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
 
     The keys are read first and the rows chosen (`select_rows`); then each shard's kept rows are read and written
     `cfg.merge_batch_rows` at a time, so the text in memory is a batch's, whatever the row count; the keys take
-    about 190 bytes a row at their peak. The files hold the same rows in the same order as `merge_shards`' dataset.
+    about 22 bytes a row at their peak. The files hold the same rows in the same order as `merge_shards`' dataset.
     """
     plan = _plan_merge(out_dir, cfg, heldout, non_reasoning, num_shards)
     if not plan.selection.in_order:
@@ -340,6 +425,9 @@ def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
                 part = table.slice(0, rows_per_file - in_file)
                 writer.write_table(part)
                 in_file, written, table = in_file + len(part), written + len(part), table.slice(len(part))
+                # what Arrow's pool holds of the batches written goes back to the system now, not when it decays:
+                # held, it grew with the batches (800k rows: +172 MiB peak RSS against +143 at 100k; +139 / +127)
+                pa.default_memory_pool().release_unused()
                 if in_file == rows_per_file:
                     writer.close()
                     handle.close()

@@ -284,6 +284,58 @@ def test_select_rows_by_hand():
     assert select_rows(ids, samples, keys, None, dedupe=False, limit=9, seed=0).keep.all()
 
 
+def reference_select(ids, samples, keys, flags, dedupe: bool, limit: int, seed: int) -> list[int]:
+    """The rows kept, in the dataset's order, the plain way: sort, first of each key, not flagged, then by (rank in
+    its prompt, hash of (seed, prompt, sample), place) up to the limit."""
+    rows = sorted(range(len(keys)), key=lambda i: (int(ids[i]), int(samples[i]), i))
+    seen, survivors = set(), []
+    for i in rows:
+        if dedupe and int(keys[i]) in seen:
+            continue
+        seen.add(int(keys[i]))
+        if flags is None or not flags[i]:
+            survivors.append(i)
+    rank, ranks = {}, []
+    for i in survivors:
+        ranks.append(rank.get(int(ids[i]), 0))
+        rank[int(ids[i])] = ranks[-1] + 1
+
+    def tie(i):
+        text = "-".join(map(str, (seed, int(ids[i]), int(samples[i])))).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "big")
+
+    chosen = set(sorted(range(len(survivors)), key=lambda k: (ranks[k], tie(survivors[k]), k))[:max(limit, 0)])
+    return [i for k, i in enumerate(survivors) if k in chosen]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_select_rows_keeps_what_a_plain_sort_keeps(in_order, monkeypatch):
+    import grpo.rejection.merge as merge
+
+    monkeypatch.setattr(merge, "CHUNK", 7)  # prompts and repeated keys across the chunks' edges
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        n = int(rng.integers(0, 120))
+        ids = np.sort(rng.integers(0, max(n // 3, 1), n)) if in_order else rng.integers(0, 9, n)
+        samples = np.zeros(n, np.int64)
+        for p in np.unique(ids):  # distinct samples a prompt; shuffled prompts keep them unordered too
+            at = np.flatnonzero(ids == p)
+            samples[at] = np.arange(len(at)) if in_order else rng.permutation(len(at))
+        pool = rng.integers(0, 2**64, max(n, 1), dtype=np.uint64)  # spread over the top bits the sorts split by
+        keys = pool[rng.integers(0, len(pool), n)]  # about a third repeat an earlier one
+        flags = rng.random(n) < 0.1 if trial % 2 else None
+        dedupe, limit = bool(trial % 3), int(rng.integers(-1, n + 2))
+        sel = select_rows(ids, samples, keys, flags, dedupe, limit, seed=trial)
+        expected = reference_select(ids, samples, keys, flags, dedupe, limit, trial)
+        kept = np.flatnonzero(sel.keep)
+        assert (kept if sel.order is None else kept[sel.order]).tolist() == expected
+        assert sel.kept == len(expected) and sel.in_order == (sel.order is None)
+        if in_order and n:
+            assert sel.in_order
+        survivors = len(expected) + sel.over_target
+        assert sel.duplicates + sel.contaminated + survivors == n
+
+
 def test_a_bad_shard_file_fails_naming_it(tmp_path):
     tiny_shards(tmp_path)
     (tmp_path / "shard-00002.parquet").write_bytes(b"PAR1 not really")
@@ -296,4 +348,9 @@ def test_a_bad_shard_file_fails_naming_it(tmp_path):
     table = table.set_column(table.schema.get_field_index("sample_index"), "sample_index", pa.array(column))
     pq.write_table(table, tmp_path / "shard-00002.parquet")
     with pytest.raises(DataError, match=r"shard-00002\.parquet: row 7, column 'sample_index': empty"):
+        write_merged(tmp_path, CFG, tmp_path / "out", num_shards=5)
+    column[7] = -3  # a number no shard task writes
+    table = table.set_column(table.schema.get_field_index("sample_index"), "sample_index", pa.array(column))
+    pq.write_table(table, tmp_path / "shard-00002.parquet")
+    with pytest.raises(DataError, match=r"shard-00002\.parquet: row 7, column 'sample_index': -3 is not a sample"):
         write_merged(tmp_path, CFG, tmp_path / "out", num_shards=5)
