@@ -7,8 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from benchmarks.bytes_alive import BytesAlive
 from grpo.configs.core import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.sampling.engines import build_engine
 from grpo.sampling.draws import draw_streams, uniform_at
+from grpo.sampling.engines import build_engine
 from grpo.sampling.local import backend, cpu_decoder
 from grpo.sampling.local.backend import TransformersBackend, render_prompts, sample_batch
 from grpo.sampling.local.cpu_decoder import lean_decode_supported
@@ -166,7 +166,6 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
             counts[row] = torch.bincount(got[row::2], minlength=6).float() / 5000
         assert (counts[probs[:2] == 0] == 0).all()
         assert torch.allclose(counts, probs[:2], atol=0.03)
-
 
 
 def test_the_loop_holds_kv_by_the_rows_lengths_not_the_budget(one_thread_everywhere):
