@@ -130,8 +130,8 @@ def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
         if i == s.max_new_tokens - 1 or bool(done.all()):  # no decode step for a token nobody will read
             break
         logits = step(toks[-1])  # [B, V]
-    completion_ids = torch.stack(toks, 1)  # [B, C]
-    completion_mask = torch.stack(alive, 1).long()  # [B, C]
+    completion_ids = torch.stack(toks, 1)  # [B, L] L: the steps its longest row took, not the budget
+    completion_mask = torch.stack(alive, 1).long()  # [B, L]
     return completion_ids.cpu(), completion_mask.cpu(), torch.stack(lps, 1).float().cpu(), (~done).cpu()
 
 

@@ -19,6 +19,8 @@ _LEAN_ARCHITECTURES = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
 STATIC_ROPE = {"default", "linear", "llama3"}  # rope types whose cos/sin depend on the position alone
 
 
+FIRST_ROOM = 64  # completion positions a row's K/V starts with (doubled as the rows write past them)
+
 # fused and packed weight copies only for models this small: for a large model they would cost as much memory as
 # the model itself, and its matmuls are big enough to run well without them
 COPY_MAX_BYTES = 1 << 30
@@ -195,10 +197,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LeanDecoder:
     """Decode steps computed straight from the model's weights, without the per-layer Python of transformers.
 
-    Per step and layer: one fused QKV matmul, rotary from a table built once, K/V written in place into a
-    preallocated cache, one SDPA call with the query heads of a KV group folded into the query axis (GQA without
-    copying K/V), the output projection, and one fused gate/up matmul (a small model's; see `PackedLinear`). The
-    padding mask is built once and sliced.
+    Per step and layer: one fused QKV matmul, rotary from a table, K/V written in place into a cache that starts
+    at the prompt and `FIRST_ROOM` positions a row and doubles as the rows write past it (never past the budget: a
+    budget the rows do not reach costs nothing), one SDPA call with the query heads of a KV group folded into the
+    query axis (GQA without copying K/V), the output projection, and one fused gate/up matmul (a small model's; see
+    `PackedLinear`). The padding mask is built with the cache and sliced.
     """
 
     def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
@@ -213,25 +216,35 @@ class LeanDecoder:
         copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= COPY_MAX_BYTES
         self.head = PackedLinear([model.lm_head], B, copies)
         self.layers = [lean_layer(layer, B, copies) for layer in core.layers]
-        self.k, self.v = [], []
-        for layer in cache.layers:  # [B, Hkv, P, D] each -> [B, Hkv, P + max_new, D], prompt part filled
-            for prefilled, out in ((layer.keys, self.k), (layer.values, self.v)):
-                buf = prefilled.new_empty(B, self.n_kv, P + max_new, self.head_dim)
-                buf[:, :, :P] = prefilled
-                out.append(buf)
+        self.k = [layer.keys for layer in cache.layers]  # [B, Hkv, P, D] each: the prompt's, copied at `_reach`
+        self.v = [layer.values for layer in cache.layers]
+        self.mask, self.next_pos, self.max_new, self.rotary = mask, next_pos, max_new, core.rotary_emb
+        self.prompt_len, self.t, self.room = P, P, 0  # self.t: cache slot of the next token
+        self._reach(min(max_new, FIRST_ROOM))
+
+    def _reach(self, room: int) -> None:
+        """Room for `room` completion positions a row: K/V [B, Hkv, P + room, D] a layer (the written part copied
+        over), the padding bias and the rotary rows of those positions. Called as rows write past the room
+        (doubling, never past `max_new`), so the cache follows what the rows write, not the budget."""
+        B, T = self.mask.size(0), self.prompt_len + room
+        for kv in (self.k, self.v):
+            for i, old in enumerate(kv):
+                buf = old.new_empty(B, self.n_kv, T, self.head_dim)
+                buf[:, :, : self.t] = old[:, :, : self.t]
+                kv[i] = buf
         # every completion slot is attended to, left padding never; additive, which SDPA on CPU runs faster than bool
-        keep = torch.cat([mask.bool(), mask.new_ones(B, max_new, dtype=torch.bool)], 1)  # [B, P+max_new]
+        keep = torch.cat([self.mask.bool(), self.mask.new_ones(B, room, dtype=torch.bool)], 1)  # [B, P+room]
         dtype = self.embed.dtype
-        self.bias = torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~keep, torch.finfo(dtype).min)[:, None, None]  # [B, 1, 1, P+max_new]
-        positions = next_pos[:, None] + torch.arange(max_new, device=mask.device)  # [B, max_new]
-        table = torch.arange(int(positions.max()) + 1, device=mask.device)[None]  # [1, T]
-        cos, sin = core.rotary_emb(self.embed[:1], position_ids=table)  # [1, T, D] each, HF's own numbers
+        self.bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+            ~keep, torch.finfo(dtype).min)[:, None, None]  # [B, 1, 1, P+room]
+        positions = self.next_pos[:, None] + torch.arange(room, device=keep.device)  # [B, room]
+        table = torch.arange(int(positions.max()) + 1, device=keep.device)[None]  # [1, T]
+        cos, sin = self.rotary(self.embed[:1], position_ids=table)  # [1, T, D] each, HF's own numbers
         half = self.head_dim // 2
         # rotate_half(x) * sin == flip_halves(x) * sin_signed: the halves swapped and the first half negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
-        self.cos, self.sin = cos[0][positions], sin[0][positions]  # [B, max_new, D]
-        self.prompt_len, self.t = P, P  # self.t: cache slot of the next token
+        self.cos, self.sin = cos[0][positions], sin[0][positions]  # [B, room, D]
+        self.room = room
 
     @classmethod
     def build(cls, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
@@ -243,6 +256,8 @@ class LeanDecoder:
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         B, t, D, Hkv, Hq = tok.size(0), self.t, self.head_dim, self.n_kv, self.n_q
+        if t - self.prompt_len == self.room:  # the rows write past the cache: double it
+            self._reach(min(self.max_new, 2 * self.room))
         cos, sin = self.cos[:, t - self.prompt_len, None], self.sin[:, t - self.prompt_len, None]  # [B, 1, D]
         bias = self.bias[..., : t + 1]  # [B, 1, 1, t+1]
         x = torch.nn.functional.embedding(tok, self.embed)  # [B, H]

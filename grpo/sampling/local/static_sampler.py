@@ -109,9 +109,9 @@ def unsupported_reason(model: PreTrainedModel, total_len: int = 0) -> str | None
 class Sampled(NamedTuple):
     """One batch's completions (on the CPU), as `backend.sample_batch` returns them."""
 
-    completion_ids: torch.Tensor  # [B, C] right-padded with the pad id
-    completion_mask: torch.Tensor  # [B, C] 1 up to and including the end token
-    logprobs: torch.Tensor | None  # [B, C] the chosen tokens' log-probs (0 on padding); None unless asked
+    completion_ids: torch.Tensor  # [B, L] right-padded with the pad id (L: the longest row's tokens, not the budget)
+    completion_mask: torch.Tensor  # [B, L] 1 up to and including the end token
+    logprobs: torch.Tensor | None  # [B, L] the chosen tokens' log-probs (0 on padding); None unless asked
     truncated: torch.Tensor  # [B] True when the budget ran out before an end token
 
 

@@ -4,9 +4,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from grpo.configs.core import ModelConfig, SamplingConfig, TinyModelConfig
+from benchmarks.bytes_alive import BytesAlive
+from grpo.configs.core import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.draws import draw_streams, uniform_at
+from grpo.sampling.engines import build_engine
 from grpo.sampling.local import backend, cpu_decoder
 from grpo.sampling.local.backend import TransformersBackend, render_prompts, sample_batch
 from grpo.sampling.local.cpu_decoder import lean_decode_supported
@@ -80,14 +82,18 @@ def test_a_model_with_hooks_decodes_through_its_own_forward():
     assert not torch.isin(out.completion_ids, torch.tensor(banned)).any()
 
 
+# 24: within the lean cache's first room; 150: no end token, so every row writes past it twice (64, 128, 150)
+@pytest.mark.parametrize(("new", "stop"), [(24, True), (150, False)])
 @pytest.mark.parametrize("make", [_qwen2, _llama])
-def test_lean_greedy_decode_matches_the_transformers_loop(make, monkeypatch):
+def test_lean_greedy_decode_matches_the_transformers_loop(make, new, stop, monkeypatch):
     model, tok = make()
     ids, mask = _encode(tok, n=2)
-    s = SamplingConfig(max_new_tokens=24, temperature=0)
-    lean = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    s = SamplingConfig(max_new_tokens=new, temperature=0)
+    eos = [tok.eos_token_id] if stop else []
+    lean = sample_batch(model, ids, mask, s, eos, tok.pad_token_id)
+    assert stop or lean[0].size(1) == new
     _hf_only(monkeypatch)
-    hf = sample_batch(model, ids, mask, s, [tok.eos_token_id], tok.pad_token_id)
+    hf = sample_batch(model, ids, mask, s, eos, tok.pad_token_id)
     assert torch.equal(lean[0], hf[0]) and torch.equal(lean[1], hf[1]) and torch.equal(lean[3], hf[3])
     assert torch.allclose(lean[2], hf[2], atol=1e-5)
 
@@ -161,3 +167,27 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero_probability():
         assert (counts[probs[:2] == 0] == 0).all()
         assert torch.allclose(counts, probs[:2], atol=0.03)
 
+
+def test_the_loop_holds_kv_by_the_rows_lengths_not_the_budget(one_thread_everywhere):
+    """`sampler: loop` at a 4096-token budget whose rows all end within a few tokens: the bytes it holds at its peak
+    are those of the same run at a budget of 64, far below one K/V cache at the budget, and the tokens the same."""
+    model, tok = _qwen2()  # fp32
+    assert lean_decode_supported(model)
+    engine = build_engine(GenerationConfig(sampler="loop"), model, tok)
+    ids, mask = _encode(tok, n=4)  # [12, P]
+    stop = list(range(0, len(tok), 2))  # half the vocabulary ends a row: each token ends it with p ~ 1/2
+    runs = {}
+    for budget in (64, 4096):
+        torch.manual_seed(0)  # each row's random stream
+        with BytesAlive() as alive:  # tensors made by the call, alive at once
+            out = engine.sample_ids(ids, mask, SamplingConfig(max_new_tokens=budget, temperature=1.0), eos_ids=stop)
+        runs[budget] = out, alive.peak
+    (short, peak_short), (long, peak_long) = runs[64], runs[4096]
+    assert short[0].size(1) < 16 and not short[3].any()  # every row ended within a few tokens
+    assert all(torch.equal(a, b) for a, b in zip(short, long))  # the same tokens, mask, log-probs and ends
+    cfg = model.config
+    # a cache sized by the budget: K and V, 2 layers, 12 rows of P + 4096 positions, 2 KV heads of 16, fp32:
+    # 2 * 2 * 12 * (P + 4096) * 2 * 16 * 4 B ~ 25 MB (what the lean step allocated up front before it grew)
+    at_budget = 2 * cfg.num_hidden_layers * ids.size(0) * cfg.num_key_value_heads * (ids.size(1) + 4096) \
+        * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert peak_long == peak_short < at_budget / 10
