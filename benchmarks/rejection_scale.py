@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,15 +144,27 @@ def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> Non
         return
     base = rss_kib(reset_peak=True)  # after the imports, whose own peak does not count
     t = time.perf_counter()
+    nodes = None
     if how == "merge_shards":
         result = shards.merge_shards(out, cfg, held)
         kept = len(result.dataset)
+    elif how == "write_merged_ray":  # the reads on the cluster's nodes (Ray Data), decided and written here
+        import ray
+
+        from grpo.rejection.ray_reader import RayDataReader
+
+        reader = RayDataReader()
+        ray.init(address=os.environ["R1_BENCH_RAY"], log_to_driver=False)
+        base = rss_kib(reset_peak=True)  # after connecting: Ray's own threads and buffers do not count
+        t = time.perf_counter()
+        result = merged(out, cfg, f"{out}/curated", held, reader=reader)
+        kept, nodes = result.rows, {node[:8]: n for node, n in reader.nodes.items()}
     else:
         result = merged(out, cfg, f"{out}/curated", held)
         kept = result.rows
     seconds = time.perf_counter() - t
     peak = rss_kib(peak=True)
-    print(json.dumps({"seconds": seconds, "rss_growth_mib": (peak - base) / 1024, "kept": kept,
+    print(json.dumps({"seconds": seconds, "rss_growth_mib": (peak - base) / 1024, "kept": kept, "nodes": nodes,
                       "dropped": {k: v for k, v in result.counts.dropped.items()
                                   if k in ("duplicate_across_shards", "contaminated", "over_target")}}))
 
@@ -256,9 +269,10 @@ def print_way(how: str, r: dict, rows: int, mib: float, before: str) -> None:
               f"(anonymous +{r['anon_growth_mib']:,.0f} MiB at the end), token file {r['file_mib']:,.0f} MiB  "
               f"load {before} -> {load()}")
     else:
+        read_on = f"  shards read per node {r['nodes']}" if r.get("nodes") else ""
         print(f"  {how:13s} {r['seconds']:7.1f} s  {rows / r['seconds']:9,.0f} rows/s  "
               f"{mib / r['seconds']:6.1f} MiB/s  peak RSS +{r['rss_growth_mib']:,.0f} MiB  "
-              f"kept {r['kept']:,} {r['dropped']}  load {before} -> {load()}")
+              f"kept {r['kept']:,} {r['dropped']}{read_on}  load {before} -> {load()}")
 
 
 def main() -> None:
@@ -271,10 +285,12 @@ def main() -> None:
     ap.add_argument("--unmarked", action="store_true",
                     help="write shards without the shard task's marks: the merge then does all the curation itself")
     ap.add_argument("--ways", nargs="+", default=None,
-                    choices=["merge_shards", "write_merged", "sft_loading", "sft_reading"],
+                    choices=["merge_shards", "write_merged", "write_merged_ray", "sft_loading", "sft_reading"],
                     help="run only these (default: every one the code has, but sft_reading)")
     ap.add_argument("--processes", type=int, default=1,
                     help="sft_loading in this many processes at once, as a launch's")
+    ap.add_argument("--ray-nodes", type=int, default=2,
+                    help="write_merged_ray: the nodes of the local Ray cluster the reads run on (1 CPU each)")
     ap.add_argument("--work", default=None, help="folder for the shards (default: a temporary one)")
     ap.add_argument("--shards", default=None,
                     help="keep the written shards in this folder and reuse them on a later run with the same sizes "
@@ -299,6 +315,23 @@ def main() -> None:
     ways = [w for w in ways
             if args.ways is None or w in args.ways or (w == "write_merged" and "sft_loading" in args.ways)]
     ways += ["sft_reading"] if args.ways and "sft_reading" in args.ways else []
+    ways += ["write_merged_ray"] if args.ways and "write_merged_ray" in args.ways else []
+    if "write_merged_ray" in ways:  # a local cluster of `--ray-nodes` nodes, 1 CPU each, on 127.0.0.1
+        os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+        from ray_local import LocalRayCluster
+
+        cluster = LocalRayCluster(Path(tempfile.mkdtemp(prefix="r1ray-", dir="/tmp")))
+        cluster.start(n_nodes=args.ray_nodes).wait_ready()
+        os.environ["R1_BENCH_RAY"] = cluster.address
+        try:
+            return run_sizes(args, ways)
+        finally:
+            cluster.stop()
+    run_sizes(args, ways)
+
+
+def run_sizes(args: argparse.Namespace, ways: list[str]) -> None:
     with tempfile.TemporaryDirectory(dir=args.work) as work:
         for rows in args.rows:
             out = Path(args.shards or work) / (f"rows-{rows}-{args.shard_rows}-{args.response_bytes}-{args.heldout}"
@@ -321,6 +354,8 @@ def main() -> None:
                      f"{rows / written['mark_s']:,.0f} rows/s")
             print(f"{rows:,} rows, {mib:,.0f} MiB of text in {len(list(out.glob('shard-*.parquet')))} shards{marks}")
             for how in ways:
+                if how == "write_merged_ray" and (out / "curated").exists():  # write_merged's, read by sft_loading
+                    shutil.rmtree(out / "curated")
                 run_way(how, out, rows, args, mib)
             for folder in ("curated", "tokens"):
                 if (out / folder).exists():

@@ -8,6 +8,7 @@ or an unwritable store is one clear error before anything is sampled, not a hang
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -116,6 +117,23 @@ def ray_task_runner(address: str):
 
     env = {"MLFLOW_TRACKING_URI": tracking.tracking_uri()}
     return RayTaskRunner(address=address, init_kwargs={"runtime_env": {"env_vars": env}})
+
+
+@contextlib.contextmanager
+def ray_connected(address: str):
+    """This process connected to the cluster at `address` (as prefect-ray's runner connects: its workers use this
+    process's MLflow server), for work it hands to the cluster itself (the merge's reads); left as it was after."""
+    import ray
+
+    if ray.is_initialized():  # already connected (a caller's own session): used as it is
+        yield
+        return
+    env = {"MLFLOW_TRACKING_URI": tracking.tracking_uri()}
+    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def shard_store_dir(store: str, stage: str, key: str) -> str:

@@ -33,7 +33,7 @@ from grpo.rejection.filters import summary_line
 from grpo.sampling.engines import Engine, build_engine, local_generation
 from grpo.sampling.judge import HTTPJudge, build_judge
 from runtime import dataset_refs, tracking
-from runtime.cluster import check_cluster, shard_store_dir
+from runtime.cluster import check_cluster, ray_connected, shard_store_dir
 from runtime.stage import resolve_model, work_dir, work_key
 from tasks.data import read_frame
 
@@ -261,8 +261,17 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
     non_reasoning = read_frame(plan.non_reasoning_uri) if plan.non_reasoning_uri else None
     # written here, then copied to the run's artifacts: the text in memory is `merge_batch_rows` rows' at a time
     with tempfile.TemporaryDirectory(dir=tracking.r1_home(), prefix="curated-") as tmp:
-        merged = shards.write_merged(plan.out_dir, cfg.rejection, Path(tmp) / "curated", heldout, non_reasoning,
-                                     num_shards=len(plan.shards))
+        if plan.ray_address:  # the shard files read on the cluster's nodes (Ray Data), decided and written here
+            from grpo.rejection.ray_reader import RayDataReader
+
+            reader = RayDataReader()
+            with ray_connected(plan.ray_address):
+                merged = shards.write_merged(plan.out_dir, cfg.rejection, Path(tmp) / "curated", heldout,
+                                             non_reasoning, num_shards=len(plan.shards), reader=reader)
+            get_run_logger().info("merge: the shard files read on %d node(s) of the cluster", len(reader.nodes))
+        else:
+            merged = shards.write_merged(plan.out_dir, cfg.rejection, Path(tmp) / "curated", heldout, non_reasoning,
+                                         num_shards=len(plan.shards))
         c = merged.counts
         metrics = c.metrics()
         metrics["rejection/rows"] = float(merged.rows)

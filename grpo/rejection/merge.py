@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
 import fsspec
 import numpy as np
@@ -166,7 +166,9 @@ def select_rows(prompt_ids: np.ndarray, sample_indices: np.ndarray, keys: np.nda
                      over_target, len(kept))
 
 
-class _Shard(NamedTuple):
+class ShardFile(NamedTuple):
+    """A shard file as its footer tells it (no row read)."""
+
     path: str  # in the store's filesystem
     counts: Counts
     schema: pa.Schema  # its kept rows' columns, without the marks
@@ -174,7 +176,7 @@ class _Shard(NamedTuple):
     nulls: frozenset[str]  # bool and integer columns holding a null, which pandas makes object and float columns
 
 
-def _shard_files(out_dir: str | Path, num_shards: int | None) -> tuple[fsspec.AbstractFileSystem, list[_Shard]]:
+def _shard_files(out_dir: str | Path, num_shards: int | None) -> tuple[fsspec.AbstractFileSystem, list[ShardFile]]:
     """Every shard's footer: its counts, columns and rows (no row is read here)."""
     fs, root = store_of(out_dir)
     if num_shards is None:
@@ -199,7 +201,7 @@ def _shard_files(out_dir: str | Path, num_shards: int | None) -> tuple[fsspec.Ab
                             f"again to sample that shard anew") from None
         rows = schema.remove_metadata()
         rows = pa.schema([f for f in rows if f.name not in MARK_COLUMNS], metadata=schema.metadata)
-        found.append(_Shard(path, counts, rows, meta.num_rows, nulls))
+        found.append(ShardFile(path, counts, rows, meta.num_rows, nulls))
     return fs, found
 
 
@@ -216,13 +218,26 @@ def _null_columns(meta: pq.FileMetaData, schema: pa.Schema) -> frozenset[str]:
     return frozenset(found)
 
 
-def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutIndex | None,
-                batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+KeyBatch = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None"]  # prompt id, sample, key, contaminated
+
+
+def shard_keys(fs: fsspec.AbstractFileSystem, shard: ShardFile, index: HeldoutIndex | None,
+               batch_rows: int) -> Iterator[KeyBatch]:
     """A shard's (source_prompt_id, sample_index, dedupe key, contaminated) arrays, `batch_rows` rows at a time.
 
     The shard task's marks where it wrote them against this held-out set; else worked out here from the text
-    (shards written before marks existed, or against another held-out set).
+    (shards written before marks existed, or against another held-out set). A file that cannot be read, or a bad
+    row, is a DataError naming the shard (and the row and column).
     """
+    try:
+        yield from _shard_keys(fs, shard, index, batch_rows)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{shard.path}: not a readable shard ({type(e).__name__}: {e}); delete it and run the "
+                        f"stage again to sample that shard anew") from None
+
+
+def _shard_keys(fs: fsspec.AbstractFileSystem, shard: ShardFile, index: HeldoutIndex | None,
+                batch_rows: int) -> Iterator[KeyBatch]:
     with fs.open(shard.path, "rb") as f:
         pf = pq.ParquetFile(f, pre_buffer=False)  # pre-buffered, a file's column chunks stay until it closes
         names = set(pf.schema_arrow.names)
@@ -243,6 +258,10 @@ def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutInde
             at += len(batch)
             pid = batch.column("source_prompt_id").to_numpy(zero_copy_only=False)
             sample = batch.column("sample_index").to_numpy(zero_copy_only=False)
+            if len(sample) and not 0 <= sample.min() <= sample.max() < 2**31:  # the merge keeps 4 bytes a row
+                i = int(np.flatnonzero((sample < 0) | (sample >= 2**31))[0])
+                raise DataError(f"{shard.path}: row {at - len(batch) + i}, column 'sample_index': {sample[i]} is "
+                                f"not a sample's number (0 to 2**31-1, each prompt's samples counted from 0)")
             if marked:
                 key = batch.column("merge_key").to_numpy(zero_copy_only=False)
                 flag = batch.column("contaminated").to_numpy(zero_copy_only=False) if index is not None else None
@@ -254,15 +273,22 @@ def _shard_keys(fs: fsspec.AbstractFileSystem, shard: _Shard, index: HeldoutInde
 
 class _MergePlan(NamedTuple):
     fs: fsspec.AbstractFileSystem
-    shards: list[_Shard]
+    shards: list[ShardFile]
     selection: Selection
     counts: Counts  # through the merge
     extra: pd.DataFrame  # the non-reasoning rows to append
 
 
+def _miscounted(shard: ShardFile) -> DataError:
+    return DataError(f"{shard.path}: its footer counts {shard.rows} rows but they do not read as that many; delete "
+                     f"it and run the stage again to sample that shard anew")
+
+
 def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame | Sequence[Any] | None,
-                non_reasoning: pd.DataFrame | None, num_shards: int | None) -> _MergePlan:
-    """Read every shard's keys and decide which rows the dataset keeps; no text is held."""
+                non_reasoning: pd.DataFrame | None, num_shards: int | None,
+                reader: "ShardReader | None" = None) -> _MergePlan:
+    """Read every shard's keys (through `reader`; here by default) and decide which rows the dataset keeps; no text
+    is held."""
     fs, shards = _shard_files(out_dir, num_shards)
     index = None
     if heldout is not None and cfg.decontamination_ngram:
@@ -272,28 +298,19 @@ def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame
     n = sum(shard.rows for shard in shards)
     pid, sample, key = np.empty(n, np.int64), np.empty(n, np.int32), np.empty(n, np.uint64)
     flags = np.empty(n, bool) if index is not None else None
-    at = 0
-    for shard in shards:
-        end = at + shard.rows
-        try:
-            for batch in _shard_keys(fs, shard, index, cfg.merge_batch_rows):
-                if at + len(batch[0]) > end:
-                    break
-                if len(batch[1]) and not 0 <= batch[1].min() <= batch[1].max() < 2**31:  # kept in 4 bytes a row
-                    i = int(np.flatnonzero((batch[1] < 0) | (batch[1] >= 2**31))[0])
-                    raise DataError(f"{shard.path}: row {at - (end - shard.rows) + i}, column 'sample_index': "
-                                    f"{batch[1][i]} is not a "
-                                    f"sample's number (0 to 2**31-1, each prompt's samples counted from 0)")
-                for into, part in zip((pid, sample, key, flags), batch):
-                    if into is not None:
-                        into[at:at + len(part)] = part
-                at += len(batch[0])
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{shard.path}: not a readable shard ({type(e).__name__}: {e}); delete it and run the "
-                            f"stage again to sample that shard anew") from None
-        if at != end:
-            raise DataError(f"{shard.path}: its footer counts {shard.rows} rows but they do not read as that many; "
-                            f"delete it and run the stage again to sample that shard anew")
+    starts = np.r_[0, np.cumsum([shard.rows for shard in shards])].astype(np.int64)  # [shards + 1]
+    read = np.zeros(len(shards), np.int64)  # rows read of each shard
+    for position, batch in (reader or LOCAL).keys(out_dir, shards, index, cfg.merge_batch_rows):
+        shard, at = shards[position], int(starts[position] + read[position])
+        if read[position] + len(batch[0]) > shard.rows:
+            raise _miscounted(shard)
+        for into, part in zip((pid, sample, key, flags), batch):
+            if into is not None:
+                into[at:at + len(part)] = part
+        read[position] += len(batch[0])
+    for shard, got in zip(shards, read):
+        if got != shard.rows:
+            raise _miscounted(shard)
     selection = select_rows(pid, sample, key, flags, cfg.dedupe, cfg.target_samples - cfg.non_reasoning_rows,
                             cfg.seed)
     counts = Counts.zero(cfg)
@@ -310,17 +327,66 @@ def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame
     return _MergePlan(fs, shards, selection, counts, extra)
 
 
-def _kept_batches(plan: _MergePlan, shard: int, start: int, batch_rows: int) -> Iterator[pa.RecordBatch]:
-    """The kept rows of one shard, `batch_rows` read at a time; `start`: the shard's first row in `keep`."""
-    s = plan.shards[shard]
-    with plan.fs.open(s.path, "rb") as f:
+def kept_batches(fs: fsspec.AbstractFileSystem, shard: ShardFile, keep: np.ndarray,
+                 batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """The kept rows of one shard (`keep`: [its rows] bool), `batch_rows` read at a time."""
+    with fs.open(shard.path, "rb") as f:
         pf = pq.ParquetFile(f, pre_buffer=False)
-        at = start
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=s.schema.names):
-            keep = plan.selection.keep[at:at + len(batch)]
+        at = 0
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=shard.schema.names):
+            kept = keep[at:at + len(batch)]
             at += len(batch)
-            if keep.any():
-                yield batch.filter(pa.array(keep))
+            if kept.any():
+                yield batch.filter(pa.array(kept))
+
+
+def conformed(table: pa.Table, kind: str, schema: pa.Schema) -> pa.Table:
+    """`table` with the dataset's columns (`schema`; missing ones null) and `kind` set where it has none."""
+    if "kind" not in table.column_names:
+        table = table.append_column("kind", pa.array([kind] * len(table), pa.string()))
+    return pa.table([table.column(f.name).cast(f.type) if f.name in table.column_names
+                     else pa.nulls(len(table), f.type) for f in schema], schema=schema)
+
+
+class ShardReader(Protocol):
+    """Where the merge's two reads of the shard files run: here (`LOCAL`), or on a cluster's nodes
+    (grpo.rejection.ray_reader)."""
+
+    def keys(self, out_dir: str | Path, shards: list[ShardFile], index: HeldoutIndex | None,
+             batch_rows: int) -> Iterator[tuple[int, KeyBatch]]:
+        """Every shard's `shard_keys`, each batch with its shard's place in `shards`, in any order."""
+
+    def kept(self, out_dir: str | Path, shards: list[ShardFile], keep: np.ndarray, schema: pa.Schema,
+             batch_rows: int) -> Iterator[pa.Table]:
+        """The kept rows (`keep`: [every shard's rows] bool) of every shard, `conformed` to `schema` as reasoning
+        rows, in shard order, about `batch_rows` at a time."""
+
+
+class _Here:
+    """Both reads in this process, a shard after another."""
+
+    def keys(self, out_dir, shards, index, batch_rows):
+        fs, _ = store_of(out_dir)
+        for position, shard in enumerate(shards):
+            for batch in shard_keys(fs, shard, index, batch_rows):
+                yield position, batch
+
+    def kept(self, out_dir, shards, keep, schema, batch_rows):
+        fs, _ = store_of(out_dir)
+        pending, held, start = [], 0, 0
+        for shard in shards:
+            for batch in kept_batches(fs, shard, keep[start:start + shard.rows], batch_rows):
+                pending.append(conformed(pa.Table.from_batches([batch]), "reasoning", schema))
+                held += len(batch)
+                if held >= batch_rows:
+                    yield pa.concat_tables(pending)
+                    pending, held = [], 0
+            start += shard.rows
+        if pending:
+            yield pa.concat_tables(pending)
+
+
+LOCAL: ShardReader = _Here()
 
 
 def merge_shards(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame | Sequence[Any] | None = None,
@@ -334,9 +400,10 @@ def merge_shards(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFram
     """
     plan = _plan_merge(out_dir, cfg, heldout, non_reasoning, num_shards)
     frames, start = [], 0
-    for i, shard in enumerate(plan.shards):
+    for shard in plan.shards:
         if shard.rows:
-            table = pa.Table.from_batches(list(_kept_batches(plan, i, start, cfg.merge_batch_rows)),
+            keep = plan.selection.keep[start:start + shard.rows]
+            table = pa.Table.from_batches(list(kept_batches(plan.fs, shard, keep, cfg.merge_batch_rows)),
                                           schema=shard.schema)
             frame = as_frame(table)
             for column in shard.nulls & set(frame.columns):  # the dtype the whole shard's column converts to
@@ -364,14 +431,17 @@ class MergedDataset(NamedTuple):
 
 def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
                  heldout: pd.DataFrame | Sequence[Any] | None = None, non_reasoning: pd.DataFrame | None = None,
-                 num_shards: int | None = None, rows_per_file: int = 1_000_000) -> MergedDataset:
+                 num_shards: int | None = None, rows_per_file: int = 1_000_000,
+                 reader: ShardReader | None = None) -> MergedDataset:
     """`merge_shards`' dataset written as Parquet files in `dest` (a folder or store URI) without holding it.
 
     The keys are read first and the rows chosen (`select_rows`); then each shard's kept rows are read and written
     `cfg.merge_batch_rows` at a time, so the text in memory is a batch's, whatever the row count; the keys take
     about 22 bytes a row at their peak. The files hold the same rows in the same order as `merge_shards`' dataset.
+    `reader`: where the shard files are read, here by default (`grpo.rejection.ray_reader.RayDataReader`: on a
+    Ray cluster's nodes); the keys are decided on and the files written here either way.
     """
-    plan = _plan_merge(out_dir, cfg, heldout, non_reasoning, num_shards)
+    plan = _plan_merge(out_dir, cfg, heldout, non_reasoning, num_shards, reader)
     if not plan.selection.in_order:
         raise DataError(f"{out_dir}: the shards' rows are not in (source_prompt_id, sample_index) order from one "
                         f"file to the next (plan_shards' shards always are), so they cannot be streamed in the "
@@ -388,26 +458,10 @@ def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise DataError(f"{out_dir}: shard and non-reasoning columns do not agree ({e})") from None
 
-    def conformed(table: pa.Table, kind: str) -> pa.Table:  # the dataset's columns, missing ones null
-        if "kind" not in table.column_names:
-            table = table.append_column("kind", pa.array([kind] * len(table), pa.string()))
-        return pa.table([table.column(f.name).cast(f.type) if f.name in table.column_names
-                         else pa.nulls(len(table), f.type) for f in schema], schema=schema)
-
     def batches() -> Iterator[pa.Table]:  # the dataset in order, about `merge_batch_rows` rows at a time
-        pending, held, start = [], 0, 0
-        for i, shard in enumerate(plan.shards):
-            for batch in _kept_batches(plan, i, start, cfg.merge_batch_rows):
-                pending.append(conformed(pa.Table.from_batches([batch]), "reasoning"))
-                held += len(batch)
-                if held >= cfg.merge_batch_rows:
-                    yield pa.concat_tables(pending)
-                    pending, held = [], 0
-            start += shard.rows
-        if pending:
-            yield pa.concat_tables(pending)
+        yield from (reader or LOCAL).kept(out_dir, plan.shards, plan.selection.keep, schema, cfg.merge_batch_rows)
         if extra is not None:
-            yield conformed(extra, "non_reasoning")
+            yield conformed(extra, "non_reasoning", schema)
 
     fs, root = store_of(dest)
     fs.makedirs(root, exist_ok=True)

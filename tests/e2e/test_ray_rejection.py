@@ -220,3 +220,41 @@ def test_the_pipeline_s_cluster_parameters_override_the_recipe():
         ray_address="head:6379", shard_store="file:///mnt/r1")
     with pytest.raises(ValidationError, match="ray_address needs a shard_store"):
         with_cluster(load_recipe("tiny"), "auto", None)
+
+
+def test_the_merge_reads_the_shards_on_both_nodes_and_writes_what_reading_here_writes(cluster, driver):
+    """The merge's reads through Ray Data on the cluster's two nodes: the same files as reading every shard here;
+    a bad shard file is the same one-line error, naming it, as here."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray as ray_api
+
+    from grpo.data.tables import DataError
+    from grpo.rejection.curate import build_heldout_index
+    from grpo.rejection.merge import write_merged
+    from grpo.rejection.ray_reader import RayDataReader
+    from shard_files import CFG, HELDOUT, NON_REASONING, tiny_shards
+
+    store = cluster["root"] / "shared" / f"merge-{time.time_ns()}"  # every node reads it; the driver's are hidden
+    tiny_shards(store, build_heldout_index(HELDOUT, CFG.decontamination_ngram, CFG.decontamination_threshold))
+    here = write_merged(store, CFG, store / "here", HELDOUT, NON_REASONING, num_shards=5)
+    reader = RayDataReader()
+    ray_api.init(address=cluster["ray"].address)
+    try:
+        there = write_merged(store, CFG, store / "there", HELDOUT, NON_REASONING, num_shards=5, reader=reader)
+        assert (there.counts, there.rows, there.non_reasoning) == (here.counts, here.rows, here.non_reasoning)
+        assert len(there.files) == len(here.files)  # the same rows, columns and types, in the same order
+        assert pa.concat_tables(map(pq.read_table, there.files)).equals(pa.concat_tables(map(pq.read_table, here.files)))
+        assert sum(reader.nodes.values()) == 5 and len(reader.nodes) == 2, reader.nodes  # both nodes read shards
+        # a row without its sample index, found by the node that reads the shard's keys
+        table = pq.read_table(store / "shard-00003.parquet")
+        column = table.column("sample_index").to_pylist()
+        column[7] = None
+        pq.write_table(table.set_column(table.schema.get_field_index("sample_index"), "sample_index",
+                                        pa.array(column)), store / "shard-00003.parquet")
+        with pytest.raises(DataError, match=r"^\S*shard-00003\.parquet: row 7, column 'sample_index': empty") \
+                as caught:
+            write_merged(store, CFG, store / "bad", HELDOUT, num_shards=5, reader=RayDataReader())
+        assert "Traceback" not in str(caught.value)  # the node's error, not Ray's wrapper of it
+    finally:
+        ray_api.shutdown()
