@@ -208,8 +208,8 @@ def run_way(args) -> dict:
     trainer = None
 
     def on_metrics(step: int, m: dict) -> None:
-        if trainer is not None and trainer.rollouts is not None:
-            cpu.pids |= {w.process.pid for w in trainer.rollouts.workers if w is not None}
+        if trainer is not None and getattr(trainer.source, "rollouts", None) is not None:
+            cpu.pids |= {w.process.pid for w in trainer.source.rollouts.workers if w is not None}
         seen[step] = dict(m)
         marks[step] = (time.perf_counter(), tick(), cpu(), machine_busy_s())
 

@@ -88,7 +88,7 @@ def one(seed: int, steps: int, timeout_s: float, ray_address: str | None = None)
     def targets() -> list[int]:  # the live samplers: processes of ours, or the trainer's actors' processes
         if not ray_address:
             return samplers()
-        workers = getattr(held.get("trainer"), "rollouts", None)
+        workers = getattr(getattr(held.get("trainer"), "source", None), "rollouts", None)
         pids = [a.pid for a in (getattr(workers, "workers", None) or []) if a is not None and a.pid]
         actors.update(pids)
         return [p for p in pids if alive(p)]

@@ -143,6 +143,18 @@ def test_training_is_parts_loops_the_job_runner_and_launchers():
     assert not wrong, "\n".join(wrong)
 
 
+TRANSPORTS = ("grpo.training.rollouts.processes", "grpo.training.rollouts.ray_actors", "grpo.training.rollouts.start")
+
+
+def test_the_grpo_loop_is_handed_its_rollouts_and_starts_no_transport():
+    """The GRPO loop takes its groups from a rollout source built outside it (grpo.training.sources): it imports no
+    sampler transport, directly or inside a function, so starting processes or Ray actors is never the loop's."""
+    graph = _import_graph()
+    loop = LOOPS + ".grpo_trainer"
+    wrong = sorted(dep for dep in graph[loop] if dep.startswith(TRANSPORTS))
+    assert not wrong, f"{loop} imports {wrong}"
+
+
 def test_no_module_over_about_500_lines():
     files = [p for d in ("grpo", "runtime", "tasks", "flows", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 520}

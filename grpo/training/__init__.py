@@ -14,7 +14,12 @@ built from:
 | `rft` | online RFT's gradient coefficient (1 for a correct sample, 0 otherwise), which GRPO's loop trains with in place of advantages |
 | `ppo`, `value` | PPO's pure parts: GAE and the clipped losses, the value model |
 | `dynamic` | DAPO's dynamic sampling: groups whose rewards differ, kept from several draws into one batch |
-| `policy` | what GRPO's and PPO's loops share: the trainable policy with its optimizer, the frozen reference, a step's rollout sampled and scored, log-probs without gradients |
+| `policy` | the functions GRPO's and PPO's loops share: the trainable policy with its optimizer, the frozen reference, a step's rollout sampled and scored, log-probs without gradients |
+| `runtime` | `PolicyRuntime`: the policy as GRPO's and PPO's loops train it, set up once (accelerator, strategy, trainable policy, reference, GEMM plan, grading watch) |
+| `sources` | a GRPO loop's rollout source: the engine in the loop, dynamic sampling's refill; `rollout_source` picks one (asynchronous samplers: `rollouts.source`) |
+| `credit` | a GRPO loop's advantage function: the group outcome, process supervision, RFT's coefficients; `advantage_function` picks one |
+| `parts` | `grpo_parts`: the runtime, rollout source and advantage the job runner builds and hands a GRPO loop |
+| `hooks` | `StepHook`: work a GRPO loop runs after every step with its samples |
 | `logprobs` | per-token log-probs of completions, with a group's shared prompt run once (chunked head for large vocabularies) |
 | `sft_rows` | SFT rows as tokens: a frame in memory, or Parquet files (the curated dataset) tokenized once (each process of a launch its share) into Arrow files read a row at a time |
 | `batches` | which rows a step takes (`batch_indices`, `prompt_order`; `mixed_order`: a set share of each kind every step) and token lists padded into tensors (`pad_right`) |

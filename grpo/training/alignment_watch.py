@@ -14,7 +14,7 @@ Every `every` steps it closes a window of their means (`watch/true_score`, `watc
 fell in each of the last `windows` windows while the reward models' score rose over them, it says so in one line
 (`watch/overoptimised` 1.0) and, with `stop`, stops the run there (`GradingStop`: the loop saves the steps done).
 
-A StepHook of the GRPO loop (grpo.training.loops.grpo_trainer): its state travels in the loop's checkpoints.
+A StepHook (grpo.training.hooks) of the GRPO loop: its state travels in the loop's checkpoints.
 Must not depend on Prefect or MLflow.
 """
 

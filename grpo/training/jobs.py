@@ -173,6 +173,7 @@ def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
     from grpo.models import load_model_and_tokenizer
     from grpo.rewards import REWARD_FUNCTIONS
     from grpo.training.loops.grpo_trainer import GRPOTrainer
+    from grpo.training.parts import grpo_parts
     from grpo.configs.core import REWARD_MODEL
     from grpo.configs.reward import HELPFULNESS
     from grpo.training.reward_scorer import ROUTES, RewardModelScorer, reward_model_reward
@@ -218,8 +219,12 @@ def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
         coefficients = coefficient_function(job.online_rft)
         if job.online_rft.sampler == "initial":  # offline RFT: the start samples every step
             engine = _frozen_engine(model, tokenizer, job)
-    return GRPOTrainer(model, tokenizer, rows, cfg, job.output_dir, engine=engine, step_verifiers=step_verifiers,
-                       hooks=hooks, coefficients=coefficients, **kwargs)
+    # the loop's parts: the policy runtime, the rollout source (the frozen start's engine, the stage's, or
+    # asynchronous samplers) and the advantage (RFT's coefficients, process supervision's or the group outcome)
+    parts = grpo_parts(model, tokenizer, rows, cfg, job.output_dir, engine=engine, generation=job.generation,
+                       reward_functions=reward_functions, step_verifiers=step_verifiers, distributed=job.distributed,
+                       coefficients=coefficients)
+    return GRPOTrainer.from_parts(parts, on_metrics=on_metrics, on_samples=on_samples, hooks=hooks)
 
 
 def _frozen_engine(model, tokenizer, job: GRPOJob):

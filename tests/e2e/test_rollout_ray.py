@@ -86,7 +86,7 @@ def test_a_killed_or_stopped_actor_is_named_and_replaced_and_none_is_left(tmp_pa
     seen, held, pids, sent = {}, {}, set(), []
 
     def reward(completions, **_):
-        actors = [a for a in held["trainer"].rollouts.workers if a is not None]
+        actors = [a for a in held["trainer"].source.rollouts.workers if a is not None]
         pids.update(a.pid for a in actors if a.pid)
         if len(sent) == 0 and seen.get(1) is not None and actors[0].pid:  # after step 1: its actor
             os.kill(actors[0].pid, signum)

@@ -11,6 +11,9 @@ One step, as in the DeepSeekMath/R1 papers:
 With mu = 1 pi_old is the policy being optimised, so the ratio is exactly 1 and nothing is recomputed; with
 mu > 1 pi_old's log-probs are computed once, before the first update. Optional dynamic sampling (DAPO)
 drops groups whose rewards all agree, which carry no gradient, and samples more prompts to refill the batch.
+The loop is handed its parts (grpo.training.parts, built by the job runner): the policy runtime, a rollout source
+(the engine in the loop, dynamic sampling's refill, asynchronous samplers) and an advantage function (group outcome,
+process supervision, RFT's coefficients); a variant is a part, not a branch of the step.
 Under `accelerate launch --num_processes N` each process samples and trains on prompts_per_step / N of the step's
 prompts, whole groups each (`grpo.training.distributed` says what is split and what is reduced).
 
@@ -19,72 +22,29 @@ Must not depend on Prefect or MLflow: metrics and sample tables go to callbacks.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
-from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo import cores
-from grpo.configs.checks import check_fsdp_settings
-from grpo.configs.core import GenerationConfig, GRPOConfig
-from grpo.configs.distributed import COLLECTIVE_TIMEOUT, DistributedConfig
-from grpo.kernels.attention import attending_packed, cpu_attention
-from grpo.kernels.gemm import fp32_gemm
-from grpo.kernels.mlp import compact_mlp
-from grpo.models import activation_checkpointing
-from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
-from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
-from grpo.sampling.rollout import decode_figures
-from grpo.training.accelerator import make_accelerator
-from grpo.training.advantages import group_advantages, trained_rows
-from grpo.training.batches import prompt_mix_order
-from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
-from grpo.training.distributed import (check_split, gather_table, local_processes, matched_chunks, process_share,
-                                       process_weight, sampling_seed)
-from grpo.training.dynamic import concat_groups, spread_groups
-from grpo.training.grading import GradingStop, signal_groups
-from grpo.training.logprobs import packing_on, token_logps
-from grpo.training.lora import adapters_off, causal_lm, require_peft
-from grpo.training.loss import AGGREGATORS, grpo_loss
-from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
+from grpo.sampling.engines import Engine, Rollout
+from grpo.training.checkpoints import load_newest_checkpoint
+from grpo.training.distributed import gather_table, matched_chunks, process_weight, sampling_seed
+from grpo.training.dynamic import spread_groups
+from grpo.training.grading import GradingStop
+from grpo.training.logprobs import token_logps
+from grpo.training.loss import grpo_loss
+from grpo.training.optimizers import optimizer_step
 from grpo.training.packing import loss_parts, micro_batch_rows
-from grpo.training.policy import (check_prompts, check_token_budget, checkpointing_on, frozen_reference, gemm_plan,
-                                  grading_watch, observe_grading, prepared, report_step, reward_registry,
-                                  rollout_metrics, row_columns, sample_rollout, samples_table, save_policy,
-                                  score_rollout, scored_logps, trainable)
-from grpo.training.process import (StepRewards, graded_by_steps, process_advantages, score_steps, step_metrics,
-                                   token_char_ends)
-from grpo.training.rollouts import Plan, Rollouts, start_rollouts
-from grpo.training.strategy import make_strategy
+from grpo.training.parts import LoopParts, grpo_parts
+from grpo.training.hooks import StepHook
+from grpo.training.policy import MetricsCallback, SamplesCallback, report_step, rollout_metrics, samples_table
+from grpo.training.process import StepRewards
 
-REFERENCE_FILE = "reference.pt"  # a checkpoint's refreshed reference (grpo.schedule.reference_every)
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
-
-MetricsCallback = Callable[[int, dict[str, float]], None]
-SamplesCallback = Callable[[int, pd.DataFrame], None]
-
-
-class StepHook(Protocol):
-    """Work the loop does after every step with that step's samples (the iterative reward model's refresh,
-    grpo.training.loops.rm_refresh), whose state travels in the loop's checkpoints."""
-
-    def after_step(self, step: int, table: pd.DataFrame) -> dict[str, float]:
-        """The step's samples, every process's (`prompt`, `completion`, `reward`, `reward/<name>`, in groups of
-        G rows); returns figures to log with the step's. Called on every process, with the same table."""
-
-    def save(self, folder: Path) -> None:
-        """Its state into a checkpoint folder (the main process calls it)."""
-
-    def load(self, folder: Path) -> None:
-        """Its state back from a checkpoint folder (every process calls it)."""
-
-    def finish(self, output_dir: Path) -> None:
-        """What it leaves beside the trained model when the loop ends (the main process calls it)."""
 
 
 class Batch(NamedTuple):
@@ -107,139 +67,56 @@ class GRPOResult(NamedTuple):
 class GRPOTrainer:
     """Holds the policy, the reference model, the optimizer and the data; `train()` runs the loop."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
-                 cfg: GRPOConfig, output_dir: str | Path, *, engine: Engine | None = None,
-                 generation: GenerationConfig | None = None,
+    def __init__(self, model, tokenizer, prompts: pd.DataFrame, cfg, output_dir: str | Path, *,
                  on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
-                 reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
-                 step_verifiers: Mapping[str, StepVerifier] | None = None,
-                 distributed: DistributedConfig | None = None, hooks: Sequence[StepHook] = (),
-                 coefficients: Callable[[object], torch.Tensor] | None = None):
-        check_prompts(prompts, cfg.prompts_per_step, "GRPO")
-        check_token_budget(cfg, tokenizer, prompts, "GRPO")  # the longest row a step can make fits the budget
-        self.reward_functions = reward_registry(cfg, prompts, reward_functions, "GRPO")
-        # process supervision: the step verifier by name, or one the caller brings (a process reward model)
-        self.step_verifier = None
-        if cfg.supervision == "process":
-            verifiers = {**STEP_VERIFIER_FUNCTIONS, **(step_verifiers or {})}
-            if cfg.step_verifier not in verifiers:
-                raise ValueError(f"step_verifier {cfg.step_verifier!r} is not available here (known: "
-                                 f"{sorted(verifiers)}); 'prm' needs a process reward model passed in "
-                                 f"step_verifiers (grpo.training.loops.prm.prm_step_verifier)")
-            self.step_verifier = verifiers[cfg.step_verifier]
-        if cfg.loss_type not in AGGREGATORS:
-            raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
-        if cfg.optimizer == "adamw_8bit":  # optional extras: say what is missing before any work
-            require_bitsandbytes()
-        if cfg.lora is not None:
-            require_peft()
-        distributed = distributed or DistributedConfig()
-        check_fsdp_settings(distributed, weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer)
-        self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
-        self.output_dir = Path(output_dir)
-        self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
-        self.hooks = list(hooks)
-        self.acc = make_accelerator(cfg.mixed_precision)
-        self.strategy = make_strategy(self.acc, distributed)  # how the processes hold the policy
-        check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)  # whole groups per process
-        model, optimizer = trainable(model, cfg, self.acc.device, cfg.learning_rate, lora=cfg.lora is not None)
-        self.master_weights = optimizer if isinstance(optimizer, MasterWeights) else None
-        self.ref_model = frozen_reference(model, cfg, self.acc)  # None with beta = 0, or with LoRA (adapters off)
-        self.checkpointing = checkpointing_on(cfg, self.acc)
-        self.model, self.optimizer, self.scheduler = prepared(self.strategy, model, optimizer, cfg)
-        # micro-batches as rows without padding (policy, pi_old and reference passes alike), where it is exact
-        self.packed = packing_on(cfg.packing, self.acc.unwrap_model(self.model))
-        # the stage's engine (grpo.sampling.engines) on the policy's whole weights (the policy itself, or under fsdp
-        # a copy gathered after every step), sampling in the loop's precision; none with asynchronous rollouts, whose
-        # sampler processes build their own
-        dtype = sampling_dtype(self.acc.mixed_precision)
-        self.engine = engine or (None if cfg.rollout.asynchronous else build_engine(
-            generation or GenerationConfig(), self.strategy.sampler_model(dtype), tokenizer, dtype=dtype, who="GRPO"))
-        self.cells = self.prompts["prompt"].tolist()
-        self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
-        # which prompts each step takes: all rows alike, or `prompt_mix`'s share of each kind every step
-        self.order = prompt_mix_order(self.prompts, cfg)
-        self.gemm = gemm_plan(self.acc, cfg, tokenizer, self.prompts, self.acc.unwrap_model(self.model),
-                              self.output_dir)
-        # each sample's coefficient [N] from the step's scores in place of group advantages (grpo.training.rft)
-        self.coefficients = coefficients
-        # rollout.mode async: sampler processes (started by `train`), the behaviour weight's cap, the weights' version
-        self.rollouts: Rollouts | None = None
-        self.tis_cap = cfg.tis_cap
-        if cfg.rollout.asynchronous:
-            self.tis_cap = cfg.tis_cap or cfg.rollout.behaviour_cap  # decoupled PPO: pi_prox / pi_behave, capped
-        self.version = 0  # optimizer steps taken: the version of the weights pushed to the samplers
-        self.generation = generation or GenerationConfig()
-        self.push_s = 0.0
-        # the run's grading: a stop when graders keep failing, a line when groups stop carrying signal
-        self.grading = grading_watch(cfg, "GRPO")
+                 progress: bool = True, hooks: Sequence[StepHook] = (), **parts):
+        """The loop of a model and a config, its parts built as the job runner builds them (`parts` are
+        `grpo.training.parts.grpo_parts`' keywords: engine, generation, reward_functions, step_verifiers,
+        distributed, coefficients)."""
+        self.take(grpo_parts(model, tokenizer, prompts, cfg, output_dir, **parts), on_metrics, on_samples, progress,
+                  hooks)
+
+    @classmethod
+    def from_parts(cls, parts: LoopParts, on_metrics: MetricsCallback | None = None,
+                   on_samples: SamplesCallback | None = None, progress: bool = True,
+                   hooks: Sequence[StepHook] = ()) -> GRPOTrainer:
+        """The loop of parts built elsewhere (the job runner's)."""
+        trainer = cls.__new__(cls)
+        trainer.take(parts, on_metrics, on_samples, progress, hooks)
+        return trainer
+
+    def take(self, parts: LoopParts, on_metrics, on_samples, progress: bool, hooks: Sequence[StepHook]) -> None:
+        self.runtime, self.source, self.advantage = parts
+        self.on_metrics, self.on_samples, self.progress, self.hooks = on_metrics, on_samples, progress, list(hooks)
+        self.tis_cap = self.cfg.tis_cap or self.source.behaviour_cap  # asynchronous: pi_prox / pi_behave, capped
+        self.version = 0  # optimizer steps taken: the version of the weights the sampler holds
+
+    def __getattr__(self, name: str):  # the runtime's (acc, cfg, model, strategy, ref_model, ...) read as the loop's
+        if name == "runtime":
+            raise AttributeError(name)
+        return getattr(self.runtime, name)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The in-loop source's engine (None with asynchronous rollouts: the samplers build their own)."""
+        return self.source.engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self.source.engine = engine
 
     # -- one step, in the paper's order ------------------------------------------------------------------------
 
     def sample(self, idx: list[int]) -> Rollout:
-        # the sampler's log-probs only where the loss reads them (truncated importance sampling)
-        return sample_rollout(self.engine, [self.cells[i] for i in idx], self.cfg.num_generations, self.cfg.sampling,
-                              logprobs=self.tis_cap is not None, who="GRPO")
+        return self.source.sample(idx)
 
     def score(self, rollout: Rollout, idx: list[int], step: int = 0):
         """The rewards that count at `step` (`grpo.schedule.rewards_from`) of the rollout's completions."""
-        cfg = self.cfg
-        columns = row_columns(self.columns, self.cells, idx, cfg.num_generations)
-        return score_rollout(rollout, columns, cfg, self.reward_functions,
-                             cfg.schedule.rewards_at(cfg.rewards, step, cfg.max_steps))
+        return self.source.score(rollout, idx, step)
 
     def collect(self, step: int) -> tuple[Rollout, list[int], object, dict[str, float]]:
-        """Sample and score one step's groups (refilling dropped ones when dynamic sampling is on)."""
-        G, want = self.cfg.num_generations, self.cfg.prompts_per_step // self.acc.num_processes
-        # this process's share of the step's prompts (all of them in one process)
-        idx = process_share(self.acc, self.order(step))
-        if self.rollouts is not None:  # sampled by a worker, up to max_staleness optimizer steps ago
-            unit = self.rollouts.take(step)
-            scores = self.score(unit.rollout, idx, step)
-            stats = {**self.rollouts.figures(unit), "async/push_s": self.push_s}
-            self.push_s = 0.0
-            return unit.rollout, idx, scores, stats
-        rollout = self.sample(idx)
-        scores = self.score(rollout, idx, step)
-        stats = {"dynamic/refill_rounds": 0.0}
-        if not self.cfg.dynamic_sampling:
-            return rollout, idx, scores, {**stats, **decode_figures(self.engine)}
-        parts = [(rollout, scores, idx, spread_groups(scores.total, G, scores.graded_rows))]
-        # the kept batch is filtered, so its reward figures read high: record the unfiltered first draw too (its
-        # graded rows: an ungraded row's total is no reward)
-        first = [t for t, g in zip(scores.total, scores.graded_rows) if g]
-        stats["dynamic/first_draw_reward"] = sum(first) / len(first) if first else float("nan")
-        stats["dynamic/first_draw_ungraded_share"] = 1 - len(first) / len(scores.total)
-        stats["dynamic/first_draw_zero_std_groups"] = 1 - len(parts[0][3]) / len(idx)
-        for draw in range(1, self.cfg.max_refill_rounds + 1):
-            if sum(len(p[3]) for p in parts) >= want:
-                break
-            more = process_share(self.acc, self.order(step, draw))
-            r = self.sample(more)
-            s = self.score(r, more, step)
-            parts.append((r, s, more, spread_groups(s.total, G, s.graded_rows)))
-            stats["dynamic/refill_rounds"] = float(draw)
-        rollout, idx, scores = concat_groups(parts, G, want, self.tokenizer.pad_token_id)
-        stats["dynamic/groups"] = float(len(idx))
-        return rollout, idx, scores, {**stats, **decode_figures(self.engine)}  # the refills' steps too
-
-    def score_steps(self, rollout: Rollout, idx: list[int], outcome: list[float],
-                    metrics: dict[str, float] | None = None, first: bool = False) -> StepRewards:
-        """Process supervision: every completion's checked steps, then its answer step rewarded with `outcome`.
-
-        On the run's `first` step a verifier that finds no step in any completion does not fit the data: an error
-        then, rather than a run of outcome GRPO under another name.
-        """
-        chars = token_char_ends(self.tokenizer, rollout.completion_ids, rollout.completion_mask, rollout.texts)
-        columns = row_columns(self.columns, self.cells, idx, self.cfg.num_generations)
-        steps = score_steps(self.step_verifier, rollout.texts, columns, outcome, chars, name=self.cfg.step_verifier)
-        if first and not any(steps.checked) and not all(steps.ungraded or []):  # all ungraded: the watch's to say
-            raise ValueError(f"step_verifier {self.cfg.step_verifier!r} found no step in any of the first "
-                             f"{len(rollout.texts)} completions (one reads {rollout.texts[0][:200]!r}); choose a "
-                             f"step verifier that reads this data's reasoning")
-        if metrics is not None:
-            metrics.update(step_metrics(steps))
-        return steps
+        """Sample (or take) and score one step's groups."""
+        return self.source.collect(step)
 
     def build_batch(self, rollout: Rollout, rewards: list[float], steps: StepRewards | None = None,
                     graded: list[bool] | None = None) -> Batch:
@@ -248,21 +125,8 @@ class GRPOTrainer:
         rows."""
         cfg = self.cfg
         C = rollout.completion_ids.size(1)
-        trains = None  # [N] the rows that train
-        if graded is not None and not all(graded):
-            # a coefficient needs no group to be compared against: a graded sample trains whatever its group's others
-            trains = (torch.tensor(graded) if self.coefficients is not None
-                      else trained_rows(graded, cfg.num_generations))
-        if self.coefficients is not None:  # `rewards` are already each sample's coefficient: no baseline, no scale
-            advantages = torch.tensor(rewards, dtype=torch.float32)  # [N]
-        elif steps is None:
-            advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.num_generations,
-                                          scale=cfg.scale_rewards,
-                                          graded=None if trains is None else torch.tensor(graded))  # [N]
-        else:
-            advantages = process_advantages(steps.rewards, steps.ends, cfg.num_generations, C,
-                                            scale=cfg.scale_rewards,
-                                            graded=None if trains is None else trains.tolist())  # [N, C]
+        # [N] or [N, C] (process supervision); trains: [N] the rows that train, None when all do
+        advantages, trains = self.advantage.advantages(rewards, graded, steps, C)
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
         ref_logps = None
@@ -272,14 +136,12 @@ class GRPOTrainer:
             if cfg.rollout.reference == "sampler":
                 raise RuntimeError("rollout.reference sampler: a step's groups came without their reference "
                                    "log-probs")
-            reference = self.ref_model if self.ref_model is not None else self.acc.unwrap_model(self.model)
-            with adapters_off(reference):
-                ref_logps = self._scored(reference, input_ids, attention_mask, C)  # [N, C]
+            ref_logps = self.runtime.reference_logps(input_ids, attention_mask, C)  # [N, C]
         old_logps = None  # mu = 1: pi_old is the policy being optimised, so the ratio is exactly 1
         if cfg.num_iterations > 1:
             # Recomputed rather than taken from the sampler: sampling may use top-p/top-k, bf16 or another
             # engine (vLLM), whose log-probs differ from this forward pass and would bias the ratio.
-            old_logps = self._scored(self.model, input_ids, attention_mask, C)  # [N, C]
+            old_logps = self.runtime.scored(self.model, input_ids, attention_mask, C)  # [N, C]
         completion_mask = rollout.completion_mask.float()  # [N, C]
         if cfg.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
             completion_mask = completion_mask * (~rollout.truncated).float()[:, None]
@@ -292,24 +154,10 @@ class GRPOTrainer:
         return Batch(input_ids, attention_mask, completion_mask.to(self.acc.device), old_logps, ref_logps,
                      advantages.to(self.acc.device), sampler_logps)
 
-    def _scored(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
-        return scored_logps(self.acc, model, input_ids, attention_mask, C, self.cfg.micro_batch_size,
-                            self.cfg.sampling.temperature, packed=self.packed,
-                            max_tokens=self.cfg.max_tokens_per_microbatch)  # [N, C]
-
     def sync_sampler(self) -> None:
-        """Make the next rollout sample the policy's current weights: gather them into the sampler's copy where
-        the strategy keeps one, then let the engine refresh what it holds (a bf16 copy, captured steps). With
-        asynchronous rollouts, every `rollout.sync_every` optimizer steps, push them to the sampler processes."""
-        if self.rollouts is None:
-            self.strategy.sync_sampler()
-            if self.engine is not None:  # None: asynchronous, before its workers start (a resume loads weights)
-                self.engine.sync_weights()
-        elif self.version % self.cfg.rollout.sync_every == 0:
-            t0 = time.perf_counter()
-            self.strategy.sync_sampler()  # under fsdp: the whole weights gathered, unit by unit (a collective)
-            self.rollouts.push(self.strategy.sampler_model(), self.version)
-            self.push_s += time.perf_counter() - t0
+        """Make the next rollout sample the policy's current weights (the source's `sync`: the engine's copy, or a
+        push to asynchronous samplers every `rollout.sync_every` optimizer steps)."""
+        self.source.sync(self.version)
 
     def optimise(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped objective over the batch, in micro-batches."""
@@ -360,49 +208,15 @@ class GRPOTrainer:
         start = self._resume(ckpt_root)
         bar = tqdm(total=cfg.max_steps, initial=start, desc="grpo", mininterval=2.0,
                    disable=not self.progress or not self.acc.is_main_process)
-        policy = self.acc.unwrap_model(self.model)
-        core = causal_lm(policy)  # the transformers model (inside LoRA's wrapper)
-        threads = torch.get_num_threads()
-        if cfg.rollout.asynchronous:  # before the loop's patches: each worker makes the same ones to its copy
-            self.rollouts = self._start_workers(start)
-            if self.rollouts.local and all(d == "cpu" for d in self.rollouts.devices):  # the cores the workers leave
-                here = cores.cpu_cores() // local_processes(self.acc)
-                torch.set_num_threads(min(threads, max(1, here - cfg.rollout.workers * self.rollouts.threads)))
+        self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
         try:
-            with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
-                  fp32_gemm(self.ref_model, self.gemm), attending_packed(core, self.packed),
-                  attending_packed(self.ref_model, self.packed), activation_checkpointing(core, self.checkpointing)):
+            self.source.start(start)  # before the loop's patches: an asynchronous sampler makes the same ones
+            with self.runtime.fast_paths():
                 self._loop(start, bar, ckpt_root)
         finally:  # ended, failed or stopped: no sampler process outlives the loop
-            if self.rollouts is not None:
-                self.rollouts.close()
-                self.rollouts = None
-                torch.set_num_threads(threads)
+            self.source.close()
         bar.close()
-        model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,
-                                self.output_dir, also=self._finish_hooks)
-        return GRPOResult(model_dir, cfg.max_steps)
-
-    def _start_workers(self, start: int) -> Rollouts:
-        cfg = self.cfg
-        plan = Plan(self.cells, cfg.prompts_per_step, cfg.num_generations, cfg.sampling, self.generation, cfg.seed,
-                    cfg.num_iterations, cfg.rollout.max_staleness, cfg.max_steps,
-                    sampling_dtype(self.acc.mixed_precision), self.gemm, self.packed,
-                    process_index=self.acc.process_index, num_processes=self.acc.num_processes,
-                    policy_kernels=self.strategy.sampler_model() is self.acc.unwrap_model(self.model),
-                    grad_params=frozenset(n for n, p in self.strategy.sampler_model().named_parameters()
-                                          if p.requires_grad), order=self.order)
-        if cfg.rollout.reference == "sampler":  # the workers score the KL term's reference; the trainer keeps none
-            plan = plan._replace(reference=self.ref_model.to("cpu"),  # moved off the trainer's device
-                                 micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_microbatch,
-                                 autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-                                     str(self.acc.mixed_precision)))
-            self.ref_model = None
-        timeout = cfg.rollout.timeout_s or float(os.environ.get(COLLECTIVE_TIMEOUT, "1800"))
-        self.version = start * cfg.num_iterations  # a resumed run's weights are the checkpoint's step's
-        return start_rollouts(cfg.rollout, plan, self.strategy.sampler_model(), self.tokenizer, first_step=start,
-                              version=self.version, timeout_s=timeout, device=self.acc.device,
-                              local_processes=local_processes(self.acc), local_index=self.acc.local_process_index)
+        return GRPOResult(self.runtime.save_policy(also=self._finish_hooks), cfg.max_steps)
 
     def _finish_hooks(self) -> None:
         for hook in self.hooks:
@@ -414,25 +228,16 @@ class GRPOTrainer:
             # a resumed run samples what it would have sampled; each process draws its own completions
             torch.manual_seed(sampling_seed(cfg.seed, step, self.acc.process_index))
             t0 = time.perf_counter()
-            rollout, idx, scores, metrics = self.collect(step)
-            steps = self.score_steps(rollout, idx, scores.total, metrics, step == 0) if self.step_verifier else None
-            if steps is not None:  # a completion the step verifier could not check is ungraded, as a reward's
-                scores = graded_by_steps(scores, steps)
-            rewards = scores.total if self.coefficients is None else self.coefficients(scores).tolist()  # [N]
-            graded = scores.graded_rows
-            # may stop the run here, its steps kept
-            spread = signal_groups(rewards, graded, cfg.num_generations, steps and steps.rewards,
-                                   baseline=self.coefficients is None)  # RFT's coefficients have none
-            self.watch_grading(step, scores, ckpt_root, start, spread)
+            rollout, idx, scores, metrics = self.source.collect(step)
+            judged = self.advantage.judge(rollout, idx, scores, metrics, step == 0)
+            scores = judged.scores
+            self.watch_grading(step, scores, ckpt_root, start, judged.spread)  # may stop the run, its steps kept
             t_gen = time.perf_counter() - t0
-            if self.coefficients is not None:  # online RFT: 1.0 for a correct sample, 0.0 otherwise (graded ones)
-                correct = [c for c, g in zip(rewards, graded) if g]
-                metrics["rft/correct"] = sum(correct) / len(correct) if correct else float("nan")
-            batch = self.build_batch(rollout, rewards, steps, graded)
-            # the sampler's copy against the policy on a few of the rows it sampled (a strategy that samples from
-            # the policy itself has nothing to compare)
+            batch = self.build_batch(rollout, judged.rewards, judged.steps, scores.graded_rows)
+            # the sampler's copy against the policy on a few of the rows it sampled (at each push; a strategy that
+            # samples from the policy itself has nothing to compare)
             k = min(SYNC_CHECK_ROWS, batch.input_ids.size(0))
-            if self.rollouts is None or self.version % cfg.rollout.sync_every == 0:  # async: at each push
+            if self.source.pushes_at(self.version):
                 metrics.update(self.strategy.check_sampler(batch.input_ids[:k], batch.attention_mask[:k],
                                                            rollout.completion_mask[:k].to(self.acc.device),
                                                            cfg.sampling.temperature))
@@ -442,7 +247,7 @@ class GRPOTrainer:
             elapsed = time.perf_counter() - t0
             done = step + 1
             if cfg.schedule.reference_every and done % cfg.schedule.reference_every == 0:
-                self.refresh_reference()
+                self.runtime.refresh_reference()
             metrics.update(self._step_metrics(rollout, scores, opt_stats, elapsed, t_gen, t_ref))
             if self.hooks:  # every process's samples (a collective: each process calls it every step)
                 table = gather_table(self.acc, self._samples_table(rollout, idx, scores))
@@ -468,8 +273,7 @@ class GRPOTrainer:
             if step > start and not (every_n and step % every_n == 0):  # decided alike on every process
                 self._save(ckpt_root, step)
 
-        groups = len(scores.graded_rows) // self.cfg.num_generations
-        observe_grading(self.acc, self.grading, step, scores, groups, spread, save)
+        self.runtime.observe(step, scores, len(scores.graded_rows) // self.cfg.num_generations, spread, save)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
@@ -487,28 +291,16 @@ class GRPOTrainer:
         return samples_table(self.cells, rollout, idx, scores, self.cfg.num_generations)
 
     def _save(self, root: Path, step: int) -> None:
-        # two: a damaged newest one falls back to the one before
-        save_checkpoint(self.acc, root, step, keep=2, save_state=self._save_state)
-
-    def refresh_reference(self) -> None:
-        """The KL term's reference becomes the policy as it is now (`grpo.schedule.reference_every`): the whole
-        weights the sampler reads (under fsdp the gathered copy, in the sampler's precision), cast to the
-        reference's dtype."""
-        with torch.no_grad():
-            self.ref_model.load_state_dict(self.strategy.sampler_model().state_dict())
+        self.runtime.save(root, step, self._save_state)
 
     def _save_state(self, folder: str) -> None:
-        self.strategy.save_state(Path(folder))
+        self.runtime.save_state(Path(folder))
         if self.acc.is_main_process:
             for hook in self.hooks:
                 hook.save(Path(folder))
-            if self.cfg.schedule.reference_every:  # a refreshed reference is no longer the starting checkpoint
-                torch.save(self.ref_model.state_dict(), Path(folder) / REFERENCE_FILE)
 
     def _load_state(self, folder: str) -> None:
-        self.strategy.load_state(Path(folder))
-        if self.cfg.schedule.reference_every:
-            self.ref_model.load_state_dict(torch.load(Path(folder) / REFERENCE_FILE, weights_only=True))
+        self.runtime.load_state(Path(folder))
         for hook in self.hooks:
             hook.load(Path(folder))
 

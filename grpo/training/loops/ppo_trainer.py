@@ -37,7 +37,6 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.checks import check_fsdp_settings
 from grpo.configs.core import GenerationConfig, GRPOConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.ppo import PPOConfig, check_ppo_settings
@@ -46,21 +45,18 @@ from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import activation_checkpointing
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
-from grpo.sampling.rollout import decode_figures
-from grpo.training.accelerator import make_accelerator
 from grpo.training.batches import prompt_order
-from grpo.training.checkpoints import load_newest_checkpoint, save_checkpoint
-from grpo.training.distributed import check_split, matched_chunks, process_share, process_weight, sampling_seed
-from grpo.training.logprobs import packing_on, token_logps
-from grpo.training.loss import AGGREGATORS, k3_kl
-from grpo.training.optimizers import MasterWeights, optimizer_step, require_bitsandbytes
+from grpo.training.checkpoints import load_newest_checkpoint
+from grpo.training.distributed import matched_chunks, process_weight, sampling_seed
+from grpo.training.logprobs import token_logps
+from grpo.training.loss import k3_kl
+from grpo.training.optimizers import optimizer_step
 from grpo.training.packing import loss_parts, micro_batch_rows
-from grpo.training.policy import (MetricsCallback, SamplesCallback, check_prompts, check_token_budget,
-                                  checkpointing_on, frozen_reference, gemm_plan, grading_watch, observe_grading,
-                                  prepared, report_step, reward_registry, rollout_metrics, row_columns,
-                                  sample_rollout, samples_table, save_policy, score_rollout, scored_logps, trainable)
+from grpo.training.policy import (MetricsCallback, SamplesCallback, prepared, report_step, rollout_metrics,
+                                  samples_table, trainable)
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
-from grpo.training.strategy import make_strategy
+from grpo.training.runtime import PolicyRuntime
+from grpo.training.sources import EngineSource
 from grpo.training.value import ValueModel
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
@@ -98,61 +94,51 @@ class PPOTrainer:
         check_ppo_settings(cfg, len(prompts), "the data")  # no groups, LoRA or process supervision; enough prompts
         # copied before the policy is moved or cast: the critic starts from the checkpoint's full-precision weights
         critic = ValueModel.from_policy(model, cfg.seed)
-        check_prompts(prompts, cfg.prompts_per_step, "PPO")
-        check_token_budget(cfg, tokenizer, prompts, "PPO")  # the longest row a step can make fits the budget
-        self.reward_functions = reward_registry(cfg, prompts, reward_functions, "PPO")
-        if cfg.loss_type not in AGGREGATORS:
-            raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
-        if cfg.optimizer == "adamw_8bit":  # optional extras: say what is missing before any work
-            require_bitsandbytes()
-        distributed = distributed or DistributedConfig()
-        check_fsdp_settings(distributed, weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer)
-        self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
-        self.output_dir = Path(output_dir)
+        # the policy, its reference, accelerator, strategy (which holds the critic too) and grading watch, as GRPO's
+        self.runtime = rt = PolicyRuntime(model, tokenizer, prompts, cfg, output_dir, who="PPO",
+                                          reward_functions=reward_functions, distributed=distributed)
         self.on_metrics, self.on_samples, self.progress = on_metrics, on_samples, progress
-        self.acc = make_accelerator(cfg.mixed_precision)
-        self.strategy = make_strategy(self.acc, distributed)  # how the processes hold the policy and the critic
-        check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)
-        model, optimizer = trainable(model, cfg, self.acc.device, cfg.learning_rate)
-        self.master_weights = optimizer if isinstance(optimizer, MasterWeights) else None
-        self.ref_model = frozen_reference(model, cfg, self.acc)  # None with beta = 0
-        self.checkpointing = checkpointing_on(cfg, self.acc)
-        self.model, self.optimizer, self.scheduler = prepared(self.strategy, model, optimizer, cfg)
-        # micro-batches as rows without padding (policy, pi_old, reference and critic passes alike), where it is
-        # exact; the critic is a copy of the policy's decoder, so what holds for one holds for the other
-        self.packed = packing_on(cfg.packing, self.acc.unwrap_model(self.model))
-        # the stage's engine on the policy's whole weights, sampling in the loop's precision
-        dtype = sampling_dtype(self.acc.mixed_precision)
-        self.engine = engine or build_engine(generation or GenerationConfig(), self.strategy.sampler_model(dtype),
-                                             tokenizer, dtype=dtype, who="PPO")
-        self.cells = self.prompts["prompt"].tolist()
-        self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
-        self.gemm = gemm_plan(self.acc, cfg, tokenizer, self.prompts, self.acc.unwrap_model(self.model),
-                              self.output_dir)
+        # one completion of each of the step's prompts_per_step x num_generations prompts, from the stage's engine on
+        # the policy's whole weights, sampling in the loop's precision
+        dtype = sampling_dtype(rt.acc.mixed_precision)
+
+        def order(step: int, draw: int = 0) -> list[int]:
+            return prompt_order(len(rt.prompts), step, cfg.prompts_per_step * cfg.num_generations, cfg.seed)
+
+        self.source = EngineSource(rt, engine or build_engine(generation or GenerationConfig(),
+                                                              rt.strategy.sampler_model(dtype), tokenizer,
+                                                              dtype=dtype, who="PPO"),
+                                   order, 1, who="PPO", scheduled=False)
         # the critic with its own optimizer, prepared after the policy as the policy is (DDP or sharded): the
         # checkpoints hold both, in this order
-        critic, optimizer = trainable(critic, cfg, self.acc.device, self.ppo.value_learning_rate or cfg.learning_rate)
-        self.critic, self.critic_optimizer, self.critic_scheduler = prepared(self.strategy, critic, optimizer, cfg)
-        # the run's grading, as GRPO's: a stop when graders keep failing, a line when the rewards stop differing
-        self.grading = grading_watch(cfg, "PPO")
+        critic, optimizer = trainable(critic, cfg, rt.acc.device, self.ppo.value_learning_rate or cfg.learning_rate)
+        self.critic, self.critic_optimizer, self.critic_scheduler = prepared(rt.strategy, critic, optimizer, cfg)
+
+    def __getattr__(self, name: str):  # the runtime's (acc, cfg, model, strategy, ref_model, ...) read as the loop's
+        if name == "runtime":
+            raise AttributeError(name)
+        return getattr(self.runtime, name)
+
+    @property
+    def engine(self) -> Engine:
+        return self.source.engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self.source.engine = engine
 
     # -- one step ----------------------------------------------------------------------------------------------
 
     def sample(self, idx: list[int]) -> Rollout:
-        return sample_rollout(self.engine, [self.cells[i] for i in idx], 1, self.cfg.sampling,
-                              logprobs=self.cfg.tis_cap is not None, who="PPO")
+        return self.source.sample(idx)
 
     def score(self, rollout: Rollout, idx: list[int]):
-        return score_rollout(rollout, row_columns(self.columns, self.cells, idx, 1), self.cfg, self.reward_functions)
+        return self.source.score(rollout, idx)
 
     def collect(self, step: int) -> tuple[Rollout, list[int], object, dict[str, float]]:
         """Sample and score one completion for each of the step's prompts_per_step x num_generations prompts (this
         process's share of them)."""
-        cfg = self.cfg
-        idx = process_share(self.acc, prompt_order(len(self.prompts), step, cfg.prompts_per_step * cfg.num_generations,
-                                                   cfg.seed))
-        rollout = self.sample(idx)
-        return rollout, idx, self.score(rollout, idx), {}
+        return self.source.collect(step)
 
     def build_batch(self, rollout: Rollout, rewards: list[float], graded: list[bool] | None = None) -> PPOBatch:
         """The step's batch: per-token rewards (the outcome at the last token, the KL on each), the critic's values,
@@ -167,11 +153,11 @@ class PPOTrainer:
 
         ref_logps = old_logps = None
         if cfg.beta != 0:
-            ref_logps = self._scored(self.ref_model, input_ids, attention_mask, C)  # [N, C] (no LoRA in PPO)
+            ref_logps = self.runtime.scored(self.ref_model, input_ids, attention_mask, C)  # [N, C] (no LoRA in PPO)
         # pi_old's log-probs: the KL reward's logp, and the ratio's denominator when mu > 1 (recomputed, not the
         # sampler's, as GRPO does: top-p, bf16 or another engine would bias them)
         if kl_reward or cfg.num_iterations > 1:
-            old_logps = self._scored(self.model, input_ids, attention_mask, C)  # [N, C]
+            old_logps = self.runtime.scored(self.model, input_ids, attention_mask, C)  # [N, C]
         parts = []
         with torch.no_grad(), self.acc.autocast():  # as many passes on every process: a sharded forward is a collective
             for s, counts in matched_chunks(self.acc, self._micro_batches(attention_mask)):
@@ -209,11 +195,6 @@ class PPOTrainer:
                         ref_logps if ppo.kl_in == "loss" else None,
                         masked_whiten(advantages, loss_mask, total=total),  # over the global batch's tokens
                         returns, old_values, stats)
-
-    def _scored(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
-        return scored_logps(self.acc, model, input_ids, attention_mask, C, self.cfg.micro_batch_size,
-                            self.cfg.sampling.temperature, packed=self.packed,
-                            max_tokens=self.cfg.max_tokens_per_microbatch)  # [N, C]
 
     def _micro_batches(self, attention_mask: torch.Tensor) -> list[slice] | list[list[int]]:
         """`micro_batch_size` rows each, or whole rows in order to the token budget."""
@@ -275,8 +256,7 @@ class PPOTrainer:
 
     def sync_sampler(self) -> None:
         """Make the next rollout sample the policy's current weights (see GRPOTrainer.sync_sampler)."""
-        self.strategy.sync_sampler()
-        self.engine.sync_weights()
+        self.source.sync(0)
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -286,21 +266,13 @@ class PPOTrainer:
         start = self._resume(ckpt_root)
         bar = tqdm(total=cfg.max_steps, initial=start, desc="ppo", mininterval=2.0,
                    disable=not self.progress or not self.acc.is_main_process)
-        core = self.acc.unwrap_model(self.model)
         critic = self.acc.unwrap_model(self.critic)
-        with (cpu_attention(core, self.ref_model), compact_mlp(core), fp32_gemm(core, self.gemm),
-              fp32_gemm(self.ref_model, self.gemm), activation_checkpointing(core, self.checkpointing),
-              # the critic on the same fast paths as the policy
+        with (self.runtime.fast_paths(),  # the critic on the same fast paths as the policy
               cpu_attention(critic.trunk), compact_mlp(critic.trunk), fp32_gemm(critic, self.gemm),
-              activation_checkpointing(critic.trunk, self.checkpointing),
-              # packed rows attend sequence by sequence, held for the run (a recomputed layer finds it too)
-              attending_packed(core, self.packed), attending_packed(self.ref_model, self.packed),
-              attending_packed(critic.trunk, self.packed)):
+              activation_checkpointing(critic.trunk, self.checkpointing), attending_packed(critic.trunk, self.packed)):
             self._loop(start, bar, ckpt_root)
         bar.close()
-        model_dir = save_policy(self.acc, self.strategy, self.model, self.master_weights, self.tokenizer,
-                                self.output_dir)
-        return PPOResult(model_dir, cfg.max_steps)
+        return PPOResult(self.runtime.save_policy(), cfg.max_steps)
 
     def _loop(self, start: int, bar, ckpt_root: Path) -> None:
         cfg = self.cfg
@@ -331,8 +303,7 @@ class PPOTrainer:
                 self._save(ckpt_root, done)
 
     def _save(self, root: Path, step: int) -> None:
-        # two: a damaged newest one falls back to the one before
-        save_checkpoint(self.acc, root, step, keep=2, save_state=lambda folder: self.strategy.save_state(Path(folder)))
+        self.runtime.save(root, step, lambda folder: self.strategy.save_state(Path(folder)))
 
     def watch_grading(self, step: int, scores, ckpt_root: Path, start: int) -> None:
         """Hand the step's grading to the watch, as GRPO's loop does; PPO has no groups (a critic is its baseline),
@@ -346,7 +317,7 @@ class PPOTrainer:
 
         graded = [t for t, g in zip(scores.total, scores.graded_rows) if g]
         spread = int(len(graded) >= 2 and max(graded) > min(graded))
-        observe_grading(self.acc, self.grading, step, scores, 1, spread, save)
+        self.runtime.observe(step, scores, 1, spread, save)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:
@@ -358,7 +329,6 @@ class PPOTrainer:
         total = total[~total.isnan()]  # the graded rows'
         m["reward/std"] = total.std().item() if total.numel() > 1 else 0.0  # over the global batch
         m.update(opt)
-        m.update(decode_figures(self.engine))
         return m
 
     def _resume(self, root: Path) -> int:

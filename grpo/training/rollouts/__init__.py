@@ -1,7 +1,8 @@
 """Asynchronous rollouts: samplers apart from the trainer, at most `max_staleness` optimizer steps behind it.
 
-The GRPO loop (`grpo.training.loops.grpo_trainer`) with `rollout.mode: async` takes each step's groups from
-a `Rollouts` (`start_rollouts`) instead of sampling them itself:
+The GRPO loop (`grpo.training.loops.grpo_trainer`) with `rollout.mode: async` is handed a rollout source,
+`AsyncSource` (`source`), that takes each step's groups from a `Rollouts` (`start_rollouts`); the loop starts no
+sampler itself:
 
 - **Workers.** `rollout.workers` processes on this machine (each on its device, with its own copy of the policy and
   its own engine, `grpo.sampling.engines`). Worker w samples steps w, w + W, w + 2W, ... in order: each

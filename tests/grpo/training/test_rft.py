@@ -117,7 +117,7 @@ def test_a_trainer_step_trains_each_sample_with_its_coefficient(tmp_path):
                           coefficients=coefficient_function(OnlineRFTConfig()),
                           on_metrics=lambda step, m: seen.__setitem__(step, m))
     rollout, idx, scores, _ = trainer.collect(0)
-    coefficients = trainer.coefficients(scores)
+    coefficients = trainer.advantage.coefficients(scores)
     assert coefficients.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     batch = trainer.build_batch(rollout, coefficients.tolist())
     assert batch.advantages.tolist() == coefficients.tolist()  # as they are: no group mean taken, no std
@@ -167,7 +167,7 @@ def test_an_ungraded_sample_changes_no_other_samples_coefficient_or_the_share_co
     rollout, idx, scores, _ = trainer.collect(0)
     graded = scores.graded_rows
     assert graded == [True, False, False, False, True, True, True, True]
-    coefficients = trainer.coefficients(scores)
+    coefficients = trainer.advantage.coefficients(scores)
     batch = trainer.build_batch(rollout, coefficients.tolist(), None, graded)
     kept = [0, 4, 5, 6, 7]
     assert batch.advantages[kept].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0]  # as without the ungraded rows

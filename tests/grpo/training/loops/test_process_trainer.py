@@ -68,7 +68,7 @@ def test_a_wrong_step_lowers_the_advantage_of_the_tokens_up_to_it(tmp_path):
     rollout = forced_rollout(tok, PROMPT, [RIGHT, WRONG_FIRST])
     outcome = trainer.score(rollout, [0]).total
     assert outcome == [1.5, 0.5]  # accuracy 1 + format 0.5; the wrong answer keeps the format's half
-    steps = trainer.score_steps(rollout, [0], outcome)
+    steps = trainer.advantage.score_steps(rollout, [0], outcome)
     assert steps.rewards == [[1.0, 1.0, 1.5], [0.0, 1.0, 0.5]]  # two checked steps, then the answer
     for text, ends, n in zip(rollout.texts, steps.ends, rollout.completion_mask.sum(1).tolist()):
         ids = rollout.completion_ids[0 if text == RIGHT else 1].tolist()
@@ -103,7 +103,7 @@ def test_completions_without_steps_fall_back_to_outcome_grpo_exactly(tmp_path):
     rollout = forced_rollout(trainer.tokenizer, PROMPT, ["<think>I know it.</think><answer>10</answer>",
                                                          "<think>Easy.</think><answer>9</answer>"])
     outcome = trainer.score(rollout, [0]).total
-    steps = trainer.score_steps(rollout, [0], outcome)
+    steps = trainer.advantage.score_steps(rollout, [0], outcome)
     assert steps.checked == [0, 0]
     process = trainer.build_batch(rollout, outcome, steps).advantages  # [N, C]
     sequence = trainer.build_batch(rollout, outcome).advantages  # [N]
@@ -127,7 +127,7 @@ def test_an_ungraded_completion_changes_no_other_completions_token_advantages(tm
     rollout = forced_rollout(trainer.tokenizer, PROMPT, [RIGHT, WRONG_FIRST, UNSURE])
     scores = trainer.score(rollout, [0])
     assert scores.graded_rows == [True, True, False]
-    steps = trainer.score_steps(rollout, [0], scores.total)
+    steps = trainer.advantage.score_steps(rollout, [0], scores.total)
     assert steps.checked == [2, 2, 2]  # the ungraded completion's steps were checked, and still count for nothing
     batch = trainer.build_batch(rollout, scores.total, steps, scores.graded_rows)
     C = rollout.completion_ids.size(1)

@@ -8,7 +8,8 @@ import torch
 
 from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
-from grpo.training.loops.grpo_trainer import REFERENCE_FILE, GRPOTrainer
+from grpo.training.loops.grpo_trainer import GRPOTrainer
+from grpo.training.runtime import REFERENCE_FILE
 from tiny_configs import SMALL
 
 PROMPTS = pd.DataFrame({"prompt": [f"Say {i}" for i in range(8)], "answer": [str(i) for i in range(8)]})
