@@ -18,6 +18,7 @@ built from:
 | `runtime` | `PolicyRuntime`: the policy as GRPO's and PPO's loops train it, set up once (accelerator, strategy, trainable policy, reference, GEMM plan, grading watch) |
 | `sources` | a GRPO loop's rollout source: the engine in the loop, dynamic sampling's refill; `rollout_source` picks one (asynchronous samplers: `rollouts.source`) |
 | `credit` | a GRPO loop's advantage function: the group outcome, process supervision, RFT's coefficients; `advantage_function` picks one |
+| `step_batch` | a GRPO step's batch (advantages, pi_old's and the reference's log-probs, the tokens that count) and its clipped update in micro-batches |
 | `parts` | `grpo_parts`: the runtime, rollout source and advantage the job runner builds and hands a GRPO loop |
 | `hooks` | `StepHook`: work a GRPO loop runs after every step with its samples |
 | `logprobs` | per-token log-probs of completions, with a group's shared prompt run once (chunked head for large vocabularies) |

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Sequence
 
 import pandas as pd
 import torch
@@ -32,31 +32,16 @@ from tqdm.auto import tqdm
 
 from grpo.sampling.engines import Engine, Rollout
 from grpo.training.checkpoints import load_newest_checkpoint
-from grpo.training.distributed import gather_table, matched_chunks, process_weight, sampling_seed
+from grpo.training.distributed import gather_table, sampling_seed
 from grpo.training.dynamic import spread_groups
 from grpo.training.grading import GradingStop
-from grpo.training.logprobs import token_logps
-from grpo.training.loss import grpo_loss
-from grpo.training.optimizers import optimizer_step
-from grpo.training.packing import loss_parts, micro_batch_rows
 from grpo.training.parts import LoopParts, grpo_parts
 from grpo.training.hooks import StepHook
 from grpo.training.policy import MetricsCallback, SamplesCallback, report_step, rollout_metrics, samples_table
 from grpo.training.process import StepRewards
+from grpo.training.step_batch import Batch, build_batch, clipped_update
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
-
-
-class Batch(NamedTuple):
-    """One step's scored samples, ready for the loss (N = prompts x G sequences, grouped by prompt)."""
-
-    input_ids: torch.Tensor  # [N, P+C] prompt (left-padded) then completion (right-padded)
-    attention_mask: torch.Tensor  # [N, P+C]
-    completion_mask: torch.Tensor  # [N, C] float: the tokens the loss counts (none of a masked truncated row)
-    old_logps: torch.Tensor | None  # [N, C] pi_old log-probs before the first update; None when mu = 1
-    ref_logps: torch.Tensor | None  # [N, C] reference log-probs, None when beta = 0
-    advantages: torch.Tensor  # [N], or [N, C] one a token (process supervision)
-    sampler_logps: torch.Tensor | None = None  # [N, C] the sampler's log-probs of the chosen tokens, when it gives them
 
 
 class GRPOResult(NamedTuple):
@@ -120,39 +105,8 @@ class GRPOTrainer:
 
     def build_batch(self, rollout: Rollout, rewards: list[float], steps: StepRewards | None = None,
                     graded: list[bool] | None = None) -> Batch:
-        """The step's batch. `graded` (per row): rows whose reward could be had (`RewardScores.graded`); the others
-        are left out of their group's statistics and train nothing, nor does a group with fewer than two graded
-        rows."""
-        cfg = self.cfg
-        C = rollout.completion_ids.size(1)
-        # [N] or [N, C] (process supervision); trains: [N] the rows that train, None when all do
-        advantages, trains = self.advantage.advantages(rewards, graded, steps, C)
-        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
-        attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
-        ref_logps = None
-        if cfg.beta != 0 and rollout.ref_logprobs is not None:  # scored by the worker that sampled it
-            ref_logps = rollout.ref_logprobs.to(self.acc.device)
-        elif cfg.beta != 0:
-            if cfg.rollout.reference == "sampler":
-                raise RuntimeError("rollout.reference sampler: a step's groups came without their reference "
-                                   "log-probs")
-            ref_logps = self.runtime.reference_logps(input_ids, attention_mask, C)  # [N, C]
-        old_logps = None  # mu = 1: pi_old is the policy being optimised, so the ratio is exactly 1
-        if cfg.num_iterations > 1:
-            # Recomputed rather than taken from the sampler: sampling may use top-p/top-k, bf16 or another
-            # engine (vLLM), whose log-probs differ from this forward pass and would bias the ratio.
-            old_logps = self.runtime.scored(self.model, input_ids, attention_mask, C)  # [N, C]
-        completion_mask = rollout.completion_mask.float()  # [N, C]
-        if cfg.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
-            completion_mask = completion_mask * (~rollout.truncated).float()[:, None]
-        if trains is not None:  # ungraded rows, and groups with fewer than two graded: no loss, no KL
-            completion_mask = completion_mask * trains.float()[:, None]
-            advantages = advantages * (trains.float() if advantages.dim() == 1 else trains.float()[:, None])
-        sampler_logps = getattr(rollout, "logprobs", None)  # for truncated importance sampling and its metrics
-        if sampler_logps is not None:
-            sampler_logps = sampler_logps.to(self.acc.device)  # [N, C]
-        return Batch(input_ids, attention_mask, completion_mask.to(self.acc.device), old_logps, ref_logps,
-                     advantages.to(self.acc.device), sampler_logps)
+        """The step's batch (`grpo.training.step_batch.build_batch`)."""
+        return build_batch(self.runtime, self.advantage, rollout, rewards, steps, graded)
 
     def sync_sampler(self) -> None:
         """Make the next rollout sample the policy's current weights (the source's `sync`: the engine's copy, or a
@@ -160,44 +114,10 @@ class GRPOTrainer:
         self.source.sync(self.version)
 
     def optimise(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step of the clipped objective over the batch, in micro-batches."""
-        cfg, C = self.cfg, batch.completion_mask.size(1)
-        sums: dict[str, float] = {}
-        self.model.train()
-        # this process's loss as a share of the global batch's (1.0 in one process); DDP averages the gradients
-        weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
-        chunks = matched_chunks(self.acc, micro_batch_rows(batch.attention_mask, cfg.micro_batch_size,
-                                                           cfg.max_tokens_per_microbatch))
-        for i, (rows, counts) in enumerate(chunks):
-            with self.strategy.no_sync(self.model, last=i == len(chunks) - 1):
-                with self.acc.autocast():
-                    logps, entropy = token_logps(self.model, batch.input_ids[rows], batch.attention_mask[rows], C,
-                                                 cfg.sampling.temperature, with_entropy=True, packed=self.packed)
-                total = 0.0
-                # each part weighted in the step's loss as its rows are in the row-count micro-batches
-                parts = loss_parts(cfg.loss_type, batch.completion_mask, rows, cfg.micro_batch_size,
-                                   weight * float(counts))
-                for local, share in parts:
-                    part = rows if local is None else [rows[j] for j in local]  # the batch's rows of this part
-                    lp, ent = (logps, entropy) if local is None else (logps[local], entropy[local])  # [b, C]
-                    loss, stats = grpo_loss(lp, None if batch.old_logps is None else batch.old_logps[part],
-                                            None if batch.ref_logps is None else batch.ref_logps[part],
-                                            batch.advantages[part], batch.completion_mask[part], epsilon=cfg.epsilon,
-                                            epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                            importance_sampling_level=cfg.importance_sampling_level,
-                                            sampler_logps=None if batch.sampler_logps is None
-                                            else batch.sampler_logps[part], tis_cap=self.tis_cap)
-                    total = total + loss * share
-                    mask = batch.completion_mask[part]
-                    stats["train/loss"] = loss.item()
-                    stats["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
-                    for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
-                        sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
-                self.acc.backward(total)
-        grad_norm = optimizer_step(self.acc, self.model, self.optimizer, self.scheduler, cfg.max_grad_norm)
+        """One optimizer step of the clipped objective over the batch, in micro-batches; the sampler then synced."""
+        sums = clipped_update(self.runtime, batch, self.tis_cap)
         self.version += 1
         self.sync_sampler()  # the next rollout samples the stepped weights
-        sums["grad_norm"] = float(grad_norm)
         return sums
 
     # -- the loop ----------------------------------------------------------------------------------------------
