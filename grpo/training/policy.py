@@ -210,13 +210,16 @@ def grading_watch(cfg: GRPOConfig, stage: str) -> GradingWatch:
 
 
 def observe_grading(acc, watch: GradingWatch, step: int, scores, groups: int, spread: int,
-                    save: Callable[[], None]) -> None:
+                    save: Callable[[], None], unseen: StepGrading | None = None) -> None:
     """Hand the step's grading to the watch before the step trains: this process's rows (`scores`: their graded
-    flags and ungraded reasons), `groups` and how many of them carry a gradient (`spread`), summed over every
-    process so each reaches the same verdict. When it stops the run, `save` runs first (on every process: a save
-    is a collective) and the stop is raised."""
+    flags and ungraded reasons), `groups` and how many of them carry a gradient (`spread`), and the rows the step
+    sampled but does not train on (`unseen`: dynamic sampling's dropped groups), summed over every process so each
+    reaches the same verdict. When it stops the run, `save` runs first (on every process: a save is a collective)
+    and the stop is raised."""
     graded = scores.graded_rows
     mine = StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()), groups, spread)
+    if unseen is not None:
+        mine = mine.plus(unseen)
     every = mine
     if acc.num_processes > 1:
         every = functools.reduce(StepGrading.plus, [StepGrading(*g) for g in gather_object([tuple(mine)])])

@@ -29,6 +29,7 @@ from grpo.sampling.engines import Rollout
 from grpo.training.accelerator import make_accelerator
 from grpo.training.checkpoints import save_checkpoint
 from grpo.training.distributed import check_split
+from grpo.training.grading import StepGrading
 from grpo.training.logprobs import packing_on
 from grpo.training.lora import adapters_off, causal_lm, require_peft
 from grpo.training.loss import AGGREGATORS
@@ -127,9 +128,11 @@ class PolicyRuntime:
                 stack.enter_context(patch)
             yield
 
-    def observe(self, step: int, scores, groups: int, spread: int, save: Callable[[], None]) -> None:
-        """Hand the step's grading to the watch (`spread`: this process's `groups` that carry a gradient)."""
-        observe_grading(self.acc, self.grading, step, scores, groups, spread, save)
+    def observe(self, step: int, scores, groups: int, spread: int, save: Callable[[], None],
+                unseen: StepGrading | None = None) -> None:
+        """Hand the step's grading to the watch (`spread`: this process's `groups` that carry a gradient; `unseen`:
+        rows sampled and dropped, which the watch counts too)."""
+        observe_grading(self.acc, self.grading, step, scores, groups, spread, save, unseen)
 
     def save(self, root: Path, step: int, save_state: Callable[[str], None]) -> None:
         """A resumable checkpoint of `step`; two kept: a damaged newest one falls back to the one before."""

@@ -17,6 +17,8 @@ Must not depend on Prefect or MLflow.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from typing import Callable, Mapping, Protocol
 
 from grpo.configs.core import GenerationConfig
@@ -25,6 +27,7 @@ from grpo.sampling.rollout import decode_figures
 from grpo.training.batches import prompt_mix_order
 from grpo.training.distributed import process_share
 from grpo.training.dynamic import concat_groups, spread_groups
+from grpo.training.grading import StepGrading
 from grpo.training.policy import sample_rollout
 from grpo.training.runtime import PolicyRuntime
 
@@ -33,6 +36,7 @@ Collected = tuple[Rollout, list[int], object, dict[str, float]]  # rollout, prom
 
 class RolloutSource(Protocol):
     behaviour_cap: float | None
+    unseen: StepGrading | None  # the last step's rows sampled but not handed on (dropped groups), for the watch
 
     def start(self, first_step: int) -> None: ...
 
@@ -50,6 +54,7 @@ class EngineSource:
     schedule, `scheduled`; else the config's)."""
 
     behaviour_cap = None
+    unseen = None
 
     def __init__(self, runtime: PolicyRuntime, engine: Engine | None, order: Callable[..., list[int]], n: int, *,
                  who: str, scheduled: bool = True, figures: Mapping[str, float] | None = None):
@@ -94,12 +99,15 @@ class EngineSource:
 
 class DynamicRefill:
     """DAPO's dynamic sampling over an engine source: groups whose rewards all agree carry no gradient, so they are
-    dropped and more prompts sampled, up to `max_refill_rounds` more draws, until the batch holds its groups."""
+    dropped and more prompts sampled, up to `max_refill_rounds` more draws, until the batch holds its groups.
+    The dropped groups' rows are `unseen`: the grading watch counts them, so graders that fail on the groups it
+    drops, or groups that stop carrying signal, are seen as they would be without the filter."""
 
     behaviour_cap = None
 
     def __init__(self, source: EngineSource, pad_token_id: int):
         self.source, self.pad_token_id = source, pad_token_id
+        self.unseen: StepGrading | None = None
 
     @property
     def engine(self) -> Engine | None:
@@ -128,6 +136,9 @@ class DynamicRefill:
             parts.append((r, s, more, spread_groups(s.total, G, s.graded_rows)))
             stats["dynamic/refill_rounds"] = float(draw)
         rollout, idx, scores = concat_groups(parts, G, want, self.pad_token_id)
+        drawn = functools.reduce(StepGrading.plus, [_grading(s, len(ids), len(spread)) for _, s, ids, spread in parts])
+        kept = _grading(scores, len(idx), len(spread_groups(scores.total, G, scores.graded_rows)))
+        self.unseen = _less(drawn, kept)  # the dropped groups, for the grading watch
         stats["dynamic/groups"] = float(len(idx))
         return rollout, idx, scores, {**stats, **decode_figures(self.engine)}  # the refills' steps too
 
@@ -142,6 +153,17 @@ class DynamicRefill:
 
     def close(self) -> None:
         self.source.close()
+
+
+def _grading(scores, groups: int, spread: int) -> StepGrading:
+    graded = scores.graded_rows
+    return StepGrading(len(graded), len(graded) - sum(graded), Counter(scores.ungraded_counts()), groups, spread)
+
+
+def _less(drawn: StepGrading, kept: StepGrading) -> StepGrading:
+    """What a step drew and did not keep (the kept groups are some of the drawn ones)."""
+    return StepGrading(drawn.rows - kept.rows, drawn.ungraded - kept.ungraded, drawn.reasons - kept.reasons,
+                       drawn.groups - kept.groups, drawn.spread - kept.spread)
 
 
 def rollout_source(runtime: PolicyRuntime, generation: GenerationConfig | None = None,

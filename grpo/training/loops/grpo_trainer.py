@@ -193,7 +193,8 @@ class GRPOTrainer:
             if step > start and not (every_n and step % every_n == 0):  # decided alike on every process
                 self._save(ckpt_root, step)
 
-        self.runtime.observe(step, scores, len(scores.graded_rows) // self.cfg.num_generations, spread, save)
+        self.runtime.observe(step, scores, len(scores.graded_rows) // self.cfg.num_generations, spread, save,
+                             self.source.unseen)
 
     def _step_metrics(self, rollout: Rollout, scores, opt: dict[str, float], elapsed: float, t_gen: float,
                       t_ref: float) -> dict[str, float]:

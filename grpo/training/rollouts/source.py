@@ -34,6 +34,7 @@ class AsyncSource:
     def __init__(self, runtime: PolicyRuntime, generation: GenerationConfig, order: Callable[..., list[int]]):
         self.runtime, self.generation, self.order = runtime, generation, order
         self.behaviour_cap = runtime.cfg.rollout.behaviour_cap
+        self.unseen = None  # every group sampled is handed on
         self.rollouts: Rollouts | None = None
         self.push_s = 0.0
         self.threads = torch.get_num_threads()

@@ -491,3 +491,26 @@ def test_a_step_logs_what_its_decode_steps_did(tmp_path):
         assert 0 < m["sampler/live_share"] <= 1
         assert m["sampler/kv_read_per_token"] >= 1 and m["sampler/kv_mb"] > 0
         assert m["sampler/pages_high_water"] >= 2 and m["sampler/preemptions"] == 0  # no cap on a CPU's pool
+
+
+def test_dynamic_sampling_watches_the_rows_of_the_groups_it_drops(tmp_path):
+    """The step's own prompts cannot be graded (their groups carry no signal and are dropped), the refills can: the
+    kept batch is all graded, yet half of what the step sampled was not, and the watch stops on that share."""
+    from grpo.rewards.outcomes import TIMEOUT, Ungraded
+    from grpo.training.batches import prompt_order
+    from grpo.training.grading import GradingStop
+
+    first = set(prompt_order(len(PROMPTS), 0, 2, seed=0))  # the step's own prompts
+
+    def ungraded_on_first_draw(completions, answer, **_):
+        return [Ungraded(TIMEOUT) if int(a) in first else float(sum(ch.isdigit() for ch in c))
+                for c, a in zip(completions, answer)]
+
+    torch.manual_seed(0)
+    trainer, seen = make_trainer(tmp_path, {"grader": 1.0}, {"grader": ungraded_on_first_draw},
+                                 dynamic_sampling=True, max_refill_rounds=4, beta=0.0, max_ungraded_share=0.3,
+                                 ungraded_window=1, sampling=SamplingConfig(max_new_tokens=24))
+    with pytest.raises(GradingStop, match=r"GRPO stopped before step 1: 8 of the last (16|24) rows .* the grader "
+                                          r"'grader' most often, for timeout \(8 rows\)"):
+        trainer.train()
+    assert seen == {}  # stopped before the step trained
