@@ -82,6 +82,14 @@ class GRPOTrainer:
         return getattr(self.runtime, name)
 
     @property
+    def cfg(self):
+        return self.runtime.cfg
+
+    @cfg.setter
+    def cfg(self, cfg) -> None:  # one config for the loop and its parts: they all read the runtime's
+        self.runtime.cfg = cfg
+
+    @property
     def engine(self) -> Engine | None:
         """The in-loop source's engine (None with asynchronous rollouts: the samplers build their own)."""
         return self.source.engine
