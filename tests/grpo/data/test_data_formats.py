@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from grpo.configs.core import DataConfig
+from grpo.configs.data import DataConfig
 from grpo.configs.recipe import RECIPES_DIR, RecipeError, load_recipe
 from grpo.data.formats import gsm8k_answer
 from grpo.data.tables import DataError, dropped_rows, load_heldout, load_rl_data, load_sft_data
