@@ -113,7 +113,7 @@ def workload(args):
     import pandas as pd
     import torch
 
-    from grpo.configs.core import TinyModelConfig
+    from grpo.configs.model import TinyModelConfig
     from grpo.tiny import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()
@@ -174,8 +174,9 @@ def run_way(args) -> dict:
     """One way in this process: the trainer built, `--steps` + 1 steps trained, the timed steps' figures."""
     import torch
 
-    from grpo.configs.core import GRPOConfig, SamplingConfig
     from grpo.configs.rollout import RolloutConfig
+    from grpo.configs.sampling import SamplingConfig
+    from grpo.configs.training import GRPOConfig
     from grpo.rewards.registry import REWARD_FUNCTIONS
     import grpo.training.loops.grpo_trainer as loop
 

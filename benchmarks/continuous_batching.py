@@ -55,7 +55,7 @@ def workload(args):
     import torch
 
     if args.model:  # a preset folder (gpu/make_model.py), on the GPU where there is one
-        from grpo.configs.core import ModelConfig
+        from grpo.configs.model import ModelConfig
         from grpo.models import load_model_and_tokenizer
 
         model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=args.model, dtype=args.dtype or "float32"))
@@ -64,7 +64,7 @@ def workload(args):
         if tok.chat_template is None:  # the presets' prompts are plain text
             tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     else:
-        from grpo.configs.core import TinyModelConfig
+        from grpo.configs.model import TinyModelConfig
         from grpo.tiny import build_tiny_model, build_tokenizer
 
         tok = build_tokenizer()
@@ -95,7 +95,7 @@ def run_engine(args, label: str) -> dict:
     """The project's local engine as the GRPO trainer builds it, decode steps counted where they are computed."""
     import torch
 
-    from grpo.configs.core import GenerationConfig, SamplingConfig
+    from grpo.configs.sampling import GenerationConfig, SamplingConfig
     from grpo.sampling.engines import build_engine
 
     try:  # where the step lives (before continuous batching it was the sampler's own module)

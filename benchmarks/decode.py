@@ -34,8 +34,8 @@ def main() -> None:
 
     import torch
 
-    from grpo.configs.core import GenerationConfig
-    from grpo.configs.core import ModelConfig, SamplingConfig
+    from grpo.configs.model import ModelConfig
+    from grpo.configs.sampling import GenerationConfig, SamplingConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.sampling.engines import build_engine, sampling_dtype
 

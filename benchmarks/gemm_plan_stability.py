@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 
-from grpo.configs.core import ModelConfig
+from grpo.configs.model import ModelConfig
 from grpo.kernels.gemm import KINDS, ONEDNN_MARGIN, cpu_model, linear_shapes, measure
 from grpo.models import load_model_and_tokenizer
 

@@ -41,9 +41,12 @@ def main() -> None:
     import pandas as pd
     import torch
 
-    from grpo.configs.core import (GenerationConfig, GRPOConfig, LoRAConfig, ModelConfig, RejectionConfig,
-                                   SamplingConfig, SFTConfig)
+    from grpo.configs.lora import LoRAConfig
+    from grpo.configs.model import ModelConfig
+    from grpo.configs.rejection import RejectionConfig
     from grpo.configs.reward import RewardModelConfig
+    from grpo.configs.sampling import GenerationConfig, SamplingConfig
+    from grpo.configs.training import GRPOConfig, SFTConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.rejection.shards import process_shard
     from grpo.sampling.draws import draw_streams

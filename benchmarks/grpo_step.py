@@ -45,7 +45,10 @@ def load_workload(args):
     import pandas as pd
     import torch
 
-    from grpo.configs.core import GRPOConfig, LoRAConfig, ModelConfig, SamplingConfig
+    from grpo.configs.lora import LoRAConfig
+    from grpo.configs.model import ModelConfig
+    from grpo.configs.sampling import SamplingConfig
+    from grpo.configs.training import GRPOConfig
     from grpo.models import load_model_and_tokenizer
 
     cuda = torch.cuda.is_available()

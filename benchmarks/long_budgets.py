@@ -48,14 +48,14 @@ def load(args):
     import torch
 
     if args.model:
-        from grpo.configs.core import ModelConfig
+        from grpo.configs.model import ModelConfig
         from grpo.models import load_model_and_tokenizer
 
         model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=args.model, dtype=args.dtype))
         longest = max(int(b) for b in str(args.budget).split(","))
         model.config.max_position_embeddings = max(model.config.max_position_embeddings, longest + 128)  # rotary
         return model.to(args.device).eval(), tok
-    from grpo.configs.core import TinyModelConfig
+    from grpo.configs.model import TinyModelConfig
     from grpo.tiny import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()
@@ -71,7 +71,7 @@ def run(args) -> list[dict]:
 
     import torch
 
-    from grpo.configs.core import SamplingConfig
+    from grpo.configs.sampling import SamplingConfig
     from grpo.sampling.draws import draw_streams
     from grpo.sampling.local.slots import SlotBatch
     from grpo.sampling.local.static_sampler import StaticSampler

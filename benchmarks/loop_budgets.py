@@ -31,7 +31,8 @@ def one(budget: int, rows: int, threads: int) -> dict:
 
     import torch
 
-    from grpo.configs.core import GenerationConfig, SamplingConfig, TinyModelConfig
+    from grpo.configs.model import TinyModelConfig
+    from grpo.configs.sampling import GenerationConfig, SamplingConfig
     from grpo.sampling.engines import build_engine
     from grpo.tiny import build_tiny_model, build_tokenizer
 

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--out", default="prm-out")
     args = ap.parse_args()
 
-    from grpo.configs.core import ModelConfig
+    from grpo.configs.model import ModelConfig
     from grpo.configs.recipe import load_recipe
     from grpo.data.tables import load_rl_data
     from grpo.models import load_model_and_tokenizer

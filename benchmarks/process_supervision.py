@@ -27,7 +27,7 @@ from pathlib import Path
 
 def heldout_figures(model, tok, heldout, eval_cfg) -> dict[str, float]:
     """Greedy held-out accuracy and step accuracy (equations that hold, over all equations written)."""
-    from grpo.configs.core import SamplingConfig
+    from grpo.configs.sampling import SamplingConfig
     from grpo.rewards import accuracy_reward
     from grpo.rewards.steps import arithmetic_steps
     from grpo.sampling.local.backend import TransformersBackend
@@ -57,8 +57,9 @@ def main() -> None:
 
     import torch
 
-    from grpo.configs.core import GRPOConfig, ModelConfig
+    from grpo.configs.model import ModelConfig
     from grpo.configs.recipe import load_recipe
+    from grpo.configs.training import GRPOConfig
     from grpo.data.tables import load_rl_data, load_sft_data
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from grpo.configs.core import ModelConfig, TaskConfig, TinyModelConfig
+from grpo.configs.data import TaskConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.data.preferences import preference_pairs

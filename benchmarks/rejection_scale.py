@@ -74,13 +74,13 @@ def rss_anon_kib() -> int:
 
 
 def config(rows: int):
-    from grpo.configs.core import RejectionConfig
+    from grpo.configs.rejection import RejectionConfig
 
     return RejectionConfig(target_samples=int(rows * 0.9), decontamination_ngram=8, decontamination_threshold=0.8)
 
 
 def heldout(n: int) -> list[str]:
-    from grpo.configs.core import TaskConfig
+    from grpo.configs.data import TaskConfig
     from grpo.data.arithmetic import generate_problems
 
     return [p.question for p in generate_problems(TaskConfig(), n, "heldout")]
@@ -172,7 +172,7 @@ def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> Non
 def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None:
     """SFT's data loading over the merged part files, in this process: tokenize once (as the loop does), then one
     epoch of batches."""
-    from grpo.configs.core import ModelConfig
+    from grpo.configs.model import ModelConfig
     from grpo.models import load_tokenizer
     from grpo.training.sft_rows import tokenize_files
 

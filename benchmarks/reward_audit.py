@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo.configs.core import JudgeConfig  # noqa: E402
+from grpo.configs.grading import JudgeConfig  # noqa: E402
 from grpo.rewards.audit import audit_pairs  # noqa: E402
 from grpo.training.verifier_audit import audit_verifiers, report_figures, report_text  # noqa: E402
 

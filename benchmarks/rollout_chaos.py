@@ -65,8 +65,10 @@ def one(seed: int, steps: int, timeout_s: float, ray_address: str | None = None)
     import pandas as pd
     import torch
 
-    from grpo.configs.core import GRPOConfig, SamplingConfig, TinyModelConfig
+    from grpo.configs.model import TinyModelConfig
     from grpo.configs.rollout import RolloutConfig
+    from grpo.configs.sampling import SamplingConfig
+    from grpo.configs.training import GRPOConfig
     from grpo.tiny import build_tiny_model, build_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer
 

@@ -29,8 +29,9 @@ sys.path[:0] = [{root!r}, {helpers!r}]
 import grpo.training.rollouts.processes as rw
 if {method!r} == "spawn":
     rw.worker_context = lambda: mp.get_context("spawn")
-from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.configs.rollout import RolloutConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from rollout_runs import PROMPTS, digits

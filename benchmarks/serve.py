@@ -39,7 +39,7 @@ BIN = Path(sys.executable).parent
 
 
 def make_checkpoint(folder: Path) -> None:
-    from grpo.configs.core import TinyModelConfig
+    from grpo.configs.model import TinyModelConfig
     from grpo.tiny import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()

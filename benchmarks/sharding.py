@@ -89,8 +89,10 @@ def worker_step(strategy: str, steps: int) -> None:
     import pandas as pd
     import torch
 
-    from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
     from grpo.configs.distributed import DistributedConfig
+    from grpo.configs.model import ModelConfig, TinyModelConfig
+    from grpo.configs.sampling import SamplingConfig
+    from grpo.configs.training import GRPOConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer
 

@@ -95,7 +95,8 @@ def variants():
 def run_variant(name: str, folder: Path) -> dict:
     import torch
 
-    from grpo.configs.core import GenerationConfig, GRPOConfig, SamplingConfig
+    from grpo.configs.sampling import GenerationConfig, SamplingConfig
+    from grpo.configs.training import GRPOConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.sampling.engines import build_engine
     from grpo.training.loops.grpo_trainer import GRPOTrainer

@@ -38,7 +38,7 @@ def has_tests(rows) -> bool:
 def check_sandbox(field: str, code=None) -> None:
     """Programs can run sandboxed here under `code` (a CodeConfig; the defaults evaluation uses when None): checked
     before any training, since the first program would otherwise fail the stage after it has trained."""
-    from grpo.configs.core import CodeConfig
+    from grpo.configs.code import CodeConfig
     from grpo.rewards import SandboxUnavailable
     from grpo.rewards.code import code_limits
     from grpo.rewards.sandbox import check_sandbox

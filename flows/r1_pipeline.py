@@ -38,8 +38,8 @@ from flows.attempts import run_stage
 from flows.placement import check_placement
 from flows.stages import Stage, declared, finished_stages, missing_inputs
 from grpo import startup
-from grpo.configs.core import ClusterConfig
 from grpo.configs.recipe import STAGES, Recipe, RecipeError, apply_overrides, load_recipe
+from grpo.configs.rejection import ClusterConfig
 from grpo.interrupts import is_interrupt
 from runtime import reuse, tracking
 from runtime.stage import FRESH, PipelineResult, StageResult, earlier_attempt_run, prefect_tags

@@ -17,7 +17,8 @@ from typing import Any, Callable
 from flows.checks import (UsageError, check_judge_endpoint, check_model_folder, check_rewards, check_sandbox,
                           check_uri, has_tests, looks_like_a_path, reading)
 from grpo.configs.checks import check_prompts_per_step
-from grpo.configs.core import SELF_JUDGE, TINY, ModelConfig
+from grpo.configs.grading import SELF_JUDGE
+from grpo.configs.model import TINY, ModelConfig
 from grpo.configs.recipe import AlignmentGRPOConfig, ColdStartSFTConfig, ReasoningGRPOConfig, RejectionSamplingConfig
 
 
@@ -107,7 +108,7 @@ def check_alignment_grpo(cfg: AlignmentGRPOConfig) -> None:
     with reading("alignment_grpo"):
         check_prompts_per_step(cfg.grpo.prompts_per_step, len(train) + general,
                                f"{cfg.data.source} with {general} general prompts")
-    from grpo.configs.core import REWARD_MODEL
+    from grpo.configs.grading import REWARD_MODEL
     from grpo.configs.reward import REWARD_MODELS
     from grpo.data.preferences import pairs_for
 

@@ -32,7 +32,8 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from grpo.configs.core import CodeConfig, EvalConfig, SamplingConfig
+from grpo.configs.code import CodeConfig
+from grpo.configs.sampling import EvalConfig, SamplingConfig
 from grpo.data.general import CATEGORIES, is_helpful, is_refusal
 from grpo.rewards import format_reward
 from grpo.rewards.correct import CHECK_COLUMNS, RowCheck, check_rows

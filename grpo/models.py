@@ -28,7 +28,7 @@ from transformers import (
 
 from transformers.utils import logging as hf_logging
 
-from grpo.configs.core import TINY, ModelConfig
+from grpo.configs.model import TINY, ModelConfig
 from grpo.tiny import build_tiny_model, build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -23,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from grpo.configs.core import TinyModelConfig
+from grpo.configs.model import TinyModelConfig
 from grpo.texts import REASONING_TAGS
 
 PAD, EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -42,7 +42,7 @@ def tokenizer_corpus() -> list[str]:
     the general prompts with chosen and rejected responses, the judge's prompt and the chat markup. Generated,
     so the same code always builds the same tokenizer.
     """
-    from grpo.configs.core import TaskConfig  # here: grpo.data does not need the models
+    from grpo.configs.data import TaskConfig  # here: grpo.data does not need the models
     from grpo.data.arithmetic import generate_problems, sft_rows
     from grpo.data.general import LEAD_INS, all_prompts, chosen_response
     from grpo.data.preferences import preference_pairs

@@ -13,9 +13,9 @@ import os
 import socket
 from pathlib import Path
 
-from grpo.configs.core import ClusterConfig
 from grpo.configs.distributed import DistributedConfig, rollout_ray_address
 from grpo.configs.recipe import RejectionSamplingConfig
+from grpo.configs.rejection import ClusterConfig
 from grpo.extras import require
 from grpo.rejection import shards
 from runtime import tracking

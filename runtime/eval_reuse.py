@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.configs.core import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
+from grpo.configs.code import CodeConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.sampling import EvalConfig, GenerationConfig
 from grpo.rewards.correct import CHECK_COLUMNS
 from runtime import tracking
 

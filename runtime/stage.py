@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from grpo.configs.core import ModelConfig
+from grpo.configs.model import ModelConfig
 from grpo.faults import check_free_space, disk_fault
 from grpo.interrupts import interrupt_threads, is_interrupt
 from runtime import system_metrics, tracking

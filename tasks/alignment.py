@@ -8,9 +8,10 @@ from pathlib import Path
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import REWARD_MODEL, ModelConfig
-from grpo.configs.reward import REWARD_MODELS
+from grpo.configs.grading import REWARD_MODEL
+from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import AlignmentGRPOConfig
+from grpo.configs.reward import REWARD_MODELS
 from grpo.data.general import alignment_eval_sets, general_prompts
 from grpo.data.preferences import alignment_prompts, load_preference_data, pairs_for
 from grpo.data.tables import load_rl_data, read_table, validate_rows

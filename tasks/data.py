@@ -8,7 +8,7 @@ import pandas as pd
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import DataConfig
+from grpo.configs.data import DataConfig
 from grpo.data.tables import dropped_rows, load_rl_data, load_sft_data
 from runtime import tracking
 

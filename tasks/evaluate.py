@@ -6,7 +6,9 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import CodeConfig, EvalConfig, GenerationConfig, ModelConfig
+from grpo.configs.code import CodeConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.sampling import EvalConfig, GenerationConfig
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine

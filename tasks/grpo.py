@@ -9,11 +9,13 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from grpo.configs.alignment import AlignmentWatchConfig
-from grpo.configs.core import GenerationConfig, GRPOConfig, ModelConfig
 from grpo.configs.distributed import DistributedConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.ppo import PPOConfig
 from grpo.configs.reward import PreferenceDataConfig, RewardModelConfig
 from grpo.configs.rft import OnlineRFTConfig
+from grpo.configs.sampling import GenerationConfig
+from grpo.configs.training import GRPOConfig
 from grpo.training.launchers import launch
 from grpo.training.jobs import GRPOJob, run, write_frame
 from runtime import cluster, tracking

@@ -35,8 +35,8 @@ from prefect.input import RunInput
 from prefect.logging import get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from grpo.configs.core import EvalConfig
 from grpo.configs.recipe import AlignmentGRPOConfig
+from grpo.configs.sampling import EvalConfig
 from runtime import tracking
 from runtime.stage import StageResult
 

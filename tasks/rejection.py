@@ -12,8 +12,10 @@ import torch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import SELF_JUDGE, JudgeConfig, ModelConfig, RejectionConfig
+from grpo.configs.grading import SELF_JUDGE, JudgeConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig
+from grpo.configs.rejection import RejectionConfig
 from grpo.data.row_files import describe_row_files
 from grpo.data.tables import DataError, read_table, validate_rows
 from grpo.interrupts import interruptible

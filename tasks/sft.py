@@ -7,8 +7,9 @@ from pathlib import Path
 from prefect import task
 from prefect.logging import get_run_logger
 
-from grpo.configs.core import ModelConfig, SFTConfig
 from grpo.configs.distributed import DistributedConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.training import SFTConfig
 from grpo.data.row_files import check_row_files, content_digest, parquet_files
 from grpo.data.tables import SFT_SCHEMA
 from grpo.training.launchers import launch

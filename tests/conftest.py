@@ -256,7 +256,7 @@ def logged_checkpoint(prefect_harness, tmp_path_factory) -> str:
     starts from an earlier one's model is given."""
     import torch
 
-    from grpo.configs.core import ModelConfig
+    from grpo.configs.model import ModelConfig
     from grpo.models import load_model_and_tokenizer
     from runtime import tracking
 

@@ -68,7 +68,9 @@ import pandas as pd
 for m in {modules!r}:
     importlib.import_module(m)
 from transformers import AutoModelForCausalLM
-from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.loops.grpo_trainer import GRPOTrainer

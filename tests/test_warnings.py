@@ -8,7 +8,7 @@ import warnings
 import pandas as pd
 import torch
 
-from grpo.configs.core import EvalConfig, SamplingConfig
+from grpo.configs.sampling import EvalConfig, SamplingConfig
 from grpo.evaluate import evaluate
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local.backend import TransformersBackend

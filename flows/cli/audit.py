@@ -46,7 +46,7 @@ def add_parser(sub, parents) -> None:
 
 def judge_config(args: argparse.Namespace):
     """The judge to appeal to: --judge, else the recipe's (appeal, then rejection sampling's), else None."""
-    from grpo.configs.core import JudgeConfig
+    from grpo.configs.grading import JudgeConfig
 
     if args.judge:
         if not args.judge.startswith(("http://", "https://")):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.configs.core import DataConfig, ModelConfig
+from grpo.configs.data import DataConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.rejection.budget import format_budget, measure_tokens_per_s, plan_budget
 

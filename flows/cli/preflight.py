@@ -1,6 +1,6 @@
 """What `r1` checks before it starts anything: one clear error, before the Prefect server or any MLflow run.
 
-The recipe's own settings are checked when it is read (`grpo.configs.core`: types, ranges, names, fields that must
+The recipe's own settings are checked when it is read (`grpo.configs`: types, ranges, names, fields that must
 agree). Here come the checks that look beyond the recipe, reading files but loading no model and training nothing:
 
 - the data the selected stages read: read and validated as the stage will, and enough prompts for a GRPO step;
@@ -25,7 +25,7 @@ from typing import Sequence
 
 from flows.checks import UsageError, check_model_folder, check_run
 from grpo.configs.checks import check_fits_context
-from grpo.configs.core import TINY
+from grpo.configs.model import TINY
 from grpo.configs.recipe import STAGES, Recipe
 
 

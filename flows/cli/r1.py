@@ -103,7 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # a folder that holds no model
         raise UsageError(f"cannot load checkpoint {args.checkpoint!r}: {e}") from None
     try:
-        from grpo.configs.core import GenerationConfig
+        from grpo.configs.sampling import GenerationConfig
 
         generation = GenerationConfig(sampler=args.sampler, kv_cache_mb=args.kv_cache_mb)
         server = make_server(model, tokenizer, args.host, args.port, model_name=args.model_name or args.checkpoint,

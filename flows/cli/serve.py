@@ -46,7 +46,8 @@ from starlette.exceptions import HTTPException
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.cores import cpu_cores, user_threads
-from grpo.configs.core import GenerationConfig, ModelConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.sampling import GenerationConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.batcher import RequestBatcher, Delta, Failed, Finished, QueueFull
 from grpo.sampling.engines import build_engine

@@ -1,7 +1,7 @@
 """How settings are checked and their errors told: the precision setting's type, checks that span several fields,
 and pydantic's errors as one line that names each field.
 
-Imported by `grpo.configs.core`, so plain Python and pydantic only (no project module, no torch).
+Imported by the settings beside it, so plain Python and pydantic only (no project module, no torch).
 """
 
 from __future__ import annotations

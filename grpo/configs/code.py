@@ -1,6 +1,6 @@
 """The code reward's settings: how a completion's program is run against its row's tests (grpo.rewards.code).
 
-Plain pydantic, as grpo.configs.core (which re-exports it as part of the recipe's GRPO and rejection sections).
+Plain pydantic, a section of the GRPO and rejection settings (grpo.configs.training, grpo.configs.rejection).
 """
 
 from __future__ import annotations

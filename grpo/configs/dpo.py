@@ -15,7 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpo.configs.checks import Precision
-from grpo.configs.core import LR_SCHEDULERS, LoRAConfig
+from grpo.configs.lora import LoRAConfig
+from grpo.configs.training import LR_SCHEDULERS
 
 
 class DPOConfig(BaseModel):

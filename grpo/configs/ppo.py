@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo.configs.core import GRPOConfig
+from grpo.configs.training import GRPOConfig
 
 ALGORITHMS = ("grpo", "ppo")  # what the reasoning stage may run
 

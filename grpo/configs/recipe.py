@@ -1,7 +1,7 @@
 """The recipe: one frozen config object per stage, and reading a recipe file.
 
 Each stage config is at once the stage flow's Prefect parameter (the UI renders it as a form), a section of a
-recipe YAML file, and the params logged on the stage's MLflow run; its parts are the settings in `grpo.configs.core`.
+recipe YAML file, and the params logged on the stage's MLflow run; its parts are the settings in the modules beside it.
 Defaults are the `tiny` recipe's values. A recipe read from a file can take overrides of any of its fields (dotted
 paths to values, as the pipeline deployment's form and `r1 run --set` give them), checked like the file was.
 Plain pydantic: must not import torch, transformers or the modules that do the work, so a recipe is read and
@@ -16,31 +16,23 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpo.configs.checks import (check_fits_context, check_fsdp_settings, check_process_split, check_prompts_per_step,
-                                 describe_errors, fields_at)
-from grpo.configs.core import (
-    REWARD_MODEL,
-    RULE_REWARDS,
-    TINY,
-    ClusterConfig,
-    DataConfig,
-    EvalConfig,
-    GenerationConfig,
-    GRPOConfig,
-    JudgeConfig,
-    ModelConfig,
-    RejectionConfig,
-    SFTConfig,
-)
 from grpo.configs.alignment import AlignmentEvalConfig, AlignmentWatchConfig
 from grpo.configs.budget import BudgetConfig
+from grpo.configs.checks import (check_fits_context, check_fsdp_settings, check_process_split, check_prompts_per_step,
+                                 describe_errors, fields_at)
+from grpo.configs.data import DataConfig
 from grpo.configs.distributed import DistributedConfig, rollout_ray_address
 from grpo.configs.dpo import DPOConfig
+from grpo.configs.grading import REWARD_MODEL, RULE_REWARDS, JudgeConfig
+from grpo.configs.model import TINY, ModelConfig
 from grpo.configs.ppo import PPOConfig, check_ppo_settings
+from grpo.configs.rejection import ClusterConfig, RejectionConfig
 from grpo.configs.reward import HARMLESSNESS, HELPFULNESS, REWARD_MODELS, PreferenceDataConfig, RewardModelConfig
 from grpo.configs.rft import OnlineRFTConfig, check_rft_settings
 from grpo.configs.rollout import check_async_rollout
+from grpo.configs.sampling import EvalConfig, GenerationConfig
 from grpo.configs.sweep import SweepConfig
+from grpo.configs.training import GRPOConfig, SFTConfig
 
 # Stage settings and the recipe
 

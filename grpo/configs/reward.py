@@ -11,7 +11,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpo.configs.checks import Precision
-from grpo.configs.core import LR_SCHEDULERS, REWARD_MODEL, ModelConfig
+from grpo.configs.grading import REWARD_MODEL
+from grpo.configs.model import ModelConfig
+from grpo.configs.training import LR_SCHEDULERS
 
 # R1's two reward models: helpfulness scores benign and borderline prompts on the final answer only, harmlessness
 # harmful ones on the whole response (grpo.training.reward_scorer.ROUTES); a recipe names REWARD_MODEL or these two

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from grpo.configs.core import GRPOConfig
+from grpo.configs.training import GRPOConfig
 
 
 class OnlineRFTConfig(BaseModel):

@@ -18,7 +18,7 @@ from typing import Callable, Literal
 
 import pandas as pd
 
-from grpo.configs.core import TASK_TEMPLATES, TaskConfig
+from grpo.configs.data import TASK_TEMPLATES, TaskConfig
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim", "Leo", "Mia", "Ned", "Oli", "Pam"]
 
@@ -92,7 +92,7 @@ def _coins(rng: random.Random, hi: int, name: str) -> Problem:
 TEMPLATES: dict[str, Callable[[random.Random, int, str], Problem]] = {
     "farm": _farm, "shop": _shop, "book": _book, "boxes": _boxes, "bus": _bus, "coins": _coins,
 }
-assert tuple(TEMPLATES) == TASK_TEMPLATES, "grpo.configs.core.TASK_TEMPLATES names these templates"
+assert tuple(TEMPLATES) == TASK_TEMPLATES, "grpo.configs.data.TASK_TEMPLATES names these templates"
 
 
 def count_out(step: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from grpo.configs.core import ANSWER_FORMATS
+from grpo.configs.data import ANSWER_FORMATS
 from grpo.rewards.answers import extract_boxed
 
 GSM8K_MARK = "####"
@@ -75,4 +75,4 @@ EXPECTED = {  # what a cell of each format must hold, for error messages
     "gsm8k": "a solution ending in a '#### <number>' line",
     "boxed": "a solution with a \\boxed{...} answer",
 }
-assert tuple(ANSWER_READERS) == ANSWER_FORMATS, "grpo.configs.core.ANSWER_FORMATS names these formats"
+assert tuple(ANSWER_READERS) == ANSWER_FORMATS, "grpo.configs.data.ANSWER_FORMATS names these formats"

@@ -114,7 +114,7 @@ def pairs_for(pairs: pd.DataFrame, name: str, source: str = "pairs", answer_only
     "reward_model"; for "helpfulness" the benign and borderline ones, each response cut to its final answer with
     `answer_only` (R1 judges helpfulness on the summary alone); for "harmlessness" the harmful ones, whole. The last
     two need a `category` column; a user's pairs without one fail here, naming it, before any training."""
-    from grpo.configs.core import REWARD_MODEL
+    from grpo.configs.grading import REWARD_MODEL
     from grpo.configs.reward import HARMLESSNESS, HELPFULNESS
     from grpo.data.general import answer_text
 

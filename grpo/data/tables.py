@@ -21,7 +21,7 @@ from typing import Callable
 
 import pandas as pd
 
-from grpo.configs.core import DataConfig, TaskConfig
+from grpo.configs.data import DataConfig, TaskConfig
 from grpo.data.arithmetic import Problem, generate_problems, rl_rows, sft_rows
 from grpo.data.formats import ANSWER_READERS, EXPECTED, REASONING_READERS, shown
 from grpo.rewards.code import as_io_tests, as_list, row_tests_problem

@@ -35,5 +35,5 @@ Modules: `filters` (readability filters, drop reasons and counts), `curate` (one
 dedupe and decontamination, and the marks the merge reads), `shards` (planning, sampling and resuming shards),
 `store` (shard files, written atomically, in a folder or an fsspec store), `merge` (the dataset from the shards),
 `budget` (sizing a run before it starts: samples, tokens, rows kept, time; `r1 plan`). The stage's settings are
-`grpo.configs.core.RejectionConfig`. Must not depend on Prefect or MLflow.
+`grpo.configs.rejection.RejectionConfig`. Must not depend on Prefect or MLflow.
 """

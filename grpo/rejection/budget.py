@@ -27,7 +27,8 @@ import math
 import time
 from typing import NamedTuple
 
-from grpo.configs.core import RejectionConfig, SamplingConfig
+from grpo.configs.rejection import RejectionConfig
+from grpo.configs.sampling import SamplingConfig
 
 
 class ShardTiming(NamedTuple):

@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from grpo.configs.core import RejectionConfig
+from grpo.configs.rejection import RejectionConfig
 from grpo.data.tables import DataError
 from grpo.rejection.budget import ShardTiming
 from grpo.rejection.filters import (

@@ -11,7 +11,7 @@ import zlib
 from collections import Counter
 from typing import Any, Callable, NamedTuple
 
-from grpo.configs.core import READABILITY_FILTERS, RejectionConfig
+from grpo.configs.rejection import READABILITY_FILTERS, RejectionConfig
 from grpo.rewards import extract_answer
 from grpo.rewards.language import LANGUAGE_TESTS, words_of
 from grpo.texts import ANSWER_CLOSE, REASONING_TAGS, THINK_CLOSE, THINK_OPEN
@@ -128,7 +128,7 @@ READABILITY_CHECKS: dict[str, ReadabilityFilter] = {
     "empty_answer": check_empty_answer,
     "repetition": check_repetition,
 }
-assert tuple(READABILITY_CHECKS) == READABILITY_FILTERS, "grpo.configs.core.READABILITY_FILTERS names these filters"
+assert tuple(READABILITY_CHECKS) == READABILITY_FILTERS, "grpo.configs.rejection.READABILITY_FILTERS names these filters"
 
 
 def first_failed_filter(response: str, cfg: RejectionConfig) -> str | None:

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from grpo.configs.core import RejectionConfig
+from grpo.configs.rejection import RejectionConfig
 from grpo.data.tables import DataError
 from grpo.rejection.curate import KEPT_COLUMNS, HeldoutIndex, build_heldout_index, mark_rows
 from grpo.rejection.filters import CONTAMINATED, DUPLICATE_ACROSS_SHARDS, OVER_TARGET, Counts

@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from grpo.configs.core import RejectionConfig
+from grpo.configs.rejection import RejectionConfig
 from grpo.data.tables import DataError, validate_rows
 from grpo.rejection.budget import ShardTiming
 from grpo.rejection.curate import (

@@ -28,7 +28,7 @@ One module per kind of reward:
 | `steps` | step verifiers for process supervision: where each reasoning step ends and whether it holds (`arithmetic`, `gsm8k`) |
 
 To add a reward: write ``fn(completions, **columns)`` in a module here, add it to ``REWARD_FUNCTIONS`` in `registry`
-and its name to ``RULE_REWARDS`` in `grpo.configs.core` (what a recipe is checked against); recipes then name it
+and its name to ``RULE_REWARDS`` in `grpo.configs.grading` (what a recipe is checked against); recipes then name it
 under ``rewards:``.
 
 Everything here is pure Python: no torch, no Prefect, no MLflow. The only module-level state is the process pool

@@ -423,7 +423,7 @@ _REWARD_SETTINGS = ("all_or_nothing", "language", "workers", "rerun_factor", "re
 
 
 def code_limits(settings: Mapping[str, Any] | None = None) -> Limits:
-    """The sandbox limits in a recipe's `code` settings (grpo.configs.core.CodeConfig as a dict)."""
+    """The sandbox limits in a recipe's `code` settings (grpo.configs.code.CodeConfig as a dict)."""
     return Limits(**{k: v for k, v in (settings or {}).items() if k not in _REWARD_SETTINGS})
 
 
@@ -433,7 +433,7 @@ _RECIPE_ONLY = ("all_or_nothing", "workers", "limits", "answer_tags", "rerun_fac
 
 
 def make_code_reward(settings: Mapping[str, Any] | None = None) -> Any:
-    """`code_reward` with a recipe's `code` settings (grpo.configs.core.CodeConfig as a dict) bound. A row's `language`
+    """`code_reward` with a recipe's `code` settings (grpo.configs.code.CodeConfig as a dict) bound. A row's `language`
     column, where the data has one, takes the place of the recipe's default language."""
     bound = {k: v for k, v in (settings or {}).items() if k in _REWARD_SETTINGS}
     limits = code_limits(settings)

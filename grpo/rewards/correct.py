@@ -46,7 +46,7 @@ def check_rows(completions: Sequence[Any], answer: Sequence[Any] | None = None, 
                language: Sequence[Any] | None = None, *, code: Mapping[str, Any] | None = None) -> RowCheck:
     """Each completion against its row (columns aligned with `completions`, one value per completion): all its
     tests passing where the row has tests, else its answer matching the reference. `code` is a recipe's code
-    settings (grpo.configs.core.CodeConfig as a dict): the sandbox's limits, workers and default language.
+    settings (grpo.configs.code.CodeConfig as a dict): the sandbox's limits, workers and default language.
 
     Raises SandboxUnavailable when some row has tests and programs cannot be sandboxed here.
     """

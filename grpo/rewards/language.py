@@ -10,7 +10,7 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from grpo.configs.core import LANGUAGES
+from grpo.configs.grading import LANGUAGES
 from grpo.rewards.answers import LATEX_COMMAND_RE
 from grpo.rewards.text import completion_text
 from grpo.texts import THINK_TAGS
@@ -55,7 +55,7 @@ LANGUAGE_TESTS: dict[str, Callable[[str], bool]] = {
     "zh": lambda word: all(_is_han(ch) for ch in word),
 }
 if set(LANGUAGE_TESTS) != set(LANGUAGES):  # what a recipe may ask (grpo.configs) is what can be checked here
-    raise ImportError(f"grpo.rewards.language tests {sorted(LANGUAGE_TESTS)} but grpo.configs.core.LANGUAGES offers "
+    raise ImportError(f"grpo.rewards.language tests {sorted(LANGUAGE_TESTS)} but grpo.configs.grading.LANGUAGES offers "
                       f"{sorted(LANGUAGES)}: add the language to both")
 
 

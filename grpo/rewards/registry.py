@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from grpo.configs.core import RULE_REWARDS
+from grpo.configs.grading import RULE_REWARDS
 from grpo.rewards.accuracy import accuracy_reward
 from grpo.rewards.code import code_reward
 from grpo.rewards.format import format_reward, format_reward_strict, tag_count_reward
@@ -35,7 +35,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {
     "code": code_reward,  # runs programs in a sandbox; a recipe's settings: grpo.rewards.code.make_code_reward
 }
 if set(REWARD_FUNCTIONS) != set(RULE_REWARDS):  # the names a recipe is checked against (grpo.configs) are these
-    raise ImportError(f"grpo.rewards.registry scores {sorted(REWARD_FUNCTIONS)} but grpo.configs.core.RULE_REWARDS "
+    raise ImportError(f"grpo.rewards.registry scores {sorted(REWARD_FUNCTIONS)} but grpo.configs.grading.RULE_REWARDS "
                       f"names {sorted(RULE_REWARDS)}: add the reward's name to both")
 
 # the dataset columns a reward reads: it needs at least one of them (checked before training)

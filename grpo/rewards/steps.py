@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from grpo.configs.core import STEP_VERIFIERS
+from grpo.configs.grading import STEP_VERIFIERS
 from grpo.rewards.text import completion_text
 from grpo.texts import ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 
@@ -206,7 +206,7 @@ def gsm8k_steps(completions: Sequence[Any], **_: Any) -> list[Steps]:
 
 
 STEP_VERIFIER_FUNCTIONS: dict[str, StepVerifier] = {"arithmetic": arithmetic_steps, "gsm8k": gsm8k_steps}
-assert set(STEP_VERIFIER_FUNCTIONS) | {"prm"} == set(STEP_VERIFIERS), "grpo.configs.core.STEP_VERIFIERS names these"
+assert set(STEP_VERIFIER_FUNCTIONS) | {"prm"} == set(STEP_VERIFIERS), "grpo.configs.grading.STEP_VERIFIERS names these"
 
 
 def step_problem(s: Any, i: int = 0) -> str | None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import GenerationConfig
+from grpo.configs.sampling import GenerationConfig
 from grpo.sampling.http_backend import build_http_backend
 from grpo.sampling.local import TransformersBackend
 from grpo.sampling.rollout import Engine, Rollout, cat_padded, require_tokens

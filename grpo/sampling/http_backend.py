@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo.configs.core import GenerationConfig, SamplingConfig
+from grpo.configs.sampling import GenerationConfig, SamplingConfig
 from grpo.sampling.local import render_prompts
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint, Retryable
 from grpo.sampling.rollout import Rollout

@@ -31,7 +31,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from grpo.configs.core import GenerationConfig, JudgeConfig, SamplingConfig
+from grpo.configs.grading import JudgeConfig
+from grpo.configs.sampling import GenerationConfig, SamplingConfig
 from grpo.rewards.outcomes import JUDGE_HTTP_ERROR, JUDGE_NO_VERDICT, JUDGE_TIMEOUT
 from grpo.sampling.openai_client import EndpointError, OpenAIEndpoint
 from grpo.texts import NO_REFERENCE
@@ -226,7 +227,7 @@ def build_judge(cfg: JudgeConfig, model: PreTrainedModel | None = None,
     if model is None:
         import torch
 
-        from grpo.configs.core import ModelConfig
+        from grpo.configs.model import ModelConfig
         from grpo.models import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path=cfg.model))

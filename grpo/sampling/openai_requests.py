@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 
 DEFAULT_MAX_TOKENS = 256  # a request that names no max_tokens gets this many (vLLM: 16 for /v1/completions)
 MAX_CHOICES = 1024  # prompts x n in one /v1/completions request

@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 
 
 class Rollout(NamedTuple):

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, NamedTuple
 import pandas as pd
 import torch
 
-from grpo.configs.core import GRPOConfig
+from grpo.configs.training import GRPOConfig
 from grpo.rewards.steps import STEP_VERIFIER_FUNCTIONS, StepVerifier
 from grpo.sampling.engines import Rollout
 from grpo.training.advantages import group_advantages, trained_rows

@@ -20,12 +20,14 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from grpo.configs.alignment import AlignmentWatchConfig
-from grpo.configs.core import GenerationConfig, GRPOConfig, ModelConfig, SFTConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.dpo import DPOConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.ppo import PPOConfig
 from grpo.configs.reward import RewardModelConfig
 from grpo.configs.rft import OnlineRFTConfig
+from grpo.configs.sampling import GenerationConfig
+from grpo.configs.training import GRPOConfig, SFTConfig
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 SamplesCallback = Callable[[int, pd.DataFrame], None]
@@ -174,7 +176,7 @@ def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
     from grpo.rewards import REWARD_FUNCTIONS
     from grpo.training.loops.grpo_trainer import GRPOTrainer
     from grpo.training.parts import grpo_parts
-    from grpo.configs.core import REWARD_MODEL
+    from grpo.configs.grading import REWARD_MODEL
     from grpo.configs.reward import HELPFULNESS
     from grpo.training.reward_scorer import ROUTES, RewardModelScorer, reward_model_reward
 

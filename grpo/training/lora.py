@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from grpo.configs.core import LoRAConfig
+from grpo.configs.lora import LoRAConfig
 from grpo.extras import require
 
 

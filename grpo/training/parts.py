@@ -13,8 +13,9 @@ from typing import Callable, Mapping, NamedTuple
 import pandas as pd
 import torch
 
-from grpo.configs.core import GenerationConfig, GRPOConfig
 from grpo.configs.distributed import DistributedConfig
+from grpo.configs.sampling import GenerationConfig
+from grpo.configs.training import GRPOConfig
 from grpo.rewards.steps import StepVerifier
 from grpo.sampling.engines import Engine
 from grpo.training.credit import AdvantageFunction, advantage_function

@@ -24,7 +24,8 @@ import pandas as pd
 import torch
 from accelerate.utils import gather_object
 
-from grpo.configs.core import GRPOConfig, SamplingConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.rewards import REWARD_FUNCTIONS, check_reward_columns, code_reward, make_code_reward, score_completions
 from grpo.rewards.code import code_limits
 from grpo.rewards.sandbox import check_sandbox

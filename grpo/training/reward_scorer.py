@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import REWARD_MODEL, ModelConfig
+from grpo.configs.grading import REWARD_MODEL
+from grpo.configs.model import ModelConfig
 from grpo.configs.reward import HARMLESSNESS, HELPFULNESS
 from grpo.data.general import answer_text
 from grpo.data.tables import DataError

@@ -19,8 +19,8 @@ import pandas as pd
 import torch
 
 from grpo.configs.checks import check_fsdp_settings
-from grpo.configs.core import GRPOConfig
 from grpo.configs.distributed import DistributedConfig
+from grpo.configs.training import GRPOConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp

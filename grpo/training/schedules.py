@@ -1,4 +1,4 @@
-"""Learning-rate schedules by name: transformers' `get_scheduler` for the names in `grpo.configs.core.LR_SCHEDULERS`.
+"""Learning-rate schedules by name: transformers' `get_scheduler` for the names in `grpo.configs.training.LR_SCHEDULERS`.
 
 The same multipliers as transformers' (a test compares them step by step), written here because importing
 `transformers.optimization` imports `transformers.trainer_utils`, which imports peft where it is installed, and peft
@@ -15,7 +15,7 @@ from functools import partial
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from grpo.configs.core import LR_SCHEDULERS
+from grpo.configs.training import LR_SCHEDULERS
 
 
 def _warmup(step: int, warmup: int) -> float:
@@ -70,7 +70,7 @@ def _inverse_sqrt(step: int, *, warmup: int, total: int) -> float:
 _MULTIPLIERS = {"linear": _linear, "cosine": _cosine, "cosine_with_restarts": _cosine_with_restarts,
                 "polynomial": _polynomial, "constant": _constant, "constant_with_warmup": _constant_with_warmup,
                 "inverse_sqrt": _inverse_sqrt}
-assert tuple(_MULTIPLIERS) == LR_SCHEDULERS, "grpo.configs.core.LR_SCHEDULERS names these schedules"
+assert tuple(_MULTIPLIERS) == LR_SCHEDULERS, "grpo.configs.training.LR_SCHEDULERS names these schedules"
 
 
 def make_scheduler(name: str, optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int) -> LambdaLR:

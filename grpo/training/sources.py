@@ -21,7 +21,7 @@ import functools
 from collections import Counter
 from typing import Callable, Mapping, Protocol
 
-from grpo.configs.core import GenerationConfig
+from grpo.configs.sampling import GenerationConfig
 from grpo.sampling.engines import Engine, Rollout, build_engine, sampling_dtype
 from grpo.sampling.rollout import decode_figures
 from grpo.training.batches import prompt_mix_order

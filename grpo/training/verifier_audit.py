@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from grpo.configs.core import JudgeConfig
+from grpo.configs.grading import JudgeConfig
 from grpo.rewards import accuracy_reward
 from grpo.rewards.answers import extract_answer
 from grpo.rewards.audit import Pair

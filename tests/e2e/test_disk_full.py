@@ -21,7 +21,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from disks import fill, mount_tmpfs
-from grpo.configs.core import SFTConfig
+from grpo.configs.training import SFTConfig
 from grpo.faults import Fault, size_text
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import latest_checkpoint, save_checkpoint, verify_manifest
@@ -96,7 +96,7 @@ def test_a_disk_that_fills_up_during_a_save_is_one_line_and_the_partial_folder_g
 
 SAVE_UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys
-from grpo.configs.core import ModelConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 from grpo.faults import Fault
 from grpo.models import load_model_and_tokenizer
 from grpo.training.accelerator import make_accelerator

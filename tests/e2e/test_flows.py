@@ -80,7 +80,7 @@ def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, 
     assert {"prompt", "completion", "reward", "reward/accuracy"} <= set(samples["columns"])
     # the trained weights are the cold start's moved by two small steps (none where no group's rewards differ),
     # nearer it than the base model the cold start began from
-    from grpo.configs.core import ModelConfig
+    from grpo.configs.model import ModelConfig
     from grpo.models import load_model_and_tokenizer
 
     start = AutoModelForCausalLM.from_pretrained(download(ckpt, tmp_path / "cold")).state_dict()

@@ -211,8 +211,8 @@ def test_the_pipeline_s_cluster_parameters_override_the_recipe():
     from pydantic import ValidationError
 
     from flows.r1_pipeline import with_cluster
-    from grpo.configs.core import ClusterConfig
     from grpo.configs.recipe import load_recipe
+    from grpo.configs.rejection import ClusterConfig
 
     cfg = with_cluster(load_recipe("tiny"), "head:6379", "s3://bucket/r1")
     assert cfg.rejection_sampling.cluster == ClusterConfig(ray_address="head:6379", shard_store="s3://bucket/r1")

@@ -19,7 +19,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the driver keeps 127.0.
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.pop("RAY_ADDRESS", None)
 
-from grpo.configs.core import GRPOConfig, SamplingConfig  # noqa: E402
+from grpo.configs.sampling import SamplingConfig  # noqa: E402
+from grpo.configs.training import GRPOConfig  # noqa: E402
 from grpo.configs.rollout import RolloutConfig  # noqa: E402
 from grpo.models import load_model_and_tokenizer  # noqa: E402
 from grpo.training.loops.grpo_trainer import GRPOTrainer  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo.configs.core import ModelConfig
+from grpo.configs.model import ModelConfig
 from grpo.models import load_model_and_tokenizer
 from runs import stage_config  # the fixtures (prompts_file, answering_checkpoint): conftest
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.configs.core import ModelConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 from tiny_configs import TINY as SMALL
 
 DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"

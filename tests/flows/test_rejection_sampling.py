@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from grpo.configs.core import ModelConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.models import load_model_and_tokenizer
 # on the answering checkpoint's model, reading conftest's `prompts_file` (both fixtures are in tests/conftest.py)

@@ -14,8 +14,12 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import CodeConfig, DataConfig, EvalConfig, GRPOConfig, RejectionConfig, SamplingConfig
+from grpo.configs.code import CodeConfig
+from grpo.configs.data import DataConfig
 from grpo.configs.recipe import AlignmentGRPOConfig
+from grpo.configs.rejection import RejectionConfig
+from grpo.configs.sampling import EvalConfig, SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.data.general import general_prompts
 from grpo.data.preferences import alignment_prompts
 from grpo.data.tables import load_rl_data

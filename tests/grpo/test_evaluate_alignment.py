@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import EvalConfig, SamplingConfig
+from grpo.configs.sampling import EvalConfig, SamplingConfig
 from grpo.data.general import chosen_response, split_prompts
 from grpo.data.preferences import rejected_response
 from grpo.evaluate import evaluate_alignment, paired_alignment

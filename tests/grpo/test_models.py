@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from grpo.configs.core import ModelConfig, SamplingConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local.backend import TransformersBackend, render_prompts
 from grpo.tiny import build_tokenizer

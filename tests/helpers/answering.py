@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo.configs.core import ModelConfig, SFTConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.training import SFTConfig
 from tiny_configs import TINY_MODEL as SMALL
 
 

@@ -30,10 +30,12 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo.configs.core import GRPOConfig, LoRAConfig, SamplingConfig, SFTConfig
 from grpo.configs.distributed import DistributedConfig
+from grpo.configs.lora import LoRAConfig
 from grpo.configs.ppo import PPOConfig
 from grpo.configs.reward import RewardModelConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig, SFTConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local.backend import Rollout, TransformersBackend
 from grpo.training.accelerator import make_accelerator

@@ -3,7 +3,7 @@ interpreter's process, interpreted_kernel.py): rows that end anywhere, and one l
 
 import torch
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.draws import draw_streams
 from tiny_decoders import left_padded, make_model
 

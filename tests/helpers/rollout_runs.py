@@ -6,7 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from grpo.configs.core import GRPOConfig, SamplingConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.loops.grpo_trainer import GRPOTrainer
 from tiny_configs import SMALL

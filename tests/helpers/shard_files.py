@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from grpo.configs.core import RejectionConfig, TaskConfig
+from grpo.configs.data import TaskConfig
+from grpo.configs.rejection import RejectionConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.rejection.curate import curate, mark_rows
 from grpo.rejection.store import write_shard

@@ -7,7 +7,7 @@ the model conftest's `logged_checkpoint` and `answering_checkpoint` hold, so a s
 
 from __future__ import annotations
 
-from grpo.configs.core import ModelConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1}

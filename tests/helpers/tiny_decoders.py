@@ -6,7 +6,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.draws import uniform_at
 from grpo.sampling.local import decode_step, slots
 from grpo.sampling.local.static_sampler import choose_tokens

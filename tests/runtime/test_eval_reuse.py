@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import EvalConfig
+from grpo.configs.sampling import EvalConfig
 from grpo.models import load_model_and_tokenizer
 from runtime import tracking
 from tasks.evaluate import evaluate_model

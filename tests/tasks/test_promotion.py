@@ -28,7 +28,7 @@ def config(name: str, **kw) -> AlignmentGRPOConfig:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny model's folder, as a stage's checkpoint artifact holds it."""
-    from grpo.configs.core import ModelConfig
+    from grpo.configs.model import ModelConfig
     from grpo.models import load_model_and_tokenizer
 
     folder = tmp_path_factory.mktemp("ckpt")

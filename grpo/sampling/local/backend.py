@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.data.tables import as_messages
 from grpo.models import cached
 from grpo.sampling.draws import draw_streams, uniform_at

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.draws import uniform_at
 from grpo.sampling.local.cpu_decoder import COPY_MAX_BYTES, LeanLayer, PackedLinear, lean_layer, rms_norm
 

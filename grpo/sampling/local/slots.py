@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.models import cached
 from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.sampling.local.decode_step import F, choose_tokens, decoder

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.draws import draw_streams
 from grpo.sampling.local.cpu_decoder import STATIC_ROPE, lora_reason
 from grpo.sampling.local.decode_step import (CDF_BLOCK, F, Capture, Weights, choose_tokens, decoder, distinct_rows,

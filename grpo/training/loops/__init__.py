@@ -10,7 +10,7 @@
 | `dpo` | DPO for stage 5 (`algorithm: dpo`): the sigmoid and IPO losses (pure) and the loop (`train_dpo`) |
 | `prm` | the process reward model: Math-Shepherd step labels from rollouts, its training, its use as a step verifier |
 
-May import configs (`grpo.*_config`, `grpo.configs.core`), grpo's data, rewards, kernels, models and sampling, and the
+May import configs (`grpo.configs.*`), grpo's data, rewards, kernels, models and sampling, and the
 training parts beside this folder (`grpo.training.*`). No loop imports another loop, nor a launcher: what two
 loops share is a part (tests/test_layers.py holds this). Must not depend on Prefect or MLflow: loops report
 through callbacks.

@@ -31,8 +31,8 @@ the policy and the reference as one row without padding (`token_logps(packed=Tru
 rounding.
 
 Run it alone:
-    from grpo.configs.core import ModelConfig
     from grpo.configs.dpo import DPOConfig
+    from grpo.configs.model import ModelConfig
     from grpo.data.preferences import preference_pairs
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.dpo import train_dpo

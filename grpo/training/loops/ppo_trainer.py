@@ -12,7 +12,7 @@ One step, as InstructGPT's third step (and TRL's PPOTrainer, OpenRLHF) run it:
      step of the policy and one of the critic.
 Sampling, scoring, the policy and its reference, the step's figures, checkpoints and the saved model are built from
 the same parts as GRPO's loop (grpo.training.policy), so the two are measured on the same code; the step loop is
-PPO's own, written out here. Packed rows (`grpo.configs.core.GRPOConfig.packing`, `max_tokens_per_microbatch`) are
+PPO's own, written out here. Packed rows (`grpo.configs.training.GRPOConfig.packing`, `max_tokens_per_microbatch`) are
 GRPO's: the policy, pi_old, reference and critic passes each run a micro-batch as one row without padding, and a
 budgeted micro-batch's loss is read in the row-count parts its rows come from. The critic is not saved with the
 model (the next stage needs the policy only); it is in the resumable checkpoints.
@@ -37,9 +37,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import GenerationConfig, GRPOConfig
 from grpo.configs.distributed import DistributedConfig
 from grpo.configs.ppo import PPOConfig, check_ppo_settings
+from grpo.configs.sampling import GenerationConfig
+from grpo.configs.training import GRPOConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm
 from grpo.kernels.mlp import compact_mlp

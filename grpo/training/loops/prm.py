@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import ModelConfig, SamplingConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.reward import RewardModelConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.data.arithmetic import Problem, format_response
 from grpo.kernels.attention import PACKED, attending_packed
 from grpo.models import load_scoring_model

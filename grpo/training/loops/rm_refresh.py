@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from grpo.configs.core import REWARD_MODEL
+from grpo.configs.grading import REWARD_MODEL
 from grpo.configs.reward import RewardModelConfig
 from grpo.kernels.attention import attending_packed
 from grpo.training.optimizers import make_adamw

@@ -28,8 +28,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.configs.core import SFTConfig
 from grpo.configs.distributed import DistributedConfig
+from grpo.configs.training import SFTConfig
 from grpo.data.tables import DataError
 from grpo.kernels.attention import PACKED, attending_packed, cpu_attention
 from grpo.kernels.gemm import fp32_gemm

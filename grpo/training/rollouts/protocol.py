@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from grpo.configs.core import GenerationConfig, SamplingConfig
+from grpo.configs.sampling import GenerationConfig, SamplingConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
 from grpo.kernels.gemm import GemmPlan, fp32_gemm
 from grpo.kernels.mlp import compact_mlp

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from grpo import cores
-from grpo.configs.core import GenerationConfig
 from grpo.configs.distributed import COLLECTIVE_TIMEOUT
+from grpo.configs.sampling import GenerationConfig
 from grpo.sampling.engines import sampling_dtype
 from grpo.training.distributed import local_processes, process_share
 from grpo.training.rollouts.base import Rollouts

@@ -14,8 +14,10 @@ import pytest
 
 from flows.cli.plan import plan_text
 from flows.cli.r1 import main
-from grpo.configs.core import ModelConfig, RejectionConfig, SamplingConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig, load_recipe
+from grpo.configs.rejection import RejectionConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.rejection.budget import ShardTiming, expected_kept_per_prompt, plan_against_run, plan_budget
 from tiny_configs import TINY_MODEL as SMALL
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from flows.cli.serve import make_server
-from grpo.configs.core import ModelConfig, SamplingConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.local.backend import TransformersBackend
 from tiny_configs import TINY_MODEL as SMALL

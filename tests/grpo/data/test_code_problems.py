@@ -12,7 +12,10 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import CodeConfig, DataConfig, GRPOConfig, SamplingConfig
+from grpo.configs.code import CodeConfig
+from grpo.configs.data import DataConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.data.tables import load_rl_data
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import check_code

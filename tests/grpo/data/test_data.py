@@ -6,7 +6,7 @@ import re
 import pandas as pd
 import pytest
 
-from grpo.configs.core import DataConfig, TaskConfig
+from grpo.configs.data import DataConfig, TaskConfig
 from grpo.data.arithmetic import count_out, format_response, generate_problems
 from grpo.data.tables import DataError, load_rl_data, load_sft_data, read_table
 

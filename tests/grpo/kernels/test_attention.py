@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.configs.core import ModelConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 from grpo.kernels.attention import NAME, cpu_attention, grouped_attention_supported
 from grpo.models import load_model_and_tokenizer
 from grpo.tiny import build_tokenizer

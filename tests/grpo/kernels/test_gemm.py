@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig, TinyModelConfig
-from grpo.configs.core import SFTConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig, SFTConfig
 from benchmarks.bytes_alive import BytesAlive
 from grpo.kernels.gemm import (KINDS, ONEDNN_MARGIN, PLAN_FILE, PROBE_ELEMENTS, GemmPlan, PlannedLinear, cpu_model,
                                fp32_gemm, gemm_plan, load_plan, measure, onednn_problem, planned_linear, probe_shape)

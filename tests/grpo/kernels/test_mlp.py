@@ -2,7 +2,7 @@
 
 import torch
 
-from grpo.configs.core import ModelConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 from grpo.kernels.mlp import compact_mlp
 from grpo.models import load_model_and_tokenizer
 

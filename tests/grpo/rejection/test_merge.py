@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo.configs.core import RejectionConfig, TaskConfig
+from grpo.configs.data import TaskConfig
+from grpo.configs.rejection import RejectionConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.data.tables import DataError
 from grpo.rejection.curate import (

@@ -15,7 +15,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.configs.core import ModelConfig, RejectionConfig, SamplingConfig, TaskConfig, TinyModelConfig
+from grpo.configs.data import TaskConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
+from grpo.configs.rejection import RejectionConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.data.arithmetic import generate_problems, rl_rows
 from grpo.data.tables import DataError
 from grpo.models import load_model_and_tokenizer

@@ -12,7 +12,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from grpo.configs.core import CodeConfig, DataConfig, GRPOConfig
+from grpo.configs.code import CodeConfig
+from grpo.configs.data import DataConfig
+from grpo.configs.training import GRPOConfig
 from grpo.data.tables import DataError, load_rl_data
 from grpo.rewards import REWARD_FUNCTIONS, check_code, check_reward_columns, extract_program, score_completions
 from grpo.rewards.code import code_limits, make_code_reward, parse_test

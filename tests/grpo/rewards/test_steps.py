@@ -4,7 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from grpo.configs.core import STEP_VERIFIERS, TaskConfig
+from grpo.configs.data import TaskConfig
+from grpo.configs.grading import STEP_VERIFIERS
 from grpo.data.arithmetic import format_response, generate_problems
 from grpo.rewards.steps import (
     STEP_VERIFIER_FUNCTIONS,

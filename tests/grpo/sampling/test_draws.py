@@ -5,7 +5,7 @@ step-by-step decode loop alike."""
 import pytest
 import torch
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.sampling.local.backend import sample_batch
 from grpo.sampling.local.static_sampler import StaticSampler

@@ -5,8 +5,9 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import GenerationConfig, GRPOConfig, SamplingConfig
 from grpo.configs.recipe import RecipeError, load_recipe
+from grpo.configs.sampling import GenerationConfig, SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import Rollout, build_engine, local_generation, require_tokens, sampling_dtype
 from grpo.sampling.http_backend import HTTPGenerationBackend

@@ -22,8 +22,10 @@ import torch
 from pydantic import ValidationError
 
 from flows.cli.serve import load_checkpoint, make_server
-from grpo.configs.core import GenerationConfig, ModelConfig, RejectionConfig, SamplingConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig
+from grpo.configs.rejection import RejectionConfig
+from grpo.configs.sampling import GenerationConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ports import free_port
 from grpo.rejection.shards import run_rejection_sampling, shard_seed

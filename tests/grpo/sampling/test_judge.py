@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from flows.cli.r1 import main
 from flows.cli.serve import load_checkpoint, make_server
-from grpo.configs.core import JudgeConfig, ModelConfig, TinyModelConfig
+from grpo.configs.grading import JudgeConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.ports import free_port
 from grpo.sampling.judge import (
@@ -103,7 +104,7 @@ def test_transformers_judge_returns_a_verdict_per_item_with_the_models_text(tiny
         assert isinstance(v, Verdict) and v.accepted in (True, False, None) and isinstance(v.rationale, str)
     # the rationale is the model's own greedy reply to the judge prompt
     prompt = render_judge_prompt(JUDGE_PROMPT, *ITEMS[0])
-    from grpo.configs.core import SamplingConfig
+    from grpo.configs.sampling import SamplingConfig
     from grpo.sampling.local.backend import TransformersBackend
 
     expected = TransformersBackend(model, tok).generate([prompt], 1, SamplingConfig(max_new_tokens=12, temperature=0))

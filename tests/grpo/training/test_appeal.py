@@ -5,7 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from grpo.configs.core import GRPOConfig, JudgeConfig, SamplingConfig
+from grpo.configs.grading import JudgeConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import accuracy_reward
 from grpo.sampling.judge import Verdict

@@ -8,7 +8,7 @@ from collections import Counter
 import pandas as pd
 import pytest
 
-from grpo.configs.core import GRPOConfig
+from grpo.configs.training import GRPOConfig
 from grpo.training.batches import PromptOrder, mixed_order, prompt_mix_order, prompt_order
 
 KINDS = ["reasoning"] * 30 + ["general"] * 10

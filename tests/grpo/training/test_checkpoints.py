@@ -16,7 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.configs.core import GRPOConfig, SamplingConfig, SFTConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig, SFTConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import MANIFEST, latest_checkpoint, verify_manifest, write_manifest
 from grpo.training.loops.grpo_trainer import GRPOTrainer

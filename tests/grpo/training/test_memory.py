@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM
 
 import grpo.training.policy as policy
 from benchmarks.bytes_alive import BytesAlive
-from grpo.configs.core import GRPOConfig, LoRAConfig, SamplingConfig
+from grpo.configs.lora import LoRAConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.training.logprobs import token_logps
 from grpo.training.loops.grpo_trainer import GRPOTrainer

@@ -121,7 +121,8 @@ def test_packed_logps_and_gradients_equal_the_padded_ones(kind, head):
 def make_trainer(tmp_path, **overrides):
     import pandas as pd
 
-    from grpo.configs.core import GRPOConfig, SamplingConfig
+    from grpo.configs.sampling import SamplingConfig
+    from grpo.configs.training import GRPOConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.grpo_trainer import GRPOTrainer
     from tiny_configs import SMALL
@@ -212,7 +213,7 @@ def test_a_packed_sft_run_matches_the_padded_one(tmp_path):
     (each sequence's first label is dropped, so no token is predicted across a boundary)."""
     import pandas as pd
 
-    from grpo.configs.core import SFTConfig
+    from grpo.configs.training import SFTConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.training.loops.sft_trainer import train_sft
     from tiny_configs import SMALL

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.configs.ppo import PPOConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.loops.ppo_trainer import PPOTrainer

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from grpo.configs.core import GRPOConfig, SFTConfig
 from grpo.configs.recipe import RecipeError, load_recipe
+from grpo.configs.training import GRPOConfig, SFTConfig
 from grpo.training.precision import (
     Hardware,
     Resolved,

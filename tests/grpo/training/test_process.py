@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-from grpo.configs.core import ModelConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
 from grpo.models import load_tokenizer
 from grpo.rewards.steps import Steps
 from grpo.training.advantages import group_advantages

@@ -7,9 +7,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.configs.recipe import ReasoningGRPOConfig
 from grpo.configs.rft import OnlineRFTConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.training.advantages import group_advantages

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.configs.core import GenerationConfig, GRPOConfig, SamplingConfig
 from grpo.configs.rollout import RolloutConfig
+from grpo.configs.sampling import GenerationConfig, SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.engines import build_engine
 from grpo.training.batches import prompt_order

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from grpo.configs.core import LR_SCHEDULERS
+from grpo.configs.training import LR_SCHEDULERS
 from grpo.training.schedules import make_scheduler
 
 

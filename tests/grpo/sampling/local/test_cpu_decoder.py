@@ -5,7 +5,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from benchmarks.bytes_alive import BytesAlive
-from grpo.configs.core import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from grpo.configs.model import ModelConfig, TinyModelConfig
+from grpo.configs.sampling import GenerationConfig, SamplingConfig
 from grpo.models import load_model_and_tokenizer
 from grpo.sampling.draws import draw_streams, uniform_at
 from grpo.sampling.engines import build_engine

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks.bytes_alive import BytesAlive
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.local.pages import PAGE_TOKENS, PagedState, page_bytes
 from grpo.sampling.local.slots import SlotBatch
 from grpo.sampling.local.static_sampler import StaticSampler

@@ -5,7 +5,7 @@ complete, and a slot batch takes rows while it decodes (what `r1 serve` does).""
 import pytest
 import torch
 
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.draws import draw_streams
 from grpo.sampling.local import decode_step
 from grpo.sampling.local.slots import SlotBatch
@@ -145,7 +145,7 @@ def test_a_slot_batch_takes_rows_while_it_decodes_and_streams_their_tokens():
 
 
 def test_the_engine_streams_each_prompts_group_as_generate_samples_it():
-    from grpo.configs.core import TinyModelConfig
+    from grpo.configs.model import TinyModelConfig
     from grpo.sampling.local.backend import TransformersBackend
     from grpo.tiny import build_tiny_model, build_tokenizer
 

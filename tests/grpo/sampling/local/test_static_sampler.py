@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bytes_alive import BytesAlive
-from grpo.configs.core import SamplingConfig
+from grpo.configs.sampling import SamplingConfig
 from grpo.sampling.draws import draw_streams
 from grpo.sampling.local import static_sampler
 from grpo.sampling.local.decode_step import read_weights
@@ -366,7 +366,7 @@ def test_the_bf16_copy_is_made_without_a_copy_in_the_models_dtype(tied):
 def test_the_engine_samples_the_weights_a_fused_optimizer_stepped_once_synced():
     # a fused AdamW step leaves the parameters' version counters alone, so nothing on the tensors says they
     # changed: the engine's sync_weights (which the trainers call after each step) refreshes its bf16 copy
-    from grpo.configs.core import ModelConfig, TinyModelConfig
+    from grpo.configs.model import ModelConfig, TinyModelConfig
     from grpo.models import load_model_and_tokenizer
     from grpo.sampling.local.backend import TransformersBackend
 

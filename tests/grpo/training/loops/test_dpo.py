@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.configs.core import LoRAConfig
 from grpo.configs.dpo import DPOConfig
+from grpo.configs.lora import LoRAConfig
 from grpo.configs.reward import PreferenceDataConfig
 from grpo.data.preferences import load_preference_data, preference_pairs
 from grpo.data.tables import DataError

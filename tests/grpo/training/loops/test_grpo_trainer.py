@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.configs.core import GRPOConfig, SamplingConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.models import activation_checkpointing, is_checkpointing, load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.sampling.local.cpu_decoder import lean_decode_supported
@@ -466,7 +467,7 @@ def test_on_a_gpu_auto_checkpoints_activations_and_keeps_a_bf16_reference():
     the memory-saving choices, on a CPU the fast ones; an explicit setting wins either way."""
     from types import SimpleNamespace
 
-    from grpo.configs.core import GRPOConfig
+    from grpo.configs.training import GRPOConfig
     from grpo.training.policy import checkpointing_on, reference_dtype
 
     gpu = SimpleNamespace(device=torch.device("cuda"), mixed_precision="bf16")  # what an Accelerator reports

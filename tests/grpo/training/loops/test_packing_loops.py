@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from comparisons import close
-from grpo.configs.core import GRPOConfig, SamplingConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.kernels.attention import attending_packed
 from grpo.models import load_model_and_tokenizer
 from packing_inputs import grpo_rows, make_model
@@ -273,7 +274,7 @@ def sft_rows() -> pd.DataFrame:
 def test_sft_micro_batches_split_to_a_token_budget_match_whole_padded_ones(tmp_path):
     """Three steps of 2 micro-batches of 4 rows: padded whole, and packed in pieces of at most a budget a little over
     the longest row (several pieces a micro-batch): the same losses and weights, the step's loss the token mean."""
-    from grpo.configs.core import SFTConfig
+    from grpo.configs.training import SFTConfig
     from grpo.training.loops.sft_trainer import row_pieces, tokenize_rows, train_sft
 
     model, tok = load_model_and_tokenizer(SMALL)
@@ -299,7 +300,7 @@ def test_sft_micro_batches_split_to_a_token_budget_match_whole_padded_ones(tmp_p
 
 
 def test_an_sft_token_budget_that_cannot_hold_a_row_fails_before_training(tmp_path):
-    from grpo.configs.core import SFTConfig
+    from grpo.configs.training import SFTConfig
     from grpo.data.tables import DataError
     from grpo.training.loops.sft_trainer import train_sft
 

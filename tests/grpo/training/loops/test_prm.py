@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from comparisons import close
-from grpo.configs.core import ModelConfig, TaskConfig
+from grpo.configs.data import TaskConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.reward import RewardModelConfig
 from grpo.data.arithmetic import generate_problems
 from grpo.rewards.steps import arithmetic_steps

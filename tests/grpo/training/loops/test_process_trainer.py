@@ -6,14 +6,11 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import (
-    GRPOConfig,
-    ModelConfig,
-    SamplingConfig,
-    SFTConfig,
-    TaskConfig,
-)
+from grpo.configs.data import TaskConfig
+from grpo.configs.model import ModelConfig
 from grpo.configs.reward import RewardModelConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig, SFTConfig
 from grpo.data.arithmetic import generate_problems, rl_rows, sft_rows
 from grpo.models import load_model_and_tokenizer
 from grpo.rewards import REWARD_FUNCTIONS, accuracy_reward

@@ -8,9 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo.configs.core import GRPOConfig, ModelConfig, SamplingConfig
-from grpo.configs.reward import HARMLESSNESS, HELPFULNESS
-from grpo.configs.reward import RewardModelConfig
+from grpo.configs.model import ModelConfig
+from grpo.configs.reward import HARMLESSNESS, HELPFULNESS, RewardModelConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.data.general import general_prompts, general_sft_rows
 from grpo.data.preferences import load_preferences, pairs_for, preference_pairs
 from grpo.data.tables import SFT_SCHEMA, DataError, validate_rows

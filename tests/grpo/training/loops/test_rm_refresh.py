@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from comparisons import close
-from grpo.configs.core import GRPOConfig, SamplingConfig
 from grpo.configs.reward import RewardModelConfig
+from grpo.configs.sampling import SamplingConfig
+from grpo.configs.training import GRPOConfig
 from grpo.data.general import general_prompts
 from grpo.data.preferences import preference_pairs
 from grpo.models import load_model_and_tokenizer

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.configs.core import SFTConfig
+from grpo.configs.training import SFTConfig
 from grpo.data.row_files import check_row_files
 from grpo.data.tables import SFT_SCHEMA, DataError
 from grpo.models import load_model_and_tokenizer, load_tokenizer

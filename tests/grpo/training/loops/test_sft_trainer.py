@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.configs.core import SFTConfig
+from grpo.configs.training import SFTConfig
 from grpo.data.tables import DataError
 from grpo.models import is_checkpointing, load_model_and_tokenizer
 from grpo.training.batches import batch_indices

@@ -1,0 +1,74 @@
+"""The recipes a clone ships load, and so does every recipe example its pages show: the README's `r1` commands
+(`--recipe`, `--set`) and the YAML sections in the README and docs/, each read as a recipe file of its own. A setting
+renamed or moved fails here, naming the page and line that still show it."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.cli.preflight import parse_overrides
+from grpo.configs.recipe import RECIPES_DIR, apply_overrides, load_recipe
+
+ROOT = Path(__file__).resolve().parents[3]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_shipped_recipe_loads():
+    names = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    assert {"tiny", "gsm8k"} <= set(names)
+    for name in names:
+        assert load_recipe(name).name == name
+
+
+def yaml_examples() -> list[tuple[str, str]]:
+    """Each ```yaml block of the pages as (page:line, text), dedented (a block may sit in a list item)."""
+    found = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if line.strip() == "```yaml"]
+        for start in starts:
+            end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "```")
+            found.append((f"{page.relative_to(ROOT)}:{start + 1}", textwrap.dedent("\n".join(lines[start + 1:end]))))
+    return found
+
+
+EXAMPLES = yaml_examples()
+
+
+def test_the_pages_show_recipe_examples():
+    assert len(EXAMPLES) >= 10, EXAMPLES  # a change to how the pages mark their examples would skip them all
+
+
+@pytest.mark.parametrize("where, text", EXAMPLES, ids=[where for where, _ in EXAMPLES])
+def test_every_yaml_example_in_the_pages_loads(where, text, tmp_path):
+    """As written to a file (the defaults beneath it, or the `base:` it names): a RecipeError names the field."""
+    assert isinstance(yaml.safe_load(text), dict), f"{where}: not a mapping of recipe sections"
+    path = tmp_path / "example.yaml"
+    path.write_text(text)
+    load_recipe(path)
+
+
+def readme_commands() -> list[str]:
+    """The `r1 run`, `r1 stage`, `r1 plan` and `r1 sweep` lines of the README's shell blocks, comments cut."""
+    commands, fence = [], None
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fence = line[3:].strip() if fence is None else None
+        elif fence == "bash" and re.search(r"\br1 (run|stage|plan|sweep)\b", line):
+            commands.append(line.split("#")[0].strip())
+    return commands
+
+
+def test_the_readme_commands_name_shipped_recipes_and_settings_they_take():
+    commands = readme_commands()
+    given = [c for c in commands if "--set" in c]
+    assert given, commands  # the README shows overrides; if it stops, this test has nothing to read
+    for command in commands:
+        recipe = load_recipe(m.group(1) if (m := re.search(r"--recipe (\S+)", command)) else "tiny")
+        overrides = parse_overrides(re.findall(r"--set (\S+)", command))
+        apply_overrides(recipe, overrides)  # a RecipeError names the path
