@@ -6,6 +6,7 @@ on 127.0.0.1; no mocks."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -264,6 +265,15 @@ def test_the_key_is_still_checked(one_slot):
 def test_a_bad_request_is_refused_naming_the_field(server, body, status, param):
     r = post(server, "completions", body)
     assert r.status_code == status and r.json()["error"]["param"] == param
+
+
+def test_the_servers_connections_send_without_waiting_for_acks(server):
+    """TCP_NODELAY on every connection the server accepts: with Nagle on, a reply's body waited for the client's
+    ack of its headers, which clients delay up to 40 ms, and one-token requests took 52-64 ms instead of 10-19."""
+    with httpx.Client(timeout=60) as client:
+        assert client.get(f"{server.url}/models").status_code == 200  # the connection is kept open
+        sockets = [c.transport.get_extra_info("socket") for c in server._uvicorn.server_state.connections]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
 
 
 def test_a_body_too_large_is_refused_before_it_is_read(server):
