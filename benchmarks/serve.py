@@ -2,7 +2,7 @@
 0 from 1, 8 and 32 concurrent clients, both servers on 127.0.0.1, each in a process of its own.
 
 usage: python benchmarks/serve.py [--checkpoint DIR] [--requests 64] [--max-tokens 64] [--clients 1,8,32]
-                                  [--rounds 2] [--slots 64]
+                                  [--rounds 2] [--slots 64] [--rev REV] [--no-peer]
 
 The checkpoint (default: the embedded recipe's model shape, Qwen2 hidden 256, 4 layers, 2.97M parameters, with its
 1,024-entry BPE tokenizer, freshly initialised with seed 0 and saved to a temporary folder). The requests: `What is
@@ -10,7 +10,9 @@ The checkpoint (default: the embedded recipe's model shape, Qwen2 hidden 256, 4 
 take turns (ours, then the peer; the next round the same), each started, warmed up with a few requests, then sent
 the `--requests` requests from each client count in turn (a client sends its next request when its reply is
 back). Printed per server, round and client count: requests/s, completion tokens/s (the servers' own usage
-counts), p50 and p99 latency of a request; last, the ratios at the largest client count.
+counts), p50 and p99 latency of a request; last, the ratios at each client count. `--rev REV` gives r1 serve at
+that commit a turn too, after ours (a temporary git worktree, or `R1_REV_TREES`: `benchmarks/worktrees.py`), and
+`--no-peer` leaves the peer out (the code against its own past alone).
 
 The peer runs offline on the local folder (HF_HUB_OFFLINE=1 works: `transformers serve DIR` loads it like
 from_pretrained). It needs transformers' `serving` extra (in the dev extra). On a machine shared with other jobs
@@ -21,6 +23,7 @@ round. A script that prints figures, never a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -36,6 +39,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's code makes the checkpoint, not an installed one
+
+from worktrees import worktree  # noqa: E402
 
 
 def make_checkpoint(folder: Path) -> None:
@@ -53,10 +59,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(kind: str, checkpoint: str, port: int, slots: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """The server's process and the model id its clients send."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    if kind == "r1 serve":
+def start(kind: str, checkpoint: str, port: int, slots: int, log: Path,
+          root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """The server's process and the model id its clients send (r1 serve: the code under `root`)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    if kind.startswith("r1 serve"):
         cmd = [sys.executable, "-m", "flows.cli", "serve", checkpoint, "--port", str(port), "--model-name", "bench",
                "--slots", str(slots)]
         model = "bench"
@@ -65,7 +72,7 @@ def start(kind: str, checkpoint: str, port: int, slots: int, log: Path) -> tuple
                "--port", str(port), "--device", "cpu", "--log-level", "warning"]
         model = checkpoint
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -127,18 +134,32 @@ def main() -> None:
     p.add_argument("--clients", default="1,8,32")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--rev", default=None, help="r1 serve at this commit takes a turn too")
+    p.add_argument("--no-peer", action="store_true", help="leave transformers serve out")
     args = p.parse_args()
+    with (worktree(args.rev) if args.rev else contextlib.nullcontext()) as old:
+        run(args, old)
+
+
+def run(args, old: Path | None) -> None:
+    """The rounds: each server in turn, every client count; then the ratios."""
     clients = [int(c) for c in args.clients.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     checkpoint = args.checkpoint
     if checkpoint is None:
         checkpoint = str(work / "checkpoint")
         make_checkpoint(Path(checkpoint))
+    servers = {"r1 serve": ROOT}
+    if old is not None:
+        servers[f"r1 serve@{args.rev}"] = old
+    if not args.no_peer:
+        servers["transformers serve"] = None
     results = []
     for rnd in range(args.rounds):
-        for kind in ("r1 serve", "transformers serve"):
+        for kind, root in servers.items():
             port = free_port()
-            proc, model = start(kind, checkpoint, port, args.slots, work / f"{kind.split()[0]}-{rnd}.log")
+            proc, model = start(kind, checkpoint, port, args.slots, work / f"{kind.replace(' ', '-')}-{rnd}.log",
+                                root or ROOT)
             try:
                 load(port, bodies(model, 8, args.max_tokens), 8)  # warm-up: shapes, kernels, caches
                 for c in clients:
@@ -147,13 +168,15 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
             finally:
                 stop(proc)
-    top = max(clients)
-    for rnd in range(args.rounds):
-        ours, peer = (next(r for r in results if r["server"] == k and r["round"] == rnd and r["clients"] == top)
-                      for k in ("r1 serve", "transformers serve"))
-        print(f"round {rnd}, {top} clients: r1 serve / transformers serve: tokens/s "
-              f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x, requests/s "
-              f"{ours['requests_per_s'] / peer['requests_per_s']:.2f}x, p99 {ours['p99_s']} s vs {peer['p99_s']} s")
+    for other in [k for k in servers if k != "r1 serve"]:
+        for rnd in range(args.rounds):
+            for c in clients:
+                ours, peer = (next(r for r in results if r["server"] == k and r["round"] == rnd and r["clients"] == c)
+                              for k in ("r1 serve", other))
+                print(f"round {rnd}, {c} clients: r1 serve / {other}: tokens/s "
+                      f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x, requests/s "
+                      f"{ours['requests_per_s'] / peer['requests_per_s']:.2f}x, p99 {ours['p99_s']} s vs "
+                      f"{peer['p99_s']} s")
 
 
 if __name__ == "__main__":

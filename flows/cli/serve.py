@@ -2,7 +2,7 @@
 questions, its concurrent requests decoded together.
 
     GET  /v1/models             the one model served
-    POST /v1/chat/completions   chat: messages -> chat template -> one choice (stream: chat.completion.chunk events)
+    POST /v1/chat/completions   chat: messages -> chat template -> n choices (stream: chat.completion.chunk events)
     POST /v1/completions        completion of text as given (a prompt or a list), n choices each (stream too)
     GET  /health                200 when up
 
@@ -116,6 +116,10 @@ class ChatServer:
                                      threads=engine_threads(device))
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socket = socket.create_server(address, family=family)  # bound now: the url is known before serving
+        # the connections it accepts inherit this. asyncio sets it only on sockets made with IPPROTO_TCP, and these
+        # are made with proto 0: without it Nagle held a reply's body until the client acked its headers, which a
+        # client delays up to 40 ms (a 1-token request took 52-64 ms at 1 client, 10-19 ms with it)
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server_address = self.socket.getsockname()
         config = uvicorn.Config(_AccessLog(build_app(self)), log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2)
@@ -363,16 +367,16 @@ class _Reply:
     def whole(self) -> dict:
         done = [self.done[i] for i in range(self.choices)]
         if self.req.chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": done[0].text}, "logprobs": None,
-                        "finish_reason": done[0].finish_reason}]
+            choices = [{"index": f.choice, "message": {"role": "assistant", "content": f.text}, "logprobs": None,
+                        "finish_reason": f.finish_reason} for f in done]
             return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
         choices = [{"index": f.choice, "text": f.text, "logprobs": _token_logprobs(f) if self.req.logprobs else None,
                     "finish_reason": f.finish_reason} for f in done]
         return {**self._head("text_completion"), "choices": choices, "usage": self.usage()}
 
     def opening(self) -> list[dict]:
-        """Chat's first chunk names the role; completions start with text."""
-        return [self.chunk(0, None, role=True)] if self.req.chat else []
+        """Chat's first chunk of each choice names the role; completions start with text."""
+        return [self.chunk(i, None, role=True) for i in range(self.choices)] if self.req.chat else []
 
     def chunk(self, choice: int, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
         if self.req.chat:

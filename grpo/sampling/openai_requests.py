@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from grpo.configs.sampling import SamplingConfig
 
 DEFAULT_MAX_TOKENS = 256  # a request that names no max_tokens gets this many (vLLM: 16 for /v1/completions)
-MAX_CHOICES = 1024  # prompts x n in one /v1/completions request
+MAX_CHOICES = 1024  # choices in one request: prompts x n (/v1/completions), n (/v1/chat/completions)
 MAX_STOPS = 4  # stop strings in one request, as OpenAI allows
 ROLES = ("system", "user", "assistant")
 
@@ -54,12 +54,14 @@ class Request:
 
 
 def parse_chat(body, model_name: str) -> Request:
-    """A /v1/chat/completions body as a Request; RequestError naming the first bad field."""
+    """A /v1/chat/completions body as a Request: `n` replies to the messages; RequestError naming the first bad
+    field."""
     _check_model(body, model_name)
     messages = _messages(body.get("messages"))
-    if body.get("n", 1) != 1:
-        raise RequestError(400, f"n must be 1 (one choice per request), got {body['n']!r}", "n")
-    return Request(True, (messages,), 1, *_common(body), logprobs=False, add_special_tokens=False,
+    n = _number(body.get("n"), "n", int, 1, low=1)
+    if n > MAX_CHOICES:
+        raise RequestError(400, f"n={n} is more than the {MAX_CHOICES} choices one request may ask for", "n")
+    return Request(True, (messages,), n, *_common(body), logprobs=False, add_special_tokens=False,
                    **_streaming(body), budget_field=_budget_field(body))
 
 

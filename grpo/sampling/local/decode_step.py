@@ -45,11 +45,11 @@ def decoder(model: torch.nn.Module) -> PreTrainedModel:
     return model.get_base_model() if type(model).__module__.startswith("peft.") else model
 
 
-def choose_tokens(logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig,
+def choose_tokens(logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfig,
                   want_logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The token of each row picked by the inverse CDF at its uniform `u`, and its log-prob when asked.
 
-    logits [B, V], u [B] in [0, 1). Greedy at temperature 0; otherwise temperature, then top-k, then top-p (the
+    logits [B, V], u [B] in [0, 1) (unread, and may be None, at temperature 0). Greedy at temperature 0; otherwise temperature, then top-k, then top-p (the
     smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`.
 
     The log-prob is the chosen token's under the tempered full distribution, log softmax(logits / temperature),
@@ -314,7 +314,8 @@ def _choose(st: SlotState, logits: torch.Tensor, s: SamplingConfig, eos: torch.T
     has ended (an end token, the budget, or free) gets the pad id, written to the dump column, and stays as it is."""
     dump = st.ids.size(1) - 1
     ended = st.done | (st.n >= st.limit)  # [S]
-    u = uniform_at(st.streams, st.n)  # [S] each slot's draw for its token
+    # [S] each slot's draw for its token; greedy reads none (24 us of a 2 ms CPU step at one row)
+    u = uniform_at(st.streams, st.n) if s.temperature > 0 else None
     tok, lp = choose_tokens(logits, u, s, want_logprobs)  # [S], [S]
     tok = tok.masked_fill(ended, pad_id)
     col = st.n.masked_fill(ended, dump)[:, None]  # [S, 1]

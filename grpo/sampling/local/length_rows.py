@@ -170,24 +170,32 @@ class Plan:
             read += [width] * len(got)
         self.order = torch.tensor(order, dtype=torch.long, device=rows.device)  # [N]
         self.read = torch.tensor(read, dtype=torch.long, device=rows.device)  # [N] positions each row reads
+        # one group whose rows are slots 0..N-1 in order, every slot of the step (one row, or rows that came
+        # together): the step's tensors are already in group order, and nothing is gathered or scattered back
+        self.in_order = len(self.runs) == 1 and order == list(range(len(order)))
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [S, Hkv, D]: each live slot's new token's, into its row of layer i."""
-        kv = torch.stack([k, v], 1).index_select(0, self.order)  # [N, 2, Hkv, D]
+        kv = torch.stack([k, v], 1)  # [S, 2, Hkv, D]
+        if not (self.in_order and kv.size(0) == self.order.size(0)):
+            kv = kv.index_select(0, self.order)  # [N, 2, Hkv, D]
         for group, a, b, _, _, index in self.runs:
             group.kv[: b - a, i].scatter_(3, index, kv[a:b, :, :, None])
 
     def attend(self, i: int, q: torch.Tensor, scale: float, read: torch.Tensor | None) -> torch.Tensor:
         """q [S, Hkv, G, D] over layer i's rows, each live slot its own: [S, Hkv, G, D] (zeros for the others).
         read: [S] int64 or None; where given, the positions each slot read are added to it."""
-        qs = q.index_select(0, self.order)  # [N, Hkv, G, D]
+        whole = self.in_order and q.size(0) == self.order.size(0)  # the rows are the step's slots, in order
+        qs = q if whole else q.index_select(0, self.order)  # [N, Hkv, G, D]
         outs = []
         for group, a, b, width, bias, _ in self.runs:
             kv = group.kv[: b - a, i, :, :, :width]  # [r, 2, Hkv, W, D]
             outs.append(torch.nn.functional.scaled_dot_product_attention(
                 qs[a:b], kv[:, 0], kv[:, 1], attn_mask=bias, scale=scale))
         if read is not None:
-            read.index_add_(0, self.order, self.read)
+            read.add_(self.read) if whole else read.index_add_(0, self.order, self.read)
+        if whole:
+            return outs[0]
         out = q.new_zeros(q.shape)
         if outs:
             out.index_copy_(0, self.order, torch.cat(outs) if len(outs) > 1 else outs[0])

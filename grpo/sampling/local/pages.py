@@ -11,8 +11,8 @@ layout CPU attention reads fastest); a slot has a block table, the pages it read
 - a prompt's keys and values go into pages once, and the G rows of that prompt read those same pages (counted: a
   page goes back to the pool when the last row reading it ends); a row's own tokens start on a page of its own, so
   a prompt's last page, partly filled, is never written by its rows;
-- a step writes each slot's new keys and values at its own position (page and offset from its table) and attends
-  over each slot's own positions;
+- a step writes each slot's new keys and values at its own position (page and offset from its table; on the eager
+  path, where attention reads rows, into the slot's row alone) and attends over each slot's own positions;
 - attention reads, on the eager path (`layout="rows"`, a CPU), each slot's row kept from step to step in the group
   of rows with as many pages (`length_rows.LengthRows`: one SDPA a group, so no row reads or holds K/V a page or
   more past its own length, whatever the longest row); in the captured layout (`layout="kernel"`, what CUDA graphs
@@ -360,20 +360,19 @@ class PagedState(SlotState):
 
 
 class _PagedAttention:
-    """One step's cache access on the eager path: each slot's new K/V at position base + n - 1 of its pages and at
-    the end of its row (`length_rows`), and attention over the rows, each live slot its own, one SDPA a group of
-    rows with as many pages.
+    """One step's cache access on the eager path: each slot's new K/V at the end of its row (`length_rows`), and
+    attention over the rows, each live slot its own, one SDPA a group of rows with as many pages.
 
-    The pages are the record (what a row holds, shared, given back, counted against the budget); the rows are what
+    The pages are the record of what a row holds (shared, given back, counted against the budget); the rows are what
     attention reads on this eager path: gathering every slot's pages each step cost as much again as the attention
     itself (+30% a step on a CPU), while a row is read from the pages only when its slot takes it. A row holds its
-    prefix and tokens, no more than a page past them; no row is as wide as another's."""
+    prefix and tokens, no more than a page past them; no row is as wide as another's. What is read from the pages
+    is a prefix (`place` writes it) and never a row's own tokens (a new row has none yet; a resumed one has them in
+    its recomputed prefix), so a step writes its tokens into the rows alone: the two page writes a layer, and the
+    position arithmetic for them, were 1-2 us each of a ~2 ms step at one row."""
 
     def __init__(self, st: PagedState, kv_len: int):
-        page, S = st.page, st.tok.size(0)
-        at = st.base + st.n - 1  # [S] the new token's position in the slot's pages
-        row_page = st.table.gather(1, (at // page).clamp(min=0, max=st.table.size(1) - 1)[:, None]).squeeze(1)
-        self.flat = row_page * page + at % page  # [S] into a pool's positions
+        S = st.tok.size(0)
         done = st.done.tolist()
         fresh = {s for s in st.stale if s < S}
         st.stale.difference_update(fresh)
@@ -381,10 +380,7 @@ class _PagedAttention:
         self.st = st
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [S, Hkv, D]: each slot's new token's, at its position."""
-        st = self.st
-        st.k[i].index_copy_(1, self.flat, k.transpose(0, 1))
-        st.v[i].index_copy_(1, self.flat, v.transpose(0, 1))
+        """k, v [S, Hkv, D]: each slot's new token's, at the end of its row."""
         self.plan.write(i, k, v)
 
     def attend(self, i: int, q: torch.Tensor) -> torch.Tensor:
