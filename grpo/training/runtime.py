@@ -42,6 +42,25 @@ from grpo.training.strategy import make_strategy
 REFERENCE_FILE = "reference.pt"  # a checkpoint's refreshed reference (grpo.schedule.reference_every)
 
 
+class OnRuntime:
+    """A loop whose runtime's attributes (acc, cfg, model, packed, ...) read and set as its own: a value set on the
+    loop is the runtime's, so every part holding the runtime sees it (a copy kept on the loop alone would leave the
+    runtime's passes, the sources and the step's update reading the old one)."""
+
+    def __getattr__(self, name: str):
+        if name == "runtime":
+            raise AttributeError(name)
+        return getattr(self.runtime, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        runtime = self.__dict__.get("runtime")
+        own = name in self.__dict__ or isinstance(getattr(type(self), name, None), property)
+        if runtime is not None and not own and hasattr(runtime, name):
+            setattr(runtime, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+
 class PolicyRuntime:
     """The policy, its reference, the accelerator and strategy, the prompts and the reward functions of one run."""
 

@@ -39,6 +39,7 @@ from grpo.training.parts import LoopParts, grpo_parts
 from grpo.training.hooks import StepHook
 from grpo.training.policy import MetricsCallback, SamplesCallback, report_step, rollout_metrics, samples_table
 from grpo.training.process import StepRewards
+from grpo.training.runtime import OnRuntime
 from grpo.training.step_batch import Batch, build_batch, clipped_update
 
 SYNC_CHECK_ROWS = 2  # rows a step on which the sampler's gathered copy is compared with the sharded policy
@@ -49,7 +50,7 @@ class GRPOResult(NamedTuple):
     steps: int  # optimizer steps taken in total
 
 
-class GRPOTrainer:
+class GRPOTrainer(OnRuntime):
     """Holds the policy, the reference model, the optimizer and the data; `train()` runs the loop."""
 
     def __init__(self, model, tokenizer, prompts: pd.DataFrame, cfg, output_dir: str | Path, *,
@@ -75,19 +76,6 @@ class GRPOTrainer:
         self.on_metrics, self.on_samples, self.progress, self.hooks = on_metrics, on_samples, progress, list(hooks)
         self.tis_cap = self.cfg.tis_cap or self.source.behaviour_cap  # asynchronous: pi_prox / pi_behave, capped
         self.version = 0  # optimizer steps taken: the version of the weights the sampler holds
-
-    def __getattr__(self, name: str):  # the runtime's (acc, cfg, model, strategy, ref_model, ...) read as the loop's
-        if name == "runtime":
-            raise AttributeError(name)
-        return getattr(self.runtime, name)
-
-    @property
-    def cfg(self):
-        return self.runtime.cfg
-
-    @cfg.setter
-    def cfg(self, cfg) -> None:  # one config for the loop and its parts: they all read the runtime's
-        self.runtime.cfg = cfg
 
     @property
     def engine(self) -> Engine | None:

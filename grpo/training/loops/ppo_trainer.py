@@ -56,7 +56,7 @@ from grpo.training.packing import loss_parts, micro_batch_rows
 from grpo.training.policy import (MetricsCallback, SamplesCallback, prepared, report_step, rollout_metrics,
                                   samples_table, trainable)
 from grpo.training.ppo import explained_variance, gae_advantages, masked_mean, masked_whiten, ppo_loss, token_rewards
-from grpo.training.runtime import PolicyRuntime
+from grpo.training.runtime import OnRuntime, PolicyRuntime
 from grpo.training.sources import EngineSource
 from grpo.training.value import ValueModel
 
@@ -82,7 +82,7 @@ class PPOResult(NamedTuple):
     steps: int  # optimizer steps taken in total
 
 
-class PPOTrainer:
+class PPOTrainer(OnRuntime):
     """Holds the policy, the reference, the critic, their optimizers and the data; `train()` runs the loop."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
@@ -114,11 +114,6 @@ class PPOTrainer:
         # checkpoints hold both, in this order
         critic, optimizer = trainable(critic, cfg, rt.acc.device, self.ppo.value_learning_rate or cfg.learning_rate)
         self.critic, self.critic_optimizer, self.critic_scheduler = prepared(rt.strategy, critic, optimizer, cfg)
-
-    def __getattr__(self, name: str):  # the runtime's (acc, cfg, model, strategy, ref_model, ...) read as the loop's
-        if name == "runtime":
-            raise AttributeError(name)
-        return getattr(self.runtime, name)
 
     @property
     def engine(self) -> Engine:
