@@ -28,10 +28,10 @@ class PPOConfig(BaseModel):
     lam: float = Field(0.95, ge=0, le=1)  # GAE's lambda: 1 = Monte-Carlo returns, 0 = one-step TD
     cliprange_value: float = Field(0.2, gt=0)  # the new value may move this far from the rollout's value, unclipped
     vf_coef: float = Field(0.1, ge=0)  # weight of the value loss beside the policy loss (TRL's default)
-    # where grpo.beta's KL goes: "reward" (InstructGPT, TRL, OpenRLHF: -beta x (logp - ref) on every token's reward,
-    # the critic learns it) or "loss" (GRPO's k3 term in the loss, as the GRPO paper does instead)
+    # where grpo.loss.beta's KL goes: "reward" (InstructGPT, TRL, OpenRLHF: -beta x (logp - ref) on every token's
+    # reward, the critic learns it) or "loss" (GRPO's k3 term in the loss, as the GRPO paper does instead)
     kl_in: Literal["reward", "loss"] = "reward"
-    value_learning_rate: float | None = Field(None, gt=0)  # the critic's AdamW rate; None = grpo.learning_rate
+    value_learning_rate: float | None = Field(None, gt=0)  # the critic's AdamW rate; None = grpo.optimizer's
 
 
 def check_ppo_settings(grpo: GRPOConfig, prompts: int | None, source: str = "the data section") -> None:
@@ -40,10 +40,10 @@ def check_ppo_settings(grpo: GRPOConfig, prompts: int | None, source: str = "the
     At equal budget PPO samples one completion for each of prompts_per_step x num_generations prompts: as many
     completions a step as GRPO, each of its own prompt.
     """
-    if grpo.dynamic_sampling:
-        raise ValueError("algorithm ppo has no groups to filter: set grpo.dynamic_sampling to false")
-    if grpo.importance_sampling_level != "token":
-        raise ValueError("algorithm ppo has an advantage per token: set grpo.importance_sampling_level to 'token'")
+    if grpo.rollout.dynamic_sampling:
+        raise ValueError("algorithm ppo has no groups to filter: set grpo.rollout.dynamic_sampling to false")
+    if grpo.loss.importance_sampling_level != "token":
+        raise ValueError("algorithm ppo has an advantage per token: set grpo.loss.importance_sampling_level to 'token'")
     if grpo.lora is not None:
         raise ValueError("algorithm ppo trains the whole policy and critic: remove grpo.lora")
     if grpo.prompt_mix:

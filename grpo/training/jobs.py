@@ -243,6 +243,6 @@ def _frozen_engine(model, tokenizer, job: GRPOJob):
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
     # the device the trainer's Accelerator gives this process: its GPU (one a process), or the CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
-    precision = choose_precision(job.cfg.mixed_precision, this_machine())
+    precision = choose_precision(job.cfg.memory.mixed_precision, this_machine())
     return build_engine(job.generation, frozen.to(device), tokenizer, dtype=sampling_dtype(precision),
                         who="offline RFT")
