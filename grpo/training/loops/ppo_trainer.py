@@ -12,7 +12,7 @@ One step, as InstructGPT's third step (and TRL's PPOTrainer, OpenRLHF) run it:
      step of the policy and one of the critic.
 Sampling, scoring, the policy and its reference, the step's figures, checkpoints and the saved model are built from
 the same parts as GRPO's loop (grpo.training.policy), so the two are measured on the same code; the step loop is
-PPO's own, written out here. Packed rows (`grpo.configs.training.GRPOConfig.packing`, `max_tokens_per_microbatch`) are
+PPO's own, written out here. Packed rows (`memory.packing`, `memory.max_tokens_per_microbatch`) are
 GRPO's: the policy, pi_old, reference and critic passes each run a micro-batch as one row without padding, and a
 budgeted micro-batch's loss is read in the row-count parts its rows come from. The critic is not saved with the
 model (the next stage needs the policy only); it is in the resumable checkpoints.
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.configs.distributed import DistributedConfig
-from grpo.configs.ppo import PPOConfig, check_ppo_settings
+from grpo.configs.ppo import PPOConfig, PPOTrainingConfig, check_ppo_settings
 from grpo.configs.sampling import GenerationConfig
 from grpo.configs.training import GRPOConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
@@ -83,16 +83,23 @@ class PPOResult(NamedTuple):
 
 
 class PPOTrainer:
-    """Holds the policy, the reference, the critic, their optimizers and the data; `train()` runs the loop."""
+    """Holds the policy, the reference, the critic, their optimizers and the data; `train()` runs the loop.
+
+    `cfg` is PPO's own config (`PPOTrainingConfig`), or a stage's `GRPOConfig` with its `ppo` settings beside it,
+    read into one as `PPOTrainingConfig.from_grpo` reads them."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
-                 cfg: GRPOConfig, output_dir: str | Path, *, ppo: PPOConfig | None = None,
+                 cfg: PPOTrainingConfig | GRPOConfig, output_dir: str | Path, *, ppo: PPOConfig | None = None,
                  engine: Engine | None = None, generation: GenerationConfig | None = None,
                  on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
                  reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
                  distributed: DistributedConfig | None = None):
-        self.ppo = ppo or PPOConfig()
-        check_ppo_settings(cfg, len(prompts), "the data")  # no groups, LoRA or process supervision; enough prompts
+        if isinstance(cfg, GRPOConfig):  # a stage's grpo section, with its ppo section (`ppo`) beside it
+            cfg = PPOTrainingConfig.from_grpo(cfg, ppo)
+        elif ppo is not None:
+            raise TypeError("PPOTrainer: PPO's settings are the config's own (cfg.ppo); pass ppo only beside a "
+                            "GRPOConfig")
+        check_ppo_settings(cfg, len(prompts), "the data")  # enough prompts for one completion each a step
         # copied before the policy is moved or cast: the critic starts from the checkpoint's full-precision weights
         critic = ValueModel.from_policy(model, cfg.seed)
         # the policy, its reference, accelerator, strategy (which holds the critic too) and grading watch, as GRPO's
@@ -120,6 +127,10 @@ class PPOTrainer:
         if name == "runtime":
             raise AttributeError(name)
         return getattr(self.runtime, name)
+
+    @property
+    def ppo(self) -> PPOConfig:  # PPO's own settings, in the loop's config
+        return self.cfg.ppo
 
     @property
     def engine(self) -> Engine:
