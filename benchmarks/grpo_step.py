@@ -121,11 +121,11 @@ def main() -> None:
                                                            for m in timed), 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "mean_completion_length": round(statistics.mean(m["completion_length"] for m in steps), 2),
-        "micro_batch_size": cfg.micro_batch_size,
-        "mixed_precision": cfg.mixed_precision,
-        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "micro_batch_size": cfg.memory.micro_batch_size,
+        "mixed_precision": cfg.memory.mixed_precision,
+        "gradient_checkpointing": cfg.memory.gradient_checkpointing,
         "lora_r": cfg.lora.r if cfg.lora else None,
-        "weights_dtype": cfg.weights_dtype,
+        "weights_dtype": cfg.memory.weights_dtype,
         # where the step goes (medians; not in the peers' figures)
         **{f"median_{k}_s": round(statistics.median(m[f"time/{k}_s"] for m in timed), 4)
            for k in ("generation", "reference", "optimise")},

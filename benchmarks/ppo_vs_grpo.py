@@ -85,8 +85,8 @@ def run_one(algorithm: str, args) -> dict:
         "mean_completion_length": round(statistics.mean(m["completion_length"] for m in steps), 2),
         "policy_params": policy_params,
         "critic_params": critic_params,
-        "mixed_precision": cfg.mixed_precision,
-        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "mixed_precision": cfg.memory.mixed_precision,
+        "gradient_checkpointing": cfg.memory.gradient_checkpointing,
     }
     if cuda:
         figures["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)

@@ -52,7 +52,7 @@ def main() -> None:
     for name, rows in (("train", train), ("heldout", heldout)):
         completions = backend.generate(rows["prompt"].tolist(), 1, rg.grpo.sampling).texts
         labelled[name] = label_steps(backend, rows.reset_index(drop=True), completions, args.k, rg.grpo.sampling,
-                                     max_ungraded_share=rg.grpo.max_ungraded_share)
+                                     max_ungraded_share=rg.grpo.grading.max_ungraded_share)
         flat = [y for ys in labelled[name]["labels"] for y in ys]
         print(json.dumps({"labels": name, "completions": len(labelled[name]), "steps": len(flat),
                           "good_share": round(sum(flat) / len(flat), 3),

@@ -70,7 +70,7 @@ def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str 
         if config.eval_before:
             if data.heldout:
                 before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
-                                        code=config.grpo.code, generation=config.generation)
+                                        code=config.grpo.grading.code, generation=config.generation)
                 metrics.update({f"{k}_before": v for k, v in before.items()})
             if config.alignment_eval.enabled:
                 verdicts_before = evaluate_alignment(run_id, checkpoint_uri, config, step=0)
@@ -88,7 +88,7 @@ def _align(checkpoint_uri: str, config: AlignmentGRPOConfig, parent_run_id: str 
                                           helpfulness_reads=config.reward_model.helpfulness_reads)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
-                                          step=steps, code=config.grpo.code, generation=config.generation))
+                                          step=steps, code=config.grpo.grading.code, generation=config.generation))
         if config.alignment_eval.enabled:
             verdicts_after = evaluate_alignment(run_id, checkpoint, config, step=steps)
             metrics.update(_alignment_figures(verdicts_after))

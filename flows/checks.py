@@ -58,7 +58,7 @@ def check_rewards(stage: str, grpo, train, heldout=None) -> None:
         check_reward_columns(grpo.rewards, train.columns, "its rows")
     if "code" in grpo.rewards or has_tests(heldout):
         field = "grpo.rewards" if "code" in grpo.rewards else "data.heldout_source"
-        check_sandbox(f"{stage}.{field}", grpo.code)
+        check_sandbox(f"{stage}.{field}", grpo.grading.code)
 
 
 def looks_like_a_path(name: str) -> bool:

@@ -40,7 +40,7 @@ def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningG
         metrics = {}
         if data.heldout and config.eval_before:
             before = evaluate_model(run_id, checkpoint_uri, config.model, data.heldout, config.eval, step=0,
-                                    code=config.grpo.code, generation=config.generation)
+                                    code=config.grpo.grading.code, generation=config.generation)
             metrics.update({f"{k}_before": v for k, v in before.items()})
         checkpoint = train_grpo_model(run_id, NAME, config.model, checkpoint_uri, data.train, config.grpo,
                                       ppo=config.ppo if config.algorithm == "ppo" else None,
@@ -49,7 +49,7 @@ def reasoning_grpo(checkpoint_uri: str, config: ReasoningGRPOConfig = ReasoningG
                                       generation=config.generation)
         if data.heldout:
             metrics.update(evaluate_model(run_id, checkpoint, config.model, data.heldout, config.eval,
-                                          step=config.grpo.max_steps, code=config.grpo.code,
+                                          step=config.grpo.max_steps, code=config.grpo.grading.code,
                                           generation=config.generation))
     result = StageResult(stage=NAME, run_id=run_id, uris={"checkpoint": checkpoint, "dataset": data.train},
                          metrics=metrics)

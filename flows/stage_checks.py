@@ -41,11 +41,11 @@ def check_reasoning_grpo(cfg: ReasoningGRPOConfig) -> None:
     check_rewards("reasoning_grpo", cfg.grpo, train, heldout)
     with reading("reasoning_grpo"):
         cfg.check_prompts(len(train), cfg.data.source)
-    if cfg.grpo.prm_path is not None:  # the process reward model that checks the steps
-        if cfg.grpo.prm_path.startswith("runs:/"):
-            check_uri("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
+    if cfg.grpo.grading.prm_path is not None:  # the process reward model that checks the steps
+        if cfg.grpo.grading.prm_path.startswith("runs:/"):
+            check_uri("reasoning_grpo.grpo.prm_path", cfg.grpo.grading.prm_path)
         else:
-            check_model_folder("reasoning_grpo.grpo.prm_path", cfg.grpo.prm_path)
+            check_model_folder("reasoning_grpo.grpo.prm_path", cfg.grpo.grading.prm_path)
 
 
 def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:

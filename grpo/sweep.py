@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from grpo.configs.recipe import RecipeError, apply_overrides
+from grpo.configs.recipe import RecipeError, apply_overrides, setting_path
 from grpo.configs.sweep import STAGE_NAMES, SweepConfig
 # the parts of a stage's settings a seed does not reach: the base model's weights and the problems drawn
 NOT_SEEDED = {"model", "data", "preferences"}
@@ -143,7 +143,8 @@ def expand(recipe, sweep: SweepConfig) -> list[Point]:
                 checked = apply_overrides(recipe, {path: value})
             except RecipeError as e:
                 raise SweepError(f"--grid {path}={show(value)}: {e}") from None
-            grid[path].append(_get(checked.model_dump(mode="json"), path))  # as the recipe reads it: "1e-5" -> 1e-05
+            # as the recipe reads it: "1e-5" -> 1e-05
+            grid[path].append(_get(checked.model_dump(mode="json"), setting_path(path, value)))
     variants = {name: _variant(recipe, name, given, sweep) for name, given in sweep.variants.items()} or \
         {None: ({}, tuple(s for s in STAGE_NAMES if s in (sweep.stages or STAGE_NAMES)))}
     points = []
@@ -153,8 +154,8 @@ def expand(recipe, sweep: SweepConfig) -> list[Point]:
             settings = {**({"variant": name} if name is not None else {}), **dict(zip(grid, combo))}
             given = {**own, **dict(zip(grid, combo))}
             for seed in range(sweep.seeds):
-                overrides = {**given, **({p: _get(apply_overrides(recipe, given).model_dump(), p) + seed
-                                          for p in seeded} if seed else {})}
+                read = apply_overrides(recipe, given).model_dump() if seed else {}
+                overrides = {**given, **{p: _get(read, setting_path(p)) + seed for p in seeded if seed}}
                 try:
                     apply_overrides(recipe, overrides)
                 except RecipeError as e:  # settings that pass alone and fail together (fields that must agree)

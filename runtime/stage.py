@@ -152,9 +152,12 @@ def resolve_precision(run_id: str, section: str, cfg: BaseModel) -> BaseModel:
     resumed by an fp32 run. Logged as `<section>.resolved_precision` and `<section>.precision_reason`."""
     from grpo.training.precision import resolve
 
-    resolved = resolve(cfg.mixed_precision)
+    memory = getattr(cfg, "memory", None)  # GRPO keeps its precision in its memory section, the others at the top
+    resolved = resolve((memory or cfg).mixed_precision)
     tracking.log_params(run_id, {f"{section}.resolved_precision": resolved.precision,
                                  f"{section}.precision_reason": resolved.reason})
+    if memory is not None:
+        return cfg.model_copy(update={"memory": memory.model_copy(update={"mixed_precision": resolved.precision})})
     return cfg.model_copy(update={"mixed_precision": resolved.precision})
 
 

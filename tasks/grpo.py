@@ -74,7 +74,8 @@ def train_grpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint
         progress = TrainingProgress(run_id, stage, cfg.max_steps)  # MLflow metrics and the Prefect progress artifact
         model_cfg = resolve_model(model_cfg, checkpoint_uri)
         reward_model_dirs = {name: str(tracking.download(uri)) for name, uri in (reward_models or {}).items()}
-        prm_dir = str(tracking.download(cfg.prm_path)) if cfg.step_verifier == "prm" else None  # process reward model
+        # the process reward model
+        prm_dir = str(tracking.download(cfg.grading.prm_path)) if cfg.grading.step_verifier == "prm" else None
         job = GRPOJob(model=model_cfg, cfg=cfg, rows=rows_path, output_dir=str(out), generation=generation,
                       reward_models=reward_model_dirs, prm=prm_dir, ppo=ppo, online_rft=online_rft, refresh=refresh,
                       watch=watch, helpfulness_reads=helpfulness_reads,

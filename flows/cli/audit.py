@@ -58,7 +58,7 @@ def judge_config(args: argparse.Namespace):
     from grpo.configs.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    for where, cfg in (("reasoning_grpo.grpo.appeal", recipe.reasoning_grpo.grpo.appeal),
+    for where, cfg in (("reasoning_grpo.grpo.appeal", recipe.reasoning_grpo.grpo.grading.appeal),
                        ("rejection_sampling.judge", recipe.rejection_sampling.judge)):
         if cfg is None:
             continue

@@ -7,7 +7,7 @@ Imported by the settings beside it, so plain Python and pydantic only (no projec
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ValidationError
 
@@ -54,7 +54,7 @@ def describe_errors(e: ValidationError, root: type[BaseModel]) -> str:
         given = err.get("input")
         if err["type"] == "extra_forbidden":
             known = fields_at(root, err["loc"][:-1])
-            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            close = difflib.get_close_matches(str(err["loc"][-1]), known + also_known(root, err["loc"][:-1]), n=1)
             msg = f"unknown field; did you mean {close[0]!r}?" if close else f"unknown field; known here: {known}"
         elif err["type"] not in ("value_error", "missing") and not isinstance(given, (dict, list)):
             msg += f" (got {given!r})"
@@ -62,17 +62,42 @@ def describe_errors(e: ValidationError, root: type[BaseModel]) -> str:
     return "; ".join(problems)
 
 
-def fields_at(root: type[BaseModel], loc: tuple) -> list[str]:
-    """The field names of the settings section at `loc` below `root` (empty when `loc` leads nowhere)."""
+def model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The settings model of the section at `loc` below `root` (None when `loc` leads nowhere)."""
     model = root
     for key in loc:
         annotation = model.model_fields[key].annotation if key in model.model_fields else None
         inner = [a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type)
                  and issubclass(a, BaseModel)]
         if not inner:
-            return []
+            return None
         model = inner[0]
-    return list(model.model_fields)
+    return model
+
+
+def unmoved_path(root: type[BaseModel], keys: list[str], value: Any = None) -> list[str]:
+    """A dotted path's keys with a name a section took before it had sections of its own (its `moved_keys`) put in
+    its section: [reasoning_grpo, grpo, beta] -> [reasoning_grpo, grpo, loss, beta]. A moved name that is also a
+    section (GRPO's `optimizer`) moves only where it is set to a value that is not a mapping (the optimizer's name)."""
+    for depth, key in enumerate(keys):
+        model = model_at(root, tuple(keys[:depth]))
+        moved = getattr(model, "moved_keys", {})
+        if key in moved and (key not in model.model_fields or (depth == len(keys) - 1
+                                                               and not isinstance(value, (dict, BaseModel)))):
+            return keys[:depth] + moved[key].split(".") + keys[depth + 1:]
+    return keys
+
+
+def also_known(root: type[BaseModel], loc: tuple) -> list[str]:
+    """The names the section at `loc` also reads, besides its fields: the flat names a section took before it had
+    sections of its own (its `moved_keys`), which a misspelt name may have meant."""
+    return list(getattr(model_at(root, loc), "moved_keys", {}))
+
+
+def fields_at(root: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the settings section at `loc` below `root` (empty when `loc` leads nowhere)."""
+    model = model_at(root, loc)
+    return list(model.model_fields) if model is not None else []
 
 
 def check_fsdp_settings(distributed, *, weights_dtype: str = "float32",

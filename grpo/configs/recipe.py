@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grpo.configs.alignment import AlignmentEvalConfig, AlignmentWatchConfig
 from grpo.configs.budget import BudgetConfig
-from grpo.configs.checks import (check_fits_context, check_fsdp_settings, check_process_split, check_prompts_per_step,
-                                 describe_errors, fields_at)
+from grpo.configs.checks import (also_known, check_fits_context, check_fsdp_settings, check_process_split,
+                                 check_prompts_per_step, describe_errors, fields_at, model_at, unmoved_path)
 from grpo.configs.data import DataConfig
 from grpo.configs.distributed import DistributedConfig, rollout_ray_address
 from grpo.configs.dpo import DPOConfig
@@ -155,13 +155,14 @@ class ReasoningGRPOConfig(StageConfig):
     @model_validator(mode="after")
     def _check(self) -> "ReasoningGRPOConfig":
         self.grpo.check_rewards(set(RULE_REWARDS))  # no reward model in this stage: rule rewards only
-        if self.grpo.step_verifier == "arithmetic" and self.data.source != "synthetic":
+        if self.grpo.grading.step_verifier == "arithmetic" and self.data.source != "synthetic":
             raise ValueError(f"grpo.step_verifier 'arithmetic' reads the synthetic task's equations; data.source is "
                              f"{self.data.source!r}: use step_verifier 'gsm8k' for GSM8K-style solutions, or 'prm'")
-        if self.algorithm == "ppo" and self.grpo.supervision == "process":
+        if self.algorithm == "ppo" and self.grpo.grading.supervision == "process":
             raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
                              "reward at each completion's last token: use supervision 'outcome' with ppo")
-        check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
+        check_fsdp_settings(self.distributed, weights_dtype=self.grpo.memory.weights_dtype,
+                            optimizer=self.grpo.optimizer.name)
         check_async_rollout(self.grpo.rollout, engine=self.distributed.engine, algorithm=self.algorithm,
                             where="reasoning_grpo")
         self.check_prompts(self.data.num_train if self.data.source == "synthetic" else None)
@@ -279,7 +280,7 @@ class AlignmentGRPOConfig(StageConfig):
             if unknown:
                 raise ValueError(f"alignment_grpo.{field} names {unknown}; expected reward model names among "
                                  f"{list(REWARD_MODELS)}")
-        if self.grpo.supervision != "outcome":  # its general prompts have no steps to check
+        if self.grpo.grading.supervision != "outcome":  # its general prompts have no steps to check
             raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
                              "reasoning_grpo, whose prompts have checkable steps")
         if self.algorithm == "dpo":
@@ -289,7 +290,8 @@ class AlignmentGRPOConfig(StageConfig):
             return self
         synthetic = self.data.source == "synthetic" and self.general_source == "synthetic"
         check_prompts_per_step(self.grpo.prompts_per_step, self.data.num_train + self.general_prompts if synthetic else None)
-        check_fsdp_settings(self.distributed, weights_dtype=self.grpo.weights_dtype, optimizer=self.grpo.optimizer)
+        check_fsdp_settings(self.distributed, weights_dtype=self.grpo.memory.weights_dtype,
+                            optimizer=self.grpo.optimizer.name)
         check_async_rollout(self.grpo.rollout, engine=self.distributed.engine, algorithm=self.algorithm,
                             where="alignment_grpo")
         if self.reward_model.refresh_every and REWARD_MODEL not in self.grpo.rewards:
@@ -461,7 +463,8 @@ def _merged(base: dict, over: dict) -> dict:
 def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Recipe:
     """The recipe with each dotted path set to its value, checked like a recipe file.
 
-    >>> apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 2e-5}).reasoning_grpo.grpo.learning_rate
+    >>> recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 2e-5})
+    >>> recipe.reasoning_grpo.grpo.optimizer.learning_rate
     2e-05
 
     A value replaces the field whole (a dict given for a section replaces that section). An unknown path or a value
@@ -478,18 +481,25 @@ def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Reci
         raise RecipeError(f"recipe {recipe.name!r} with overrides: {describe_errors(e, Recipe)}") from None
 
 
+def setting_path(path: str, value: Any = None) -> str:
+    """The path an override path sets: `reasoning_grpo.grpo.beta` -> `reasoning_grpo.grpo.loss.beta` (a flat GRPO
+    name read into its section; `value` tells a name for `optimizer` from the section)."""
+    return ".".join(unmoved_path(Recipe, str(path).split("."), value))
+
+
 def _set_path(data: dict, path: str, value: Any) -> None:
     """Set `data[a][b][c] = value` for path "a.b.c", where each of a and b is a section of the recipe."""
     keys = str(path).split(".")
     if "" in keys:
         raise RecipeError(f"override {path!r}: expected a dotted path to a recipe field, such as "
-                          f"reasoning_grpo.grpo.learning_rate")
+                          f"reasoning_grpo.grpo.optimizer.learning_rate")
+    keys = unmoved_path(Recipe, keys, value)
     node = data
     for depth, key in enumerate(keys):
         here = ".".join(keys[:depth])
         known = fields_at(Recipe, tuple(keys[:depth]))  # empty below a settings model: a dict such as grpo.rewards
         if known and key not in known:  # checked here, not left to pydantic, so the message names the whole path
-            close = difflib.get_close_matches(key, known, n=1)
+            close = difflib.get_close_matches(key, known + also_known(Recipe, tuple(keys[:depth])), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known there: {known}"
             raise RecipeError(f"override {path!r}: {here or 'the recipe'} has no field {key!r}; {hint}")
         if depth == len(keys) - 1:

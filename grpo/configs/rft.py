@@ -48,12 +48,14 @@ def check_rft_settings(grpo: GRPOConfig, rft: OnlineRFTConfig) -> None:
         raise ValueError(f"online_rft.correct_reward {rft.correct_reward!r} is not among grpo.rewards "
                          f"{sorted(grpo.rewards)}: the coefficient reads that reward's score, so the stage must "
                          f"compute it (add it to grpo.rewards, with weight 0 if it should not count in reward/total)")
-    if grpo.supervision != "outcome":
-        raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm online_rft gives each "
+    if grpo.grading.supervision != "outcome":
+        raise ValueError("grpo.grading.supervision 'process' is GRPO's step advantages; algorithm online_rft gives "
+                         "each "
                          "completion one coefficient: use supervision 'outcome' with online_rft")
     if rft.sampler == "initial" and grpo.rollout.asynchronous:
         raise ValueError("online_rft.sampler 'initial' samples from the frozen starting model in the trainer's own "
                          "process; rollout.mode async samples from pushed policy weights: use rollout.mode sync")
-    if grpo.dynamic_sampling:
-        raise ValueError("grpo.dynamic_sampling drops groups whose rewards all agree, which carry no GRPO gradient; "
+    if grpo.rollout.dynamic_sampling:
+        raise ValueError("grpo.rollout.dynamic_sampling drops groups whose rewards all agree, which carry no GRPO "
+                         "gradient; "
                          "under algorithm online_rft an all-correct group carries a full one: set it to false")

@@ -50,6 +50,8 @@ class RolloutConfig(BaseModel):
     # async: the cap C of the behaviour weight min(pi_prox / pi_behave, C) on each token's policy term, where the
     # stage's tis_cap is unset (decoupled PPO; the truncated importance sampling paper's C = 2)
     behaviour_cap: float = Field(2.0, gt=0)
+    dynamic_sampling: bool = False  # DAPO: drop groups with no reward spread and refill the batch
+    max_refill_rounds: int = Field(3, ge=0)  # extra sampling rounds per step when dynamic sampling
 
     @model_validator(mode="after")
     def _pushes_reach_the_bound(self) -> "RolloutConfig":
@@ -61,6 +63,9 @@ class RolloutConfig(BaseModel):
         if self.devices is not None and self.launcher == "ray":
             raise ValueError("rollout.devices names devices of this machine; Ray actors get theirs from the cluster "
                              "(a GPU each where the trainer is on one): leave devices unset with launcher ray")
+        if self.mode == "async" and self.dynamic_sampling:
+            raise ValueError("rollout.mode async samples each step's prompts once, in a worker, before it is scored: "
+                             "dynamic_sampling's refills need the scores first; turn one of them off")
         if self.devices is not None and len(self.devices) != self.workers:
             raise ValueError(f"rollout.devices names {len(self.devices)} devices for {self.workers} workers: one a "
                              f"worker")

@@ -43,7 +43,7 @@ class GroupOutcome:
     """GRPO's outcome advantage: (r - group mean) / group std over each group's graded rows."""
 
     def __init__(self, cfg: GRPOConfig):
-        self.G, self.scale = cfg.num_generations, cfg.scale_rewards
+        self.G, self.scale = cfg.num_generations, cfg.loss.scale_rewards
 
     def judge(self, rollout: Rollout, idx: list[int], scores, metrics: dict[str, float], first: bool) -> Judged:
         return Judged(scores, scores.total, None, signal_groups(scores.total, scores.graded_rows, self.G))
@@ -60,7 +60,7 @@ class ProcessSupervision:
     """Process supervision: a reward at the end of every reasoning step (a step verifier's), then the answer's."""
 
     def __init__(self, cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, verifier: StepVerifier):
-        self.G, self.scale, self.name = cfg.num_generations, cfg.scale_rewards, cfg.step_verifier
+        self.G, self.scale, self.name = cfg.num_generations, cfg.loss.scale_rewards, cfg.grading.step_verifier
         self.tokenizer, self.verifier, self.outcome = tokenizer, verifier, GroupOutcome(cfg)
         prompts = prompts.reset_index(drop=True)
         self.cells = prompts["prompt"].tolist()
@@ -131,11 +131,11 @@ def advantage_function(cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame,
     group outcome. A step verifier that is not there fails here, before any model work."""
     if coefficients is not None:
         return RFTCoefficients(cfg, coefficients)
-    if cfg.supervision == "process":
+    if cfg.grading.supervision == "process":
         verifiers = {**STEP_VERIFIER_FUNCTIONS, **(step_verifiers or {})}
-        if cfg.step_verifier not in verifiers:
-            raise ValueError(f"step_verifier {cfg.step_verifier!r} is not available here (known: "
+        if cfg.grading.step_verifier not in verifiers:
+            raise ValueError(f"step_verifier {cfg.grading.step_verifier!r} is not available here (known: "
                              f"{sorted(verifiers)}); 'prm' needs a process reward model passed in "
                              f"step_verifiers (grpo.training.loops.prm.prm_step_verifier)")
-        return ProcessSupervision(cfg, tokenizer, prompts, verifiers[cfg.step_verifier])
+        return ProcessSupervision(cfg, tokenizer, prompts, verifiers[cfg.grading.step_verifier])
     return GroupOutcome(cfg)

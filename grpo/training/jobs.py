@@ -206,9 +206,11 @@ def build_rl_trainer(job: GRPOJob, on_metrics: MetricsCallback | None = None,
     kwargs = dict(on_metrics=on_metrics, on_samples=on_samples, reward_functions=reward_functions,
                   generation=job.generation, distributed=job.distributed)
     if job.ppo is not None:
+        from grpo.configs.ppo import PPOTrainingConfig
         from grpo.training.loops.ppo_trainer import PPOTrainer
 
-        return PPOTrainer(model, tokenizer, rows, cfg, job.output_dir, ppo=job.ppo, **kwargs)
+        # PPO's own config: the stage's grpo section's shared settings and its ppo section
+        return PPOTrainer(model, tokenizer, rows, PPOTrainingConfig.from_grpo(cfg, job.ppo), job.output_dir, **kwargs)
     step_verifiers = None
     if job.prm:
         from grpo.training.loops.prm import prm_step_verifier
@@ -243,6 +245,6 @@ def _frozen_engine(model, tokenizer, job: GRPOJob):
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
     # the device the trainer's Accelerator gives this process: its GPU (one a process), or the CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
-    precision = choose_precision(job.cfg.mixed_precision, this_machine())
+    precision = choose_precision(job.cfg.memory.mixed_precision, this_machine())
     return build_engine(job.generation, frozen.to(device), tokenizer, dtype=sampling_dtype(precision),
                         who="offline RFT")

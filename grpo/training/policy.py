@@ -65,14 +65,15 @@ def reward_registry(cfg: GRPOConfig, prompts: pd.DataFrame, reward_functions: Ma
     own = [name for name in cfg.rewards if registry[name] is REWARD_FUNCTIONS.get(name)]
     check_reward_columns(own, prompts.columns, f"the {who} prompts")
     if registry.get("code") is code_reward and "code" in cfg.rewards:
-        settings = cfg.code.model_dump()
+        settings = cfg.grading.code.model_dump()
         check_sandbox(code_limits(settings))  # refuses here, before any sampling, where it cannot sandbox
         registry["code"] = make_code_reward(settings)
-    if cfg.appeal is not None and "accuracy" in cfg.rewards:  # the rule's negatives to a judge (grpo.training.appeal)
+    # the rule's negatives to a judge (grpo.training.appeal)
+    if cfg.grading.appeal is not None and "accuracy" in cfg.rewards:
         from grpo.sampling.judge import HTTPJudge, build_judge
         from grpo.training.appeal import appealed
 
-        judge = build_judge(cfg.appeal)
+        judge = build_judge(cfg.grading.appeal)
         if isinstance(judge, HTTPJudge):
             judge.check_available()  # an endpoint that is not there fails now, not at the first negative
         registry["accuracy"] = appealed(registry["accuracy"], judge)
@@ -90,18 +91,18 @@ def trainable(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device, lr:
     model = model.to(device)
     if lora:  # only the adapters train; the reference is the base with them off
         model = add_lora(model, cfg.lora)
-    if cfg.weights_dtype == "float32":  # a model loaded in another dtype trains in fp32 all the same
+    if cfg.memory.weights_dtype == "float32":  # a model loaded in another dtype trains in fp32 all the same
         cast_parameters(model, torch.float32)
-    optimizer = make_optimizer(model, lr, cfg.weight_decay, eight_bit=cfg.optimizer == "adamw_8bit",
-                               master_weights=cfg.weights_dtype == "bfloat16")
-    if cfg.weights_dtype == "bfloat16":
+    optimizer = make_optimizer(model, lr, cfg.optimizer.weight_decay, eight_bit=cfg.optimizer.name == "adamw_8bit",
+                               master_weights=cfg.memory.weights_dtype == "bfloat16")
+    if cfg.memory.weights_dtype == "bfloat16":
         cast_parameters(model, torch.bfloat16)
     return model, optimizer
 
 
 def prepared(strategy, model: torch.nn.Module, optimizer, cfg: GRPOConfig):
     """(model, optimizer, scheduler) in the strategy's distributed form, the schedule over every optimizer step."""
-    scheduler = make_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
+    scheduler = make_scheduler(cfg.optimizer.lr_scheduler, optimizer, num_warmup_steps=cfg.optimizer.warmup_steps,
                                num_training_steps=cfg.max_steps * cfg.num_iterations)
     return strategy.prepare(model, optimizer, scheduler)
 
@@ -113,7 +114,7 @@ def frozen_reference(model: torch.nn.Module, cfg: GRPOConfig, acc) -> torch.nn.M
     It stays whole under fsdp too: forward only, no gradients or optimizer state (2 bytes a parameter in bf16 on a
     GPU), and a whole model's forward needs no collective, so each process scores its own rows at its own pace.
     """
-    if cfg.beta == 0 or cfg.lora is not None:
+    if cfg.loss.beta == 0 or cfg.lora is not None:
         return None
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     if reference_dtype(cfg, acc) == torch.bfloat16:
@@ -124,7 +125,7 @@ def frozen_reference(model: torch.nn.Module, cfg: GRPOConfig, acc) -> torch.nn.M
 def reference_dtype(cfg: GRPOConfig, acc) -> torch.dtype | None:
     """The frozen reference's dtype, when it differs from the policy's: bf16 on a GPU whose loop runs in bf16 under
     `auto` (it only ever runs forward, under the same autocast), or what the config names."""
-    if cfg.reference_dtype == "bfloat16" or (cfg.reference_dtype == "auto" and acc.device.type == "cuda"
+    if cfg.memory.reference_dtype == "bfloat16" or (cfg.memory.reference_dtype == "auto" and acc.device.type == "cuda"
                                               and acc.mixed_precision == "bf16"):
         return torch.bfloat16
     return None
@@ -133,15 +134,16 @@ def reference_dtype(cfg: GRPOConfig, acc) -> torch.dtype | None:
 def checkpointing_on(cfg: GRPOConfig, acc) -> bool:
     """Activation checkpointing as configured; `auto` is on a GPU (memory is what it lacks) and off on a CPU (which
     has RAM to spare and no time for the extra forward)."""
-    return acc.device.type == "cuda" if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing
+    asked = cfg.memory.gradient_checkpointing
+    return acc.device.type == "cuda" if asked == "auto" else asked
 
 
 def gemm_plan(acc, cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, model: torch.nn.Module, output_dir: Path):
     """fp32 on a CPU: the faster GEMM library of each of a linear's GEMMs, measured at a micro-batch's tokens."""
     rendered = render_prompts(tokenizer, prompts["prompt"][:16].tolist())
     prompt_tokens = max(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered)
-    tokens = cfg.micro_batch_size * (prompt_tokens + cfg.sampling.max_new_tokens)  # a micro-batch's rows
-    return shared_gemm_plan(acc, cfg.fp32_gemm, model, tokens, output_dir)
+    tokens = cfg.memory.micro_batch_size * (prompt_tokens + cfg.sampling.max_new_tokens)  # a micro-batch's rows
+    return shared_gemm_plan(acc, cfg.memory.fp32_gemm, model, tokens, output_dir)
 
 
 # -- a step's rollout --------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ def scored_logps(acc, model, input_ids: torch.Tensor, attention_mask: torch.Tens
 def check_token_budget(cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, who: str) -> None:
     """A token budget must hold the longest row a step can make (its prompt and a whole completion): else an error
     naming the prompt, before any sampling."""
-    budget = cfg.max_tokens_per_microbatch
+    budget = cfg.memory.max_tokens_per_microbatch
     if budget is None:
         return
     rendered = render_prompts(tokenizer, prompts["prompt"].tolist())
@@ -206,7 +208,9 @@ def check_token_budget(cfg: GRPOConfig, tokenizer, prompts: pd.DataFrame, who: s
 def grading_watch(cfg: GRPOConfig, stage: str) -> GradingWatch:
     """The run's grading watch (`grpo.training.grading`): a stop when graders keep failing, a line when the groups
     stop carrying signal."""
-    return GradingWatch(cfg.max_ungraded_share, cfg.ungraded_window, cfg.no_signal_steps, cfg.stop_without_signal,
+    grading = cfg.grading
+    return GradingWatch(grading.max_ungraded_share, grading.ungraded_window, grading.no_signal_steps,
+                        grading.stop_without_signal,
                         stage=stage)
 
 

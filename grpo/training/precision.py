@@ -106,7 +106,7 @@ def resolve(requested: str, hw: Hardware | None = None) -> Resolved:
 
 
 def precision_fields(config: BaseModel, prefix: str = "") -> dict[str, str]:
-    """Every `mixed_precision` field in a (nested) config, by dotted path: `{"grpo.mixed_precision": "auto"}`.
+    """Every `mixed_precision` field in a (nested) config, by dotted path: `{"grpo.memory.mixed_precision": "auto"}`.
 
     Found by walking the config, so a stage, pre-flight and reuse need no table of where its loops keep one.
     """
@@ -121,7 +121,7 @@ def precision_fields(config: BaseModel, prefix: str = "") -> dict[str, str]:
 
 
 def resolve_config(config: BaseModel, hw: Hardware | None = None) -> dict[str, Resolved]:
-    """Every training loop's precision in `config`, resolved: `{"grpo.mixed_precision": Resolved(...)}`."""
+    """Every training loop's precision in `config`, resolved: `{"grpo.memory.mixed_precision": Resolved(...)}`."""
     fields = precision_fields(config)
     if not fields:
         return {}

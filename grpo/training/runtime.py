@@ -70,26 +70,27 @@ class PolicyRuntime:
         check_prompts(prompts, cfg.prompts_per_step, who)
         check_token_budget(cfg, tokenizer, prompts, who)  # the longest row a step can make fits the budget
         self.reward_functions = reward_registry(cfg, prompts, reward_functions, who)
-        if cfg.loss_type not in AGGREGATORS:
-            raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
-        if cfg.optimizer == "adamw_8bit":  # optional extras: say what is missing before any work
+        if cfg.loss.loss_type not in AGGREGATORS:
+            raise ValueError(f"unknown loss_type {cfg.loss.loss_type!r}; expected one of {sorted(AGGREGATORS)}")
+        if cfg.optimizer.name == "adamw_8bit":  # optional extras: say what is missing before any work
             require_bitsandbytes()
         if cfg.lora is not None:
             require_peft()
         distributed = distributed or DistributedConfig()
-        check_fsdp_settings(distributed, weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer)
+        check_fsdp_settings(distributed, weights_dtype=cfg.memory.weights_dtype, optimizer=cfg.optimizer.name)
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts.reset_index(drop=True)
         self.output_dir = Path(output_dir)
-        self.acc = make_accelerator(cfg.mixed_precision)
+        self.acc = make_accelerator(cfg.memory.mixed_precision)
         self.strategy = make_strategy(self.acc, distributed)  # how the processes hold the policy
         check_split("prompts_per_step", cfg.prompts_per_step, self.acc.num_processes)  # whole prompts per process
-        model, optimizer = trainable(model, cfg, self.acc.device, cfg.learning_rate, lora=cfg.lora is not None)
+        model, optimizer = trainable(model, cfg, self.acc.device, cfg.optimizer.learning_rate,
+                                     lora=cfg.lora is not None)
         self.master_weights = optimizer if isinstance(optimizer, MasterWeights) else None
         self.ref_model = frozen_reference(model, cfg, self.acc)  # None with beta = 0, or with LoRA (adapters off)
         self.checkpointing = checkpointing_on(cfg, self.acc)
         self.model, self.optimizer, self.scheduler = prepared(self.strategy, model, optimizer, cfg)
         # micro-batches as rows without padding (policy, pi_old and reference passes alike), where it is exact
-        self.packed = packing_on(cfg.packing, self.acc.unwrap_model(self.model))
+        self.packed = packing_on(cfg.memory.packing, self.acc.unwrap_model(self.model))
         self.cells = self.prompts["prompt"].tolist()
         self.columns = {c: self.prompts[c].tolist() for c in self.prompts.columns if c != "prompt"}
         self.gemm = gemm_plan(self.acc, cfg, tokenizer, self.prompts, self.acc.unwrap_model(self.model),
@@ -104,9 +105,9 @@ class PolicyRuntime:
 
     def scored(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
         """`model`'s log-probs of the completion tokens, without gradients, in the run's micro-batches."""
-        return scored_logps(self.acc, model, input_ids, attention_mask, C, self.cfg.micro_batch_size,
+        return scored_logps(self.acc, model, input_ids, attention_mask, C, self.cfg.memory.micro_batch_size,
                             self.cfg.sampling.temperature, packed=self.packed,
-                            max_tokens=self.cfg.max_tokens_per_microbatch)  # [N, C]
+                            max_tokens=self.cfg.memory.max_tokens_per_microbatch)  # [N, C]
 
     def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, C: int) -> torch.Tensor:
         """The KL term's reference log-probs [N, C]: the frozen copy's, or with LoRA the policy's with its adapters

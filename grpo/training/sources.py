@@ -60,7 +60,7 @@ class EngineSource:
                  who: str, scheduled: bool = True, figures: Mapping[str, float] | None = None):
         self.runtime, self.engine, self.order, self.n, self.who = runtime, engine, order, n, who
         self.scheduled, self.figures = scheduled, dict(figures or {})
-        self.logprobs = runtime.cfg.tis_cap is not None  # the sampler's log-probs only where the loss reads them
+        self.logprobs = runtime.cfg.loss.tis_cap is not None  # the sampler's log-probs only where the loss reads them
 
     def sample(self, idx: list[int]) -> Rollout:
         return sample_rollout(self.engine, [self.runtime.cells[i] for i in idx], self.n, self.runtime.cfg.sampling,
@@ -129,7 +129,7 @@ class DynamicRefill:
         stats["dynamic/first_draw_reward"] = sum(first) / len(first) if first else float("nan")
         stats["dynamic/first_draw_ungraded_share"] = 1 - len(first) / len(scores.total)
         stats["dynamic/first_draw_zero_std_groups"] = 1 - len(parts[0][3]) / len(idx)
-        for draw in range(1, cfg.max_refill_rounds + 1):
+        for draw in range(1, cfg.rollout.max_refill_rounds + 1):
             if sum(len(p[3]) for p in parts) >= want:
                 break
             r, more, s = self.source.draw(step, draw)
@@ -180,7 +180,7 @@ def rollout_source(runtime: PolicyRuntime, generation: GenerationConfig | None =
     dtype = sampling_dtype(runtime.acc.mixed_precision)
     engine = engine or build_engine(generation, runtime.strategy.sampler_model(dtype), runtime.tokenizer, dtype=dtype,
                                     who="GRPO")
-    if not cfg.dynamic_sampling:  # its figure reads 0 on a run that never refills
+    if not cfg.rollout.dynamic_sampling:  # its figure reads 0 on a run that never refills
         return EngineSource(runtime, engine, order, cfg.num_generations, who="GRPO",
                             figures={"dynamic/refill_rounds": 0.0})
     return DynamicRefill(EngineSource(runtime, engine, order, cfg.num_generations, who="GRPO"),

@@ -43,9 +43,9 @@ def build_batch(runtime, advantage, rollout: Rollout, rewards: list[float], step
     input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(device)  # [N, P+C]
     attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(device)
     ref_logps = None
-    if cfg.beta != 0 and rollout.ref_logprobs is not None:  # scored by the worker that sampled it
+    if cfg.loss.beta != 0 and rollout.ref_logprobs is not None:  # scored by the worker that sampled it
         ref_logps = rollout.ref_logprobs.to(device)
-    elif cfg.beta != 0:
+    elif cfg.loss.beta != 0:
         if cfg.rollout.reference == "sampler":
             raise RuntimeError("rollout.reference sampler: a step's groups came without their reference log-probs")
         ref_logps = runtime.reference_logps(input_ids, attention_mask, C)  # [N, C]
@@ -55,7 +55,7 @@ def build_batch(runtime, advantage, rollout: Rollout, rewards: list[float], step
         # (vLLM), whose log-probs differ from this forward pass and would bias the ratio.
         old_logps = runtime.scored(runtime.model, input_ids, attention_mask, C)  # [N, C]
     completion_mask = rollout.completion_mask.float()  # [N, C]
-    if cfg.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
+    if cfg.loss.mask_truncated_completions:  # still in the group statistics above, but no gradient of their own
         completion_mask = completion_mask * (~rollout.truncated).float()[:, None]
     if trains is not None:  # ungraded rows, and groups with fewer than two graded: no loss, no KL
         completion_mask = completion_mask * trains.float()[:, None]
@@ -74,9 +74,9 @@ def clipped_update(runtime, batch: Batch, tis_cap: float | None) -> dict[str, fl
     sums: dict[str, float] = {}
     model.train()
     # this process's loss as a share of the global batch's (1.0 in one process); DDP averages the gradients
-    weight = process_weight(acc, cfg.loss_type, batch.completion_mask)
-    chunks = matched_chunks(acc, micro_batch_rows(batch.attention_mask, cfg.micro_batch_size,
-                                                  cfg.max_tokens_per_microbatch))
+    weight = process_weight(acc, cfg.loss.loss_type, batch.completion_mask)
+    chunks = matched_chunks(acc, micro_batch_rows(batch.attention_mask, cfg.memory.micro_batch_size,
+                                                  cfg.memory.max_tokens_per_microbatch))
     for i, (rows, counts) in enumerate(chunks):
         with runtime.strategy.no_sync(model, last=i == len(chunks) - 1):
             with acc.autocast():
@@ -84,16 +84,17 @@ def clipped_update(runtime, batch: Batch, tis_cap: float | None) -> dict[str, fl
                                              cfg.sampling.temperature, with_entropy=True, packed=runtime.packed)
             total = 0.0
             # each part weighted in the step's loss as its rows are in the row-count micro-batches
-            parts = loss_parts(cfg.loss_type, batch.completion_mask, rows, cfg.micro_batch_size,
+            parts = loss_parts(cfg.loss.loss_type, batch.completion_mask, rows, cfg.memory.micro_batch_size,
                                weight * float(counts))
+            terms = cfg.loss  # the loss settings
             for local, share in parts:
                 part = rows if local is None else [rows[j] for j in local]  # the batch's rows of this part
                 lp, ent = (logps, entropy) if local is None else (logps[local], entropy[local])  # [b, C]
                 loss, stats = grpo_loss(lp, None if batch.old_logps is None else batch.old_logps[part],
                                         None if batch.ref_logps is None else batch.ref_logps[part],
-                                        batch.advantages[part], batch.completion_mask[part], epsilon=cfg.epsilon,
-                                        epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                        importance_sampling_level=cfg.importance_sampling_level,
+                                        batch.advantages[part], batch.completion_mask[part], epsilon=terms.epsilon,
+                                        epsilon_high=terms.epsilon_high, beta=terms.beta, loss_type=terms.loss_type,
+                                        importance_sampling_level=terms.importance_sampling_level,
                                         sampler_logps=None if batch.sampler_logps is None
                                         else batch.sampler_logps[part], tis_cap=tis_cap)
                 total = total + loss * share
@@ -103,5 +104,6 @@ def clipped_update(runtime, batch: Batch, tis_cap: float | None) -> dict[str, fl
                 for k, v in stats.items():  # a share-weighted mean over micro-batches; a maximum stays one
                     sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v * share
             acc.backward(total)
-    sums["grad_norm"] = float(optimizer_step(acc, model, runtime.optimizer, runtime.scheduler, cfg.max_grad_norm))
+    sums["grad_norm"] = float(optimizer_step(acc, model, runtime.optimizer, runtime.scheduler,
+                                             cfg.optimizer.max_grad_norm))
     return sums

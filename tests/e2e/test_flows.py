@@ -69,7 +69,7 @@ def test_reasoning_grpo_stage_starts_from_the_cold_start_checkpoint(cold_start, 
     result = reasoning_grpo(ckpt, ReasoningGRPOConfig.model_validate(TINY_GRPO))
     run = mlflow_client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["stage"] == "reasoning_grpo"
-    assert run.data.params["input.checkpoint_uri"] == ckpt and run.data.params["grpo.beta"] == "0.04"
+    assert run.data.params["input.checkpoint_uri"] == ckpt and run.data.params["grpo.loss.beta"] == "0.04"
     for key in ("reward/accuracy", "reward/format", "reward/total", "kl", "clip_ratio", "completion_length",
                 "entropy", "reward/zero_std_groups", "tokens_per_s"):
         assert [m.step for m in mlflow_client.get_metric_history(result.run_id, key)] == [1, 2], key
@@ -248,7 +248,7 @@ def test_overrides_apply_to_any_field_and_are_checked_like_a_recipe():
     changed = apply_overrides(recipe, {"reasoning_grpo.grpo.learning_rate": 2e-5, "reasoning_grpo.eval_before": False,
                                        "reasoning_grpo.grpo.rewards.format": 0.25,  # a key of a dict setting
                                        "rejection_sampling.judge.model": "checkpoint"})  # a section left out
-    assert changed.reasoning_grpo.grpo.learning_rate == 2e-5 and changed.reasoning_grpo.eval_before is False
+    assert changed.reasoning_grpo.grpo.optimizer.learning_rate == 2e-5 and changed.reasoning_grpo.eval_before is False
     assert changed.reasoning_grpo.grpo.rewards["format"] == 0.25
     assert changed.rejection_sampling.judge.model == "checkpoint" and recipe.rejection_sampling.judge is None
     assert changed.cold_start_sft == recipe.cold_start_sft and apply_overrides(recipe, {}) is recipe
@@ -294,7 +294,8 @@ def test_a_recipe_with_a_base_is_the_base_with_its_own_settings_merged_over(tmp_
     r = load_recipe(tmp_path / "beside.yaml")  # a base by path, beside the file, itself with a base
     assert r.name == "mine" and r.sft.train.max_steps == 9 and r.reasoning_grpo.grpo.max_steps == 7
     assert r.reasoning_grpo.grpo.rewards == {"accuracy": 2.0, "format": 0.5}  # a mapping merged key by key
-    assert r.reasoning_grpo.grpo.learning_rate == tiny.reasoning_grpo.grpo.learning_rate  # the rest is the base's
+    # the rest is the base's
+    assert r.reasoning_grpo.grpo.optimizer.learning_rate == tiny.reasoning_grpo.grpo.optimizer.learning_rate
     assert r.cold_start_sft == tiny.cold_start_sft
     (tmp_path / "loop.yaml").write_text(yaml.safe_dump({"base": "loop.yaml"}))
     with pytest.raises(RecipeError, match=r"loop\.yaml: base: 'loop\.yaml' leads back to itself"):

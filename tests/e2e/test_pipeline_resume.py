@@ -75,7 +75,7 @@ def test_a_changed_stage_reruns_with_everything_after_it(first, mlflow_client, t
         assert "r1.reused_from" not in runs[stage].data.tags, stage
         assert changed.stages[stage].uris != result.stages[stage].uris, stage
     grpo = runs["reasoning_grpo"]
-    assert grpo.data.params["grpo.learning_rate"] == "2e-05"
+    assert grpo.data.params["grpo.optimizer.learning_rate"] == "2e-05"
     assert grpo.data.params["input.checkpoint_uri"] == result.stages["cold_start_sft"].uris["checkpoint"]
     assert (runs["rejection_sampling"].data.params["input.checkpoint_uri"]
             == changed.stages["reasoning_grpo"].uris["checkpoint"])  # rerun because its input changed

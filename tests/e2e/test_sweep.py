@@ -99,7 +99,7 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
     assert len(trained(stage_runs(mlflow_client, pipeline_runs, "cold_start_sft"))) == 1
     grpo = stage_runs(mlflow_client, pipeline_runs, "reasoning_grpo")
     assert len(trained(grpo)) == 4
-    assert sorted((r.data.params["grpo.beta"], r.data.params["grpo.learning_rate"]) for r in grpo) == \
+    assert sorted((r.data.params["grpo.loss.beta"], r.data.params["grpo.optimizer.learning_rate"]) for r in grpo) == \
         [("0.0", "0.0001"), ("0.0", "1e-05"), ("0.04", "0.0001"), ("0.04", "1e-05")]
     assert {r.data.params["eval.num_prompts"] for r in grpo} == {"2"}
 

@@ -31,7 +31,8 @@ def run(out: Path, strategy: str, rollout: RolloutConfig) -> None:
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(SMALL)
     # the synchronous run takes the asynchronous one's behaviour-weight cap as its TIS cap: the same loss
-    cfg = GRPO.model_copy(update={"rollout": rollout, "tis_cap": 2.0, "checkpoint_every": 0, "samples_every": 0})
+    cfg = GRPO.model_copy(update={"rollout": rollout, "loss": GRPO.loss.model_copy(update={"tis_cap": 2.0}),
+                                  "checkpoint_every": 0, "samples_every": 0})
     GRPOTrainer(model, tok, GRPO_PROMPTS, cfg, out, on_metrics=Recorder(out), reward_functions={"digits": digits},
                 progress=False, distributed=DistributedConfig(strategy=strategy)).train()
 

@@ -65,7 +65,8 @@ GRPO = GRPOConfig(max_steps=3, prompts_per_step=4, num_generations=4, micro_batc
                   sampling=SamplingConfig(max_new_tokens=10, temperature=1.0))
 # PPO: one completion for each of 2 x 4 = 8 prompts a step (4 per process), micro-batches of 2 rows; the KL in the
 # rewards (k1, so pi_old's log-probs are computed) and dapo's token mean over both models' losses
-PPO = GRPO.model_copy(update={"prompts_per_step": 2, "micro_batch_size": 2, "learning_rate": 3e-3})
+PPO = GRPO.model_copy(update={"prompts_per_step": 2, "memory": GRPO.memory.model_copy(update={"micro_batch_size": 2}),
+                              "optimizer": GRPO.optimizer.model_copy(update={"learning_rate": 3e-3})})
 PPO_SETTINGS = PPOConfig(vf_coef=0.5)
 PAIRS = pd.DataFrame({"prompt": [f"Q{i}" for i in range(16)], "chosen": [f"A good answer {i}." for i in range(16)],
                       "rejected": [f"bad {i}" * (1 + i % 3) for i in range(16)]})
@@ -200,8 +201,9 @@ def run_ppo(out: Path, distributed: DistributedConfig | None = None, source: Pat
 def run_grpo_lora(out: Path, distributed: DistributedConfig | None = None) -> None:
     """GRPO with LoRA adapters (the reference is the policy with them off) and activation checkpointing."""
     model, tok = load_model_and_tokenizer(SMALL)
-    cfg = GRPO.model_copy(update={"lora": LoRAConfig(r=4, alpha=8.0), "gradient_checkpointing": True,
-                                  "learning_rate": 3e-3})
+    cfg = GRPO.model_copy(update={"lora": LoRAConfig(r=4, alpha=8.0),
+                                  "memory": GRPO.memory.model_copy(update={"gradient_checkpointing": True}),
+                                  "optimizer": GRPO.optimizer.model_copy(update={"learning_rate": 3e-3})})
     trainer = GRPOTrainer(model, tok, GRPO_PROMPTS, cfg, out / "grpo-lora", on_metrics=Recorder(out / "grpo-lora"),
                           reward_functions={"digits": digits}, progress=False, distributed=distributed)
     trainer.engine = PromptSeededBackend(trainer.strategy.sampler_model(), tok)

@@ -28,8 +28,9 @@ from grpo.training.packing import micro_batch_rows
 # tokens a packed piece, for rows of 16 to 23 tokens: at the first step (sampled from the starting weights, so the
 # same on any CPU) one process packs its 8 rows in 3 pieces, the other in 4
 BUDGET = 60
-PACKED_GRPO = GRPO.model_copy(update={"packing": True, "max_tokens_per_microbatch": BUDGET, "checkpoint_every": 0,
-                                      "max_steps": 2})
+PACKED_GRPO = GRPO.model_copy(update={"memory": GRPO.memory.model_copy(update={"packing": True,
+                                                                               "max_tokens_per_microbatch": BUDGET}),
+                                      "checkpoint_every": 0, "max_steps": 2})
 
 
 def run_grpo_packed(out: Path, distributed: DistributedConfig | None = None) -> None:
@@ -41,7 +42,7 @@ def run_grpo_packed(out: Path, distributed: DistributedConfig | None = None) -> 
     pieces, optimise = [], trainer.optimise
 
     def counted(batch):  # the pieces this process's rows make, before `matched_chunks` evens the count out
-        pieces.append(micro_batch_rows(batch.attention_mask, PACKED_GRPO.micro_batch_size, BUDGET))
+        pieces.append(micro_batch_rows(batch.attention_mask, PACKED_GRPO.memory.micro_batch_size, BUDGET))
         return optimise(batch)
 
     trainer.optimise = counted

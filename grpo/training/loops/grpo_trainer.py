@@ -74,7 +74,7 @@ class GRPOTrainer(OnRuntime):
     def take(self, parts: LoopParts, on_metrics, on_samples, progress: bool, hooks: Sequence[StepHook]) -> None:
         self.runtime, self.source, self.advantage = parts
         self.on_metrics, self.on_samples, self.progress, self.hooks = on_metrics, on_samples, progress, list(hooks)
-        self.tis_cap = self.cfg.tis_cap or self.source.behaviour_cap  # asynchronous: pi_prox / pi_behave, capped
+        self.tis_cap = self.cfg.loss.tis_cap or self.source.behaviour_cap  # asynchronous: pi_prox / pi_behave, capped
         self.version = 0  # optimizer steps taken: the version of the weights the sampler holds
 
     @property

@@ -12,7 +12,7 @@ One step, as InstructGPT's third step (and TRL's PPOTrainer, OpenRLHF) run it:
      step of the policy and one of the critic.
 Sampling, scoring, the policy and its reference, the step's figures, checkpoints and the saved model are built from
 the same parts as GRPO's loop (grpo.training.policy), so the two are measured on the same code; the step loop is
-PPO's own, written out here. Packed rows (`grpo.configs.training.GRPOConfig.packing`, `max_tokens_per_microbatch`) are
+PPO's own, written out here. Packed rows (`memory.packing`, `memory.max_tokens_per_microbatch`) are
 GRPO's: the policy, pi_old, reference and critic passes each run a micro-batch as one row without padding, and a
 budgeted micro-batch's loss is read in the row-count parts its rows come from. The critic is not saved with the
 model (the next stage needs the policy only); it is in the resumable checkpoints.
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.configs.distributed import DistributedConfig
-from grpo.configs.ppo import PPOConfig, check_ppo_settings
+from grpo.configs.ppo import PPOConfig, PPOTrainingConfig, check_ppo_settings
 from grpo.configs.sampling import GenerationConfig
 from grpo.configs.training import GRPOConfig
 from grpo.kernels.attention import attending_packed, cpu_attention
@@ -83,16 +83,23 @@ class PPOResult(NamedTuple):
 
 
 class PPOTrainer(OnRuntime):
-    """Holds the policy, the reference, the critic, their optimizers and the data; `train()` runs the loop."""
+    """Holds the policy, the reference, the critic, their optimizers and the data; `train()` runs the loop.
+
+    `cfg` is PPO's own config (`PPOTrainingConfig`), or a stage's `GRPOConfig` with its `ppo` settings beside it,
+    read into one as `PPOTrainingConfig.from_grpo` reads them."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: pd.DataFrame,
-                 cfg: GRPOConfig, output_dir: str | Path, *, ppo: PPOConfig | None = None,
+                 cfg: PPOTrainingConfig | GRPOConfig, output_dir: str | Path, *, ppo: PPOConfig | None = None,
                  engine: Engine | None = None, generation: GenerationConfig | None = None,
                  on_metrics: MetricsCallback | None = None, on_samples: SamplesCallback | None = None,
                  reward_functions: Mapping[str, Callable] | None = None, progress: bool = True,
                  distributed: DistributedConfig | None = None):
-        self.ppo = ppo or PPOConfig()
-        check_ppo_settings(cfg, len(prompts), "the data")  # no groups, LoRA or process supervision; enough prompts
+        if isinstance(cfg, GRPOConfig):  # a stage's grpo section, with its ppo section (`ppo`) beside it
+            cfg = PPOTrainingConfig.from_grpo(cfg, ppo)
+        elif ppo is not None:
+            raise TypeError("PPOTrainer: PPO's settings are the config's own (cfg.ppo); pass ppo only beside a "
+                            "GRPOConfig")
+        check_ppo_settings(cfg, len(prompts), "the data")  # enough prompts for one completion each a step
         # copied before the policy is moved or cast: the critic starts from the checkpoint's full-precision weights
         critic = ValueModel.from_policy(model, cfg.seed)
         # the policy, its reference, accelerator, strategy (which holds the critic too) and grading watch, as GRPO's
@@ -112,8 +119,13 @@ class PPOTrainer(OnRuntime):
                                    order, 1, who="PPO", scheduled=False)
         # the critic with its own optimizer, prepared after the policy as the policy is (DDP or sharded): the
         # checkpoints hold both, in this order
-        critic, optimizer = trainable(critic, cfg, rt.acc.device, self.ppo.value_learning_rate or cfg.learning_rate)
+        critic, optimizer = trainable(critic, cfg, rt.acc.device,
+                                      self.ppo.value_learning_rate or cfg.optimizer.learning_rate)
         self.critic, self.critic_optimizer, self.critic_scheduler = prepared(rt.strategy, critic, optimizer, cfg)
+
+    @property
+    def ppo(self) -> PPOConfig:  # PPO's own settings, in the loop's config
+        return self.cfg.ppo
 
     @property
     def engine(self) -> Engine:
@@ -145,10 +157,10 @@ class PPOTrainer(OnRuntime):
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)  # [N, P+C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
         N, C = input_ids.size(0), rollout.completion_ids.size(1)
-        kl_reward = cfg.beta != 0 and ppo.kl_in == "reward"
+        kl_reward = cfg.loss.beta != 0 and ppo.kl_in == "reward"
 
         ref_logps = old_logps = None
-        if cfg.beta != 0:
+        if cfg.loss.beta != 0:
             ref_logps = self.runtime.scored(self.ref_model, input_ids, attention_mask, C)  # [N, C] (no LoRA in PPO)
         # pi_old's log-probs: the KL reward's logp, and the ratio's denominator when mu > 1 (recomputed, not the
         # sampler's, as GRPO does: top-p, bf16 or another engine would bias them)
@@ -163,7 +175,7 @@ class PPOTrainer(OnRuntime):
         old_values = torch.cat(parts)  # [N, C] the micro-batches are runs of rows in order
         token_mask = rollout.completion_mask.float().to(self.acc.device)  # [N, C] every sampled token
         loss_mask = token_mask
-        if cfg.mask_truncated_completions:  # in the returns, but no gradient of their own
+        if cfg.loss.mask_truncated_completions:  # in the returns, but no gradient of their own
             loss_mask = token_mask * (~rollout.truncated).float().to(self.acc.device)[:, None]
         rows = torch.ones(N, device=self.acc.device)  # [N] 1 on a graded row
         if graded is not None and not all(graded):
@@ -171,7 +183,8 @@ class PPOTrainer(OnRuntime):
             loss_mask = loss_mask * rows[:, None]
         graded_tokens = token_mask * rows[:, None]  # [N, C] the tokens the step's figures are over
         scores = torch.tensor(rewards, dtype=torch.float32, device=self.acc.device) * rows  # [N] no reward: none
-        per_token = token_rewards(scores, token_mask, old_logps, ref_logps, cfg.beta if kl_reward else 0.0)  # [N, C]
+        per_token = token_rewards(scores, token_mask, old_logps, ref_logps,
+                                  cfg.loss.beta if kl_reward else 0.0)  # [N, C]
         # per row: an ungraded row's GAE is its own, in no other row's and in no statistic below
         advantages, returns = gae_advantages(per_token, old_values, token_mask, ppo.gamma, ppo.lam)  # [N, C]
         total = self._total  # the figures of the global batch's tokens, on every process
@@ -185,7 +198,7 @@ class PPOTrainer(OnRuntime):
         if kl_reward:  # the loss has no KL term: say how far pi_old is from the reference, as GRPO's `kl` does (k3)
             stats["kl"] = masked_mean(k3_kl(old_logps, ref_logps), graded_tokens, total).item()
             # the KL part of a (graded) completion's return, on average
-            stats["reward/kl_penalty"] = (-cfg.beta * ((old_logps - ref_logps) * graded_tokens).sum().item()
+            stats["reward/kl_penalty"] = (-cfg.loss.beta * ((old_logps - ref_logps) * graded_tokens).sum().item()
                                           / max(rows.sum().item(), 1.0))
         return PPOBatch(input_ids, attention_mask, loss_mask, old_logps if cfg.num_iterations > 1 else None,
                         ref_logps if ppo.kl_in == "loss" else None,
@@ -194,7 +207,8 @@ class PPOTrainer(OnRuntime):
 
     def _micro_batches(self, attention_mask: torch.Tensor) -> list[slice] | list[list[int]]:
         """`micro_batch_size` rows each, or whole rows in order to the token budget."""
-        return micro_batch_rows(attention_mask, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch)
+        memory = self.cfg.memory
+        return micro_batch_rows(attention_mask, memory.micro_batch_size, memory.max_tokens_per_microbatch)
 
     def _total(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the processes (itself in one process)."""
@@ -207,17 +221,17 @@ class PPOTrainer(OnRuntime):
         self.model.train()
         self.critic.train()
         # this process's loss as a share of the global batch's (1.0 in one process), as GRPO's
-        weight = process_weight(self.acc, cfg.loss_type, batch.completion_mask)
+        weight = process_weight(self.acc, cfg.loss.loss_type, batch.completion_mask)
         chunks = matched_chunks(self.acc, self._micro_batches(batch.attention_mask))
         for i, (s, counts) in enumerate(chunks):
             last = i == len(chunks) - 1  # both models' gradients sync in the last micro-batch only
             with self.strategy.no_sync(self.model, last), self.strategy.no_sync(self.critic, last):
                 sums = self._micro_batch(batch, s, C, weight * float(counts), sums)
         sums["grad_norm"] = float(optimizer_step(self.acc, self.model, self.optimizer, self.scheduler,
-                                                 cfg.max_grad_norm))
+                                                 cfg.optimizer.max_grad_norm))
         self.sync_sampler()  # the next rollout samples the stepped weights
         sums["value/grad_norm"] = float(optimizer_step(self.acc, self.critic, self.critic_optimizer,
-                                                       self.critic_scheduler, cfg.max_grad_norm))
+                                                       self.critic_scheduler, cfg.optimizer.max_grad_norm))
         return {**sums, **batch.stats}  # with the KL in the rewards, the rollout's kl, not the loss's 0
 
     def _micro_batch(self, batch: PPOBatch, rows: slice | list[int], C: int, weight: float,
@@ -231,7 +245,8 @@ class PPOTrainer(OnRuntime):
                                          cfg.sampling.temperature, with_entropy=True, packed=self.packed)
             values = self.critic(batch.input_ids[rows], batch.attention_mask[rows], C, packed=self.packed)  # [n, C]
         total = 0.0
-        for local, share in loss_parts(cfg.loss_type, batch.completion_mask, rows, cfg.micro_batch_size, weight):
+        for local, share in loss_parts(cfg.loss.loss_type, batch.completion_mask, rows, cfg.memory.micro_batch_size,
+                                       weight):
             part = rows if local is None else [rows[j] for j in local]  # the batch's rows of this part
             lp, ent, vals = (logps, entropy, values) if local is None else (logps[local], entropy[local],
                                                                             values[local])  # [b, C]
@@ -239,9 +254,10 @@ class PPOTrainer(OnRuntime):
             loss, stats = ppo_loss(
                 lp, None if batch.old_logps is None else batch.old_logps[part],
                 None if batch.ref_logps is None else batch.ref_logps[part], batch.advantages[part], vals,
-                batch.old_values[part], batch.returns[part], mask, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                batch.old_values[part], batch.returns[part], mask, epsilon=cfg.loss.epsilon,
+                epsilon_high=cfg.loss.epsilon_high,
                 cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
-                beta=cfg.beta if ppo.kl_in == "loss" else 0.0, loss_type=cfg.loss_type)
+                beta=cfg.loss.beta if ppo.kl_in == "loss" else 0.0, loss_type=cfg.loss.loss_type)
             total = total + loss * share
             stats["train/loss"] = loss.item()
             stats["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))

@@ -51,7 +51,8 @@ class AsyncSource:
                     order=self.order)
         if cfg.rollout.reference == "sampler":  # the workers score the KL term's reference; the trainer keeps none
             plan = plan._replace(reference=rt.ref_model.to("cpu"),  # moved off the trainer's device
-                                 micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_microbatch,
+                                 micro_batch_size=cfg.memory.micro_batch_size,
+                                 max_tokens=cfg.memory.max_tokens_per_microbatch,
                                  autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
                                      str(acc.mixed_precision)))
             rt.ref_model = None

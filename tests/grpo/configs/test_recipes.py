@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from flows.cli.preflight import parse_overrides
-from grpo.configs.recipe import RECIPES_DIR, apply_overrides, load_recipe
+from grpo.configs.recipe import RECIPES_DIR, Recipe, RecipeError, apply_overrides, load_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -72,3 +73,26 @@ def test_the_readme_commands_name_shipped_recipes_and_settings_they_take():
         recipe = load_recipe(m.group(1) if (m := re.search(r"--recipe (\S+)", command)) else "tiny")
         overrides = parse_overrides(re.findall(r"--set (\S+)", command))
         apply_overrides(recipe, overrides)  # a RecipeError names the path
+
+
+def test_grpo_settings_live_in_sections_and_the_flat_names_still_load():
+    from grpo.configs.training import MOVED_KEYS, GRPOConfig
+
+    flat = GRPOConfig(learning_rate=2e-5, optimizer="adamw_8bit", beta=0.0, packing=True, supervision="process",
+                      step_verifier="arithmetic", dynamic_sampling=True)
+    nested = GRPOConfig(optimizer={"name": "adamw_8bit", "learning_rate": 2e-5}, loss={"beta": 0.0},
+                        memory={"packing": True}, grading={"supervision": "process", "step_verifier": "arithmetic"},
+                        rollout={"dynamic_sampling": True})
+    assert flat == nested and nested.optimizer.name == "adamw_8bit" and nested.loss.beta == 0.0
+    assert not (set(MOVED_KEYS) - {"optimizer"}) & set(GRPOConfig.model_fields)  # no flat name kept as a field
+    with pytest.raises(ValidationError, match="beta is given twice"):
+        GRPOConfig(beta=0.0, loss={"beta": 0.1})
+    again = flat.model_copy(update={"loss": flat.loss.model_copy(update={"beta": 0.04}), "seed": 3})
+    assert flat.updated(beta=0.04, seed=3) == again
+    recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 3e-5,  # a flat path, as before
+                                        "reasoning_grpo.grpo.optimizer": "adamw_8bit",
+                                        "alignment_grpo.grpo.loss.beta": 0.0})  # a section's path
+    assert recipe.reasoning_grpo.grpo.optimizer.learning_rate == 3e-5
+    assert recipe.reasoning_grpo.grpo.optimizer.name == "adamw_8bit" and recipe.alignment_grpo.grpo.loss.beta == 0.0
+    with pytest.raises(RecipeError, match="did you mean 'learning_rate'"):
+        apply_overrides(Recipe(), {"reasoning_grpo.grpo.learnin_rate": 1e-5})

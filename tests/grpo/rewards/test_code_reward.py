@@ -110,7 +110,7 @@ def test_the_registry_weights_code_like_any_reward(bwrap):
 def test_settings_bind_limits_and_scoring(bwrap):
     cfg = GRPOConfig(rewards={"code": 1.0}, code=CodeConfig(all_or_nothing=True, wall_time_s=1.0, rerun_factor=1.5))
     assert code_limits(CodeConfig().model_dump()) == Limits()  # the recipe's defaults are the sandbox's
-    reward = make_code_reward(cfg.code.model_dump())
+    reward = make_code_reward(cfg.grading.code.model_dump())
     assert reward([answer(WRONG), answer(RIGHT)], tests=[ADD_TESTS] * 2) == [0.0, 1.0]
     slow = "import time\ntime.sleep(2)\n" + RIGHT  # past the recipe's 1 s of wall time, and its rerun's 1.5 s
     assert reward([answer(slow)], tests=[ADD_TESTS]) == [0.0]

@@ -148,7 +148,7 @@ def step_gradients(trainer, batch, **cfg) -> tuple[dict[str, torch.Tensor], dict
         grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
 
     handle = trainer.optimizer.optimizer.register_step_pre_hook(record)
-    trainer.cfg = trainer.cfg.model_copy(update=cfg)
+    trainer.cfg = trainer.cfg.updated(**cfg)
     trainer.packed = cfg.get("packing", False)
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     try:

@@ -36,4 +36,4 @@ def test_packed_grpo_with_unequal_pieces_on_two_processes_matches_one(tmp_path):
                                "entropy"])
     assert a[1]["reward/std"] > 0  # groups had spread: the steps carried a gradient
     assert_same_weights(one / "grpo-packed" / "model", two / "grpo-packed" / "model", atol=5e-4)
-    assert BUDGET == PACKED_GRPO.max_tokens_per_microbatch
+    assert BUDGET == PACKED_GRPO.memory.max_tokens_per_microbatch

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.configs.ppo import PPOConfig
+from grpo.configs.ppo import PPOConfig, PPOTrainingConfig
 from grpo.configs.sampling import SamplingConfig
 from grpo.configs.training import GRPOConfig
 from grpo.models import load_model_and_tokenizer
@@ -182,11 +182,12 @@ def constant(completions, **_):
 
 def make_ppo(tmp_path, ppo=None, registry=None, **overrides):
     model, tok = load_model_and_tokenizer(SMALL)
-    cfg = GRPOConfig(**{"max_steps": 2, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
-                        "sampling": SamplingConfig(max_new_tokens=8), "rewards": {"digits": 1.0},
-                        "learning_rate": 1e-3, "samples_every": 1, **overrides})
+    grpo = GRPOConfig(**{"max_steps": 2, "prompts_per_step": 2, "num_generations": 4, "checkpoint_every": 0,
+                         "sampling": SamplingConfig(max_new_tokens=8), "rewards": {"digits": 1.0},
+                         "learning_rate": 1e-3, "samples_every": 1, **overrides})
+    cfg = PPOTrainingConfig.from_grpo(grpo, ppo)  # PPO's own config, as the stage builds it
     seen, tables = {}, {}
-    trainer = PPOTrainer(model, tok, PROMPTS, cfg, tmp_path, ppo=ppo or PPOConfig(),
+    trainer = PPOTrainer(model, tok, PROMPTS, cfg, tmp_path,
                          reward_functions={**REWARD_FUNCTIONS, "digits": digits, "constant": constant,
                                            **(registry or {})},
                          progress=False,
@@ -376,3 +377,18 @@ def test_reasoning_stage_runs_ppo_end_to_end(prefect_harness, mlflow_client, tmp
     trained = AutoModelForCausalLM.from_pretrained(download(result.uris["checkpoint"], tmp_path / "ckpt"))
     before = model.state_dict()
     assert any(not torch.equal(before[k], v) for k, v in trained.state_dict().items())
+
+
+def test_ppo_has_a_config_of_its_own_built_from_the_stage_sections():
+    grpo = GRPOConfig(learning_rate=2e-5, beta=0.0, micro_batch_size=4, max_ungraded_share=0.5, seed=3)
+    cfg = PPOTrainingConfig.from_grpo(grpo, PPOConfig(gamma=0.9))
+    assert (cfg.optimizer, cfg.loss, cfg.memory, cfg.grading, cfg.sampling, cfg.seed) == \
+        (grpo.optimizer, grpo.loss, grpo.memory, grpo.grading, grpo.sampling, 3)
+    assert cfg.ppo.gamma == 0.9 and "ppo" in PPOTrainingConfig.model_fields
+    assert not {"lora", "prompt_mix", "rollout", "schedule"} & set(PPOTrainingConfig.model_fields)
+    assert cfg == PPOTrainingConfig(learning_rate=2e-5, beta=0.0, micro_batch_size=4, max_ungraded_share=0.5, seed=3,
+                                    ppo={"gamma": 0.9})  # flat names read into the sections, as GRPOConfig reads them
+    with pytest.raises(ValueError, match="algorithm ppo has no groups to filter"):
+        PPOTrainingConfig.from_grpo(GRPOConfig(dynamic_sampling=True))
+    with pytest.raises(ValueError, match="rollout"):
+        PPOTrainingConfig(dynamic_sampling=True)  # PPO has no rollout section

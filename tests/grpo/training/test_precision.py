@@ -72,7 +72,7 @@ def test_recipe_spellings(tmp_path, written, read):
                     f"reasoning_grpo:\n  grpo:\n    mixed_precision: {written}\n")
     recipe = load_recipe(path)
     assert recipe.cold_start_sft.train.mixed_precision == read
-    assert recipe.reasoning_grpo.grpo.mixed_precision == read
+    assert recipe.reasoning_grpo.grpo.memory.mixed_precision == read
 
 
 def test_an_unknown_precision_names_the_field_and_the_choices(tmp_path):
@@ -84,10 +84,10 @@ def test_an_unknown_precision_names_the_field_and_the_choices(tmp_path):
 
 
 def test_every_default_and_the_tiny_recipe_say_auto():
-    assert SFTConfig().mixed_precision == GRPOConfig().mixed_precision == "auto"
+    assert SFTConfig().mixed_precision == GRPOConfig().memory.mixed_precision == "auto"
     tiny = load_recipe("tiny")
     assert tiny.cold_start_sft.train.mixed_precision == tiny.sft.train.mixed_precision == "auto"
-    assert tiny.reasoning_grpo.grpo.mixed_precision == tiny.alignment_grpo.reward_model.mixed_precision == "auto"
+    assert tiny.reasoning_grpo.grpo.memory.mixed_precision == tiny.alignment_grpo.reward_model.mixed_precision == "auto"
 
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="R1_CPU_BF16 speaks for a CPU; this machine trains "
@@ -145,13 +145,13 @@ def test_every_training_loop_of_a_stage_is_found_in_its_config():
 
     tiny = load_recipe("tiny")
     assert precision_fields(tiny.alignment_grpo) == {"reward_model.mixed_precision": "auto",
-                                                     "grpo.mixed_precision": "auto",
+                                                     "grpo.memory.mixed_precision": "auto",
                                                      "dpo.mixed_precision": "auto"}  # algorithm: dpo's loop
     assert precision_fields(tiny.cold_start_sft) == {"train.mixed_precision": "auto"}
     assert precision_fields(tiny.rejection_sampling) == {}  # samples only: no training loop
     resolved = resolve_config(tiny.alignment_grpo, AVX2_CPU)
     assert {path: r.precision for path, r in resolved.items()} == {"reward_model.mixed_precision": "no",
-                                                                    "grpo.mixed_precision": "no",
+                                                                    "grpo.memory.mixed_precision": "no",
                                                                     "dpo.mixed_precision": "no"}
 
 

@@ -90,7 +90,7 @@ def test_the_recipe_selects_online_rft_and_refuses_what_it_cannot_honour():
     assert cfg.online_rft == OnlineRFTConfig(correct_reward="format", threshold=0.5)
     with pytest.raises(ValidationError, match=r"online_rft.correct_reward 'code' is not among grpo.rewards"):
         ReasoningGRPOConfig(algorithm="online_rft", online_rft={"correct_reward": "code"})
-    with pytest.raises(ValidationError, match=r"grpo.dynamic_sampling .* set it to false"):
+    with pytest.raises(ValidationError, match=r"grpo.rollout.dynamic_sampling .* set it to false"):
         ReasoningGRPOConfig(algorithm="online_rft", grpo={"dynamic_sampling": True})
     with pytest.raises(ValidationError, match=r"supervision 'outcome' with online_rft"):
         ReasoningGRPOConfig(algorithm="online_rft", grpo={"supervision": "process", "step_verifier": "arithmetic"})
@@ -207,7 +207,7 @@ def test_the_stage_trainer_refuses_settings_online_rft_cannot_honour(tmp_path):
 
     prompts = pd.DataFrame({"prompt": ["Say 1", "Say 2"], "answer": ["1", "2"]})
     cfg = GRPOConfig(prompts_per_step=2, num_generations=2, dynamic_sampling=True)
-    with pytest.raises(ValueError, match="grpo.dynamic_sampling drops groups"):
+    with pytest.raises(ValueError, match="grpo.rollout.dynamic_sampling drops groups"):
         build_rl_trainer(grpo_job(tmp_path, prompts, cfg, online_rft=OnlineRFTConfig()))
     with pytest.raises(ValueError, match="online_rft.correct_reward 'code' is not among grpo.rewards"):
         build_rl_trainer(grpo_job(tmp_path, prompts, GRPOConfig(prompts_per_step=2, num_generations=2),

@@ -418,7 +418,7 @@ def _step_gradients(trainer, batch, **cfg) -> dict[str, torch.Tensor]:
         grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
 
     handle = trainer.optimizer.optimizer.register_step_pre_hook(record)  # the optimizer accelerate wraps
-    trainer.cfg = trainer.cfg.model_copy(update=cfg)
+    trainer.cfg = trainer.cfg.updated(**cfg)
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     try:
         trainer.optimise(batch)

@@ -92,7 +92,7 @@ def ppo_step(trainer, batch, **cfg) -> tuple[dict[str, torch.Tensor], dict[str, 
 
     handles = [trainer.optimizer.optimizer.register_step_pre_hook(recorder("policy")),
                trainer.critic_optimizer.optimizer.register_step_pre_hook(recorder("critic"))]
-    trainer.cfg = trainer.cfg.model_copy(update=cfg)
+    trainer.cfg = trainer.cfg.updated(**cfg)
     trainer.packed = cfg.get("packing", False)
     weights = {(k, n): p.detach().clone() for k, m in models.items() for n, p in m.named_parameters()}
     try:
@@ -120,7 +120,7 @@ def test_packed_ppo_batches_and_steps_equal_padded_ones_for_every_loss_type(tmp_
     batches = {}
     for packed, budget in ((False, None), (True, 60)):
         trainer.packed = packed
-        trainer.cfg = trainer.cfg.model_copy(update={"packing": packed, "max_tokens_per_microbatch": budget})
+        trainer.cfg = trainer.cfg.updated(packing=packed, max_tokens_per_microbatch=budget)
         with ppo_attending_packed(trainer):
             batches[packed] = trainer.build_batch(rollout, scores.total)
     padded, packed = batches[False], batches[True]
