@@ -202,12 +202,26 @@ def nest_flat_keys(data, moved: dict[str, str] = MOVED_KEYS):
     return out
 
 
+def _flat_keys_in_schema(schema: dict) -> None:
+    """The JSON schema takes the flat keys too (a deployment's saved parameters, a flow run started through the API
+    or the UI with a config written before the sections): Prefect's server checks parameters against the schema
+    before the model's own before-validator could move them."""
+    properties = schema.setdefault("properties", {})
+    for flat, path in MOVED_KEYS.items():
+        if flat in properties:  # `optimizer`: the section, or the optimizer's name as before
+            properties[flat] = {"anyOf": [properties[flat], {"type": "string"}], "title": properties[flat].get(
+                "title", flat)}
+        else:
+            properties[flat] = {"title": flat, "description": f"moved to {path}; still read here", "deprecated": True}
+
+
 class GRPOConfig(BaseModel):
     """The GRPO loop (names follow TRL's GRPOConfig where they mean the same thing), in sections: `optimizer`,
     `loss`, `memory`, `grading`, `rollout`, `sampling`, `schedule`, `lora`. A flat key of the layout before the
-    sections (`beta`, `learning_rate`, `optimizer: adamw_8bit`, ...) is read into its section (MOVED_KEYS)."""
+    sections (`beta`, `learning_rate`, `optimizer: adamw_8bit`, ...) is read into its section (MOVED_KEYS), from a
+    recipe, `--set`, a sweep's grid or a flow run's parameters (the JSON schema lists them as deprecated)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", json_schema_extra=_flat_keys_in_schema)
     moved_keys: ClassVar[dict[str, str]] = MOVED_KEYS  # read by the checks that suggest a misspelt name's meaning
 
     max_steps: int = Field(200, ge=1)  # optimizer steps (times num_iterations)
