@@ -8,7 +8,7 @@ dev extra), with timers put around the same phases on both sides:
 - sampling: the prompts' completions generated (TRL's `GRPOTrainer._generate`, the project's local engine's
   `generate`);
 - reference: the log-prob passes made without gradients (the frozen reference's, and pi_old's where kept: TRL's
-  `_get_per_token_logps_and_entropies` while grad is off, the project's `GRPOTrainer._scored`);
+  `_get_per_token_logps_and_entropies` while grad is off, the project's `PolicyRuntime.scored`);
 - backward: `torch.autograd.backward` (with recomputation where a side checkpoints activations);
 - optimizer: the optimizer's `step` (from torch's global step hooks);
 - forward and the rest: the step's wall time less those (the policy's forward and loss, rewards, bookkeeping).
@@ -100,10 +100,10 @@ def run_side(side: str, model_dir: str, workload: str) -> None:
         runpy.run_path(str(BENCH / "trl_grpo_peer.py"), run_name="__main__")
     else:
         from grpo.sampling.local.backend import TransformersBackend
-        from grpo.training.loops.grpo_trainer import GRPOTrainer
+        from grpo.training.runtime import PolicyRuntime
 
         timers.wrap(TransformersBackend, "generate", "sampling")
-        timers.wrap(GRPOTrainer, "_scored", "reference")  # it turns gradients off itself
+        timers.wrap(PolicyRuntime, "scored", "reference")  # it turns gradients off itself
         sys.argv = ["grpo_step.py", "--workload", workload, model_dir]
         try:
             runpy.run_path(str(HERE / "grpo_step.py"), run_name="__main__")

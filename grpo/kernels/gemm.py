@@ -317,3 +317,110 @@ def loop_plan(setting: str, model: torch.nn.Module, tokens: int, precision: str,
         return GemmPlan(reason=f"not an fp32 CPU loop ({precision} on {device_type}): torch's own path",
                         setting=setting)
     return gemm_plan(setting, linear_shapes(model, tokens))
+
+
+# -- the sampler's packed linears --------------------------------------------------------------------------------------
+# A sampler packs each weight once a generate call for the batch's rows and then runs the same small-M product at
+# every decode step. Both libraries can pack: MKL (`torch.ops.mkl._mkl_reorder_linear_weight`) and oneDNN
+# (`torch.ops.mkldnn._reorder_linear_weight`). At an output layer as wide as a real vocabulary, oneDNN's packed
+# product ran 2.0-2.6x MKL's on a Zen 4 (AVX-512) with 32 rows ([32, 256] x [256, 151936]: 16-17 ms against 33-44
+# ms on two threads; 1.65-1.78x on one), and at rows fewer than it was packed for, MKL's packed GEMM slowed further
+# (22-44 ms) where oneDNN's did not (7-11 ms). At the layers' shapes of a small model the two were within 1.1-1.2x
+# on one thread. So it is measured, in turns and against `ONEDNN_MARGIN` as the loops' plan is (on the sampler's
+# threads: `measure_packed`), shape by shape, and only for weights large enough that a decode step's call is not a few microseconds of fixed cost
+# (`PACKED_MEASURE_ELEMENTS`): below that MKL's packed path is kept without a measurement.
+PACKED_MEASURE_ELEMENTS = 2**20  # a weight of fewer elements (4 MiB in fp32) keeps MKL's packing unmeasured
+
+
+def _mkl_packed_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _onednn_packed_available() -> bool:
+    return onednn_packed_problem() is None
+
+
+@functools.cache
+def onednn_packed_problem() -> str | None:
+    """Why oneDNN's packed linear cannot be used in this torch (None: it can): the ops must exist and give
+    `F.linear`'s product within fp32 rounding, at the rows packed for and at fewer."""
+    problem = onednn_problem()
+    if problem:
+        return problem
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return f"torch {torch.__version__} has no torch.ops.mkldnn._reorder_linear_weight"
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=gen) for s in ((37, 24), (19, 24), (19,)))
+    try:
+        packed = pack_weight(w, 37, "onednn")
+        got = [packed_product(x, packed, w, b, 37, "onednn"), packed_product(x[:5], packed, w, b, 37, "onednn")]
+    except Exception as e:  # noqa: BLE001 (any failure of a private op is the answer)
+        return f"oneDNN's packed linear failed on a small product: {type(e).__name__}: {e}"
+    for a, e in zip(got, [F.linear(x, w, b), F.linear(x[:5], w, b)]):
+        if a.shape != e.shape or not torch.allclose(a, e, rtol=1e-5, atol=1e-5):
+            return "oneDNN's packed linear gives another product than F.linear's"
+    return None
+
+
+def pack_weight(weight: torch.Tensor, rows: int, library: str) -> torch.Tensor:
+    """`weight` [N, K] packed for products of about `rows` rows by `library` ("mkl" or "onednn")."""
+    if library == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   rows: int, library: str) -> torch.Tensor:
+    """x [M, K] times the packed weight [N, K] transposed (+ bias [N]): [M, N], any M."""
+    if library == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+
+
+def packed_library(setting: str, rows: int, K: int, N: int) -> str | None:
+    """Which library packs a sampler's fp32 CPU linear of weight [N, K] for `rows` rows: "mkl", "onednn", or None
+    where this torch has neither packed GEMM (then F.linear). `setting` is the loop's `fp32_gemm` ("auto" where
+    the caller has none): "mkl" keeps MKL's packing (the sampler as before, bit for bit), "onednn" takes oneDNN's,
+    "auto" measures (above). Measured once a process for a shape, so every call of one process packs alike."""
+    return _packed_library(setting, rows, K, N)
+
+
+@functools.cache
+def _packed_library(setting: str, rows: int, K: int, N: int) -> str | None:
+    if setting not in ("auto", "mkl", "onednn"):
+        raise ValueError(f"fp32_gemm must be auto, mkl or onednn, got {setting!r}")
+    mkl = "mkl" if _mkl_packed_available() else None
+    if setting == "mkl":
+        return mkl
+    onednn = _onednn_packed_available()
+    if setting == "onednn":
+        if not onednn:
+            raise RuntimeError(f"fp32_gemm: onednn cannot pack the sampler's weights here: "
+                               f"{onednn_packed_problem()}; set fp32_gemm to auto or mkl")
+        return "onednn"
+    if not onednn or mkl is None or N * K < PACKED_MEASURE_ELEMENTS:
+        return mkl
+    rates = measure_packed(rows, K, N)
+    return "onednn" if rates["onednn"] >= ONEDNN_MARGIN * rates["mkl"] else "mkl"
+
+
+def measure_packed(rows: int, K: int, N: int, reps: int = 7) -> dict[str, float]:
+    """GFLOP/s of the packed product [rows, K] x [K, N] on each library, on the threads the sampler runs with: the
+    shape cut to `probe_shape`, the libraries in turns, the fastest of `reps` runs each (a busy moment only adds
+    time, so the fastest run is the machine's rate). Not on one thread, as `measure` times the loops' GEMMs: MKL's
+    packed product gains little from a second thread at a decode step's few rows where oneDNN's nearly doubles
+    (the wide head: 1.55-1.8x on one thread, 2.0-2.6x on two), and the sampler runs on all of them."""
+    M, K, N = probe_shape(rows, K, N)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+    packed = {lib: pack_weight(w, M, lib) for lib in LIBRARIES}
+    runs = {lib: (lambda lib=lib: packed_product(x, packed[lib], w, None, M, lib)) for lib in LIBRARIES}
+    for fn in runs.values():
+        fn()  # warm: first calls allocate and pick kernels
+    best = {lib: float("inf") for lib in LIBRARIES}
+    for _ in range(reps):  # in turns
+        for lib, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            best[lib] = min(best[lib], time.perf_counter() - start)
+    return {lib: 2.0 * M * K * N / max(s, 1e-9) / 1e9 for lib, s in best.items()}

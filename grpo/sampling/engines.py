@@ -49,11 +49,12 @@ def sampling_dtype(precision: str) -> torch.dtype | None:
 
 def build_engine(generation: GenerationConfig, model: PreTrainedModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, *, dtype: torch.dtype | None = None,
-                 who: str = "this stage", text_only_ok: bool = False) -> Engine:
+                 who: str = "this stage", text_only_ok: bool = False, fp32_gemm: str = "auto") -> Engine:
     """The engine `generation` names, for `model` (local) or the recipe's servers (http).
 
     dtype: the weights the local engine samples with (None: the model's own); `sampling_dtype` gives it from a
-    stage's precision. text_only_ok: whether the caller can do with text (rejection sampling); others are refused
+    stage's precision. fp32_gemm: which library packs the local engine's fp32 weights on a CPU (a loop's
+    `fp32_gemm`: `grpo.kernels.gemm.packed_library`). text_only_ok: whether the caller can do with text (rejection sampling); others are refused
     an http engine here, before any work, with `who` named.
     """
     if generation.backend == "http":
@@ -65,7 +66,7 @@ def build_engine(generation: GenerationConfig, model: PreTrainedModel | None = N
         raise ValueError(f"{who}: the local engine needs the model and its tokenizer")
     budget = None if generation.kv_cache_mb is None else generation.kv_cache_mb * 2**20
     return TransformersBackend(model, tokenizer, dtype=dtype, static=generation.sampler == "auto",
-                               kv_cache_bytes=budget)
+                               kv_cache_bytes=budget, fp32_gemm=fp32_gemm)
 
 
 def local_generation(generation: GenerationConfig | None) -> GenerationConfig:

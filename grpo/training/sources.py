@@ -179,7 +179,7 @@ def rollout_source(runtime: PolicyRuntime, generation: GenerationConfig | None =
         return AsyncSource(runtime, generation, order)
     dtype = sampling_dtype(runtime.acc.mixed_precision)
     engine = engine or build_engine(generation, runtime.strategy.sampler_model(dtype), runtime.tokenizer, dtype=dtype,
-                                    who="GRPO")
+                                    who="GRPO", fp32_gemm=cfg.memory.fp32_gemm)
     if not cfg.rollout.dynamic_sampling:  # its figure reads 0 on a run that never refills
         return EngineSource(runtime, engine, order, cfg.num_generations, who="GRPO",
                             figures={"dynamic/refill_rounds": 0.0})

@@ -117,6 +117,6 @@ def recorded_logits(monkeypatch) -> list:
     seen = []
     choose = decode_step.choose_tokens
     for module in (decode_step, slots):  # a row's first token is chosen as it takes a slot, the rest in the step
-        monkeypatch.setattr(module, "choose_tokens", lambda logits, *a: seen.append(logits.float().clone()) or
-                            choose(logits, *a))
+        monkeypatch.setattr(module, "choose_tokens", lambda logits, *a, **k: seen.append(logits.float().clone()) or
+                            choose(logits, *a, **k))
     return seen

@@ -87,7 +87,8 @@ def _pick(logits: torch.Tensor, s: SamplingConfig, u: torch.Tensor | None) -> tu
 @torch.inference_mode()
 def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: SamplingConfig,
                  eos_ids: list[int], pad_id: int, dtype: torch.dtype | None = None,
-                 sampler: StaticSampler | None = None, logprobs: bool = True) -> tuple[torch.Tensor | None, ...]:
+                 sampler: StaticSampler | None = None, logprobs: bool = True,
+                 fp32_gemm: str = "auto") -> tuple[torch.Tensor | None, ...]:
     """Decode one batch of left-padded prompts; returns (completion_ids, completion_mask, logprobs, truncated).
 
     With a `sampler` (a StaticSampler of `model`) that computes the model exactly, it samples; otherwise (no
@@ -113,7 +114,7 @@ def sample_batch(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
         logits, cache = _prefill(model, ids, mask, pos)  # [B, V]
     next_pos = pos[:, -1] + 1  # [B]
     # autocast changes every op's dtype, which the lean path does not mirror: it keeps to the HF loop
-    step = None if autocast else LeanDecoder.build(model, cache, mask, next_pos, s.max_new_tokens)
+    step = None if autocast else LeanDecoder.build(model, cache, mask, next_pos, s.max_new_tokens, fp32_gemm)
     if step is None:
         step = _HFDecoder(model, cache, mask, next_pos, amp)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -179,10 +180,11 @@ class TransformersBackend:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, dtype: torch.dtype | None = None,
-                 static: bool = True, kv_cache_bytes: int | None = None):
-        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
+                 static: bool = True, kv_cache_bytes: int | None = None, fp32_gemm: str = "auto"):
+        self.model, self.tokenizer, self.dtype, self.fp32_gemm = model, tokenizer, dtype, fp32_gemm
         self.eos_ids = sorted({tokenizer.eos_token_id, *_extra_eos(model)})
-        self.sampler = StaticSampler(model, dtype=dtype, memory_budget=kv_cache_bytes) if static else None
+        self.sampler = StaticSampler(model, dtype=dtype, memory_budget=kv_cache_bytes,
+                                     fp32_gemm=fp32_gemm) if static else None
 
     def sync_weights(self) -> None:
         """Make the next sampling use the model's current weights: refresh the bf16 copy and the captured steps'
@@ -209,7 +211,7 @@ class TransformersBackend:
         """One batch of left-padded prompt ids through this engine's sampler (`sample_batch`'s four tensors)."""
         return sample_batch(self.model, prompt_ids, prompt_mask, sampling,
                             self.eos_ids if eos_ids is None else eos_ids, self.tokenizer.pad_token_id, self.dtype,
-                            self.sampler, logprobs)
+                            self.sampler, logprobs, self.fp32_gemm)
 
     def generate_from_text(self, texts: list[str], n: int, sampling: SamplingConfig, add_special_tokens: bool = False,
                            *, logprobs: bool = False) -> Rollout:

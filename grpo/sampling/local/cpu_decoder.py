@@ -7,11 +7,12 @@ this decoder reads the model's own weights (or packed copies of them) and runs t
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from grpo.kernels.gemm import pack_weight, packed_library, packed_product
 
 # Llama-family decoders (RMSNorm, rotary, grouped-query attention, SwiGLU MLP) whose decode step LeanDecoder
 # reproduces from the weights alone. Anything else, or anything unusual in these, decodes through _HFDecoder.
@@ -73,18 +74,21 @@ class PackedLinear:
     """One or more `nn.Linear`s applied to the same input, outputs side by side: [rows, in] -> [rows, sum(out)].
 
     With copies allowed (small models), their weights are concatenated into one matrix, so q/k/v (or gate/up) take
-    one matmul instead of several, and on CPU the matrix is packed once for MKL's GEMM: decode runs the same
+    one matmul instead of several, and on CPU the matrix is packed once for a GEMM library: decode runs the same
     small-M matmuls (M = batch rows) dozens of times per generate call, and packing skips the weight reordering in
     every call after the first. That is 10-20% faster sampling for the GRPO benchmark's model on 2 CPU cores, bit
-    for bit the numbers of `F.linear`. Without copies, each module's own weight is used in place.
+    for bit the numbers of `F.linear`, with MKL's packing. `gemm` (the loop's `fp32_gemm`; None: no packing) says
+    which library packs (`grpo.kernels.gemm.packed_library`): MKL, or oneDNN where it measures clearly faster for the shape (an
+    output layer as wide as a real vocabulary: 2x on a Zen 4), whose products round otherwise. Without copies, each
+    module's own weight is used in place.
 
     A projection may be peft's LoRA `Linear` (`lora_reason` says which): its base weight is read as above, and its
     adapters add (x A^T) B^T, all the projections' adapters in one pair of small matmuls (`_low_rank`), copies
     made here (rank x in, out x rank: a few MB at 7B) and rebuilt with the weights after every optimizer step.
     """
 
-    def __init__(self, modules: list[torch.nn.Module], rows: int, copies: bool):
-        self.rows, self.packed, self.parts = rows, None, None
+    def __init__(self, modules: list[torch.nn.Module], rows: int, copies: bool, gemm: str | None = "auto"):
+        self.rows, self.packed, self.parts, self.library = rows, None, None, None
         split = [_adapters(m) for m in modules]
         linears = [base for base, _ in split]
         self.lora_a, self.lora_b = _low_rank([adapters for _, adapters in split], [m.out_features for m in linears],
@@ -97,8 +101,11 @@ class PackedLinear:
             fused = linears[0].weight if len(linears) == 1 else torch.cat([m.weight for m in linears])  # [out, in]
         self.weight = fused
         self.bias = _cat_bias(*linears)  # [out] or None
-        if copies and _mkl_packing() and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
+        if copies and gemm is not None and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+            N, K = self.weight.shape
+            self.library = packed_library(gemm, rows, K, N)
+            if self.library is not None:
+                self.packed = pack_weight(self.weight, rows, self.library)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if self.parts is not None:
@@ -106,16 +113,10 @@ class PackedLinear:
         elif self.packed is None:
             y = torch.nn.functional.linear(x, self.weight, self.bias)
         else:
-            y = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+            y = packed_product(x, self.packed, self.weight, self.bias, self.rows, self.library)
         if self.lora_a is None:
             return y
         return torch.addmm(y, torch.nn.functional.linear(x, self.lora_a), self.lora_b.t())  # + (x A^T) B^T
-
-
-@functools.cache
-def _mkl_packing() -> bool:
-    """Whether this torch build has MKL's packed GEMM (CPU builds with MKL; not ARM or most GPU-only builds)."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 class LeanLayer(NamedTuple):
@@ -153,12 +154,13 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
                                                           device=m.weight.device) for b, m in zip(biases, linears)])
 
 
-def lean_layer(layer, rows: int, copies: bool) -> LeanLayer:
+def lean_layer(layer, rows: int, copies: bool, gemm: str | None = "auto") -> LeanLayer:
     """The layer's weights as the lean step uses them (built per generate call: the policy changes between them)."""
     a, m = layer.self_attn, layer.mlp
-    return LeanLayer(layer.input_layernorm.weight, PackedLinear([a.q_proj, a.k_proj, a.v_proj], rows, copies),
-                      PackedLinear([a.o_proj], rows, copies), layer.post_attention_layernorm.weight,
-                      PackedLinear([m.gate_proj, m.up_proj], rows, copies), PackedLinear([m.down_proj], rows, copies))
+    return LeanLayer(layer.input_layernorm.weight, PackedLinear([a.q_proj, a.k_proj, a.v_proj], rows, copies, gemm),
+                      PackedLinear([a.o_proj], rows, copies, gemm), layer.post_attention_layernorm.weight,
+                      PackedLinear([m.gate_proj, m.up_proj], rows, copies, gemm),
+                      PackedLinear([m.down_proj], rows, copies, gemm))
 
 
 def lean_decode_supported(model: PreTrainedModel) -> bool:
@@ -205,7 +207,7 @@ class LeanDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
-                 max_new: int):
+                 max_new: int, gemm: str = "auto"):
         core, cfg = model.model, model.config
         B, P = mask.shape
         attn = core.layers[0].self_attn
@@ -214,8 +216,8 @@ class LeanDecoder:
         self.eps = cfg.rms_norm_eps
         self.embed, self.norm = core.embed_tokens.weight, core.norm.weight
         copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= COPY_MAX_BYTES
-        self.head = PackedLinear([model.lm_head], B, copies)
-        self.layers = [lean_layer(layer, B, copies) for layer in core.layers]
+        self.head = PackedLinear([model.lm_head], B, copies, gemm)
+        self.layers = [lean_layer(layer, B, copies, gemm) for layer in core.layers]
         self.k = [layer.keys for layer in cache.layers]  # [B, Hkv, P, D] each: the prompt's, copied at `_reach`
         self.v = [layer.values for layer in cache.layers]
         self.mask, self.next_pos, self.max_new, self.rotary = mask, next_pos, max_new, core.rotary_emb
@@ -248,11 +250,11 @@ class LeanDecoder:
 
     @classmethod
     def build(cls, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
-              max_new: int) -> "LeanDecoder | None":
+              max_new: int, gemm: str = "auto") -> "LeanDecoder | None":
         layers = getattr(cache, "layers", None)
         if not lean_decode_supported(model) or not layers or not all(hasattr(x, "keys") for x in layers):
             return None
-        return cls(model, cache, mask, next_pos, max_new)
+        return cls(model, cache, mask, next_pos, max_new, gemm)
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         B, t, D, Hkv, Hq = tok.size(0), self.t, self.head_dim, self.n_kv, self.n_q

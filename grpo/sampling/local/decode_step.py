@@ -46,11 +46,14 @@ def decoder(model: torch.nn.Module) -> PreTrainedModel:
 
 
 def choose_tokens(logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfig,
-                  want_logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  want_logprobs: bool = True, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The token of each row picked by the inverse CDF at its uniform `u`, and its log-prob when asked.
 
     logits [B, V], u [B] in [0, 1) (unread, and may be None, at temperature 0). Greedy at temperature 0; otherwise temperature, then top-k, then top-p (the
-    smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`.
+    smallest prefix whose mass reaches top_p), as `backend._pick`, then `inverse_cdf`. scratch: the caller reads
+    `logits` no more, so the temperature divides them in place and, with no cut-off and no log-prob asked,
+    exp(logits - max) is taken in their memory: no other [B, V] tensor a step (at a 151,936-entry vocabulary, two
+    19 MB tensors a step at 32 rows made and freed made glibc take ~10,000 page faults a step).
 
     The log-prob is the chosen token's under the tempered full distribution, log softmax(logits / temperature),
     before top-k/top-p (at temperature 0 the plain log softmax(logits), the argmax's): the number the trainer
@@ -62,7 +65,7 @@ def choose_tokens(logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfi
     token's logit is one the cut-offs keep: no second full-vocabulary tensor. No host sync: it runs inside a
     captured step.
     """
-    logits = logits.float()  # [B, V]
+    logits = raw = logits.float()  # [B, V]
     lse = None
     if s.temperature == 0:
         tok = logits.argmax(-1)  # [B]
@@ -70,7 +73,7 @@ def choose_tokens(logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfi
             lse = logits.logsumexp(-1)  # [B]
     else:
         if s.temperature != 1.0:
-            logits = logits / s.temperature
+            logits = raw = logits.div_(s.temperature) if scratch else logits / s.temperature
         if want_logprobs:
             lse = logits.logsumexp(-1)  # [B] the tempered full distribution's, before top-k/top-p
         if s.top_k:
@@ -81,7 +84,11 @@ def choose_tokens(logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfi
             p = sorted_logits.softmax(-1)
             drop = p.cumsum(-1) - p > s.top_p
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        tok = inverse_cdf(logits.softmax(-1), u)  # [B]
+        if scratch and not want_logprobs and logits is raw:  # no cut-off and no log-prob: the logits' own memory
+            probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # [B, V] unnormalised, as inverse_cdf takes
+        else:
+            probs = logits.softmax(-1)  # [B, V]
+        tok = inverse_cdf(probs, u)  # [B]
     if not want_logprobs:
         return tok, None
     # the chosen token survived the cut-offs, so its entry is still its tempered logit
@@ -127,19 +134,17 @@ class Weights(NamedTuple):
     qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None]  # Qwen3's per-head q/k RMSNorm weights, [D] each
 
 
-def read_weights(model: PreTrainedModel, rows: int, pack: bool = True) -> Weights:
-    """The step's weights; pack=False leaves out MKL's packed copies, which cannot be refreshed in place."""
+def read_weights(model: PreTrainedModel, rows: int, pack: bool = True, gemm: str = "auto") -> Weights:
+    """The step's weights; pack=False leaves out the packed copies, which cannot be refreshed in place. gemm: the
+    loop's `fp32_gemm`, which library packs (`cpu_decoder.PackedLinear`)."""
     model = decoder(model)
     core = model.model
     copies = sum(p.numel() * p.element_size() for p in model.parameters()) <= COPY_MAX_BYTES
     norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
              if hasattr(layer.self_attn, "q_norm") else None for layer in core.layers]
-    w = Weights(core.embed_tokens.weight, core.norm.weight, PackedLinear([model.lm_head], rows, copies),
-                 [lean_layer(layer, rows, copies) for layer in core.layers], norms)
-    if not pack:
-        for lin in [w.head] + [x for layer in w.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
-            lin.packed = None
-    return w
+    gemm = gemm if pack else None
+    return Weights(core.embed_tokens.weight, core.norm.weight, PackedLinear([model.lm_head], rows, copies, gemm),
+                   [lean_layer(layer, rows, copies, gemm) for layer in core.layers], norms)
 
 
 def weight_tensors(w: Weights) -> list[torch.Tensor]:
@@ -316,7 +321,7 @@ def _choose(st: SlotState, logits: torch.Tensor, s: SamplingConfig, eos: torch.T
     ended = st.done | (st.n >= st.limit)  # [S]
     # [S] each slot's draw for its token; greedy reads none (24 us of a 2 ms CPU step at one row)
     u = uniform_at(st.streams, st.n) if s.temperature > 0 else None
-    tok, lp = choose_tokens(logits, u, s, want_logprobs)  # [S], [S]
+    tok, lp = choose_tokens(logits, u, s, want_logprobs, scratch=True)  # [S], [S] (the step's logits, read once)
     tok = tok.masked_fill(ended, pad_id)
     col = st.n.masked_fill(ended, dump)[:, None]  # [S, 1]
     st.ids.scatter_(1, col, tok[:, None])

@@ -185,12 +185,12 @@ class StaticSampler:
 
     def __init__(self, model: PreTrainedModel, *, dtype: torch.dtype | None = None, memory_budget: int | None = None,
                  check_every: int = 16, graphs: bool | None = None, full_cache_attention: bool | None = None,
-                 buckets: bool | None = None, keep_captures: bool | None = None):
+                 buckets: bool | None = None, keep_captures: bool | None = None, fp32_gemm: str = "auto"):
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1, got {check_every}")
         if memory_budget is not None and memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes or None, got {memory_budget}")
-        self.model, self._dtype = model, dtype
+        self.model, self._dtype, self.fp32_gemm = model, dtype, fp32_gemm
         self.dtype = dtype or next(model.parameters()).dtype
         self.memory_budget, self.check_every = memory_budget, check_every
         self.device = next(model.parameters()).device
@@ -381,7 +381,7 @@ class StaticSampler:
             budget = self._kv_budget()
             max_pages = None if budget is None else budget // page_bytes(model, self.dtype)
             st = PagedState(model, S, P, C, self.dtype, self.device, max_pages=max_pages)
-            w = read_weights(model, S)
+            w = read_weights(model, S, gemm=self.fp32_gemm)
             return Capture(st, lambda view, kv_len: step_slots(view, w, model.config, s, eos, pad_id, want_logprobs,
                                                            kv_len), graph=False)
         key = (S, P, C, s.temperature, s.top_k, s.top_p, tuple(eos.tolist()), pad_id, want_logprobs)

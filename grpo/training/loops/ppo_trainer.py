@@ -115,7 +115,8 @@ class PPOTrainer(OnRuntime):
 
         self.source = EngineSource(rt, engine or build_engine(generation or GenerationConfig(),
                                                               rt.strategy.sampler_model(dtype), tokenizer,
-                                                              dtype=dtype, who="PPO"),
+                                                              dtype=dtype, who="PPO",
+                                                              fp32_gemm=cfg.memory.fp32_gemm),
                                    order, 1, who="PPO", scheduled=False)
         # the critic with its own optimizer, prepared after the policy as the policy is (DDP or sharded): the
         # checkpoints hold both, in this order

@@ -14,8 +14,11 @@ from grpo.configs.model import ModelConfig, TinyModelConfig
 from grpo.configs.sampling import SamplingConfig
 from grpo.configs.training import GRPOConfig, SFTConfig
 from benchmarks.bytes_alive import BytesAlive
-from grpo.kernels.gemm import (KINDS, ONEDNN_MARGIN, PLAN_FILE, PROBE_ELEMENTS, GemmPlan, PlannedLinear, cpu_model,
-                               fp32_gemm, gemm_plan, load_plan, measure, onednn_problem, planned_linear, probe_shape)
+import grpo.kernels.gemm as gemm_module
+from grpo.kernels.gemm import (KINDS, ONEDNN_MARGIN, PACKED_MEASURE_ELEMENTS, PLAN_FILE, PROBE_ELEMENTS, GemmPlan,
+                               PlannedLinear, cpu_model, fp32_gemm, gemm_plan, load_plan, measure, onednn_packed_problem,
+                               onednn_problem, pack_weight, packed_library, packed_product, planned_linear,
+                               probe_shape)
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import CARRIED_FILES, write_manifest
 from grpo.training.loops.grpo_trainer import GRPOTrainer
@@ -23,6 +26,7 @@ from grpo.training.loops.sft_trainer import train_sft
 from tiny_configs import SMALL
 
 ONEDNN = GemmPlan("onednn", "onednn", "onednn")
+PACKERS = ["mkl"] + ([] if onednn_packed_problem() else ["onednn"])
 MIXED = GemmPlan("onednn", "mkl", "onednn")
 
 
@@ -210,3 +214,36 @@ def test_a_loop_resumed_from_its_checkpoint_alone_goes_on_with_its_plan_on_the_s
     assert plan == held  # gone on with, not measured again
     held, plan = resumed("another CPU")
     assert plan.cpu == cpu_model() and plan.rates != held.rates  # measured here
+
+
+@pytest.mark.parametrize("library", PACKERS)
+def test_a_packed_weight_gives_the_fp64_product_at_the_rows_packed_for_and_at_fewer(library):
+    # the sampler packs for its slots and runs its live rows, which fall to one as rows end
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(300, 48, generator=gen), torch.randn(300, generator=gen)
+    packed = pack_weight(w, 16, library)
+    for rows in (16, 5, 1):
+        x = torch.randn(rows, 48, generator=gen)
+        got = packed_product(x, packed, w, b, 16, library)  # [rows, 300]
+        want = x.double() @ w.double().t() + b.double()
+        assert got.shape == (rows, 300) and got.dtype == torch.float32
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def test_the_sampler_s_packing_follows_the_setting_and_measures_only_large_weights(monkeypatch):
+    timed = []
+    real = gemm_module.measure_packed
+    monkeypatch.setattr(gemm_module, "measure_packed", lambda *a: timed.append(a) or real(*a))
+    gemm_module._packed_library.cache_clear()
+    try:
+        assert packed_library("mkl", 32, 256, 151936) == "mkl" and not timed  # MKL's packing, as before: no timing
+        assert packed_library("auto", 32, 64, 96) == "mkl" and not timed  # 6,144 elements: a few microseconds a call
+        if "onednn" in PACKERS:
+            assert packed_library("onednn", 32, 64, 96) == "onednn" and not timed
+            wide = packed_library("auto", 8, 256, PACKED_MEASURE_ELEMENTS // 256)  # timed, once a process a shape
+            assert wide in ("mkl", "onednn") and timed == [(8, 256, PACKED_MEASURE_ELEMENTS // 256)]
+            assert packed_library("auto", 8, 256, PACKED_MEASURE_ELEMENTS // 256) == wide and len(timed) == 1
+        with pytest.raises(ValueError, match="auto, mkl or onednn"):
+            packed_library("fastest", 32, 64, 96)
+    finally:
+        gemm_module._packed_library.cache_clear()
