@@ -327,8 +327,8 @@ def loop_plan(setting: str, model: torch.nn.Module, tokens: int, precision: str,
 # ms on two threads; 1.65-1.78x on one), and at rows fewer than it was packed for, MKL's packed GEMM slowed further
 # (22-44 ms) where oneDNN's did not (7-11 ms). At the layers' shapes of a small model the two were within 1.1-1.2x
 # on one thread. So it is measured, in turns and against `ONEDNN_MARGIN` as the loops' plan is (on the sampler's
-# threads: `measure_packed`), shape by shape, and only for weights large enough that a decode step's call is not a few microseconds of fixed cost
-# (`PACKED_MEASURE_ELEMENTS`): below that MKL's packed path is kept without a measurement.
+# threads: `measure_packed`), shape by shape, and only for weights large enough that a decode step's call is not a
+# few microseconds of fixed cost (`PACKED_MEASURE_ELEMENTS`): below that MKL's packed path is kept unmeasured.
 PACKED_MEASURE_ELEMENTS = 2**20  # a weight of fewer elements (4 MiB in fp32) keeps MKL's packing unmeasured
 
 

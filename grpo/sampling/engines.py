@@ -54,8 +54,8 @@ def build_engine(generation: GenerationConfig, model: PreTrainedModel | None = N
 
     dtype: the weights the local engine samples with (None: the model's own); `sampling_dtype` gives it from a
     stage's precision. fp32_gemm: which library packs the local engine's fp32 weights on a CPU (a loop's
-    `fp32_gemm`: `grpo.kernels.gemm.packed_library`). text_only_ok: whether the caller can do with text (rejection sampling); others are refused
-    an http engine here, before any work, with `who` named.
+    `fp32_gemm`: `grpo.kernels.gemm.packed_library`). text_only_ok: whether the caller can do with text (rejection
+    sampling); others are refused an http engine here, before any work, with `who` named.
     """
     if generation.backend == "http":
         if not text_only_ok:

@@ -136,7 +136,11 @@ def test_token_logps_runs_a_shared_prompt_once_with_the_plain_forwards_values_an
     assert torch.allclose(logps * cm, expected * cm, atol=1e-5)
     assert torch.isfinite(logps).all() and torch.isfinite(entropy).all()
     for n, p in model.named_parameters():
-        assert torch.allclose(shared[n], p.grad, rtol=1e-4, atol=1e-6), n
+        # fp32 rounding scales with the gradient's largest values, not with each element: the embedding's rows sum
+        # many tokens' gradients in another order when a prompt runs once (a Zen 4: 1.9e-6 apart on an element of
+        # 7.4e-3, in a gradient whose largest is 11.2)
+        gap = (shared[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)
+        assert gap.item() <= 1e-5, (n, gap.item())
 
 
 def test_token_logps_without_shared_prompts_is_one_plain_forward(monkeypatch):

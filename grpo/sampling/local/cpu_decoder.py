@@ -78,9 +78,9 @@ class PackedLinear:
     small-M matmuls (M = batch rows) dozens of times per generate call, and packing skips the weight reordering in
     every call after the first. That is 10-20% faster sampling for the GRPO benchmark's model on 2 CPU cores, bit
     for bit the numbers of `F.linear`, with MKL's packing. `gemm` (the loop's `fp32_gemm`; None: no packing) says
-    which library packs (`grpo.kernels.gemm.packed_library`): MKL, or oneDNN where it measures clearly faster for the shape (an
-    output layer as wide as a real vocabulary: 2x on a Zen 4), whose products round otherwise. Without copies, each
-    module's own weight is used in place.
+    which library packs (`grpo.kernels.gemm.packed_library`): MKL, or oneDNN where it measures clearly faster for
+    the shape (an output layer as wide as a real vocabulary: 2x on a Zen 4), whose products round otherwise.
+    Without copies, each module's own weight is used in place.
 
     A projection may be peft's LoRA `Linear` (`lora_reason` says which): its base weight is read as above, and its
     adapters add (x A^T) B^T, all the projections' adapters in one pair of small matmuls (`_low_rank`), copies

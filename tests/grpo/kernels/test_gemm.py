@@ -16,9 +16,9 @@ from grpo.configs.training import GRPOConfig, SFTConfig
 from benchmarks.bytes_alive import BytesAlive
 import grpo.kernels.gemm as gemm_module
 from grpo.kernels.gemm import (KINDS, ONEDNN_MARGIN, PACKED_MEASURE_ELEMENTS, PLAN_FILE, PROBE_ELEMENTS, GemmPlan,
-                               PlannedLinear, cpu_model, fp32_gemm, gemm_plan, load_plan, measure, onednn_packed_problem,
-                               onednn_problem, pack_weight, packed_library, packed_product, planned_linear,
-                               probe_shape)
+                               PlannedLinear, cpu_model, fp32_gemm, gemm_plan, load_plan, measure,
+                               onednn_packed_problem, onednn_problem, pack_weight, packed_library, packed_product,
+                               planned_linear, probe_shape)
 from grpo.models import load_model_and_tokenizer
 from grpo.training.checkpoints import CARRIED_FILES, write_manifest
 from grpo.training.loops.grpo_trainer import GRPOTrainer
