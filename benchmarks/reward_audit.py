@@ -12,8 +12,9 @@ with a line per kind of answer form, then one JSON line:
 * rule + appeal, with `--judge-url URL --judge-model NAME` (an OpenAI-compatible endpoint: vLLM, a hosted API,
   `r1 serve`): the rule's negatives asked again of that judge (`grpo.training.appeal`), and its calls per 1,000 rows.
 
-Each overall and apart for the pairs written before the rule was tuned on their forms (`before_tuning`, held out)
-and after (`after_tuning`: forms the rule was changed to read once these pairs showed it missing them).
+Each overall and apart for the forms the rule already read when their pairs were written (`before_tuning`) and
+those it was changed to read once these pairs showed it missing them (`after_tuning`). Neither is held out from the
+rule: it passed both by how the split was made (`grpo.rewards.audit.SPLIT_NOTE`, printed after the table).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo.configs.grading import JudgeConfig  # noqa: E402
-from grpo.rewards.audit import audit_pairs  # noqa: E402
+from grpo.rewards.audit import SPLIT_NOTE, audit_pairs  # noqa: E402
 from grpo.training.verifier_audit import audit_verifiers, report_figures, report_text  # noqa: E402
 
 
@@ -42,6 +43,7 @@ def main() -> None:
     judge = JudgeConfig(backend="http", base_url=args.judge_url, model=args.judge_model) if args.judge_url else None
     result = audit_verifiers(pairs, judge)
     print(report_text(result, by_kind=True))
+    print(SPLIT_NOTE)
     print(json.dumps({"pairs": len(pairs), "seed": args.seed, **report_figures(result)}))
 
 

@@ -4,8 +4,9 @@
 
 Prints precision, recall and the TP/FP/FN/TN counts (and the rows each checker could not grade, with why) of the
 accuracy rule, of math-verify alone and, with a judge, of the rule with its negatives appealed to that judge
-(`grpo.training.verifier_audit`), overall and by `added`: on the shipped set, the pairs written before the rule was
-tuned on their forms and those after (`grpo.rewards.audit`). The judge is an OpenAI-compatible endpoint: `--judge`,
+(`grpo.training.verifier_audit`), overall and by `added`: on the shipped set, the forms the rule already read when
+their pairs were written and those it was changed to read (`grpo.rewards.audit`), with a line saying that the rule
+passed both by how the split was made: neither is held out. The judge is an OpenAI-compatible endpoint: `--judge`,
 else the recipe's appeal judge (reasoning_grpo.grpo.appeal), else its rejection-sampling judge, when it is http.
 
 A bad row in `--file` (not JSON, a missing field, an `equal` that is not true or false) is told in one line naming
@@ -70,7 +71,7 @@ def judge_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from grpo.rewards.audit import AuditFileError, audit_pairs, read_rows
+    from grpo.rewards.audit import SPLIT_NOTE, AuditFileError, audit_pairs, read_rows
 
     if args.file:
         try:
@@ -94,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     except JudgeUnavailable as e:
         raise UsageError(f"judge: {e}") from None
     print(report_text(result, by_kind=args.by_kind))
+    if not args.file:
+        print(SPLIT_NOTE)
     if args.json:
         print(json.dumps(report_figures(result)))
     return 0

@@ -16,7 +16,9 @@ from grpo.rewards.answers import extract_answer, extract_boxed
 from grpo.rewards.forms import rewrite, word, word_verdict
 from grpo.rewards.math_fast import fast_verdict, parse_plain
 from grpo.rewards.math_latex import latex_value
-from grpo.rewards import outcomes
+# the module by its own name, not through the package (whose __init__ imports this one); qualified where its
+# reasons share their names with the pool's codes (TIMEOUT, RAISED)
+import grpo.rewards.outcomes as outcomes
 from grpo.rewards.outcomes import Ungraded
 from grpo.rewards.math_verify_pool import (
     BAD_REFERENCE,

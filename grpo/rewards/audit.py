@@ -11,8 +11,11 @@ element, a coefficient) while keeping the form, so a checker cannot pass by comp
 Each pair says when it was added against the rule (`Pair.added`): `before_tuning` for the 15 forms the rule already
 read when the set was written (16 forms at 181529a; the rule before that commit passes every one of these pairs and
 fails none of their non-equivalent ones), `after_tuning` for the six the rule was changed to read once their pairs
-showed it missing them (`TUNED_FOR`: currency in 181529a, the five forms of 102f75a). The rule's recall on the
-second group is measured on pairs it was fixed to pass; only the first is a held-out figure.
+showed it missing them (`TUNED_FOR`: currency in 181529a, the five forms of 102f75a). Neither group is held out
+from the rule: a form is in the first because the rule already passed its pairs, in the second because the rule was
+changed until it did, so the rule passed both by how the split was made (`SPLIT_NOTE`, printed under the figures).
+Its figures on the set show that later changes kept every form, not how it does on forms nobody checked it against.
+Other checkers (math-verify) were tuned on neither group.
 
 `read_rows` reads a user's own labelled rows (JSONL of {reference, answer, equal}) into the same pairs.
 `grpo.training.verifier_audit` scores checkers on either; `r1 audit-rewards` and `benchmarks/reward_audit.py` print
@@ -32,8 +35,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 
-BEFORE_TUNING = "before_tuning"  # the rule read the form as it stood when the pairs were written: a held-out figure
+BEFORE_TUNING = "before_tuning"  # the rule read the form as it stood when the pairs were written (why it is here)
 AFTER_TUNING = "after_tuning"  # the rule was changed to read the form once these pairs showed it missing them
+# said wherever the shipped set's figures are printed: a reader takes a group named "before tuning" for held out
+SPLIT_NOTE = (f"{BEFORE_TUNING}: the forms the rule already read when their pairs were written; {AFTER_TUNING}: "
+              "those it was then changed to read. The rule passed both by how the split was made: its figures on "
+              "them check that it still does, they are not held out")
 
 # the forms the rule was changed to read after their pairs were written, and the commit that changed it; the rule of
 # 181529a^ (before the set) misses every pair of these and none of the others' (recall 1.000 on the other 392)

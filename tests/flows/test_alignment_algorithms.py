@@ -65,12 +65,13 @@ def test_the_stage_trains_by_dpo_end_to_end(prefect_harness, mlflow_client, logg
     assert not any(k.startswith(("rm/", "reward/")) for k in metrics)  # no reward model, no GRPO
     assert "reward_model" not in result.uris
     # the alignment figures, before and after on the same prompts with their paired interval, in the run and in the
-    # stage's result
+    # stage's result. The interval holds the change itself: centred on (c - b) / (n + 2), the change pulled towards 0,
+    # and wider than the pull (grpo.stats; tests/grpo/test_stats.py); 1e-9 for the shares' rounding
     for key in ("alignment/harmful_refused", "alignment/benign_helpful", "alignment/borderline_refused",
                 "alignment/handled_right"):
         assert 0.0 <= metrics[key] <= 1.0 and key in result.metrics and f"{key}_before" in result.metrics
         low, high = result.metrics[f"{key}_ci_low"], result.metrics[f"{key}_ci_high"]
-        assert low <= result.metrics[key] - result.metrics[f"{key}_before"] + 1e-9 or low < high
+        assert low - 1e-9 <= result.metrics[key] - result.metrics[f"{key}_before"] <= high + 1e-9
         assert -1.0 <= low < high <= 1.0 and result.metrics[f"{key}_n"] == (12 if key.endswith("right") else 4)
     assert [metrics[f"alignment/{c}_prompts"] for c in ("harmful", "benign", "borderline")] == [4, 4, 4]
     tables = {a.path for a in mlflow_client.list_artifacts(result.run_id, "alignment")}

@@ -62,3 +62,15 @@ def test_the_summary_reads_back_what_a_stage_logged():
     assert logged_changes(metrics) == {"alignment/handled_right": c.describe()}
     del metrics["alignment/handled_right_p"]  # an incomplete record is not described
     assert logged_changes(metrics) == {} and not math.isnan(c.low)
+
+
+def test_the_interval_holds_the_change_itself_on_every_table_up_to_30_prompts():
+    # the centre (c - b) / (n + 2) is the change k / n (k = c - b) pulled towards 0 by 2|k| / (n (n + 2)); times
+    # (n + 2), the half-width is 1.96 sqrt(b + c + 1 - k^2 / (n + 2)) >= 1.96 sqrt(1 + 2|k| / (n + 2)) (b + c >= |k|,
+    # |k| <= n) > 2|k| / n for n >= 1, the pull times (n + 2): the interval always reaches past the change
+    for n in range(1, 31):
+        for worse in range(n + 1):
+            for better in range(n + 1 - worse):
+                c = paired_change([True] * worse + [False] * (n - worse),
+                                  [False] * worse + [True] * better + [False] * (n - worse - better))
+                assert c.low <= c.change <= c.high, (n, worse, better, c)

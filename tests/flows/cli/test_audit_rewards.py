@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flows.cli.r1 import main
-from grpo.rewards.audit import AFTER_TUNING, BEFORE_TUNING, TUNED_FOR, audit_pairs
+from grpo.rewards.audit import AFTER_TUNING, BEFORE_TUNING, SPLIT_NOTE, TUNED_FOR, audit_pairs
 from judges import scripted_judge
 
 # (reference, answer, equal, added); the rule's and math-verify's verdicts, and why
@@ -52,6 +52,7 @@ def test_the_rule_and_math_verify_on_rows_worked_out_by_hand(tmp_path, capsys):
     # math-verify: TP row 1; FP rows 5, 8; FN rows 2, 4, 6, 7; TN row 3: precision 1/3, recall 1/5
     assert _counts(f["math-verify"]) == (1, 2, 4, 1, {})
     assert (f["math-verify"]["precision"], f["math-verify"]["recall"]) == (0.3333, 0.2)
+    assert SPLIT_NOTE not in out  # a user's own `added` says what it says: the note is the shipped set's
     # each group of the file's own `added`, apart
     assert _counts(f["rule"]["early"]) == (2, 0, 1, 1, {}) and _counts(f["rule"]["late"]) == (1, 0, 1, 2,
                                                                                                {"unreadable_reference": 1})
@@ -79,6 +80,8 @@ def test_the_shipped_set_is_reported_before_and_after_the_rule_was_tuned_on_it(c
     assert f["math-verify"][AFTER_TUNING]["recall"] < f["math-verify"][BEFORE_TUNING]["recall"]
     assert any(line.split()[0] == BEFORE_TUNING for line in out.splitlines())
     assert any(line.split()[0] == AFTER_TUNING for line in out.splitlines())
+    # and said where it is printed: neither group is held out from the rule, its 1.000 on them is by construction
+    assert SPLIT_NOTE in out.splitlines()
 
 
 @pytest.mark.parametrize("text, expected", [

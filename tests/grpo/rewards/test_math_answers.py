@@ -235,8 +235,10 @@ def test_the_rule_on_the_audit_set_and_an_amount_in_dollars():
     assert len(pairs) >= 400 and {p.kind for p in pairs} >= {"currency", "intervals", "sets", "gsm8k_tails", "boxed"}
     result = audit(rule, pairs)
     assert result.overall.precision >= 0.99 and result.overall.recall >= 0.97, result
-    held_out = result.by_added["before_tuning"]  # forms the rule read before the set was written
-    assert held_out.precision >= 0.99 and held_out.recall >= 0.97, held_out
+    # the forms the rule read before the set was written: not held out (that is why they are in this group), a check
+    # that later changes to the rule kept them
+    before_tuning = result.by_added["before_tuning"]
+    assert before_tuning.precision >= 0.99 and before_tuning.recall >= 0.97, before_tuning
     assert accuracy_reward(["<answer>\\$1,272.50</answer>", "<answer>$12$</answer>"], ["1272.5", "\\$12"]) == [1.0, 1.0]
 
 

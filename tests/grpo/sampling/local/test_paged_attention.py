@@ -12,16 +12,18 @@ What the interpreter cannot show, and why: the kernel's bf16 path (the interpret
 and its TF32 dot (`IEEE` off: numpy multiplies in fp32 whatever the precision asked); CUDA graph capture and replay
 (they need a CUDA device); and the compiled kernel itself: the interpreter runs the kernel's Python, so this holds
 its indexing, masking, online softmax and count, not Triton's compiler (benchmarks/paged_attention.py and
-benchmarks/gpu_smoke.py check those on a GPU). Skipped where Triton is not installed (the dev extra installs it on
-Linux x86-64)."""
+benchmarks/gpu_smoke.py check those on a GPU). Skipped where Triton is not installed; where the dev extra installs it
+(Linux x86-64, by the marker on its line in pyproject.toml) a missing Triton also fails one test, with one line."""
 
 import importlib.util
 import os
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 from grpo.sampling.local.paged_attention import reference
 from grpo.sampling.local.static_sampler import StaticSampler
@@ -29,14 +31,34 @@ from paged_cases import long_tailed, ragged_slots
 from processes import HELPERS, ROOT
 from tiny_decoders import EOS, PAD, fp32_gap, greedy_reference
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),  # one thread where numbers are compared (conftest)
-              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                 reason="Triton is not installed (the dev extra installs it on Linux x86-64)")]
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread where numbers are compared (conftest)
+
+TRITON = importlib.util.find_spec("triton") is not None
+
+
+def dev_extra_installs_triton() -> bool:
+    """Whether `pip install -e '.[dev]'` installs Triton on this platform: the marker on its line in the dev extra."""
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    triton = [r for r in map(Requirement, dev) if r.name == "triton"]
+    assert triton, "pyproject.toml's dev extra no longer lists triton: these tests would never run"
+    return triton[0].marker is None or triton[0].marker.evaluate()
+
+
+def test_triton_is_installed_where_the_dev_extra_installs_it():
+    # the kernel tests below skip without Triton, which would hide them on the platform they are meant to run on
+    installs = dev_extra_installs_triton()
+    if not TRITON and installs:
+        pytest.fail("triton is missing: the dev extra installs it on this platform (pip install -e '.[dev]')",
+                    pytrace=False)
+    if not TRITON:
+        pytest.skip("Triton is not installed, nor does the dev extra install it on this platform")
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """What interpreted_kernel.py wrote: the kernel's output and count on `ragged_slots`, and the sampler's runs."""
+    if not TRITON:
+        pytest.skip("Triton is not installed (the dev extra installs it on Linux x86-64)")
     out = tmp_path_factory.mktemp("interpreted") / "results.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])}
