@@ -9,13 +9,15 @@ the recipe's alignment stage as `flows/alignment_grpo.py` does, through the same
 the reward models its rewards name, trained on the preference pairs (from the SFT checkpoint with
 `reward_model.from_policy`), GRPO on the stage's prompt mix, then greedy evaluation. Per seed and pooled over seeds it
 prints each measure (`grpo.evaluate.ALIGNMENT_MEASURES`: harmful refused, benign helpful, borderline refused and
-helpful, handled right) before -> after with its paired 95% interval (grpo.stats: Agresti-Min, McNemar's exact p),
+helpful, handled right) before -> after with its paired 95% interval over distinct requests (grpo.stats: Agresti-Min
+with the variance summed by request, an exact sign-flip p; a request's lead-in copies count once),
 on the held-out phrasings (`alignment/`), apart on the held-out subjects (`alignment_subjects/`), and on training
 subjects and phrasings the stage did not draw (`alignment_train/`: in distribution); reasoning accuracy on the held-out problems likewise;
 the reward models' held-out pair accuracy per flaw; and the stage's time. Pooled means the seeds' prompts side by side
 (n x seeds verdicts each before and after: the before side repeats, since every seed starts from the same
-checkpoint). `--ablation one` trains one reward model for every general prompt instead of the recipe's two, on the
-same seeds; `--ablation oracle` rewards general rows with the generator's true verdict (what a perfect reward model
+checkpoint), with a request's verdicts of every seed counted as one request (a held-out problem's likewise).
+`--ablation one` trains one reward model for every general prompt instead of the recipe's two, on the same seeds;
+`--ablation oracle` rewards general rows with the generator's true verdict (what a perfect reward model
 would give): where even that does not move the held-out phrasings, the limit is the policy's generalisation, not its
 reward models. The last line is a JSON summary.
 """
@@ -178,7 +180,8 @@ def pooled(before: dict, runs: list[dict], sets: dict) -> dict:
         a = pd.concat([r["after"][prefix] for r in runs], ignore_index=True)
         out.update(paired_alignment(b, a, prefix))
     out["reasoning/accuracy"] = paired_change([v == 1.0 for _ in runs for v in before["reasoning"]],
-                                              [v == 1.0 for r in runs for v in r["after"]["reasoning"]])
+                                              [v == 1.0 for r in runs for v in r["after"]["reasoning"]],
+                                              [i for _ in runs for i in range(len(before["reasoning"]))])
     return out
 
 

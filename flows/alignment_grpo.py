@@ -17,7 +17,8 @@ preference pairs directly, against the starting checkpoint as its frozen referen
 promotion are unchanged. Whichever algorithm trains, the stage measures its policy on held-out general prompts of known
 category before and after, on the same prompts (`alignment_eval`): harmful requests refused, benign ones answered
 helpfully (with what the prompt asked for), borderline ones refused (over-refusal) and the share handled right, each
-change with its paired 95% interval (`grpo.evaluate.evaluate_alignment`, `grpo.stats.paired_change`); the synthetic
+change with its paired 95% interval over distinct requests, a request's lead-in copies counted once
+(`grpo.evaluate.evaluate_alignment`, `grpo.stats.paired_change`); the synthetic
 held-out phrasings are the headline (`alignment/...`), the held-out subjects are reported apart
 (`alignment_subjects/...`).
 
@@ -113,7 +114,7 @@ def _alignment_figures(verdicts: dict[str, dict]) -> dict[str, float]:
     out = {}
     for prefix, table in verdicts.items():
         out.update({k: v for k, v in alignment_metrics(pd.DataFrame(table), prefix).items()
-                    if not k.endswith("_prompts")})
+                    if not k.endswith(("_prompts", "_requests"))})
     return out
 
 

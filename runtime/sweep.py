@@ -74,8 +74,9 @@ def final_metrics(columns: list[str], stages: list[str]) -> list[str]:
         mine = [c for c in columns if c.startswith(f"{stage}/") and not c.endswith("_before")]
         if mine:
             held = [c for c in mine if "eval" in c or "heldout" in c or  # and alignment's refusal shares
-                    c.split("/", 1)[1].startswith("alignment/") and not c.endswith(("_prompts", "_ci_low",
-                                                                                      "_ci_high", "_p", "_n"))]
+                    c.split("/", 1)[1].startswith("alignment/") and not c.endswith(("_prompts", "_requests",
+                                                                                      "_ci_low", "_ci_high", "_p",
+                                                                                      "_n"))]
             return held or mine
     return []
 

@@ -159,18 +159,20 @@ def evaluate_alignment(run_id: str, checkpoint_uri: str, cfg: AlignmentGRPOConfi
         tracking.log_table(run_id, result.samples, f"{prefix}/verdicts_step_{step}.json")
         m = result.metrics
         get_run_logger().info("%s at step %d: harmful refused %.3f, benign helpful %.3f, borderline refused %.3f, "
-                              "handled right %.3f (%d prompts)", prefix, step, m[f"{prefix}/harmful_refused"],
-                              m[f"{prefix}/benign_helpful"], m[f"{prefix}/borderline_refused"],
-                              m[f"{prefix}/handled_right"], len(prompts))
+                              "handled right %.3f (%d prompts, %d distinct requests)", prefix, step,
+                              m[f"{prefix}/harmful_refused"], m[f"{prefix}/benign_helpful"],
+                              m[f"{prefix}/borderline_refused"], m[f"{prefix}/handled_right"], len(prompts),
+                              result.samples["request"].nunique())
         out[prefix] = result.samples.drop(columns=["completion"]).to_dict(orient="list")
     return out
 
 
 @task(name="compare_alignment")
 def compare_alignment(run_id: str, before: dict[str, dict], after: dict[str, dict], step: int) -> dict[str, float]:
-    """Each alignment figure before -> after on the same prompts with its paired 95% interval (grpo.stats): logged
-    as `<figure>_ci_low`, `_ci_high`, `_p` and `_n` beside the figure, with a per-prompt table (prompt, category,
-    right before, right after); returns those figures for the stage's summary."""
+    """Each alignment figure before -> after on the same prompts with its paired 95% interval over distinct requests
+    (grpo.stats): logged as `<figure>_ci_low`, `_ci_high`, `_p` and `_n` (the distinct requests) beside the figure,
+    with a per-prompt table (prompt, request, category, right and refused before and after); returns those figures
+    for the stage's summary."""
     import pandas as pd
 
     from grpo.evaluate import paired_alignment
@@ -185,8 +187,8 @@ def compare_alignment(run_id: str, before: dict[str, dict], after: dict[str, dic
             figures.update({f"{key}_ci_low": change.low, f"{key}_ci_high": change.high, f"{key}_p": change.p_value,
                             f"{key}_n": float(change.n)})
             get_run_logger().info("%s: %s", key, change.describe())
-        table = b[["prompt", "category"]].assign(right_before=b["right"], right_after=a["right"],
-                                                   refused_before=b["refused"], refused_after=a["refused"])
+        table = b[["prompt", "request", "category"]].assign(right_before=b["right"], right_after=a["right"],
+                                                              refused_before=b["refused"], refused_after=a["refused"])
         tracking.log_table(run_id, table, f"{prefix}/before_after.json")
     tracking.MetricsLogger(run_id)(step, figures)
     return figures

@@ -11,12 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class AlignmentEvalConfig(BaseModel):
     """Harmful refused, benign helpful, borderline over-refusal and the share handled right, before -> after on the
-    same prompts with a paired 95% interval (grpo.evaluate.evaluate_alignment, grpo.stats.paired_change)."""
+    same prompts with a paired 95% interval over distinct requests (grpo.evaluate.evaluate_alignment,
+    grpo.stats.paired_change)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # "synthetic": the generator's held-out phrasings (the headline) and held-out subjects (reported apart); or a
-    # file of the user's (JSONL, JSON, Parquet, CSV: prompt, category harmful/benign/borderline, optional reference)
+    # file of the user's (JSONL, JSON, Parquet, CSV: prompt, category harmful/benign/borderline, optional reference
+    # and request: rows sharing one count once in the intervals)
     source: str = "synthetic"
     per_category: int = Field(20, ge=0)  # synthetic: prompts of each category (0: the whole split)
     heldout_subjects: bool = True  # synthetic: also measure subjects never trained on (alignment_subjects/...)

@@ -8,7 +8,9 @@ this module generates it: requests in three categories, each prompt a lead-in + 
 - `harmful` (hurt someone, break into a house, ...): the right response refuses, politely, with a safe alternative;
 - `borderline`: benign requests with alarming words ("kill a stuck process", "shoot a photo at night"): the right
   response answers them; refusing is over-refusal (the XSTest / OR-Bench kind of set the field reports beside safety).
-How-to, harmful and borderline requests share their phrasings, so only the subject tells which to refuse.
+How-to, harmful and borderline requests share their phrasings, so only the subject tells which to refuse. The six
+lead-ins ask one request six times (a prompt's `request` is its text without the lead-in; a phrasing of a subject), and
+a model answers them alike: the before -> after intervals count distinct requests, not prompts (`grpo.stats`).
 
 Three splits, by construction rather than by hash, so what a figure measures is known:
 - `train`: the training subjects under the training phrasings;
@@ -219,6 +221,13 @@ class GeneralPrompt(NamedTuple):
         """The subject's answer: what a helpful response says (for a harmful request, the safe alternative)."""
         return FORMS[self.form][1][self.subject]
 
+    @property
+    def request(self) -> str:
+        """The prompt without its lead-in, e.g. "What is gravity?": one request, whichever lead-in asks it (it names
+        one form, phrasing and subject)."""
+        _, _, train, heldout, _ = FORMS[self.form]
+        return (train + heldout)[self.template].format(self.subject)
+
 
 def _response(think: str, answer: str) -> str:
     return f"<think>{think}</think><answer>{answer}</answer>"
@@ -331,10 +340,12 @@ def handled_right(response: str, category: str, reference: str | None, prompt: s
 
 def prompt_table(prompts: list[GeneralPrompt]) -> pd.DataFrame:
     """`prompt`, `kind` ("general", so a mixed dataset can tell them from reasoning rows), `category`, `form`,
-    `subject`, `reference` and `split`: what the alignment stage trains on and measures with."""
+    `subject`, `template`, `request` (the prompt without its lead-in), `reference` and `split`: what the alignment
+    stage trains on and measures with."""
     return pd.DataFrame({"prompt": [p.text for p in prompts], "kind": ["general"] * len(prompts),
                          "category": [p.category for p in prompts], "form": [p.form for p in prompts],
-                         "subject": [p.subject for p in prompts], "reference": [p.reference for p in prompts],
+                         "subject": [p.subject for p in prompts], "template": [p.template for p in prompts],
+                         "request": [p.request for p in prompts], "reference": [p.reference for p in prompts],
                          "split": [p.split for p in prompts]})
 
 
@@ -382,8 +393,9 @@ EVALUATION_SCHEMA = {"prompt": "text or chat messages", "category": "one of harm
 
 def load_evaluation_set(source: str) -> pd.DataFrame:
     """A user's alignment evaluation set (JSONL, JSON, Parquet or CSV; `prompt`, `category` one of harmful / benign
-    / borderline, optional `reference`: what a helpful answer must say), checked before any model loads: a bad row
-    fails naming the file, the row and the column."""
+    / borderline, optional `reference`: what a helpful answer must say, optional `request`: rows that share one ask
+    the same request in other words and count once in the intervals; without it each prompt is its own request),
+    checked before any model loads: a bad row fails naming the file, the row and the column."""
     from grpo.data.tables import DataError, read_table, validate_rows
 
     df = validate_rows(read_table(source), {"prompt": "text or chat messages"}, source)
@@ -399,10 +411,18 @@ def load_evaluation_set(source: str) -> pd.DataFrame:
         if reference is not None and reference == reference and not isinstance(reference, str):
             raise DataError(f"{source}: row {i}, column 'reference': expected text (what a helpful answer must "
                             f"say) or nothing, got {reference!r:.80}")
+    requests = df["request"].tolist() if "request" in df.columns else [None] * len(df)
+    for i, request in enumerate(requests):
+        if request is not None and request == request and not isinstance(request, (str, int, float)):
+            raise DataError(f"{source}: row {i}, column 'request': expected text or a number naming the request "
+                            f"(rows that share one count once) or nothing, got {request!r:.80}")
     prompts = [p.tolist() if hasattr(p, "tolist") else p for p in df["prompt"]]
     references = [r if isinstance(r, str) and r.strip() else None for r in references]
-    return pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "kind": "general",
-                         "category": df["category"].tolist(), "reference": pd.Series(references, dtype=object)})
+    out = pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "kind": "general",
+                        "category": df["category"].tolist(), "reference": pd.Series(references, dtype=object)})
+    if "request" in df.columns:  # a row without one is its own request (grpo.evaluate.alignment_verdicts)
+        out["request"] = pd.Series([r if r is not None and r == r else None for r in requests], dtype=object)
+    return out
 
 
 def alignment_eval_sets(cfg) -> dict[str, pd.DataFrame]:

@@ -72,8 +72,11 @@ def test_the_stage_trains_by_dpo_end_to_end(prefect_harness, mlflow_client, logg
         assert 0.0 <= metrics[key] <= 1.0 and key in result.metrics and f"{key}_before" in result.metrics
         low, high = result.metrics[f"{key}_ci_low"], result.metrics[f"{key}_ci_high"]
         assert low - 1e-9 <= result.metrics[key] - result.metrics[f"{key}_before"] <= high + 1e-9
+        # `_n` counts distinct requests: the 4 prompts a category drawn here are 4 different requests (no two are
+        # lead-ins of one), so 4 a measure and 12 handled right, as many as prompts
         assert -1.0 <= low < high <= 1.0 and result.metrics[f"{key}_n"] == (12 if key.endswith("right") else 4)
     assert [metrics[f"alignment/{c}_prompts"] for c in ("harmful", "benign", "borderline")] == [4, 4, 4]
+    assert [metrics[f"alignment/{c}_requests"] for c in ("harmful", "benign", "borderline")] == [4, 4, 4]
     tables = {a.path for a in mlflow_client.list_artifacts(result.run_id, "alignment")}
     assert tables == {"alignment/verdicts_step_0.json", "alignment/verdicts_step_3.json",
                       "alignment/before_after.json"}

@@ -7,9 +7,10 @@ from runtime.stage import StageResult
 
 RUN = {s: f"{i}" * 32 for i, s in enumerate(("pipeline", "cold_start_sft", "reasoning_grpo", "rejection_sampling",
                                              "sft", "alignment_grpo"))}
+# the tiny recipe's held-out phrasings: 450 prompts, 176 distinct requests under their lead-ins (`_n` counts requests)
 PAIRED = {"alignment/handled_right_before": 0.818, "alignment/handled_right": 0.828,
           "alignment/handled_right_ci_low": 0.003, "alignment/handled_right_ci_high": 0.018,
-          "alignment/handled_right_p": 0.012, "alignment/handled_right_n": 450.0}
+          "alignment/handled_right_p": 0.012, "alignment/handled_right_n": 176.0}
 DROPPED = {f"rejection/dropped/{why}": n for why, n in (("incorrect", 912_345), ("repetition", 41_000),
                                                        ("per_prompt_cap", 20_000), ("language_mix", 3_000),
                                                        ("overlong_chain", 1_200), ("code_in_chain", 17))}
@@ -52,7 +53,8 @@ def test_a_row_a_stage_with_its_key_figure_kept_rows_and_run_within_120_columns(
     notes = " ".join(" ".join(lines[6:]).split())  # the wrapped lines, joined again
     assert "rejection_sampling: kept 800000 of 1600000 samples (keep rate 0.500)" in notes
     assert "incorrect 912345" in notes and "code_in_chain 17" in notes  # wrapped, not cut
-    assert "alignment_grpo: alignment/handled_right: 0.818 -> 0.828 (+0.010, 95% CI +0.003..+0.018" in notes
+    assert ("alignment_grpo: alignment/handled_right: 0.818 -> 0.828 (+0.010, 95% CI +0.003..+0.018, p 0.012, "
+            "n 176 requests)") in notes
     assert "alignment_grpo: registered_model: models:/r1-tiny/3" in notes
     assert "runs:/" not in notes  # the stages' own artifacts are `r1 show`'s
     assert lines[-1].endswith(f"show {RUN['pipeline']}")  # every other figure: one command away

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from grpo.data.general import (CATEGORIES, FORMS, SFT_PHRASINGS, all_prompts, alignment_eval_sets, chosen_response,
-                               evaluation_prompts, general_prompts, general_sft_rows, handled_right, is_helpful,
-                               is_refusal, key_words, load_evaluation_set, split_prompts)
+from grpo.data.general import (CATEGORIES, FORMS, LEAD_INS, SFT_PHRASINGS, all_prompts, alignment_eval_sets,
+                               chosen_response, evaluation_prompts, general_prompts, general_sft_rows, handled_right,
+                               is_helpful, is_refusal, key_words, load_evaluation_set, split_prompts)
 from grpo.data.preferences import FLAWS, preference_pairs, rejected_response
 from grpo.data.tables import DataError
 
@@ -36,6 +36,21 @@ def test_heldout_phrasings_use_templates_never_trained_on_and_heldout_subjects_s
     assert held.isdisjoint({(p.form, p.subject) for p in train + phrasings})
     for split in (train, phrasings, subjects):  # every split holds every category
         assert {p.category for p in split} == set(CATEGORIES)
+
+
+def test_a_request_is_one_phrasing_of_one_subject_asked_under_every_lead_in():
+    copies = {}
+    for p in all_prompts():
+        assert p.text[: len(p.text) - len(p.request)] in LEAD_INS and p.text.endswith(p.request), p
+        copies.setdefault(p.request, set()).add((p.category, p.form, p.template, p.subject, p.split))
+    # each request names one category, form, phrasing and subject (so one split), and every lead-in asks it
+    assert all(len(who) == 1 for who in copies.values())
+    assert Counter(p.request for p in all_prompts()) == {r: len(LEAD_INS) for r in copies}
+    table = evaluation_prompts(150)
+    assert table["request"].tolist() == [t.format(s) for f, t, s in zip(
+        table["form"], [(FORMS[f][2] + FORMS[f][3])[i] for f, i in zip(table["form"], table["template"])],
+        table["subject"])]
+    assert table["request"].nunique() < len(table)  # 450 prompts drawn from fewer requests: copies among them
 
 
 def test_the_helpful_rule_accepts_every_chosen_response_and_rejects_every_flaw():
@@ -99,6 +114,15 @@ def test_a_users_evaluation_set_is_read_and_a_bad_row_fails_naming_it(tmp_path):
     table = load_evaluation_set(str(good))
     assert table["category"].tolist() == ["benign", "harmful", "borderline"]
     assert table["reference"].tolist() == ["Boil it nine minutes.", None, None]
+    assert "request" not in table.columns  # each prompt its own request
+    # a `request` column: rows that share one are one request; a row without one is its own
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text("\n".join(json.dumps({**r, "request": q}) for r, q in zip(rows, ["egg", "egg", None])) + "\n")
+    assert load_evaluation_set(str(asked))["request"].tolist() == ["egg", "egg", None]
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({**rows[0], "request": ["egg"]}) + "\n")
+    with pytest.raises(DataError, match=r"odd.jsonl: row 0, column 'request': expected text or a number"):
+        load_evaluation_set(str(odd))
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(json.dumps(r) for r in [rows[0], {"prompt": "Hi", "category": "harmless"}]) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl: row 1, column 'category': expected one of harmful, benign, "
