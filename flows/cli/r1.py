@@ -26,6 +26,7 @@ import argparse
 import os
 import sys
 import traceback
+from contextlib import ExitStack
 
 from grpo import startup
 from grpo.configs.recipe import STAGES
@@ -354,14 +355,20 @@ def _dispatch(args: argparse.Namespace) -> int:
     preflight.check_recipe(recipe, stages)
     preflight.check_precision(recipe, stages)
     from flows.cli.local_api import start_early
+    from flows.cli.waiting import saying
 
-    start_early()  # the local Prefect API comes up while the checks below load the stages' libraries
-    preflight.check_prefect_server()
-    if args.command == "run":
-        from flows.placement import check_placement
+    with saying("loading Prefect, MLflow, torch and transformers"):
+        start_early()  # the local Prefect API comes up while the checks below load the stages' libraries
+        preflight.check_prefect_server()
+        if args.command == "run":
+            from flows.placement import check_placement
 
-        check_placement(recipe, stages)  # stages placed on pools: pools, workers and deployments are there
-    preflight.check_distributed(recipe, stages)
+            check_placement(recipe, stages)  # stages placed on pools: pools, workers and deployments are there
+        preflight.check_distributed(recipe, stages)
+        if args.command == "run":
+            from flows.r1_pipeline import r1_pipeline  # noqa: F401  (the stages' libraries, loaded here)
+        else:
+            from flows.stages import declared  # noqa: F401
     return _run(args, recipe, stages) if args.command == "run" else _stage(args, recipe)
 
 
@@ -408,16 +415,18 @@ def until_stopped(run, resumes: str):
     """`run()` on the local Prefect API (unless a server is configured), stopped cleanly by Ctrl-C or SIGTERM (to this
     process or its whole group): its MLflow runs end KILLED, its flow run Crashed, and None is returned."""
     from flows.cli.local_api import local_prefect_api
+    from flows.cli.waiting import saying
     from grpo.interrupts import is_interrupt, stop_on_signals
 
     startup.imports_done()  # the stages' libraries are loaded: nothing of the run is made yet
     # what was asked for is checked; say so before the silent part (the local API, the stores, a stage's imports)
     where = os.environ.get("PREFECT_API_URL") or "Prefect's local API"
     # (not "r1: ...": that prefix is kept for the one line a fault or a stop ends with)
-    print(f"checked; starting on {where} (the first progress bar may take half a minute on a new home)",
-          flush=True)
     try:
-        with stop_on_signals(), local_prefect_api():
+        with stop_on_signals(), ExitStack() as api:
+            with saying(f"checked; starting on {where} (the first progress bar may take half a minute on a new "
+                        "home)"):
+                api.enter_context(local_prefect_api())  # waits for the local API to answer
             return run()
     except BaseException as e:
         if not is_interrupt(e):

@@ -63,6 +63,8 @@ def test_the_first_line_says_what_runs_and_where_before_any_heavy_import(ws):
     assert first.startswith("recipe small (") and "stages cold_start_sft, reasoning_grpo;" in first, first
     assert f"MLflow at sqlite:///{ws.db}" in first and f"state folder {ws.home}" in first, first
     assert proc.stderr.startswith("imported "), proc.stderr
+    # the libraries' seconds of loading are announced before they start (and ticked while they last: test_waiting)
+    assert proc.stdout.splitlines()[-1] == "loading Prefect, MLflow, torch and transformers", proc.stdout
 
 
 def _write(path: Path, rows: list[dict]) -> str:
