@@ -17,6 +17,16 @@ held-out prompt; held-out set of `--heldout` problems; target 90% of the rows. R
 PYTHONPATH at its checkout.
 The CPU (lscpu) and the load average before and after each merge are printed: on a shared machine, read the figures
 with it.
+
+`--ways non_reasoning` measures the non-reasoning rows instead, `--rows` of them (R1: 200,000): a user file of
+`--rows` (prompt, response) rows of the same size (`--non-reasoning-format`: Parquet, as recipes/r1-800k.yaml names
+one, or JSONL), then in a fresh process the stage's two steps: the rows read, checked and written to Parquet part
+files a batch at a time (`write_non_reasoning`), then `write_merged` appending them after 2,000 reasoning rows of
+shards; each step's time and peak RSS growth. Against older code (no `write_non_reasoning`) it runs that code's
+steps instead: the file read whole (`read_table`), checked (`validate_rows`), written as one Parquet file and read
+back as one frame, which `write_merged` appended.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/rejection_scale.py --rows 20000 200000 --ways non_reasoning
 """
 
 from __future__ import annotations
@@ -142,6 +152,9 @@ def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> Non
     if how == "sft_reading":
         sft_reading(out, rows)
         return
+    if how == "non_reasoning":
+        non_reasoning(out, rows, batch_rows)
+        return
     base = rss_kib(reset_peak=True)  # after the imports, whose own peak does not count
     t = time.perf_counter()
     nodes = None
@@ -167,6 +180,77 @@ def child(how: str, out: str, rows: int, n_heldout: int, batch_rows: int) -> Non
     print(json.dumps({"seconds": seconds, "rss_growth_mib": (peak - base) / 1024, "kept": kept, "nodes": nodes,
                       "dropped": {k: v for k, v in result.counts.dropped.items()
                                   if k in ("duplicate_across_shards", "contaminated", "over_target")}}))
+
+
+REASONING_ROWS = 2000  # the shards' rows the non-reasoning rows follow in `--ways non_reasoning`
+
+
+def write_non_reasoning_file(path: Path, rows: int, response_bytes: int) -> int:
+    """A user file of `rows` (prompt, response) rows with ~`response_bytes` responses, written a chunk at a time;
+    returns the text written (bytes)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(1)
+    vocab = np.array([f"v{i:x}" for i in range(20000)] + ["write", "a", "poem", "about", "the", "sea"])
+    text_bytes, writer = 0, None
+    try:
+        for start in range(0, rows, 2000):
+            n = min(2000, rows - start)
+            prompts = [f"Request {i}: write a short note about topic {i % 997}." for i in range(start, start + n)]
+            picks = rng.integers(len(vocab), size=(n, response_bytes // 6))
+            responses = [" ".join(vocab[r]) for r in picks]
+            text_bytes += sum(len(p.encode()) + len(r.encode()) for p, r in zip(prompts, responses))
+            if path.suffix == ".jsonl":
+                with open(path, "a") as f:
+                    f.writelines(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in zip(prompts, responses))
+                continue
+            table = pa.table({"prompt": prompts, "response": responses})
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
+    return text_bytes
+
+
+def non_reasoning(out: str, rows: int, batch_rows: int) -> None:
+    """The stage's two steps for `rows` non-reasoning rows, in this process: written to part files, then appended
+    by the merge; each step's seconds and peak RSS growth (its own peak: reset between them)."""
+    from grpo.rejection.shards import write_merged
+
+    source = next(p for p in Path(out).glob("non_reasoning.*") if p.suffix in (".parquet", ".jsonl"))
+    cfg = config(REASONING_ROWS).model_copy(update={"merge_batch_rows": batch_rows, "non_reasoning_rows": rows,
+                                                    "target_samples": int(REASONING_ROWS * 0.9) + rows})
+    held = heldout(500)
+    base = rss_kib(reset_peak=True)
+    t = time.perf_counter()
+    try:
+        from grpo.rejection.non_reasoning import write_non_reasoning
+    except ImportError:  # the code before: read whole, checked, one Parquet file, read back as one frame
+        from grpo.data.tables import read_table, validate_rows
+
+        frame = validate_rows(read_table(str(source)), {"prompt": "text or chat messages", "response": "text"},
+                              str(source)).iloc[:rows].reset_index(drop=True)
+        frame.to_parquet(f"{out}/non_reasoning-frame.parquet")
+        del frame
+        how = "one frame"
+        write_s, write_peak = time.perf_counter() - t, rss_kib(peak=True) - base
+        base = rss_kib(reset_peak=True)
+        t = time.perf_counter()
+        given = pd.read_parquet(f"{out}/non_reasoning-frame.parquet")
+    else:
+        write_non_reasoning(str(source), rows, 0, f"{out}/non_reasoning-parts", batch_rows=batch_rows)
+        how = "streamed"
+        write_s, write_peak = time.perf_counter() - t, rss_kib(peak=True) - base
+        base = rss_kib(reset_peak=True)
+        t = time.perf_counter()
+        given = f"{out}/non_reasoning-parts"
+    result = write_merged(f"{out}/shards", cfg, f"{out}/curated", held, given)
+    merge_s, merge_peak = time.perf_counter() - t, rss_kib(peak=True) - base
+    print(json.dumps({"how": how, "write_s": write_s, "write_growth_mib": write_peak / 1024, "merge_s": merge_s,
+                      "merge_growth_mib": merge_peak / 1024, "appended": result.non_reasoning,
+                      "rows": result.rows}))
 
 
 def sft_loading(out: str, max_seq_len: int = 4096, batch_size: int = 16) -> None:
@@ -263,6 +347,13 @@ def print_way(how: str, r: dict, rows: int, mib: float, before: str) -> None:
               f"{r['tokenize_cpu_s']:.1f} s of CPU), one epoch "
               f"of batches {r['iterate_s']:.1f} s ({r['kept'] / r['iterate_s']:,.0f} rows/s, "
               f"{r['tokens'] / r['iterate_s'] / 1e6:.1f} M tokens/s)  load {before} -> {load()}")
+    elif how == "non_reasoning":
+        written = "read, checked, written" if r["how"] == "streamed" else "read whole, checked, written as one file"
+        print(f"  {how} ({r['how']}): {written} {r['write_s']:6.1f} s  "
+              f"{rows / r['write_s']:9,.0f} rows/s  {mib / r['write_s']:6.1f} MiB/s  peak RSS "
+              f"+{r['write_growth_mib']:,.0f} MiB; appended by the merge after {REASONING_ROWS:,} reasoning rows "
+              f"{r['merge_s']:6.1f} s  peak RSS +{r['merge_growth_mib']:,.0f} MiB  ({r['appended']:,} appended, "
+              f"{r['rows']:,} rows in all)  load {before} -> {load()}")
     elif how == "sft_reading":
         print(f"  {how:13s} {r['seconds']:7.1f} s  {r['kept'] / r['seconds']:9,.0f} rows/s  "
               f"{r['tokens'] / r['seconds'] / 1e6:.1f} M tokens/s  peak RSS +{r['rss_growth_mib']:,.0f} MiB "
@@ -285,8 +376,11 @@ def main() -> None:
     ap.add_argument("--unmarked", action="store_true",
                     help="write shards without the shard task's marks: the merge then does all the curation itself")
     ap.add_argument("--ways", nargs="+", default=None,
-                    choices=["merge_shards", "write_merged", "write_merged_ray", "sft_loading", "sft_reading"],
-                    help="run only these (default: every one the code has, but sft_reading)")
+                    choices=["merge_shards", "write_merged", "write_merged_ray", "sft_loading", "sft_reading",
+                             "non_reasoning"],
+                    help="run only these (default: every one the code has, but sft_reading and non_reasoning)")
+    ap.add_argument("--non-reasoning-format", choices=["parquet", "jsonl"], default="parquet",
+                    help="non_reasoning: the user file's format")
     ap.add_argument("--processes", type=int, default=1,
                     help="sft_loading in this many processes at once, as a launch's")
     ap.add_argument("--ray-nodes", type=int, default=2,
@@ -315,6 +409,7 @@ def main() -> None:
     ways = [w for w in ways
             if args.ways is None or w in args.ways or (w == "write_merged" and "sft_loading" in args.ways)]
     ways += ["sft_reading"] if args.ways and "sft_reading" in args.ways else []
+    ways += ["non_reasoning"] if args.ways and "non_reasoning" in args.ways else []
     ways += ["write_merged_ray"] if args.ways and "write_merged_ray" in args.ways else []
     if "write_merged_ray" in ways:  # a local cluster of `--ray-nodes` nodes, 1 CPU each, on 127.0.0.1
         os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
@@ -340,6 +435,17 @@ def run_sizes(args: argparse.Namespace, ways: list[str]) -> None:
             if ways == ["sft_reading"]:
                 run_way("sft_reading", out, rows, args, 0.0)
                 continue
+            if "non_reasoning" in ways:  # its own inputs: a user file of `rows` rows, 2,000 reasoning rows
+                out.mkdir(parents=True, exist_ok=True)
+                source = out / f"non_reasoning.{args.non_reasoning_format}"
+                mib = write_non_reasoning_file(source, rows, args.response_bytes) / 2**20
+                write_shards(out / "shards", REASONING_ROWS, args.shard_rows, args.response_bytes, args.heldout)
+                print(f"{rows:,} non-reasoning rows, {mib:,.0f} MiB of text in {source.name} "
+                      f"({source.stat().st_size / 2**20:,.0f} MiB)")
+                run_way("non_reasoning", out, rows, args, mib)
+                shutil.rmtree(out)
+                if ways == ["non_reasoning"]:
+                    continue
             record = out / "written.json"
             if args.shards and record.exists():
                 written = json.loads(record.read_text())
@@ -353,7 +459,7 @@ def run_sizes(args: argparse.Namespace, ways: list[str]) -> None:
                      f"; shard-side marks (dedupe keys + decontamination) {written['mark_s']:.1f} s of one core, "
                      f"{rows / written['mark_s']:,.0f} rows/s")
             print(f"{rows:,} rows, {mib:,.0f} MiB of text in {len(list(out.glob('shard-*.parquet')))} shards{marks}")
-            for how in ways:
+            for how in (w for w in ways if w != "non_reasoning"):
                 if how == "write_merged_ray" and (out / "curated").exists():  # write_merged's, read by sft_loading
                     shutil.rmtree(out / "curated")
                 run_way(how, out, rows, args, mib)

@@ -50,7 +50,7 @@ def check_reasoning_grpo(cfg: ReasoningGRPOConfig) -> None:
 
 def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:
     """Pre-flight: what the stage reads, read and validated as it will be (no model loaded)."""
-    from grpo.data.tables import load_rl_data, read_table, validate_rows
+    from grpo.data.tables import SFT_SCHEMA, load_rl_data, validated_batches
 
     with reading("rejection_sampling.data"):
         train, heldout = load_rl_data(cfg.data)
@@ -61,11 +61,11 @@ def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:
     elif has_tests(heldout):
         check_sandbox("rejection_sampling.data.heldout_source")
     if rs.non_reasoning_rows and cfg.non_reasoning_source != "synthetic":
-        with reading("rejection_sampling.non_reasoning_source"):
-            rows = validate_rows(read_table(cfg.non_reasoning_source),
-                                 {"prompt": "text or chat messages", "response": "text"}, cfg.non_reasoning_source)
-        if len(rows) < rs.non_reasoning_rows:
-            raise UsageError(f"rejection_sampling.non_reasoning_source: {cfg.non_reasoning_source} has {len(rows)} "
+        with reading("rejection_sampling.non_reasoning_source"):  # the rows the stage takes, a batch at a time
+            rows = sum(len(batch) for batch in validated_batches(cfg.non_reasoning_source, SFT_SCHEMA,
+                                                                 limit=rs.non_reasoning_rows))
+        if rows < rs.non_reasoning_rows:
+            raise UsageError(f"rejection_sampling.non_reasoning_source: {cfg.non_reasoning_source} has {rows} "
                              f"rows; rejection.non_reasoning_rows asks for {rs.non_reasoning_rows}")
     judge = cfg.judge
     if judge is not None and rs.judge_when != "never":

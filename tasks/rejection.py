@@ -17,7 +17,7 @@ from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig
 from grpo.configs.rejection import RejectionConfig
 from grpo.data.row_files import describe_row_files
-from grpo.data.tables import DataError, read_table, validate_rows
+from grpo.data.tables import DataError
 from grpo.interrupts import interruptible
 from grpo.models import load_model_and_tokenizer, load_tokenizer
 from grpo.rejection import shards
@@ -32,6 +32,7 @@ from grpo.rejection.budget import (
 )
 from grpo.rejection.curate import HeldoutIndex, build_heldout_index
 from grpo.rejection.filters import summary_line
+from grpo.rejection.non_reasoning import write_non_reasoning
 from grpo.sampling.engines import Engine, build_engine, local_generation
 from grpo.sampling.judge import HTTPJudge, build_judge
 from runtime import dataset_refs, tracking
@@ -46,7 +47,7 @@ class RejectionPlan(NamedTuple):
     shards: list[int]  # every shard index of the plan (written ones are skipped by the shard task)
     prompts_uri: str  # the validated prompt table
     model_dir: str  # local copy of the checkpoint; on Ray its URI, which each worker downloads itself
-    non_reasoning_uri: str | None  # the non-reasoning rows to append, if the config asks for any
+    non_reasoning_uri: str | None  # the non-reasoning rows to append (Parquet part files), if the config asks for any
     ray_address: str | None = None  # the cluster the shard tasks run on (checked reachable); None = threads here
     heldout_uri: str | None = None  # the held-out prompts each shard task decontaminates its rows against
     budget: Budget | None = None  # the plan printed before sampling; None without a throughput to plan time with
@@ -90,8 +91,7 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     model_dir = checkpoint_uri if ray_address else resolve_model(cfg.model, checkpoint_uri).name_or_path
     non_reasoning_uri = None
     if rs.non_reasoning_rows:
-        rows = non_reasoning_rows(cfg.non_reasoning_source, rs.non_reasoning_rows, rs.seed)
-        non_reasoning_uri = tracking.log_frame(run_id, rows, "dataset/non_reasoning")
+        non_reasoning_uri = log_non_reasoning(run_id, cfg.non_reasoning_source, rs.non_reasoning_rows, rs.seed)
     shards.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
     planned = shards.plan_shards(prompts, rs)
     indices = [s.index for s in planned]
@@ -147,16 +147,19 @@ def stage_budget(cfg: RejectionSamplingConfig, prompts: pd.DataFrame, model_dir:
                        tokens_per_s=tokens_per_s, generators=generators, tokens_per_s_source=how)
 
 
-def non_reasoning_rows(source: str, n: int, seed: int) -> pd.DataFrame:
-    """`n` (prompt, response) rows without a verifiable answer: generated general requests, or a user file."""
-    if source == "synthetic":
-        from grpo.data.general import general_sft_rows
-
-        return general_sft_rows(n, seed)
-    rows = validate_rows(read_table(source), {"prompt": "text or chat messages", "response": "text"}, source)
-    if len(rows) < n:
-        raise ValueError(f"{source}: {len(rows)} non-reasoning rows, the recipe asks for {n}")
-    return rows.iloc[:n].reset_index(drop=True)
+def log_non_reasoning(run_id: str, source: str, n: int, seed: int) -> str:
+    """The `n` non-reasoning rows (generated general requests, or a user file's first rows) written to Parquet part
+    files a batch at a time, each batch checked as it is read, and logged as the run's `dataset/non_reasoning`
+    folder with a record of it by reference and a sample table, as the curated dataset is; the folder's URI."""
+    with tempfile.TemporaryDirectory(dir=tracking.r1_home(), prefix="non-reasoning-") as tmp:
+        folder = Path(tmp) / "non_reasoning"
+        write_non_reasoning(source, n, seed, folder)
+        dataset = describe_row_files(folder)
+        dataset_refs.log_dataset_reference(run_id, dataset, name="non_reasoning", context="input",
+                                           source=f"synthetic:general_sft_rows(seed={seed})"
+                                           if source == "synthetic" else source)
+        dataset_refs.log_sample_table(run_id, dataset, "samples/non_reasoning_head.json")
+        return tracking.log_dir(run_id, folder, "dataset/non_reasoning")
 
 
 _loaded: dict[str, tuple] = {}
@@ -260,7 +263,8 @@ def merge_rejection_shards(run_id: str, plan: RejectionPlan, cfg: RejectionSampl
     """Merge the shard files into the curated dataset, streamed to Parquet part files; log the counts, the
     dataset's folder, its record by reference and a sample table."""
     heldout = read_frame(heldout_uri) if heldout_uri else None
-    non_reasoning = read_frame(plan.non_reasoning_uri) if plan.non_reasoning_uri else None
+    # the folder of part files, which the merge reads a batch at a time after the reasoning rows
+    non_reasoning = tracking.download(plan.non_reasoning_uri) if plan.non_reasoning_uri else None
     # written here, then copied to the run's artifacts: the text in memory is `merge_batch_rows` rows' at a time
     with tempfile.TemporaryDirectory(dir=tracking.r1_home(), prefix="curated-") as tmp:
         if plan.ray_address:  # the shard files read on the cluster's nodes (Ray Data), decided and written here

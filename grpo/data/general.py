@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Literal, NamedTuple
+from typing import Iterator, Literal, NamedTuple
 
 import pandas as pd
 
@@ -380,8 +380,23 @@ def evaluation_prompts(per_category: int, split: Split = "heldout_phrasings") ->
 def general_sft_rows(n: int, seed: int = 0) -> pd.DataFrame:
     """`n` distinct training prompts under the first SFT_PHRASINGS phrasings with their chosen responses: the
     non-reasoning rows of an SFT dataset (the same `prompt`/`response` schema as grpo.data.arithmetic.sft_rows)."""
-    prompts = _rng_sample([p for p in split_prompts("train") if p.template < SFT_PHRASINGS], n, seed, "train",
-                          "sft-rows")
+    return _sft_table(_sft_prompts(n, seed))
+
+
+def general_sft_batches(n: int, seed: int = 0, batch_rows: int = 4096) -> Iterator[pd.DataFrame]:
+    """`general_sft_rows(n, seed)`, `batch_rows` rows at a time: the same rows in the same order, each batch's
+    responses written when it is asked for."""
+    prompts = _sft_prompts(n, seed)
+    for a in range(0, len(prompts), batch_rows):
+        yield _sft_table(prompts[a:a + batch_rows])
+
+
+def _sft_prompts(n: int, seed: int) -> list[GeneralPrompt]:
+    return _rng_sample([p for p in split_prompts("train") if p.template < SFT_PHRASINGS], n, seed, "train",
+                       "sft-rows")
+
+
+def _sft_table(prompts: list[GeneralPrompt]) -> pd.DataFrame:
     return pd.DataFrame({"prompt": [p.text for p in prompts], "response": [chosen_response(p) for p in prompts]})
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import pandas as pd
 
@@ -41,6 +41,9 @@ class DataError(ValueError):
     """A dataset that cannot be used, with the file, row and column that say why."""
 
 
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
 def read_table(source: str, split: str = "train", subset: str | None = None) -> pd.DataFrame:
     """Read a user dataset into a DataFrame: JSONL, JSON, Parquet, CSV, a `datasets` folder or a hub name.
 
@@ -49,16 +52,23 @@ def read_table(source: str, split: str = "train", subset: str | None = None) -> 
     """
     path = Path(source)
     suffix = path.suffix.lower()
-    if suffix in {".jsonl", ".json", ".parquet", ".csv"}:
+    if suffix in FILE_SUFFIXES:
         if not path.is_file():
             raise DataError(f"{source}: no such file")
         if suffix == ".jsonl":
-            return _read_jsonl(path)
+            return pd.DataFrame(next(_jsonl_rows(path, None)))
         if suffix == ".json":
             return pd.read_json(path)
         if suffix == ".parquet":
             return pd.read_parquet(path)
         return pd.read_csv(path)
+    return _arrow_dataset(source, split, subset).to_pandas()
+
+
+def _arrow_dataset(source: str, split: str, subset: str | None):
+    """A folder or hub name as a `datasets.Dataset` (memory-mapped Arrow files): a folder saved with
+    `save_to_disk` through `load_from_disk`, any other folder and a hub name through `load_dataset`."""
+    path = Path(source)
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         import datasets
 
@@ -67,24 +77,21 @@ def read_table(source: str, split: str = "train", subset: str | None = None) -> 
             if split not in ds:
                 raise DataError(f"{source}: no split {split!r}; it has {sorted(ds)}")
             ds = ds[split]
-        return ds.to_pandas()
+        return ds
     if not path.is_dir() and (path.is_absolute() or source.startswith(".")):
         raise DataError(f"{source}: no such file or folder")
-    return _load_dataset(source, subset, split)
-
-
-def _load_dataset(source: str, subset: str | None, split: str) -> pd.DataFrame:
     import datasets  # a hub name needs the hub (or its local cache); a data-files folder does not
 
     try:
-        return datasets.load_dataset(source, subset, split=split).to_pandas()
+        return datasets.load_dataset(source, subset, split=split)
     except Exception as e:  # a wrong subset or split, no network: say which dataset the recipe asked for
         which = f"subset {subset!r}, split {split!r}" if subset else f"split {split!r}"
         raise DataError(f"{source} ({which}): cannot load it: {type(e).__name__}: {e}") from e
 
 
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    rows = []
+def _jsonl_rows(path: Path, batch_rows: int | None) -> Iterator[list[dict]]:
+    """A JSONL file's objects, `batch_rows` at a time (all at once: None); a bad line fails naming it."""
+    rows: list[dict] = []
     with path.open() as f:
         for i, line in enumerate(f, start=1):
             if not line.strip():
@@ -96,7 +103,40 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
             if not isinstance(row, dict):
                 raise DataError(f"{path}: line {i} is a JSON {type(row).__name__}, expected an object")
             rows.append(row)
-    return pd.DataFrame(rows)
+            if len(rows) == batch_rows:
+                yield rows
+                rows = []
+    if rows or batch_rows is None:
+        yield rows
+
+
+TEXT_KINDS = ("text", "text or chat messages")  # cells a CSV holds as text whatever they look like
+
+
+def read_table_batches(source: str, batch_rows: int, split: str = "train", subset: str | None = None,
+                       text_columns: Sequence[str] = ()) -> Iterator[pd.DataFrame]:
+    """`read_table`'s rows, `batch_rows` at a time, without holding the table: a Parquet file a batch of its row
+    groups at a time, a JSONL file by lines (a bad line fails as `read_table` says it), a CSV file in chunks
+    (`text_columns` read as text: a chunk of number-like cells would otherwise read as numbers where the whole
+    file reads as text), a `datasets` folder or hub dataset from its memory-mapped Arrow files. A JSON array is
+    read whole and handed out in batches: the format has no rows to read apart."""
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl" and path.is_file():
+        yield from (pd.DataFrame(rows) for rows in _jsonl_rows(path, batch_rows) if rows)
+    elif suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=batch_rows, use_threads=False):
+            yield batch.to_pandas()
+    elif suffix == ".csv" and path.is_file():
+        with pd.read_csv(path, chunksize=batch_rows, dtype=dict.fromkeys(text_columns, str)) as chunks:
+            yield from chunks
+    elif suffix in FILE_SUFFIXES:  # a JSON array, or no such file (read_table says so)
+        table = read_table(source, split, subset)
+        yield from (table.iloc[a:a + batch_rows] for a in range(0, len(table), batch_rows))
+    else:
+        yield from _arrow_dataset(source, split, subset).to_pandas(batch_size=batch_rows, batched=True)
 
 
 def _is_messages(value) -> bool:
@@ -127,6 +167,29 @@ def validate_rows(df: pd.DataFrame, schema: dict[str, str], source: str, first_r
             if not ok:
                 raise DataError(f"{source}: row {first_row + i}, column {col!r}: expected {kind}, got {value!r:.80}")
     return df
+
+
+def validated_batches(source: str, schema: dict[str, str], batch_rows: int = 4096, limit: int | None = None,
+                      split: str = "train", subset: str | None = None) -> Iterator[pd.DataFrame]:
+    """A user table's first `limit` rows (every row: None), `batch_rows` at a time (`read_table_batches`), each batch
+    checked as `validate_rows` checks a whole table: the first bad cell fails naming the file, its row in the file
+    and the column. The rows past `limit` are not read."""
+    text = [column for column, kind in schema.items() if kind in TEXT_KINDS]
+    at = 0
+    for frame in read_table_batches(source, batch_rows, split, subset, text):
+        if limit is not None:
+            frame = frame.iloc[:limit - at]
+        if not len(frame):
+            continue
+        if at:  # a column only earlier rows had: empty cells here, as it reads in the whole table
+            frame = frame.reindex(columns=[*frame.columns, *(c for c in schema if c not in frame.columns)])
+        validate_rows(frame, schema, source, first_row=at)
+        at += len(frame)
+        yield frame
+        if at == limit:
+            return
+    if not at:
+        raise DataError(f"{source}: no rows")
 
 
 def normalise_rows(df: pd.DataFrame) -> pd.DataFrame:

@@ -20,7 +20,8 @@ Each shard also marks its kept rows where they were sampled: a 64-bit hash of th
 against the held-out prompts, whether the row copies one (`mark_rows`; hashed word n-grams, each distinct prompt
 checked once). `merge_shards` then reads those keys alone to dedupe across shards, drop the contaminated rows and
 cap the reasoning rows to the target (prompt coverage first, deterministically), reads only the rows it keeps, and
-appends the non-reasoning rows; `write_merged` streams the same rows to Parquet files a batch at a time.
+appends the non-reasoning rows; `write_merged` streams the same rows to Parquet files a batch at a time, the
+non-reasoning ones read a batch at a time from the part files `grpo.rejection.non_reasoning` wrote them to.
 
 How it differs from the paper: the paper does not spell out its readability rules; the ones here (tag structure,
 language share, paragraph and reasoning length, code in the reasoning, empty answer, repetition) are plain

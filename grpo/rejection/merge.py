@@ -22,7 +22,12 @@ from grpo.configs.rejection import RejectionConfig
 from grpo.data.tables import DataError
 from grpo.rejection.curate import KEPT_COLUMNS, HeldoutIndex, build_heldout_index, mark_rows
 from grpo.rejection.filters import CONTAMINATED, DUPLICATE_ACROSS_SHARDS, OVER_TARGET, Counts
-from grpo.rejection.store import COUNTS_KEY, HELDOUT_KEY, MARK_COLUMNS, as_frame, join_uri, shard_done, store_of
+from grpo.rejection.non_reasoning import Appended, appended_frame, appended_rows, appended_tables
+from grpo.rejection.store import COUNTS_KEY, HELDOUT_KEY, MARK_COLUMNS, as_frame, shard_done, store_of, write_parts
+
+# the non-reasoning rows to append: a frame, or a Parquet file or folder of part files (`write_non_reasoning`'s),
+# which the merge streams
+NonReasoning = pd.DataFrame | str | Path | None
 
 
 class RejectionResult(NamedTuple):
@@ -276,7 +281,7 @@ class _MergePlan(NamedTuple):
     shards: list[ShardFile]
     selection: Selection
     counts: Counts  # through the merge
-    extra: pd.DataFrame  # the non-reasoning rows to append
+    appended: Appended  # the non-reasoning rows to append
 
 
 def _miscounted(shard: ShardFile) -> DataError:
@@ -285,7 +290,7 @@ def _miscounted(shard: ShardFile) -> DataError:
 
 
 def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame | Sequence[Any] | None,
-                non_reasoning: pd.DataFrame | None, num_shards: int | None,
+                non_reasoning: NonReasoning, num_shards: int | None,
                 reader: "ShardReader | None" = None) -> _MergePlan:
     """Read every shard's keys (through `reader`; here by default) and decide which rows the dataset keeps; no text
     is held."""
@@ -321,10 +326,7 @@ def _plan_merge(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame
     dropped[CONTAMINATED] += selection.contaminated
     dropped[OVER_TARGET] += selection.over_target
     counts = counts._replace(kept=selection.kept, dropped=dropped)
-    extra = pd.DataFrame(columns=["prompt", "response"])
-    if non_reasoning is not None and cfg.non_reasoning_rows:
-        extra = non_reasoning.head(cfg.non_reasoning_rows)[["prompt", "response"]]
-    return _MergePlan(fs, shards, selection, counts, extra)
+    return _MergePlan(fs, shards, selection, counts, appended_rows(non_reasoning, cfg.non_reasoning_rows))
 
 
 def kept_batches(fs: fsspec.AbstractFileSystem, shard: ShardFile, keep: np.ndarray,
@@ -390,13 +392,14 @@ LOCAL: ShardReader = _Here()
 
 
 def merge_shards(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFrame | Sequence[Any] | None = None,
-                 non_reasoning: pd.DataFrame | None = None, num_shards: int | None = None) -> RejectionResult:
+                 non_reasoning: NonReasoning = None, num_shards: int | None = None) -> RejectionResult:
     """The final dataset from the written shards: dedupe across shards, decontaminate, cap, add non-reasoning rows.
 
     `num_shards`: the planned count; any missing shard is then an error. Without it, every shard file is read.
-    `heldout`: held-out prompts (a table with a `prompt` column, or the prompts themselves). The rows are chosen
-    from the shards' keys (`select_rows`) and only the kept ones are read; the dataset is held in memory, which
-    `write_merged` does not do.
+    `heldout`: held-out prompts (a table with a `prompt` column, or the prompts themselves). `non_reasoning`: a
+    frame, or Parquet files (a file, or a folder of part files); its first `cfg.non_reasoning_rows` rows are
+    appended. The rows are chosen from the shards' keys (`select_rows`) and only the kept ones are read; the dataset
+    is held in memory, which `write_merged` does not do.
     """
     plan = _plan_merge(out_dir, cfg, heldout, non_reasoning, num_shards)
     frames, start = [], 0
@@ -417,7 +420,7 @@ def merge_shards(out_dir: str | Path, cfg: RejectionConfig, heldout: pd.DataFram
     if not plan.selection.in_order:
         rows = rows.iloc[plan.selection.order]
     rows = rows.reset_index(drop=True).assign(kind="reasoning")
-    extra = plan.extra
+    extra = appended_frame(plan.appended)
     dataset = pd.concat([rows, extra.assign(kind="non_reasoning")], ignore_index=True) if len(extra) else rows
     return RejectionResult(dataset, plan.counts, len(extra))
 
@@ -430,14 +433,15 @@ class MergedDataset(NamedTuple):
 
 
 def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
-                 heldout: pd.DataFrame | Sequence[Any] | None = None, non_reasoning: pd.DataFrame | None = None,
+                 heldout: pd.DataFrame | Sequence[Any] | None = None, non_reasoning: NonReasoning = None,
                  num_shards: int | None = None, rows_per_file: int = 1_000_000,
                  reader: ShardReader | None = None) -> MergedDataset:
     """`merge_shards`' dataset written as Parquet files in `dest` (a folder or store URI) without holding it.
 
     The keys are read first and the rows chosen (`select_rows`); then each shard's kept rows are read and written
     `cfg.merge_batch_rows` at a time, so the text in memory is a batch's, whatever the row count; the keys take
-    about 22 bytes a row at their peak. The files hold the same rows in the same order as `merge_shards`' dataset.
+    about 22 bytes a row at their peak. The non-reasoning rows follow, read `cfg.merge_batch_rows` at a time where
+    they are files. The files hold the same rows in the same order as `merge_shards`' dataset.
     `reader`: where the shard files are read, here by default (`grpo.rejection.ray_reader.RayDataReader`: on a
     Ray cluster's nodes); the keys are decided on and the files written here either way.
     """
@@ -446,48 +450,20 @@ def write_merged(out_dir: str | Path, cfg: RejectionConfig, dest: str | Path,
         raise DataError(f"{out_dir}: the shards' rows are not in (source_prompt_id, sample_index) order from one "
                         f"file to the next (plan_shards' shards always are), so they cannot be streamed in the "
                         f"dataset's order; merge_shards sorts them in memory")
-    extra = pa.Table.from_pandas(plan.extra.assign(kind="non_reasoning"), preserve_index=False) if len(
-        plan.extra) else None
+    appended = plan.appended
     try:
         # the columns of shards that kept rows (an empty one's may be typed null); of every shard when none did
         columns = [s.schema.remove_metadata() for s in plan.shards if s.rows] or [
             s.schema.remove_metadata() for s in plan.shards]
         schema = pa.unify_schemas(columns + [pa.schema([("kind", pa.string())])]
-                                  + ([extra.schema.remove_metadata()] if extra is not None else []),
-                                  promote_options="permissive")
+                                  + ([appended.schema] if appended.rows else []), promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise DataError(f"{out_dir}: shard and non-reasoning columns do not agree ({e})") from None
 
     def batches() -> Iterator[pa.Table]:  # the dataset in order, about `merge_batch_rows` rows at a time
         yield from (reader or LOCAL).kept(out_dir, plan.shards, plan.selection.keep, schema, cfg.merge_batch_rows)
-        if extra is not None:
-            yield conformed(extra, "non_reasoning", schema)
+        for table in appended_tables(appended, cfg.merge_batch_rows):
+            yield conformed(table, "non_reasoning", schema)
 
-    fs, root = store_of(dest)
-    fs.makedirs(root, exist_ok=True)
-    if fs.glob(f"{root}/part-*.parquet"):
-        raise FileExistsError(f"{dest} already holds a merged dataset (part-*.parquet); give an empty folder")
-    files: list[str] = []
-    writer, handle, in_file, written = None, None, 0, 0
-    try:
-        for table in batches():
-            while len(table):
-                if writer is None:
-                    files.append(str(join_uri(dest, f"part-{len(files):05d}.parquet")))
-                    handle = fs.open(f"{root}/part-{len(files) - 1:05d}.parquet", "wb")
-                    writer, in_file = pq.ParquetWriter(handle, schema), 0
-                part = table.slice(0, rows_per_file - in_file)
-                writer.write_table(part)
-                in_file, written, table = in_file + len(part), written + len(part), table.slice(len(part))
-                # what Arrow's pool holds of the batches written goes back to the system now, not when it decays:
-                # held, it grew with the batches (800k rows: +172 MiB peak RSS against +143 at 100k; +139 / +127)
-                pa.default_memory_pool().release_unused()
-                if in_file == rows_per_file:
-                    writer.close()
-                    handle.close()
-                    writer = None
-    finally:
-        if writer is not None:
-            writer.close()
-            handle.close()
-    return MergedDataset(files, plan.counts, written, len(plan.extra))
+    files, written = write_parts(batches(), dest, schema, rows_per_file)
+    return MergedDataset(files, plan.counts, written, appended.rows)

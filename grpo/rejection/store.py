@@ -14,7 +14,7 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import fsspec
 import pandas as pd
@@ -118,6 +118,41 @@ def write_shard(result: ShardResult, out_dir: str | Path, index: int) -> str | P
     table = table.replace_schema_metadata(metadata)
     write_atomically(fs, path, lambda f: pq.write_table(table, f))
     return shard_path(out_dir, index)
+
+
+def write_parts(tables: Iterable[pa.Table], dest: str | Path, schema: pa.Schema,
+                rows_per_file: int = 1_000_000) -> tuple[list[str], int]:
+    """`tables` (each of `schema`) written as Parquet files part-00000.parquet, ... in `dest` (a folder or store URI
+    without part files yet), at most `rows_per_file` rows each, a table at a time: what is held is one table's.
+    Returns the files, in row order, and the rows written."""
+    fs, root = store_of(dest)
+    fs.makedirs(root, exist_ok=True)
+    if fs.glob(f"{root}/part-*.parquet"):
+        raise FileExistsError(f"{dest} already holds a dataset (part-*.parquet); give an empty folder")
+    files: list[str] = []
+    writer, handle, in_file, written = None, None, 0, 0
+    try:
+        for table in tables:
+            while len(table):
+                if writer is None:
+                    files.append(str(join_uri(dest, f"part-{len(files):05d}.parquet")))
+                    handle = fs.open(f"{root}/part-{len(files) - 1:05d}.parquet", "wb")
+                    writer, in_file = pq.ParquetWriter(handle, schema), 0
+                part = table.slice(0, rows_per_file - in_file)
+                writer.write_table(part)
+                in_file, written, table = in_file + len(part), written + len(part), table.slice(len(part))
+                # what Arrow's pool holds of the batches written goes back to the system now, not when it decays:
+                # held, it grew with the batches (800k rows: +172 MiB peak RSS against +143 at 100k; +139 / +127)
+                pa.default_memory_pool().release_unused()
+                if in_file == rows_per_file:
+                    writer.close()
+                    handle.close()
+                    writer = None
+    finally:
+        if writer is not None:
+            writer.close()
+            handle.close()
+    return files, written
 
 
 def as_frame(table: pa.Table) -> pd.DataFrame:

@@ -132,6 +132,41 @@ def test_when_nothing_is_kept_the_stage_fails_saying_so_and_keeps_its_counts(pre
                for r in failed)  # what was dropped, and why, is on the run
 
 
+def test_the_non_reasoning_rows_are_logged_as_part_files_and_follow_the_reasoning_rows(
+        prefect_harness, answering_checkpoint, prompts_file, mlflow_client, tmp_path):
+    """A user file's first rows, read a batch at a time into the run's `dataset/non_reasoning` part files (recorded
+    by reference), then appended by the merge after the reasoning rows: the file's rows, in its order."""
+    import json
+
+    from flows.rejection_sampling import rejection_sampling
+    from runtime.tracking import download
+    from tasks.data import read_frame
+
+    rows = [{"prompt": f"Say {i}.", "response": f"{i}!"} for i in range(12)]
+    source = tmp_path / "general.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = stage_config(prompts_file, non_reasoning_rows=10, shard_size=16, seed=3)
+    raw["data"]["num_train"] = 16
+    raw["non_reasoning_source"] = str(source)
+    result = rejection_sampling(answering_checkpoint, RejectionSamplingConfig.model_validate(raw))
+
+    dataset = read_frame(result.uris["dataset"])
+    reasoning = int(result.metrics["rejection/kept"])
+    assert 0 < reasoning and len(dataset) == reasoning + 10 and result.metrics["rejection/non_reasoning_rows"] == 10
+    assert dataset["kind"].tolist() == ["reasoning"] * reasoning + ["non_reasoning"] * 10
+    tail = dataset.iloc[reasoning:]
+    assert tail[["prompt", "response"]].to_dict("records") == rows[:10]
+    assert tail["source_prompt_id"].isna().all()  # the reasoning rows' other columns, empty
+    logged = [f.path for f in mlflow_client.list_artifacts(result.run_id, "dataset/non_reasoning")]
+    assert "dataset/non_reasoning/part-00000.parquet" in logged
+    assert read_frame(f"runs:/{result.run_id}/dataset/non_reasoning").to_dict("records") == rows[:10]
+    (record,) = [i.dataset for i in mlflow_client.get_run(result.run_id).inputs.dataset_inputs
+                 if i.dataset.name == "non_reasoning"]
+    assert json.loads(record.profile)["num_rows"] == 10 and str(source) in record.source
+    head = json.loads(download(f"runs:/{result.run_id}/samples/non_reasoning_head.json", tmp_path / "h").read_text())
+    assert head["data"][0] == ["Say 0.", "0!"]
+
+
 def test_a_judge_outage_mid_stage_keeps_the_shards_done_and_the_rerun_goes_on_from_them(
         prefect_harness, r1_home, answering_checkpoint, prompts_file, mlflow_client, tmp_path):
     """`r1 serve` as the judge, stopped once the first shard is written: the stage fails naming it, the shards

@@ -280,6 +280,16 @@ def test_too_few_non_reasoning_rows(ws, capsys):
                   "rejection_sampling.non_reasoning_source", "has 1 rows", "asks for 4")
 
 
+def test_a_bad_non_reasoning_row_is_named_before_anything_runs(ws, capsys):
+    path = ws.jsonl("general.jsonl", [{"prompt": "Hi", "response": "Hello"}, {"prompt": "Bye", "response": ""}])
+    recipe = ws.recipe(rejection_sampling__non_reasoning_source=path,
+                       rejection_sampling__rejection={"target_samples": 8, "non_reasoning_rows": 2})
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe, "--stages", "cold_start_sft,reasoning_grpo,"
+                                                                      "rejection_sampling"],
+                  "rejection_sampling.non_reasoning_source", "general.jsonl: row 1, column 'response'",
+                  "expected text")
+
+
 def test_held_out_code_rows_in_an_sft_stage_without_a_sandbox(ws, capsys, monkeypatch):
     from grpo.rewards import sandbox
 
