@@ -40,6 +40,15 @@ def _llama():
     return model.eval(), tok
 
 
+def _llama_tied():
+    """SmolLM2's shape in small: a Llama with grouped-query attention and its output layer tied to the embeddings."""
+    from gguf_files import small_llama
+
+    model, tok = small_llama()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model, tok
+
+
 def _encode(tok, n: int):
     enc = tok(render_prompts(tok, PROMPTS), padding=True, return_tensors="pt", add_special_tokens=False)
     return enc["input_ids"].repeat_interleave(n, 0), enc["attention_mask"].repeat_interleave(n, 0)
@@ -49,7 +58,7 @@ def _hf_only(monkeypatch):
     monkeypatch.setattr(cpu_decoder.LeanDecoder, "build", classmethod(lambda cls, *a, **k: None))
 
 
-@pytest.mark.parametrize("make", [_qwen2, _llama])
+@pytest.mark.parametrize("make", [_qwen2, _llama, _llama_tied])
 def test_lean_path_is_taken_for_qwen2_and_llama(make):
     model, _ = make()
     assert lean_decode_supported(model)
@@ -85,7 +94,7 @@ def test_a_model_with_hooks_decodes_through_its_own_forward():
 
 # 24: within the lean cache's first room; 150: no end token, so every row writes past it twice (64, 128, 150)
 @pytest.mark.parametrize(("new", "stop"), [(24, True), (150, False)])
-@pytest.mark.parametrize("make", [_qwen2, _llama])
+@pytest.mark.parametrize("make", [_qwen2, _llama, _llama_tied])
 def test_lean_greedy_decode_matches_the_transformers_loop(make, new, stop, monkeypatch):
     model, tok = make()
     ids, mask = _encode(tok, n=2)
@@ -100,7 +109,7 @@ def test_lean_greedy_decode_matches_the_transformers_loop(make, new, stop, monke
 
 
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("make", [_qwen2, _llama])
+@pytest.mark.parametrize("make", [_qwen2, _llama, _llama_tied])
 def test_lean_sampled_logprobs_match_a_full_forward_pass(make, n):
     model, tok = make()
     ids, mask = _encode(tok, n=n)
