@@ -27,6 +27,7 @@ from grpo.rejection.budget import (
     format_plan_against_run,
     judge_metrics,
     measure_tokens_per_s,
+    plan_mean_fraction,
     plan_against_run,
     plan_budget,
 )
@@ -122,7 +123,7 @@ def stage_budget(cfg: RejectionSamplingConfig, prompts: pd.DataFrame, model_dir:
     rs, b = cfg.rejection, cfg.budget
     http = cfg.generation.backend == "http"
     generators = b.generators or (len(cfg.generation.endpoints) if http else 1)
-    tokens_per_s, how = b.tokens_per_s, "given"
+    tokens_per_s, how, probe = b.tokens_per_s, "given", None
     if tokens_per_s is None:
         if ray_address and not http:
             return None
@@ -141,10 +142,13 @@ def stage_budget(cfg: RejectionSamplingConfig, prompts: pd.DataFrame, model_dir:
                 engine.close()
         if http:
             rate /= generators
+        probe = (tokens, len(batch) * k)
         tokens_per_s, how = rate, (f"measured: {tokens:,} tokens in {seconds:.1f} s, {len(batch) * k} samples"
                                    + (f" from {generators} endpoint(s), divided by them" if http else ", local"))
-    return plan_budget(len(prompts), rs, mean_fraction=b.mean_fraction, keep_rate=b.keep_rate,
-                       tokens_per_s=tokens_per_s, generators=generators, tokens_per_s_source=how)
+    mean_fraction, fraction_source = plan_mean_fraction(b.mean_fraction, rs.sampling, probe)
+    return plan_budget(len(prompts), rs, mean_fraction=mean_fraction, keep_rate=b.keep_rate,
+                       tokens_per_s=tokens_per_s, generators=generators, tokens_per_s_source=how,
+                       mean_fraction_source=fraction_source)
 
 
 def log_non_reasoning(run_id: str, source: str, n: int, seed: int) -> str:

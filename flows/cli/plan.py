@@ -18,7 +18,7 @@ import pandas as pd
 from grpo.configs.data import DataConfig
 from grpo.configs.model import ModelConfig
 from grpo.configs.recipe import RejectionSamplingConfig
-from grpo.rejection.budget import format_budget, measure_tokens_per_s, plan_budget
+from grpo.rejection.budget import format_budget, measure_tokens_per_s, plan_budget, plan_mean_fraction
 
 
 def count_prompts(cfg: DataConfig) -> tuple[pd.DataFrame | None, int, str]:
@@ -50,8 +50,10 @@ def _device_name() -> str:
     return f"CPU {platform.processor()}"
 
 
-def measure(cfg: RejectionSamplingConfig, prompts: list, checkpoint: str | None) -> tuple[float, str]:
-    """Tokens/s per generator from a short real generation, and a line saying how it was measured."""
+def measure(cfg: RejectionSamplingConfig, prompts: list,
+            checkpoint: str | None) -> tuple[float, str, tuple[int, int]]:
+    """Tokens/s per generator from a short real generation, a line saying how it was measured, and the probe's
+    (completion tokens, samples)."""
     import torch
 
     from grpo.models import load_model_and_tokenizer, load_tokenizer
@@ -72,7 +74,7 @@ def measure(cfg: RejectionSamplingConfig, prompts: list, checkpoint: str | None)
             backend.close()
         per = rate / len(gen.endpoints)
         return per, (f"measured: {tokens:,} tokens in {seconds:.1f} s from {len(gen.endpoints)} endpoint(s) serving "
-                     f"{gen.model!r}, {len(batch) * k} requests, divided by the endpoints")
+                     f"{gen.model!r}, {len(batch) * k} requests, divided by the endpoints"), (tokens, len(batch) * k)
     model, tok = load_model_and_tokenizer(model_cfg)
     if torch.cuda.is_available():
         model = model.cuda()
@@ -80,20 +82,24 @@ def measure(cfg: RejectionSamplingConfig, prompts: list, checkpoint: str | None)
     engine = build_engine(cfg.generation, model, tok, who="r1 plan")
     rate, tokens, seconds = measure_tokens_per_s(engine, batch, k, rs.sampling)
     return rate, (f"measured: {tokens:,} tokens in {seconds:.1f} s, {len(batch) * k} sequences of "
-                  f"{model_cfg.name_or_path!r} on {_device_name()}, local backend")
+                  f"{model_cfg.source!r} on {_device_name()}, local backend"), (tokens, len(batch) * k)
 
 
-def plan_text(cfg: RejectionSamplingConfig, *, tokens_per_s: float | None = None, mean_fraction: float = 0.5,
+def plan_text(cfg: RejectionSamplingConfig, *, tokens_per_s: float | None = None, mean_fraction: float | None = None,
               keep_rate: float = 0.5, generators: int | None = None, checkpoint: str | None = None) -> str:
     """What `r1 plan` prints for a recipe's rejection-sampling section."""
     rows, prompts, source = count_prompts(cfg.data)
     if generators is None:
         generators = len(cfg.generation.endpoints) if cfg.generation.backend == "http" else 1
-    how = "given"
+    how, probe = "given", None
     if tokens_per_s is None:
         stand_in = [f"Problem {i}: a stand-in prompt to time generation with." for i in range(64)]
-        texts = rows["prompt"].tolist()[:64] if rows is not None and len(rows) else stand_in
-        tokens_per_s, how = measure(cfg, texts, checkpoint)
-    budget = plan_budget(prompts, cfg.rejection, mean_fraction=mean_fraction, keep_rate=keep_rate,
-                         tokens_per_s=tokens_per_s, generators=generators, tokens_per_s_source=how)
+        real = rows is not None and len(rows)
+        texts = rows["prompt"].tolist()[:64] if real else stand_in
+        tokens_per_s, how, measured = measure(cfg, texts, checkpoint)
+        probe = measured if real else None  # a stand-in prompt's answers say nothing of the rows' lengths
+    fraction, fraction_source = plan_mean_fraction(mean_fraction, cfg.rejection.sampling, probe)
+    budget = plan_budget(prompts, cfg.rejection, mean_fraction=fraction, keep_rate=keep_rate,
+                         tokens_per_s=tokens_per_s, generators=generators, tokens_per_s_source=how,
+                         mean_fraction_source=fraction_source)
     return format_budget(budget, source)

@@ -187,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
                            "measured by a short real generation)")
     plan.add_argument("--mean-fraction", type=float, default=None,
                       help="assumed mean completion length as a share of max_new_tokens (default: the recipe's "
-                           "budget.mean_fraction, 0.5)")
+                           "budget.mean_fraction, else measured with the throughput, else 0.5)")
     plan.add_argument("--keep-rate", type=float, default=None,
                       help="assumed share of samples that pass every check (default: the recipe's "
                            "budget.keep_rate, 0.5)")

@@ -13,6 +13,8 @@ class BudgetConfig(BaseModel):
     # checkpoint in this process, or the recipe's endpoints); on a Ray cluster sampling locally, give it or the plan
     # has no times
     tokens_per_s: float | None = Field(None, gt=0)
-    mean_fraction: float = Field(0.5, gt=0, le=1)  # assumed mean completion length over max_new_tokens
+    # mean completion length over max_new_tokens; None: what the throughput probe's completions came to where it
+    # sampled at the stage's own budget, else 0.5 (a model's lengths differ by far more than any default guesses)
+    mean_fraction: float | None = Field(None, gt=0, le=1)
     keep_rate: float = Field(0.5, ge=0, le=1)  # assumed share of samples that pass every check
     generators: int | None = Field(None, ge=1)  # servers or GPUs sampling at once; None: the endpoints, else 1

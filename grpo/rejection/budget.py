@@ -65,6 +65,7 @@ class Budget(NamedTuple):
     tokens_per_s: float  # per generator
     generators: int  # servers (or GPUs) sampling at once
     tokens_per_s_source: str  # "given" or how it was measured
+    mean_fraction_source: str = "assumed"  # "assumed", "given", or the probe it was measured by
 
     @property
     def reasoning_rows(self) -> float:
@@ -91,8 +92,13 @@ def expected_kept_per_prompt(k: int, keep_rate: float, cap: int) -> float:
     return sum(min(x, cap) * math.comb(k, x) * keep_rate**x * (1 - keep_rate) ** (k - x) for x in range(k + 1))
 
 
+ASSUMED_MEAN_FRACTION = 0.5  # the mean completion length over the budget, where neither given nor measured
+PROBE_MAX_NEW_TOKENS = 128  # the throughput probe's completion budget: seconds, not minutes
+
+
 def plan_budget(prompts: int, cfg: RejectionConfig, *, mean_fraction: float, keep_rate: float, tokens_per_s: float,
-                generators: int = 1, tokens_per_s_source: str = "given") -> Budget:
+                generators: int = 1, tokens_per_s_source: str = "given",
+                mean_fraction_source: str = "assumed") -> Budget:
     """The budget of sampling `prompts` prompts under `cfg`; see the module docstring for each figure."""
     if not 0 < mean_fraction <= 1:
         raise ValueError(f"mean_fraction is the mean completion length over max_new_tokens, in (0, 1]; got "
@@ -109,7 +115,7 @@ def plan_budget(prompts: int, cfg: RejectionConfig, *, mean_fraction: float, kee
     return Budget(prompts, k, samples, math.ceil(prompts / cfg.shard_size), max_tokens, mean_fraction,
                   samples * max_tokens * mean_fraction, keep_rate, cfg.max_kept_per_prompt, kept,
                   cfg.target_samples - cfg.non_reasoning_rows, cfg.non_reasoning_rows, tokens_per_s, generators,
-                  tokens_per_s_source)
+                  tokens_per_s_source, mean_fraction_source)
 
 
 def _n(x: float) -> str:
@@ -134,8 +140,8 @@ def format_budget(b: Budget, prompts_source: str = "") -> str:
         f"prompts              {_n(b.prompts)}" + (f"   ({prompts_source})" if prompts_source else ""),
         f"samples              {_n(b.samples)}   ({b.samples_per_prompt} per prompt)",
         f"shards               {_n(b.shards)}",
-        f"completion tokens    {_n(b.tokens)}   (mean {b.mean_fraction:g} x max_new_tokens {b.max_new_tokens:,}, "
-        f"assumed; at most {_n(b.samples * b.max_new_tokens)})",
+        f"completion tokens    {_n(b.tokens)}   (mean {b.mean_fraction:.3g} x max_new_tokens {b.max_new_tokens:,}, "
+        f"{b.mean_fraction_source}; at most {_n(b.samples * b.max_new_tokens)})",
         f"rows kept            {_n(b.kept)}   (keep rate {b.keep_rate:g} per sample, assumed; {cap})",
         f"reasoning rows       {_n(b.reasoning_rows)} of the target's {_n(b.reasoning_target)}: {reach}",
         f"non-reasoning rows   {_n(b.non_reasoning_rows)}   (from non_reasoning_source, not sampled)",
@@ -150,7 +156,7 @@ def format_budget(b: Budget, prompts_source: str = "") -> str:
 
 
 def measure_tokens_per_s(backend, prompts: list, n: int, sampling: SamplingConfig,
-                         max_new_tokens: int = 128) -> tuple[float, int, float]:
+                         max_new_tokens: int = PROBE_MAX_NEW_TOKENS) -> tuple[float, int, float]:
     """Completion tokens per second of one real generation: (tokens/s, tokens, seconds).
 
     `n` samples of each prompt with the recipe's sampling, the budget cut to `max_new_tokens` so it takes seconds
@@ -164,6 +170,25 @@ def measure_tokens_per_s(backend, prompts: list, n: int, sampling: SamplingConfi
     seconds = time.perf_counter() - start
     tokens = int(out.completion_tokens.sum())
     return tokens / seconds, tokens, seconds
+
+
+def plan_mean_fraction(given: float | None, sampling: SamplingConfig, probe: tuple[int, int] | None
+                       ) -> tuple[float, str]:
+    """The mean completion length over the budget the plan uses, and where it comes from: `given` (the recipe's);
+    else what the probe's `(tokens, samples)` came to, where it sampled at the stage's own budget (a probe cut
+    shorter says nothing of how long the rows run); else the assumption.
+
+    >>> plan_mean_fraction(None, SamplingConfig(max_new_tokens=64), (3162, 64))  # 3162 / (64 x 64)
+    (0.77197265625, "measured: the probe's 64 samples")
+    >>> plan_mean_fraction(None, SamplingConfig(max_new_tokens=512), (3162, 64))  # the probe cut at 128: unknown
+    (0.5, 'assumed')
+    """
+    if given is not None:
+        return given, "given"
+    if probe is not None and sampling.max_new_tokens <= PROBE_MAX_NEW_TOKENS:
+        tokens, samples = probe
+        return tokens / (samples * sampling.max_new_tokens), f"measured: the probe's {samples} samples"
+    return ASSUMED_MEAN_FRACTION, "assumed"
 
 
 def predicted_shard_s(b: Budget, prompts: int) -> float:
