@@ -249,7 +249,7 @@ class AlignmentGRPOConfig(StageConfig):
     approval_timeout_s: int = Field(86400, ge=1)  # "approve": how long the flow waits for an answer
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's (DPO's)
     # "dpo": DPO on the `preferences` pairs (grpo.training.loops.dpo) in place of the reward model and GRPO; general_*,
-    # reward_model* and grpo are then not read (grpo.code still sets the sandbox of held-out code rows)
+    # reward_model* and grpo are then not read (grpo.grading.code still sets the sandbox of held-out code rows)
     algorithm: Literal["grpo", "dpo"] = "grpo"
     dpo: DPOConfig = Field(default_factory=DPOConfig)  # read only with algorithm dpo
     # general prompts of known category answered greedily before and after training: harmful refused, benign helpful,
@@ -463,7 +463,7 @@ def _merged(base: dict, over: dict) -> dict:
 def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Recipe:
     """The recipe with each dotted path set to its value, checked like a recipe file.
 
-    >>> recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 2e-5})
+    >>> recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.optimizer.learning_rate": 2e-5})
     >>> recipe.reasoning_grpo.grpo.optimizer.learning_rate
     2e-05
 
