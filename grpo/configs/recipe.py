@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from grpo.configs.alignment import AlignmentEvalConfig, AlignmentWatchConfig
 from grpo.configs.budget import BudgetConfig
 from grpo.configs.checks import (also_known, check_fits_context, check_fsdp_settings, check_process_split,
-                                 check_prompts_per_step, describe_errors, fields_at, model_at, unmoved_path)
+                                 check_prompts_per_step, describe_errors, fields_at, model_at, sectioned,
+                                 unmoved_path, warn_flat_names)
 from grpo.configs.data import DataConfig
 from grpo.configs.distributed import DistributedConfig, rollout_ray_address
 from grpo.configs.dpo import DPOConfig
@@ -426,7 +427,8 @@ def _recipe_path(name_or_path: str | Path, beside: Path | None = None) -> Path:
 
 def _recipe_data(path: Path, seen: list[Path]) -> dict:
     """The file's settings; with `base: <recipe>` (a name, or a path beside this file), the base's settings with
-    this file's merged over them: a mapping key by key, anything else (a list, a value) replaced whole."""
+    this file's merged over them: a mapping key by key, anything else (a list, a value) replaced whole. A GRPO
+    setting named as before the sections is put in its section first, so it overrides a base that names it there."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -441,6 +443,8 @@ def _recipe_data(path: Path, seen: list[Path]) -> dict:
         raise RecipeError(f"{path}: expected a mapping of recipe sections (name, cold_start_sft, ...), got a "
                           f"{type(data).__name__}")
     base = data.pop("base", None)
+    data, moved = sectioned(Recipe, data)
+    warn_flat_names(moved, str(path))
     if base is None:
         return data
     if not isinstance(base, str):
@@ -472,6 +476,7 @@ def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Reci
     """
     if not overrides:
         return recipe
+    warn_flat_names([(str(p), new) for p, value in overrides.items() if (new := setting_path(p, value)) != str(p)])
     data = recipe.model_dump()
     for path, value in overrides.items():
         _set_path(data, path, value)
