@@ -4,10 +4,10 @@ usage: python benchmarks/sweep.py [--recipe tiny] [--scale 0.1] [--values 0,0.02
        python benchmarks/sweep.py --parallel 2 [--scale 0.1] [--grid cold_start_sft.train.seed=1,2,3,4]
                                   [--stages cold_start_sft,reasoning_grpo]
 
-Both ways run the whole recipe (five stages) four times, once per value of `alignment_grpo.grpo.beta`:
-  sweep   `r1 sweep --grid alignment_grpo.grpo.beta=<values>` in a fresh R1_HOME: the four points share cold start,
+Both ways run the whole recipe (five stages) four times, once per value of `alignment_grpo.grpo.loss.beta`:
+  sweep   `r1 sweep --grid alignment_grpo.grpo.loss.beta=<values>` in a fresh R1_HOME: the four points share cold start,
           reasoning GRPO, rejection sampling and SFT (trained once), and run alignment four times;
-  fresh   `r1 run --fresh --set alignment_grpo.grpo.beta=<value>` four times, one after another, in another fresh
+  fresh   `r1 run --fresh --set alignment_grpo.grpo.loss.beta=<value>` four times, one after another, in another fresh
           R1_HOME: every stage trained four times.
 With `--parallel N`: the same sweep (`--grid`, points that share no stage) run by `r1 sweep --parallel 1` and by
 `r1 sweep --parallel N`, each in a fresh R1_HOME, one after the other; printed: each one's wall time and points an
@@ -111,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="tiny")
     ap.add_argument("--scale", type=float, default=0.1)
-    ap.add_argument("--values", default="0,0.02,0.04,0.08", help="alignment_grpo.grpo.beta's values")
+    ap.add_argument("--values", default="0,0.02,0.04,0.08", help="alignment_grpo.grpo.loss.beta's values")
     ap.add_argument("--work", default=None, help="a folder for the two homes and the logs (default: a temporary one)")
     ap.add_argument("--parallel", type=int, default=0, help="compare `r1 sweep --parallel 1` with this many at once")
     ap.add_argument("--grid", default="cold_start_sft.train.seed=1,2,3,4", help="the sweep's axis (with --parallel)")
@@ -141,13 +141,13 @@ def main() -> None:
         print(f"--parallel {args.parallel} / --parallel 1, points an hour: {rates[args.parallel] / rates[1]:.2f}x; "
               f"{cpu_line()}")
         return
-    print(f"recipe {args.recipe} scaled by {args.scale:g}; alignment_grpo.grpo.beta in {values}", flush=True)
+    print(f"recipe {args.recipe} scaled by {args.scale:g}; alignment_grpo.grpo.loss.beta in {values}", flush=True)
     for home in ("sweep", "fresh"):
         shutil.rmtree(work / home, ignore_errors=True)
-    sweep = timed([["sweep", "--recipe", str(path), "--grid", f"alignment_grpo.grpo.beta={','.join(values)}"]],
+    sweep = timed([["sweep", "--recipe", str(path), "--grid", f"alignment_grpo.grpo.loss.beta={','.join(values)}"]],
                   work / "sweep", work / "sweep.log")
     print(f"sweep: {sweep}", flush=True)
-    fresh = timed([["run", "--recipe", str(path), "--fresh", "--set", f"alignment_grpo.grpo.beta={v}"]
+    fresh = timed([["run", "--recipe", str(path), "--fresh", "--set", f"alignment_grpo.grpo.loss.beta={v}"]
                    for v in values], work / "fresh", work / "fresh.log")
     print(f"fresh: {fresh}", flush=True)
     print(f"fresh/sweep wall time: {fresh['wall_s'] / sweep['wall_s']:.2f}x; {cpu_line()}")

@@ -18,11 +18,11 @@ CPU pool, waits for it and reads its result from MLflow. Pools, workers and depl
 A stage that fails, or whose machine is lost, is run again as its `resources.retries` allow (flows/attempts.py).
 
 `overrides` change any of the recipe's fields for this run without a new recipe file (dotted paths to values, such as
-{"reasoning_grpo.grpo.learning_rate": 2e-5}); they are checked like the recipe before anything starts and recorded on
-the parent run as `override.<path>` params and tags. Flow runs are named after the recipe (`r1-<recipe name>`) and
-each stage's after the stage and the recipe (`reasoning_grpo:<recipe name>`).
+{"reasoning_grpo.grpo.optimizer.learning_rate": 2e-5}); they are checked like the recipe before anything starts and
+recorded on the parent run as `override.<path>` params and tags. Flow runs are named after the recipe
+(`r1-<recipe name>`) and each stage's after the stage and the recipe (`reasoning_grpo:<recipe name>`).
 
-Run:  r1 run --recipe tiny [--set reasoning_grpo.grpo.learning_rate=2e-5]
+Run:  r1 run --recipe tiny [--set reasoning_grpo.grpo.optimizer.learning_rate=2e-5]
       (or: r1 run --stages sft,alignment_grpo --from-run <pipeline run id>)
 """
 

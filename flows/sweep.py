@@ -1,6 +1,7 @@
 """A sweep as a flow: the recipe's pipeline once per point of a grid of settings and seeds, then a table and plots.
 
-    r1 sweep --recipe tiny --grid reasoning_grpo.grpo.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo --seeds 3
+    r1 sweep --recipe tiny --grid reasoning_grpo.grpo.loss.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo \\
+             --seeds 3
 
 Each point is a pipeline run (flows/r1_pipeline.py) with the point's settings as overrides, nested in MLflow under
 the sweep's run (runtime/sweep.py). A point that shares its first stages with an earlier one reuses them (the stages'

@@ -4,7 +4,7 @@ Where things are:
 
 | module | what it holds |
 |---|---|
-| `configs/` | every setting as a frozen pydantic model (`core`: model, data, training and sampling sections; `recipe`: the stage configs, the recipe and reading a recipe file; `ppo`, `rft`, `dpo`: the other algorithms; `rollout`, `distributed`, `code`, `reward`, `alignment`, `sweep`), and `checks`, those that span several settings and pydantic errors on one line; no torch, and nothing of the project above it |
+| `configs/` | every setting as a frozen pydantic model, a module a topic (`recipe`: the stage configs, the recipe and reading a recipe file; `model`, `data`, `sampling`, `grading`, `training`, `rejection`: a stage's sections; `ppo`, `rft`, `dpo`, `reward`, `alignment`: the other algorithms and the alignment stage; `code`, `lora`, `rollout`, `schedule`, `distributed`, `budget`, `sweep`), and `checks`, those that span several settings and pydantic errors on one line; no torch, and nothing of the project above it |
 | `texts` | the `<think>`/`<answer>` response format and the prompt texts several modules share |
 | `models`, `tiny` | loading models by name or path; the embedded tiny model and its locally made tokenizer |
 | `model_files` | a model that comes as one file (a GGUF path, or a file inside an installed package): found, and dequantized once into the model cache |

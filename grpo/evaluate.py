@@ -68,7 +68,7 @@ def evaluate(engine: Engine, rows: pd.DataFrame, cfg: EvalConfig,
              code: CodeConfig | None = None) -> EvalResult:
     """Score a model (behind `engine`) on `rows`: a `prompt` column, and an `answer` or tests (`tests`, `io_tests`,
     with optional `setup` and `language`) per row. `code` sets the sandbox for rows with tests (the stage's
-    `grpo.code`; default limits when None)."""
+    `grpo.grading.code`; default limits when None)."""
     if cfg.num_prompts:
         rows = rows.head(cfg.num_prompts)
     prompts = rows["prompt"].tolist()

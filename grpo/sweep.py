@@ -1,6 +1,7 @@
 """A sweep: the recipe run once per point of a grid of its settings, times seeds (`r1 sweep`, a recipe's `sweep:`).
 
-    r1 sweep --recipe tiny --grid reasoning_grpo.grpo.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo --seeds 3
+    r1 sweep --recipe tiny --grid reasoning_grpo.grpo.loss.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo \\
+             --seeds 3
 
 or, in a recipe file, its `sweep:` section (grpo/configs/sweep.py).
 
@@ -45,7 +46,7 @@ class Point(NamedTuple):
     stages: tuple[str, ...] = STAGE_NAMES  # the stages the point runs, in the recipe's order
 
     def label(self, short: bool = False) -> str:
-        """`reasoning_grpo.grpo.beta=0.04, seed 1`; short: each setting by its last name (`beta=0.04, seed 1`)."""
+        """`reasoning_grpo.grpo.loss.beta=0.04, seed 1`; short: each setting by its last name (`beta=0.04, seed 1`)."""
         names = short_names(list(self.settings)) if short else {p: p for p in self.settings}
         return ", ".join([*(f"{names[path]}={show(v)}" for path, v in self.settings.items()), f"seed {self.seed}"])
 
@@ -76,7 +77,7 @@ def parse_grid(given: list[str]) -> dict[str, list[Any]]:
         path, sep, text = item.partition("=")
         path = path.strip()
         if not sep or not path:
-            raise SweepError(f"--grid {item!r}: expected PATH=V1,V2,..., such as reasoning_grpo.grpo.beta=0,0.04")
+            raise SweepError(f"--grid {item!r}: expected PATH=V1,V2,..., such as reasoning_grpo.grpo.loss.beta=0,0.04")
         if path in grid:
             raise SweepError(f"--grid {path}: given twice; put all its values in one flag")
         try:

@@ -22,9 +22,9 @@ def evaluate_model(run_id: str, checkpoint_uri: str, model_cfg: ModelConfig, hel
                    step: int = 0, code: CodeConfig | None = None,
                    generation: GenerationConfig = GenerationConfig()) -> dict[str, float]:
     """Load the checkpoint back with from_pretrained, score it on the held-out rows, log metrics and samples.
-    Rows with tests run in the sandbox under `code` (the stage's grpo.code; default limits when None); completions
-    come from the stage's engine (`generation`). Where the run that made the checkpoint scored it the same way
-    (runtime.eval_reuse), its figures and samples are logged instead, without loading the model."""
+    Rows with tests run in the sandbox under `code` (the stage's grpo.grading.code; default limits when None);
+    completions come from the stage's engine (`generation`). Where the run that made the checkpoint scored it the same
+    way (runtime.eval_reuse), its figures and samples are logged instead, without loading the model."""
     rows, samples_file = read_frame(heldout_uri), f"eval/samples_step_{step}.json"
     keys = eval_reuse.eval_keys(checkpoint_uri, model_cfg, rows, cfg, code, generation, torch.cuda.is_available())
     found = eval_reuse.earlier(checkpoint_uri, keys)

@@ -1,9 +1,11 @@
 """The house rules a newcomer relies on: imports point one way, no import circle, no module grows past ~500 lines,
-and an optional library loads only where a recipe or command uses it."""
+an optional library loads only where a recipe or command uses it, and each package's map lists its modules."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,4 +225,33 @@ def test_tasks_hold_tasks_and_runtime_what_they_run_inside():
     graph = _import_graph()
     wrong = [f"{module} imports {dep}" for module, deps in sorted(graph.items()) if module.split(".")[0] == "runtime"
              for dep in sorted(deps) if dep.split(".")[0] in ("tasks", "flows")]
+    assert not wrong, "\n".join(wrong)
+
+
+def mapped_modules(package: Path) -> list[str]:
+    """The names in the first column of the `| module | ... |` table in a package's docstring (several to a row, as
+    `` `ppo`, `value` ``), a subpackage's with or without its trailing slash."""
+    lines = (ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("| module |")), len(lines))
+    rows = itertools.takewhile(lambda line: line.startswith("| "), lines[start + 2:])  # the header's and rule's after
+    return [name.rstrip("/") for row in rows for name in re.findall(r"`(\w+/?)`", row.split(" | ")[0])]
+
+
+def test_every_grpo_package_maps_exactly_its_modules():
+    """The table in each package's docstring is where a newcomer looks for a module: every module and subpackage of
+    the package is in it once, and nothing that is not there any more."""
+    wrong = []
+    for init in sorted(GRPO.rglob("__init__.py")):
+        package = init.parent
+        modules = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"} | \
+                  {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+        mapped = mapped_modules(package)
+        where = init.relative_to(ROOT)
+        if not mapped:
+            wrong.append(f"{where}: no `| module | what it holds |` table")
+            continue
+        wrong += [f"{where}: no row for {m}" for m in sorted(modules - set(mapped))]
+        wrong += [f"{where}: a row for {m}, which is not in {package.relative_to(ROOT)}/"
+                  for m in sorted(set(mapped) - modules)]
+        wrong += [f"{where}: {m} in two rows" for m in sorted({m for m in mapped if mapped.count(m) > 1})]
     assert not wrong, "\n".join(wrong)

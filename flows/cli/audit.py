@@ -7,7 +7,7 @@ accuracy rule, of math-verify alone and, with a judge, of the rule with its nega
 (`grpo.training.verifier_audit`), overall and by `added`: on the shipped set, the forms the rule already read when
 their pairs were written and those it was changed to read (`grpo.rewards.audit`), with a line saying that the rule
 passed both by how the split was made: neither is held out. The judge is an OpenAI-compatible endpoint: `--judge`,
-else the recipe's appeal judge (reasoning_grpo.grpo.appeal), else its rejection-sampling judge, when it is http.
+else the recipe's appeal judge (reasoning_grpo.grpo.grading.appeal), else its rejection-sampling judge, when it is http.
 
 A bad row in `--file` (not JSON, a missing field, an `equal` that is not true or false) is told in one line naming
 the file, the row and the field, before anything is graded; so is a judge that does not answer. Loads no torch, no
@@ -39,7 +39,7 @@ def add_parser(sub, parents) -> None:
     audit.add_argument("--judge-api-key-env", default="R1_JUDGE_API_KEY",
                        help="NAME of the env var holding the judge's key (default: R1_JUDGE_API_KEY)")
     audit.add_argument("--recipe", default=None,
-                       help="take the judge from this recipe (reasoning_grpo.grpo.appeal, else "
+                       help="take the judge from this recipe (reasoning_grpo.grpo.grading.appeal, else "
                             "rejection_sampling.judge) when --judge is not given")
     audit.add_argument("--by-kind", action="store_true", help="also a line per answer form")
     audit.add_argument("--json", action="store_true", help="also the figures as one JSON line")
@@ -59,7 +59,7 @@ def judge_config(args: argparse.Namespace):
     from grpo.configs.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    for where, cfg in (("reasoning_grpo.grpo.appeal", recipe.reasoning_grpo.grpo.grading.appeal),
+    for where, cfg in (("reasoning_grpo.grpo.grading.appeal", recipe.reasoning_grpo.grpo.grading.appeal),
                        ("rejection_sampling.judge", recipe.rejection_sampling.judge)):
         if cfg is None:
             continue

@@ -277,7 +277,8 @@ def parse_overrides(given: list[str]) -> dict:
     for item in given:
         path, sep, text = item.partition("=")
         if not sep or not path.strip():
-            raise UsageError(f"--set {item!r}: expected PATH=VALUE, such as reasoning_grpo.grpo.learning_rate=2e-5")
+            raise UsageError(f"--set {item!r}: expected PATH=VALUE, such as "
+                             f"reasoning_grpo.grpo.optimizer.learning_rate=2e-5")
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as e:

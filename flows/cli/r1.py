@@ -1,7 +1,7 @@
 """The `r1` command: run the recipe, or one stage of it, on the embedded default or on configured servers.
 
     r1 run [--recipe tiny] [--stages cold_start_sft,...] [--from-run <pipeline run id>] [--fresh]
-           [--set reasoning_grpo.grpo.learning_rate=2e-5 ...]   # any recipe field, checked like the recipe
+           [--set reasoning_grpo.grpo.optimizer.learning_rate=2e-5 ...]   # any recipe field, checked like the recipe
     r1 stage cold_start_sft [--recipe tiny] [--set cold_start_sft.train.max_steps=50 ...]
     r1 stage reasoning_grpo --checkpoint runs:/<run id>/checkpoint
     r1 stage sft --dataset runs:/<run id>/dataset/curated [--heldout runs:/<run id>/dataset/heldout]
@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     overrides = argparse.ArgumentParser(add_help=False)
     overrides.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                            help="override a recipe field by its dotted path, the value read as YAML "
-                                "(e.g. reasoning_grpo.grpo.learning_rate=2e-5); repeatable")
+                                "(e.g. reasoning_grpo.grpo.optimizer.learning_rate=2e-5); repeatable")
     overrides.add_argument("--promote", dest="overrides", action="append_const",
                            const="alignment_grpo.promotion=always",
                            help="move the registry alias to the new final model whatever its held-out accuracy")

@@ -1,6 +1,6 @@
 """`r1 sweep`: the recipe over a grid of its settings and seeds, each point a pipeline run, compared at the end.
 
-    r1 sweep --recipe tiny --grid reasoning_grpo.grpo.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo \\
+    r1 sweep --recipe tiny --grid reasoning_grpo.grpo.loss.beta=0,0.04 --grid alignment_grpo.algorithm=grpo,dpo \\
              [--seeds 3] [--seed-stages reasoning_grpo,...] [--stages cold_start_sft,reasoning_grpo]
 
 Everything is checked first, each point's recipe as `r1 run` checks one (a setting the recipe has not, a value it
@@ -21,7 +21,7 @@ def add_parser(sub, parents) -> None:
                                                         "section is the default grid)")
     sweep.add_argument("--grid", action="append", default=[], metavar="PATH=V1,V2",
                        help="a recipe field by dotted path and the values it takes, each read as YAML "
-                            "(reasoning_grpo.grpo.beta=0,0.04); repeatable: the points are the product")
+                            "(reasoning_grpo.grpo.loss.beta=0,0.04); repeatable: the points are the product")
     sweep.add_argument("--seeds", type=int, default=None, help="seeds per setting (default: the recipe's sweep "
                                                                "section, else 1)")
     sweep.add_argument("--seed-stages", default=None,

@@ -12,10 +12,10 @@ a code language), the names are kept here and that layer checks on import that i
 | `data` | where rows come from (`DataConfig`), the synthetic task (`TaskConfig`) |
 | `sampling` | sampling settings (`SamplingConfig`), the engine (`GenerationConfig`), held-out evaluation (`EvalConfig`) |
 | `grading` | the rule rewards, step verifiers and languages a recipe may name, the judge (`JudgeConfig`) |
-| `training` | the SFT (`SFTConfig`) and GRPO (`GRPOConfig`) loops, the learning-rate schedulers |
+| `training` | the SFT (`SFTConfig`) and GRPO (`GRPOConfig`: `optimizer`, `loss`, `memory`, `grading` sections) loops, the learning-rate schedulers, GRPO's flat names before its sections (`MOVED_KEYS`) |
 | `rejection` | rejection sampling (`RejectionConfig`), where its shards run (`ClusterConfig`) |
 | `code`, `lora`, `rollout`, `schedule` | sections of the above: the code reward, LoRA, rollouts, what changes mid-run |
 | `ppo`, `rft`, `dpo`, `reward`, `alignment` | other algorithms' settings and the alignment stage's |
 | `distributed`, `budget`, `sweep` | processes and machines, rejection sampling's plan, `r1 sweep`'s points |
-| `checks` | checks spanning several fields, pydantic errors as one line |
+| `checks` | checks spanning several fields, pydantic errors as one line, a recipe's flat GRPO names put in their sections (`sectioned`) |
 """

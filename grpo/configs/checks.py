@@ -7,6 +7,7 @@ Imported by the settings beside it, so plain Python and pydantic only (no projec
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ValidationError
@@ -86,6 +87,38 @@ def unmoved_path(root: type[BaseModel], keys: list[str], value: Any = None) -> l
                                                                and not isinstance(value, (dict, BaseModel)))):
             return keys[:depth] + moved[key].split(".") + keys[depth + 1:]
     return keys
+
+
+def sectioned(root: type[BaseModel], data: dict, at: tuple = ()) -> tuple[dict, list[tuple[str, str]]]:
+    """`data`, settings at `at` below `root`, with each name a section took before it had sections of its own put
+    in its section ({grpo: {beta: 0}} -> {grpo: {loss: {beta: 0}}}), and the moves as (old path, new path). A recipe
+    file is read so before a `base:` is merged under it, so a flat name overrides the base's sectioned one."""
+    places = {key: unmoved_path(root, [*at, key], value)[len(at):] for key, value in data.items()}
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in data.items()
+           if len(places[key]) == 1}
+    moves: list[tuple[str, str]] = []
+    for key, (section, field) in ((k, p) for k, p in places.items() if len(p) > 1):
+        old, new = ".".join(map(str, (*at, key))), ".".join(map(str, (*at, section, field)))
+        if not isinstance(out.setdefault(section, {}), dict) or field in out[section]:
+            # its section given as something else, or the field given both ways: left for the section's check to name
+            out[key] = data[key]
+            continue
+        out[section][field] = data[key]
+        moves.append((old, new))
+    for key, value in out.items():
+        if isinstance(value, dict) and model_at(root, (*at, key)) is not None:
+            out[key], inner = sectioned(root, value, (*at, key))
+            moves += inner
+    return out, moves
+
+
+def warn_flat_names(moves: list[tuple[str, str]], where: str = "") -> None:
+    """One FutureWarning (none without `moves`) naming the settings given by their names before GRPO's sections, and
+    their paths now: still read (grpo.configs.training.MOVED_KEYS), and a copied recipe can be brought up to date."""
+    if moves:
+        warnings.warn(f"{where}{': ' if where else ''}GRPO settings named as before their sections: "
+                      f"{', '.join(f'{old} is {new}' for old, new in moves)} (read so; write them by those paths)",
+                      FutureWarning, stacklevel=3)
 
 
 def also_known(root: type[BaseModel], loc: tuple) -> list[str]:

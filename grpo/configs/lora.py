@@ -1,4 +1,5 @@
-"""LoRA's settings (a section of the SFT, GRPO and DPO configs).
+"""LoRA's settings: the `lora` section of the GRPO and DPO configs (`GRPOConfig`, `DPOConfig`); the other loops (SFT,
+the reward model, PPO, the PRM) train every weight.
 
 Plain pydantic: must not import torch or peft (a recipe is checked without them).
 """

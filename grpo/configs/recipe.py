@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from grpo.configs.alignment import AlignmentEvalConfig, AlignmentWatchConfig
 from grpo.configs.budget import BudgetConfig
 from grpo.configs.checks import (also_known, check_fits_context, check_fsdp_settings, check_process_split,
-                                 check_prompts_per_step, describe_errors, fields_at, model_at, unmoved_path)
+                                 check_prompts_per_step, describe_errors, fields_at, model_at, sectioned,
+                                 unmoved_path, warn_flat_names)
 from grpo.configs.data import DataConfig
 from grpo.configs.distributed import DistributedConfig, rollout_ray_address
 from grpo.configs.dpo import DPOConfig
@@ -249,7 +250,7 @@ class AlignmentGRPOConfig(StageConfig):
     approval_timeout_s: int = Field(86400, ge=1)  # "approve": how long the flow waits for an answer
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)  # the reward model's and GRPO's (DPO's)
     # "dpo": DPO on the `preferences` pairs (grpo.training.loops.dpo) in place of the reward model and GRPO; general_*,
-    # reward_model* and grpo are then not read (grpo.code still sets the sandbox of held-out code rows)
+    # reward_model* and grpo are then not read (grpo.grading.code still sets the sandbox of held-out code rows)
     algorithm: Literal["grpo", "dpo"] = "grpo"
     dpo: DPOConfig = Field(default_factory=DPOConfig)  # read only with algorithm dpo
     # general prompts of known category answered greedily before and after training: harmful refused, benign helpful,
@@ -426,7 +427,8 @@ def _recipe_path(name_or_path: str | Path, beside: Path | None = None) -> Path:
 
 def _recipe_data(path: Path, seen: list[Path]) -> dict:
     """The file's settings; with `base: <recipe>` (a name, or a path beside this file), the base's settings with
-    this file's merged over them: a mapping key by key, anything else (a list, a value) replaced whole."""
+    this file's merged over them: a mapping key by key, anything else (a list, a value) replaced whole. A GRPO
+    setting named as before the sections is put in its section first, so it overrides a base that names it there."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -441,6 +443,8 @@ def _recipe_data(path: Path, seen: list[Path]) -> dict:
         raise RecipeError(f"{path}: expected a mapping of recipe sections (name, cold_start_sft, ...), got a "
                           f"{type(data).__name__}")
     base = data.pop("base", None)
+    data, moved = sectioned(Recipe, data)
+    warn_flat_names(moved, str(path))
     if base is None:
         return data
     if not isinstance(base, str):
@@ -463,7 +467,7 @@ def _merged(base: dict, over: dict) -> dict:
 def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Recipe:
     """The recipe with each dotted path set to its value, checked like a recipe file.
 
-    >>> recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 2e-5})
+    >>> recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.optimizer.learning_rate": 2e-5})
     >>> recipe.reasoning_grpo.grpo.optimizer.learning_rate
     2e-05
 
@@ -472,6 +476,7 @@ def apply_overrides(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Reci
     """
     if not overrides:
         return recipe
+    warn_flat_names([(str(p), new) for p, value in overrides.items() if (new := setting_path(p, value)) != str(p)])
     data = recipe.model_dump()
     for path, value in overrides.items():
         _set_path(data, path, value)

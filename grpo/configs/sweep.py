@@ -2,7 +2,7 @@
 
     sweep:
       grid:
-        reasoning_grpo.grpo.beta: [0, 0.04]
+        reasoning_grpo.grpo.loss.beta: [0, 0.04]
         alignment_grpo.algorithm: [grpo, dpo]
       seeds: 3
       seed_stages: [reasoning_grpo, rejection_sampling, sft, alignment_grpo]   # default: every stage the sweep runs

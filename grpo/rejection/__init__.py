@@ -32,9 +32,16 @@ Run it alone:
     result = run_rejection_sampling(engine, prompts_df, RejectionConfig(), "out/rs")
     result.dataset  # prompt, response, ... ready for SFT
 
-Modules: `filters` (readability filters, drop reasons and counts), `curate` (one shard's samples kept or dropped;
-dedupe and decontamination, and the marks the merge reads), `shards` (planning, sampling and resuming shards),
-`store` (shard files, written atomically, in a folder or an fsspec store), `merge` (the dataset from the shards),
-`budget` (sizing a run before it starts: samples, tokens, rows kept, time; `r1 plan`). The stage's settings are
-`grpo.configs.rejection.RejectionConfig`. Must not depend on Prefect or MLflow.
+| module | what it holds |
+|---|---|
+| `filters` | readability filters, drop reasons and counts |
+| `curate` | one shard's samples kept or dropped; dedupe and decontamination, and the marks the merge reads |
+| `shards` | planning, sampling and resuming shards |
+| `store` | shard files, written atomically, in a folder or an fsspec store |
+| `merge` | the dataset from the shards: their keys read, the kept rows read and written a batch at a time |
+| `ray_reader` | the merge's two reads on a Ray cluster's nodes, through Ray Data |
+| `non_reasoning` | the non-reasoning rows: generated or a user's file, written to part files and read back a batch at a time |
+| `budget` | sizing a run before it starts: samples, tokens, rows kept, time (`r1 plan`) |
+
+The stage's settings are `grpo.configs.rejection.RejectionConfig`. Must not depend on Prefect or MLflow.
 """

@@ -18,7 +18,10 @@ One module per kind of reward:
 | `format` | the `<think>…</think><answer>…</answer>` format rewards and TRL's tag count |
 | `answers` | answer extraction (`<answer>`, `\\boxed{}`) |
 | `accuracy` | the accuracy reward: fast exact paths first (`math_fast`, `math_latex`), math-verify for the rest (`math_verify_pool`) |
-| `code` | the code reward: the completion's program against its row's tests (`code_harness` runs inside the sandbox) |
+| `forms` | answer forms the rule rewrites before it compares (e-notation, spaced thousands, mixed numbers, numbers in words) |
+| `math_fast`, `math_latex` | verdicts decided exactly without math-verify: plain numbers as fractions, a small LaTeX arithmetic engine |
+| `math_verify_pool` | math-verify in a process pool under the project's own timeout (the package's only module-level state) |
+| `code`, `code_harness` | the code reward: the completion's program against its row's tests (`code_harness` runs inside the sandbox, imported nowhere) |
 | `correct` | whether a completion is right by its row's own check (all tests pass, else the answer matches): evaluation and rejection sampling |
 | `sandbox` | running an untrusted program: bubblewrap namespaces, limits, and a pool of them |
 | `language` | R1's language-consistency reward |
@@ -26,6 +29,7 @@ One module per kind of reward:
 | `outcomes` | the third outcome of a grader, `Ungraded(reason)`, and its reasons |
 | `registry` | names to functions (`REWARD_FUNCTIONS`) and weighted scoring (`score_completions`) |
 | `steps` | step verifiers for process supervision: where each reasoning step ends and whether it holds (`arithmetic`, `gsm8k`) |
+| `audit` | a labelled set of (reference, answer, equivalent?) pairs in the forms graders miss, for auditing answer checkers (`r1 audit-rewards`) |
 
 To add a reward: write ``fn(completions, **columns)`` in a module here, add it to ``REWARD_FUNCTIONS`` in `registry`
 and its name to ``RULE_REWARDS`` in `grpo.configs.grading` (what a recipe is checked against); recipes then name it

@@ -66,197 +66,130 @@ def _completion(answer: str, rng: random.Random) -> str:
     return f"Working it out step by step, the result is $\\boxed{{{answer}}}$."
 
 
-def _thousands(n: int) -> str:
-    return f"{n:,}"
+# A form's pairs come in rounds: each draws its values and writes them as (reference, answer, equivalent) triples;
+# FORMS says how many rounds a form gets, and `audit_pairs` makes them all from one generator.
+Triple = tuple[str, str, bool]
 
 
-def _fraction_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(12):
-        den = rng.choice([2, 4, 5, 8, 10, 20, 25])
-        num = rng.randrange(1, 3 * den)
-        if math.gcd(num, den) != 1:
-            num += 1 if math.gcd(num + 1, den) == 1 else 0
-        value = Fraction(num, den)
-        decimal = f"{float(value):g}"
-        out.append((f"\\frac{{{value.numerator}}}{{{value.denominator}}}", decimal, True))
-        out.append((decimal, f"{value.numerator}/{value.denominator}", True))
-        wrong = value + Fraction(1, value.denominator)
-        out.append((f"\\frac{{{value.numerator}}}{{{value.denominator}}}", f"{float(wrong):g}", False))
-    return out
+def _fractions(rng: random.Random) -> list[Triple]:
+    den = rng.choice([2, 4, 5, 8, 10, 20, 25])
+    num = rng.randrange(1, 3 * den)
+    if math.gcd(num, den) != 1:
+        num += 1 if math.gcd(num + 1, den) == 1 else 0
+    value = Fraction(num, den)
+    decimal, latex = f"{float(value):g}", f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+    wrong = value + Fraction(1, value.denominator)
+    return [(latex, decimal, True), (decimal, f"{value.numerator}/{value.denominator}", True),
+            (latex, f"{float(wrong):g}", False)]
 
 
-def _percent_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(10):
-        p = rng.randrange(1, 100)
-        out.append((f"{p}\\%", f"{p}", True))
-        out.append((f"{p}", f"{p}\\%", True))
-        out.append((f"{p}\\%", f"{p + rng.randrange(1, 9)}\\%", False))
-    return out
+def _percentages(rng: random.Random) -> list[Triple]:
+    p = rng.randrange(1, 100)
+    return [(f"{p}\\%", f"{p}", True), (f"{p}", f"{p}\\%", True), (f"{p}\\%", f"{p + rng.randrange(1, 9)}\\%", False)]
 
 
-def _latex_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(8):
-        a, b = rng.randrange(1, 9), rng.randrange(2, 10)
-        if math.gcd(a, b) != 1:
-            b += 1
-        k = rng.randrange(2, 7)
-        out.append((f"\\frac{{{a}}}{{{b}}}", f"\\dfrac{{{a}}}{{{b}}}", True))
-        out.append((f"\\frac{{{a}}}{{{b}}}", f"\\frac{{{a * k}}}{{{b * k}}}", True))
-        out.append((f"{k}\\sqrt{{2}}", f"\\sqrt{{{2 * k * k}}}", True))
-        out.append((f"\\frac{{{a}}}{{{b}}}", f"\\frac{{{b}}}{{{a}}}", a == b))
-        out.append((f"{k}\\pi", f"{k} \\pi", True))
-        out.append((f"{k}\\sqrt{{2}}", f"{k}\\sqrt{{3}}", False))
-    return out
+def _latex_forms(rng: random.Random) -> list[Triple]:
+    a, b = rng.randrange(1, 9), rng.randrange(2, 10)
+    if math.gcd(a, b) != 1:
+        b += 1
+    k = rng.randrange(2, 7)
+    return [(f"\\frac{{{a}}}{{{b}}}", f"\\dfrac{{{a}}}{{{b}}}", True),
+            (f"\\frac{{{a}}}{{{b}}}", f"\\frac{{{a * k}}}{{{b * k}}}", True),
+            (f"{k}\\sqrt{{2}}", f"\\sqrt{{{2 * k * k}}}", True),
+            (f"\\frac{{{a}}}{{{b}}}", f"\\frac{{{b}}}{{{a}}}", a == b),
+            (f"{k}\\pi", f"{k} \\pi", True),
+            (f"{k}\\sqrt{{2}}", f"{k}\\sqrt{{3}}", False)]
 
 
-def _unit_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(8):
-        n = rng.randrange(2, 500)
-        unit = rng.choice(["cm", "kg", "dollars", "meters", "apples", "minutes"])
-        out.append((f"{n}", f"{n} {unit}", True))
-        out.append((f"{n} \\text{{ {unit}}}", f"{n}", True))
-        out.append((f"{n}", f"{n + rng.randrange(1, 20)} {unit}", False))
-    return out
+def _units(rng: random.Random) -> list[Triple]:
+    n = rng.randrange(2, 500)
+    unit = rng.choice(["cm", "kg", "dollars", "meters", "apples", "minutes"])
+    return [(f"{n}", f"{n} {unit}", True), (f"{n} \\text{{ {unit}}}", f"{n}", True),
+            (f"{n}", f"{n + rng.randrange(1, 20)} {unit}", False)]
 
 
-def _interval_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        a = rng.randrange(-9, 5)
-        b = a + rng.randrange(1, 9)
-        out.append((f"({a}, {b}]", f"({a},{b}]", True))
-        out.append((f"[{a}, {b}]", f"\\left[{a}, {b}\\right]", True))
-        out.append((f"[{a}, {b}]", f"({a}, {b})", False))
-        out.append((f"({a}, \\infty)", f"({a}, \\infty)", True))
-        out.append((f"({a}, \\infty)", f"[{a}, \\infty)", False))
-    return out
+def _intervals(rng: random.Random) -> list[Triple]:
+    a = rng.randrange(-9, 5)
+    b = a + rng.randrange(1, 9)
+    return [(f"({a}, {b}]", f"({a},{b}]", True), (f"[{a}, {b}]", f"\\left[{a}, {b}\\right]", True),
+            (f"[{a}, {b}]", f"({a}, {b})", False), (f"({a}, \\infty)", f"({a}, \\infty)", True),
+            (f"({a}, \\infty)", f"[{a}, \\infty)", False)]
 
 
-def _set_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        items = rng.sample(range(-9, 10), 3)
-        shuffled = items[:]
-        rng.shuffle(shuffled)
-        show = lambda xs: "\\{" + ", ".join(map(str, xs)) + "\\}"  # noqa: E731
-        out.append((show(items), show(shuffled), True))
-        changed = items[:2] + [items[2] + 20]
-        out.append((show(items), show(changed), False))
-    return out
+def _sets(rng: random.Random) -> list[Triple]:
+    items = rng.sample(range(-9, 10), 3)
+    shuffled = items[:]
+    rng.shuffle(shuffled)
+    show = lambda xs: "\\{" + ", ".join(map(str, xs)) + "\\}"  # noqa: E731
+    return [(show(items), show(shuffled), True), (show(items), show(items[:2] + [items[2] + 20]), False)]
 
 
-def _expression_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(8):
-        a = rng.randrange(1, 6)
-        out.append((f"(x+{a})^2", f"x^2+{2 * a}x+{a * a}", True))
-        out.append((f"{2 * a}x", f"{a}x+{a}x", True))
-        out.append((f"(x+{a})^2", f"x^2+{a}x+{a * a}", False))
-        out.append((f"x^{a + 1}", f"{a + 1}x", False))
-    return out
+def _expressions(rng: random.Random) -> list[Triple]:
+    a = rng.randrange(1, 6)
+    return [(f"(x+{a})^2", f"x^2+{2 * a}x+{a * a}", True), (f"{2 * a}x", f"{a}x+{a}x", True),
+            (f"(x+{a})^2", f"x^2+{a}x+{a * a}", False), (f"x^{a + 1}", f"{a + 1}x", False)]
 
 
-def _thousands_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(10):
-        n = rng.randrange(1000, 10**7)
-        out.append((f"{n}", _thousands(n), True))
-        out.append((_thousands(n), f"{n}", True))
-        out.append((_thousands(n), f"{n // 10}", False))
-    return out
+def _thousands_separators(rng: random.Random) -> list[Triple]:
+    n = rng.randrange(1000, 10**7)
+    return [(f"{n}", f"{n:,}", True), (f"{n:,}", f"{n}", True), (f"{n:,}", f"{n // 10}", False)]
 
 
-def _gsm8k_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(10):
-        n = rng.randrange(1, 5000)
-        out.append((f"She buys 3 more, so {n - 3} + 3 = {n}.\n#### {n}", f"{n}", True))
-        out.append((f"#### {_thousands(n)}", f"{n}", True))
-        out.append((f"So the total is {n}.\n#### {n}", f"{n + 1}", False))
-    return out
+def _gsm8k_tails(rng: random.Random) -> list[Triple]:
+    n = rng.randrange(1, 5000)
+    return [(f"She buys 3 more, so {n - 3} + 3 = {n}.\n#### {n}", f"{n}", True), (f"#### {n:,}", f"{n}", True),
+            (f"So the total is {n}.\n#### {n}", f"{n + 1}", False)]
 
 
-def _boxed_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(8):
-        n = rng.randrange(2, 99)
-        out.append((f"\\boxed{{{n}}}", f"{n}", True))
-        out.append((f"{n}", f"\\boxed{{{n}}}", True))
-        out.append((f"\\boxed{{\\frac{{1}}{{{n}}}}}", f"\\frac{{1}}{{{n + 1}}}", False))
-    return out
+def _boxed(rng: random.Random) -> list[Triple]:
+    n = rng.randrange(2, 99)
+    return [(f"\\boxed{{{n}}}", f"{n}", True), (f"{n}", f"\\boxed{{{n}}}", True),
+            (f"\\boxed{{\\frac{{1}}{{{n}}}}}", f"\\frac{{1}}{{{n + 1}}}", False)]
 
 
-def _currency_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(8):
-        cents = rng.randrange(100, 100000)
-        dollars = f"{cents // 100}.{cents % 100:02d}"
-        out.append((f"\\${dollars}", f"{float(dollars):g}", True))
-        out.append((f"{float(dollars):g}", f"\\${dollars}", True))
-        out.append((f"\\${dollars}", f"\\${float(dollars) + 1:.2f}", False))
-    return out
+def _currency(rng: random.Random) -> list[Triple]:
+    cents = rng.randrange(100, 100000)
+    dollars = f"{cents // 100}.{cents % 100:02d}"
+    return [(f"\\${dollars}", f"{float(dollars):g}", True), (f"{float(dollars):g}", f"\\${dollars}", True),
+            (f"\\${dollars}", f"\\${float(dollars) + 1:.2f}", False)]
 
 
-def _scientific_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        m, e = rng.randrange(11, 99) / 10, rng.randrange(2, 6)
-        value = round(m * 10**e)
-        out.append((f"{value}", f"{m:g} \\times 10^{{{e}}}", True))
-        out.append((f"{m:g} \\times 10^{{{e}}}", f"{value}", True))
-        out.append((f"{value}", f"{m:g} \\times 10^{{{e + 1}}}", False))
-    return out
+def _scientific_notation(rng: random.Random) -> list[Triple]:
+    m, e = rng.randrange(11, 99) / 10, rng.randrange(2, 6)
+    value = round(m * 10**e)
+    return [(f"{value}", f"{m:g} \\times 10^{{{e}}}", True), (f"{m:g} \\times 10^{{{e}}}", f"{value}", True),
+            (f"{value}", f"{m:g} \\times 10^{{{e + 1}}}", False)]
 
 
-def _equation_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(8):
-        n = rng.randrange(-20, 50)
-        var = rng.choice("xyznk")
-        out.append((f"{n}", f"{var} = {n}", True))
-        out.append((f"{var} = {n}", f"{n}", True))
-        out.append((f"{var} = {n}", f"{var} = {n + 2}", False))
-    return out
+def _equations(rng: random.Random) -> list[Triple]:
+    n = rng.randrange(-20, 50)
+    var = rng.choice("xyznk")
+    return [(f"{n}", f"{var} = {n}", True), (f"{var} = {n}", f"{n}", True),
+            (f"{var} = {n}", f"{var} = {n + 2}", False)]
 
 
-def _degree_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        d = rng.randrange(5, 180)
-        out.append((f"{d}^\\circ", f"{d}", True))
-        out.append((f"{d}", f"{d}^{{\\circ}}", True))
-        out.append((f"{d}^\\circ", f"{d + 5}^\\circ", False))
-    return out
+def _degrees(rng: random.Random) -> list[Triple]:
+    d = rng.randrange(5, 180)
+    return [(f"{d}^\\circ", f"{d}", True), (f"{d}", f"{d}^{{\\circ}}", True), (f"{d}^\\circ", f"{d + 5}^\\circ", False)]
 
 
-def _signed_fraction_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        a, b = rng.randrange(1, 9), rng.randrange(2, 11)
-        if math.gcd(a, b) != 1:
-            a = 1
-        out.append((f"-\\frac{{{a}}}{{{b}}}", f"\\frac{{-{a}}}{{{b}}}", True))
-        out.append((f"-\\frac{{{a}}}{{{b}}}", f"{-a / b:g}" if len(f"{a / b:g}") < 8 else f"-{a}/{b}", True))
-        out.append((f"-\\frac{{{a}}}{{{b}}}", f"\\frac{{{a}}}{{{b}}}", False))
-    return out
+def _signed_fractions(rng: random.Random) -> list[Triple]:
+    a, b = rng.randrange(1, 9), rng.randrange(2, 11)
+    if math.gcd(a, b) != 1:
+        a = 1
+    latex = f"-\\frac{{{a}}}{{{b}}}"
+    return [(latex, f"\\frac{{-{a}}}{{{b}}}", True),
+            (latex, f"{-a / b:g}" if len(f"{a / b:g}") < 8 else f"-{a}/{b}", True),
+            (latex, f"\\frac{{{a}}}{{{b}}}", False)]
 
 
-def _mixed_number_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        whole, den = rng.randrange(1, 9), rng.choice([2, 3, 4, 5])
-        num = rng.randrange(1, den)
-        improper = Fraction(whole * den + num, den)
-        out.append((f"\\frac{{{improper.numerator}}}{{{improper.denominator}}}", f"{whole}\\frac{{{num}}}{{{den}}}",
-                    True))
-        out.append((f"{whole} \\frac{{{num}}}{{{den}}}", f"\\frac{{{improper.numerator}}}{{{improper.denominator}}}",
-                    True))
-        out.append((f"{whole}\\frac{{{num}}}{{{den}}}", f"{whole + 1}\\frac{{{num}}}{{{den}}}", False))
-    return out
+def _mixed_numbers(rng: random.Random) -> list[Triple]:
+    whole, den = rng.randrange(1, 9), rng.choice([2, 3, 4, 5])
+    num = rng.randrange(1, den)
+    improper = Fraction(whole * den + num, den)
+    latex = f"\\frac{{{improper.numerator}}}{{{improper.denominator}}}"
+    return [(latex, f"{whole}\\frac{{{num}}}{{{den}}}", True), (f"{whole} \\frac{{{num}}}{{{den}}}", latex, True),
+            (f"{whole}\\frac{{{num}}}{{{den}}}", f"{whole + 1}\\frac{{{num}}}{{{den}}}", False)]
 
 
 _NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
@@ -271,97 +204,82 @@ def _in_words(n: int) -> str:
     return _TENS_WORDS[tens - 2] + (f"-{_NUMBER_WORDS[units]}" if units else "")
 
 
-def _e_notation_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        m, e = rng.randrange(11, 99) / 10, rng.randrange(2, 6)
-        value = round(m * 10**e)
-        out.append((f"{value}", f"{m:g}e{e}", True))
-        out.append((f"{m:g}E+{e:02d}", f"{value}", True))
-        out.append((f"{value}", f"{m:g}e{e + 1}", False))
-    return out
+def _e_notation(rng: random.Random) -> list[Triple]:
+    m, e = rng.randrange(11, 99) / 10, rng.randrange(2, 6)
+    value = round(m * 10**e)
+    return [(f"{value}", f"{m:g}e{e}", True), (f"{m:g}E+{e:02d}", f"{value}", True),
+            (f"{value}", f"{m:g}e{e + 1}", False)]
 
 
-def _spaced_thousands_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        n = rng.randrange(1000, 10**7)
-        spaced = _thousands(n).replace(",", rng.choice([" ", "\\,", "\\ "]))
-        out.append((f"{n}", spaced, True))
-        out.append((spaced, f"{n}", True))
-        out.append((spaced, f"{n + rng.randrange(1, 9) * 1000}", False))
-    return out
+def _spaced_thousands(rng: random.Random) -> list[Triple]:
+    n = rng.randrange(1000, 10**7)
+    spaced = f"{n:,}".replace(",", rng.choice([" ", "\\,", "\\ "]))
+    return [(f"{n}", spaced, True), (spaced, f"{n}", True), (spaced, f"{n + rng.randrange(1, 9) * 1000}", False)]
 
 
-def _plain_mixed_number_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        whole, den = rng.randrange(1, 9), rng.choice([2, 3, 4, 5])
-        num = rng.randrange(1, den)
-        improper = Fraction(whole * den + num, den)
-        out.append((f"\\frac{{{improper.numerator}}}{{{improper.denominator}}}", f"{whole} {num}/{den}", True))
-        out.append((f"{whole} {num}/{den}", f"{float(improper):g}" if den in (2, 4, 5) else f"{improper}", True))
-        out.append((f"{whole} {num}/{den}", f"{whole + 1} {num}/{den}", False))
-    return out
+def _plain_mixed_numbers(rng: random.Random) -> list[Triple]:
+    whole, den = rng.randrange(1, 9), rng.choice([2, 3, 4, 5])
+    num = rng.randrange(1, den)
+    improper = Fraction(whole * den + num, den)
+    return [(f"\\frac{{{improper.numerator}}}{{{improper.denominator}}}", f"{whole} {num}/{den}", True),
+            (f"{whole} {num}/{den}", f"{float(improper):g}" if den in (2, 4, 5) else f"{improper}", True),
+            (f"{whole} {num}/{den}", f"{whole + 1} {num}/{den}", False)]
 
 
-def _number_word_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    out = []
-    for _ in range(6):
-        n = rng.randrange(0, 100)
-        words = _in_words(n)
-        out.append((f"{n}", rng.choice([words, words.capitalize(), words.replace("-", " ")]), True))
-        out.append((words, f"{n}", True))
-        out.append((f"{n}", _in_words((n + rng.randrange(1, 9)) % 100), False))
-    return out
+def _number_words(rng: random.Random) -> list[Triple]:
+    n = rng.randrange(0, 100)
+    words = _in_words(n)
+    return [(f"{n}", rng.choice([words, words.capitalize(), words.replace("-", " ")]), True), (words, f"{n}", True),
+            (f"{n}", _in_words((n + rng.randrange(1, 9)) % 100), False)]
 
 
-def _word_answer_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
-    words = ["Monday", "Tuesday", "yes", "no", "blue", "Alice", "even", "odd", "triangle", "square", "north",
-             "impossible", "undefined", "always", "never"]
-    out = []
-    for _ in range(6):
-        w, other = rng.sample(words, 2)
-        out.append((rng.choice([w, f"\\text{{{w}}}"]), rng.choice([w.lower(), w.upper(), f"\\text{{{w}}}", f"{w}."]),
-                    True))
-        out.append((f"\\text{{{w}}}", w.capitalize(), True))
-        out.append((w, rng.choice([other, f"\\text{{{other}}}"]), False))
-    return out
+_WORD_ANSWERS = ["Monday", "Tuesday", "yes", "no", "blue", "Alice", "even", "odd", "triangle", "square", "north",
+                 "impossible", "undefined", "always", "never"]
 
 
-KINDS: dict[str, Callable[[random.Random], list[tuple[str, str, bool]]]] = {
-    "fractions_and_decimals": _fraction_pairs,
-    "percentages": _percent_pairs,
-    "latex_forms": _latex_pairs,
-    "units": _unit_pairs,
-    "intervals": _interval_pairs,
-    "sets": _set_pairs,
-    "expressions": _expression_pairs,
-    "thousands_separators": _thousands_pairs,
-    "gsm8k_tails": _gsm8k_pairs,
-    "boxed": _boxed_pairs,
-    "currency": _currency_pairs,
-    "scientific_notation": _scientific_pairs,
-    "equations": _equation_pairs,
-    "degrees": _degree_pairs,
-    "signed_fractions": _signed_fraction_pairs,
-    "mixed_numbers": _mixed_number_pairs,
-    "e_notation": _e_notation_pairs,
-    "spaced_thousands": _spaced_thousands_pairs,
-    "plain_mixed_numbers": _plain_mixed_number_pairs,
-    "number_words": _number_word_pairs,
-    "word_answers": _word_answer_pairs,
+def _word_answers(rng: random.Random) -> list[Triple]:
+    w, other = rng.sample(_WORD_ANSWERS, 2)
+    return [(rng.choice([w, f"\\text{{{w}}}"]), rng.choice([w.lower(), w.upper(), f"\\text{{{w}}}", f"{w}."]), True),
+            (f"\\text{{{w}}}", w.capitalize(), True), (w, rng.choice([other, f"\\text{{{other}}}"]), False)]
+
+
+# each form: the rounds it gets and the round that draws them, in the order the set is built (one seeded generator
+# through all of them, so the order is part of the set)
+FORMS: dict[str, tuple[int, Callable[[random.Random], list[Triple]]]] = {
+    "fractions_and_decimals": (12, _fractions),
+    "percentages": (10, _percentages),
+    "latex_forms": (8, _latex_forms),
+    "units": (8, _units),
+    "intervals": (6, _intervals),
+    "sets": (6, _sets),
+    "expressions": (8, _expressions),
+    "thousands_separators": (10, _thousands_separators),
+    "gsm8k_tails": (10, _gsm8k_tails),
+    "boxed": (8, _boxed),
+    "currency": (8, _currency),
+    "scientific_notation": (6, _scientific_notation),
+    "equations": (8, _equations),
+    "degrees": (6, _degrees),
+    "signed_fractions": (6, _signed_fractions),
+    "mixed_numbers": (6, _mixed_numbers),
+    "e_notation": (6, _e_notation),
+    "spaced_thousands": (6, _spaced_thousands),
+    "plain_mixed_numbers": (6, _plain_mixed_numbers),
+    "number_words": (6, _number_words),
+    "word_answers": (6, _word_answers),
 }
 
 
 def audit_pairs(seed: int = 0) -> list[Pair]:
-    """The labelled set: every kind's pairs, each answer put in a completion; the same `seed`, the same set."""
+    """The labelled set: every form's rounds of pairs, then each answer put in a completion; the same `seed`, the
+    same set."""
     rng = random.Random(seed)
     pairs = []
-    for kind, make in KINDS.items():
-        for reference, answer, equivalent in make(rng):
-            added = AFTER_TUNING if kind in TUNED_FOR else BEFORE_TUNING
-            pairs.append(Pair(reference, _completion(answer, rng), equivalent, kind, added))
+    for kind, (rounds, draw) in FORMS.items():
+        triples = [triple for _ in range(rounds) for triple in draw(rng)]  # a form's values, then its completions
+        added = AFTER_TUNING if kind in TUNED_FOR else BEFORE_TUNING
+        pairs += [Pair(reference, _completion(answer, rng), equivalent, kind, added)
+                  for reference, answer, equivalent in triples]
     return pairs
 
 

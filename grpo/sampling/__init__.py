@@ -5,6 +5,7 @@ serves; its HTTP app is `flows/cli/serve.py`, so no web framework is imported he
 |---|---|
 | `engines` | the one place that picks a stage's engine (`build_engine`) from its `generation` section |
 | `rollout` | what every engine returns (`Rollout`, token ids where it has them, text always) and offers (`Engine`) |
+| `draws` | each row's random stream, counter-based: a row's tokens depend on its prompt and its stream alone, not its slot or the budget |
 | `local` | the local engine (`TransformersBackend`), a package: the static sampler, its slots, decode step, paged KV cache and lean decoder behind the surface its `__init__` exports |
 | `http_backend` | the http engine (`HTTPGenerationBackend`): `/v1/completions` servers, spread over, failed over |
 | `judge` | the LLM judge: a local model or any OpenAI-compatible endpoint |

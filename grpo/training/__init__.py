@@ -8,6 +8,10 @@ built from:
 
 | module | what it holds |
 |---|---|
+| `loops/` | the loops, a whole training run of one kind each: SFT, GRPO, PPO, the reward model, DPO, the PRM |
+| `jobs` | the job runner: one typed job per loop (`SFTJob`, `GRPOJob`, `RewardModelJob`, `DPOJob`) and `run(job, callbacks)`, which builds the loop's model, engine and reference from it and trains |
+| `launchers/` | what runs a job in other processes or on other machines (`accelerate launch`, a multi-machine job, Ray Train) |
+| `rollouts/` | asynchronous rollouts: samplers apart from the trainer (processes or Ray actors), at most `max_staleness` steps behind |
 | `loss` | `grpo_loss`: the clipped surrogate with the k3 KL penalty and its loss-type reductions |
 | `advantages` | `group_advantages`: (r - group mean) / group std, and its variants |
 | `process` | process supervision: step rewards normalised over the group, token advantages `[N, C]` from step ends |

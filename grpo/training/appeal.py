@@ -2,9 +2,9 @@
 answer the rule missed into a positive; it never turns a rule's positive into a negative.
 
 Rule checkers are precise but miss right answers written in forms they cannot read (TinyV found over 38% false
-negatives on Big-Math-RL-Verified), and miss more as the policy gets stronger. With `grpo.appeal` set to a judge (a
-local model or an endpoint, `grpo.sampling.judge`), every completion the accuracy reward scores 0.0 against a
-reference goes to the judge with the question, the completion and the reference; a yes makes it 1.0. A no, a reply
+negatives on Big-Math-RL-Verified), and miss more as the policy gets stronger. With `grpo.grading.appeal` set to a
+judge (a local model or an endpoint, `grpo.sampling.judge`), every completion the accuracy reward scores 0.0 against
+a reference goes to the judge with the question, the completion and the reference; a yes makes it 1.0. A no, a reply
 without a verdict or a failed request leaves the rule's 0.0: the rule did grade it. Rows the rule could not grade,
 or that have no reference, are not appealed.
 

@@ -1,5 +1,6 @@
 """DAPO's dynamic sampling: which groups carry a gradient (their rewards differ), and one batch made of the groups
-kept from several draws. GRPOTrainer's `collect` calls them when `dynamic_sampling` is on.
+kept from several draws. The rollout source `grpo.training.sources.DynamicRefill` calls both when
+`rollout.dynamic_sampling` is on; the GRPO loop reads `spread_groups` for every step's `reward/zero_std_groups`.
 
 Must not depend on Prefect or MLflow.
 """
@@ -25,8 +26,8 @@ def spread_groups(total: list[float], G: int, graded: list[bool] | None = None) 
 def concat_groups(parts, G: int, want: int, pad_id: int):
     """Keep up to `want` groups with reward spread from several draws; with none at all, keep the first draw.
 
-    `parts` holds (rollout, scores, prompt indices, kept group numbers) per draw; returns the same three things
-    `collect` returns for a plain step.
+    `parts` holds (rollout, scores, prompt indices, kept group numbers) per draw; returns what one draw of the
+    engine source gives (`EngineSource.draw`): the rollout, its prompt indices and its scores.
     """
     chosen = [(r, s, g, idx[g]) for r, s, idx, kept in parts for g in kept][:want]
     if not chosen:  # no group had spread: train on the first draw (zero advantages; only the KL term acts)

@@ -212,7 +212,7 @@ def audit_verifiers(pairs: Sequence[Pair], judge_cfg: JudgeConfig | None = None,
     results = {RULE: audit(lambda ps: rule(ps, timeout_s), pairs), MATH_VERIFY: audit(math_verify_alone, pairs)}
     if judge is None:
         return VerifierAudit(len(pairs), results, None, f"{RULE_AND_APPEAL}: skipped, no judge given (--judge URL, "
-                                                        "or a recipe whose reasoning_grpo.grpo.appeal or "
+                                                        "or a recipe whose reasoning_grpo.grpo.grading.appeal or "
                                                         "rejection_sampling.judge is an http endpoint)")
     check, figures = rule_and_appeal(judge, timeout_s)
     results[RULE_AND_APPEAL] = audit(check, pairs)

@@ -1,10 +1,11 @@
-"""What starts a loop in other processes or on other machines; a loop never imports these.
+"""What starts a loop in other processes or on other machines; a loop never imports these. What they start is a
+job of `grpo.training.jobs` (one typed job per loop, built once by the stage task, and `run(job, callbacks)`), the
+same in the task's own process and in every launched one.
 
 | module | what it starts |
 |---|---|
-| `jobs` | one typed job per loop (`SFTJob`, `GRPOJob`, `RewardModelJob`, `DPOJob`), built once by the stage task, and `run(job, callbacks)`: the loop's model, engine and reference built from it, trained, reported; the same in the task's own process and in every launched one |
-| `launch` | the stage task's side: the job file (`jobs.Launched`), `accelerate launch` of `worker` (one machine or the machines of a job), its events followed and handed to callbacks |
-| `worker` | what each launched process runs: the job file checked, `jobs.run`, its reports written as events |
+| `launch` | the stage task's side: the job file (`grpo.training.jobs.Launched`), `accelerate launch` of `worker` (one machine or the machines of a job), its events followed and handed to callbacks |
+| `worker` | what each launched process runs: the job file checked, `grpo.training.jobs.run`, its reports written as events |
 | `join` | what a job's other machines run (`python -m grpo.training.launchers.join`): wait for machine 0's announcement, start their share |
 | `ray_train` | the same job as Ray Train workers on a Ray cluster, restarted from the last checkpoint when a node is lost |
 

@@ -44,6 +44,15 @@ sampler itself:
   `close` stops every one of them (a stopped one continued, to act on SIGTERM). `FAULT_POINTS` names every point of
   the protocol where the tests stop or kill a worker (`R1_ROLLOUT_FAULTS`).
 
+| module | what it holds |
+|---|---|
+| `source` | `AsyncSource`: the samplers as a GRPO loop's rollout source, each step's groups taken and scored, weights pushed |
+| `start` | `start_rollouts`: the transport the recipe's `rollout` section asks for, started on its devices |
+| `base` | `Rollouts`, the trainer's side whatever the transport: the buffer, the staleness bound, a lost worker replaced |
+| `processes` | `ProcessRollouts`: the samplers as processes on this machine, weights through shared memory |
+| `ray_actors` | `RayRollouts`: the samplers as Ray actors, weights through the object store |
+| `protocol` | what every sampler does: the `Plan`, the `Unit`, its steps (`sample_steps`), the fault points |
+
 Must not depend on Prefect or MLflow.
 """
 

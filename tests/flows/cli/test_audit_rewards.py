@@ -130,8 +130,8 @@ def test_rule_and_appeal_through_an_http_judge(tmp_path, capsys):
 def test_the_judge_from_a_recipe_and_one_that_does_not_answer(tmp_path, capsys):
     with scripted_judge("yes") as (url, handler):
         recipe = tmp_path / "mine.yaml"
-        recipe.write_text(f"name: mine\nreasoning_grpo:\n  grpo:\n    appeal:\n      backend: http\n"
-                          f"      base_url: {url}\n      model: judge\n")
+        recipe.write_text(f"name: mine\nreasoning_grpo:\n  grpo:\n    grading:\n      appeal:\n        backend: http\n"
+                          f"        base_url: {url}\n        model: judge\n")
         assert main(["audit-rewards", "--file", _file(tmp_path), "--recipe", str(recipe), "--json"]) == 0
     f = _figures(capsys.readouterr().out)
     assert f["appeal"]["asked"] == len(handler.asked) == 4 and f["rule + appeal"]["fp"] == 3  # yes to rows 3, 5, 8

@@ -1,6 +1,7 @@
 """The recipes a clone ships load, and so does every recipe example its pages show: the README's `r1` commands
 (`--recipe`, `--set`) and the YAML sections in the README and docs/, each read as a recipe file of its own. A setting
-renamed or moved fails here, naming the page and line that still show it."""
+renamed or moved fails here, naming the page and line that still show it, and so does a GRPO setting the recipes or
+pages still name the flat way (`grpo.beta` for `grpo.loss.beta`), which a user's own recipe may still do."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import yaml
 from pydantic import ValidationError
 
 from flows.cli.preflight import parse_overrides
-from grpo.configs.recipe import RECIPES_DIR, Recipe, RecipeError, apply_overrides, load_recipe
+from grpo.configs.checks import unmoved_path
+from grpo.configs.recipe import RECIPES_DIR, Recipe, RecipeError, apply_overrides, load_recipe, setting_path
 
 ROOT = Path(__file__).resolve().parents[3]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -99,10 +101,104 @@ def test_grpo_settings_live_in_sections_and_the_flat_names_still_load():
         GRPOConfig(beta=0.0, loss={"beta": 0.1})
     again = flat.model_copy(update={"loss": flat.loss.model_copy(update={"beta": 0.04}), "seed": 3})
     assert flat.updated(beta=0.04, seed=3) == again
-    recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 3e-5,  # a flat path, as before
-                                        "reasoning_grpo.grpo.optimizer": "adamw_8bit",
-                                        "alignment_grpo.grpo.loss.beta": 0.0})  # a section's path
+    with pytest.warns(FutureWarning, match=r"reasoning_grpo\.grpo\.learning_rate is reasoning_grpo\.grpo\.optimizer\."
+                                           r"learning_rate, reasoning_grpo\.grpo\.optimizer is reasoning_grpo\.grpo\."
+                                           r"optimizer\.name \(read so"):
+        recipe = apply_overrides(Recipe(), {"reasoning_grpo.grpo.learning_rate": 3e-5,  # a flat path, as before
+                                            "reasoning_grpo.grpo.optimizer": "adamw_8bit",
+                                            "alignment_grpo.grpo.loss.beta": 0.0})  # a section's path
     assert recipe.reasoning_grpo.grpo.optimizer.learning_rate == 3e-5
     assert recipe.reasoning_grpo.grpo.optimizer.name == "adamw_8bit" and recipe.alignment_grpo.grpo.loss.beta == 0.0
     with pytest.raises(RecipeError, match="did you mean 'learning_rate'"):
         apply_overrides(Recipe(), {"reasoning_grpo.grpo.learnin_rate": 1e-5})
+
+
+def flat_names(node: yaml.Node, where: str, first_line: int, keys: tuple = ()) -> list[str]:
+    """`where:line: old path -> new path` for each GRPO setting a recipe's YAML names the flat way, its keys and
+    its sweep's dotted paths alike; `first_line` is the file line of the YAML's first line."""
+    found = []
+    for key_node, value in node.value if isinstance(node, yaml.MappingNode) else []:
+        path, line = (*keys, key_node.value), first_line + key_node.start_mark.line
+        if keys == ("sweep",) and key_node.value in ("grid", "variants"):  # recipe paths as keys, one level down
+            dotted = [(k, v) for k, v in value.value] if key_node.value == "grid" else \
+                [(k, v) for _, variant in value.value for k, v in variant.value if k.value != "stages"]
+            found += [f"{where}:{first_line + k.start_mark.line}: {k.value} -> {new}" for k, v in dotted
+                      if (new := setting_path(k.value, {} if isinstance(v, yaml.MappingNode) else v.value)) != k.value]
+            continue
+        moved = unmoved_path(Recipe, list(path), {} if isinstance(value, yaml.MappingNode) else "a value")
+        if moved != list(path):
+            found.append(f"{where}:{line}: {'.'.join(path)} -> {'.'.join(moved)}")
+        else:
+            found += flat_names(value, where, first_line, path)
+    return found
+
+
+OVERRIDE = re.compile(r"""--(?:set|grid)[ =]["']?([\w.]+)=(\S?)""")
+
+
+def test_the_shipped_recipes_and_the_pages_name_grpo_settings_by_their_sections():
+    """Every recipe file, YAML example and `--set`/`--grid` path a clone ships is written as GRPOConfig reads it:
+    the moved-keys table is for the recipes users wrote before the sections, not for the ones they copy now."""
+    found = []
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        found += flat_names(yaml.compose(path.read_text()), str(path.relative_to(ROOT)), 1)
+    for where, text in EXAMPLES:
+        page, fence = where.rsplit(":", 1)
+        found += flat_names(yaml.compose(text), page, int(fence) + 1)
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for m in OVERRIDE.finditer(line):
+                new = setting_path(m.group(1), {} if m.group(2) == "{" else m.group(2))
+                if new != m.group(1):
+                    found.append(f"{page.relative_to(ROOT)}:{number}: {m.group(1)} -> {new}")
+    assert not found, "GRPO settings named the flat way (write the new path):\n" + "\n".join(found)
+
+
+def test_the_flat_check_finds_a_flat_name_where_the_pages_put_one(tmp_path):
+    """The check above reads keys, sweep paths and overrides, and names the line: fed one of each, it finds each."""
+    text = textwrap.dedent("""\
+        reasoning_grpo:
+          grpo:
+            loss: {beta: 0.0}
+            learning_rate: 0.001
+            optimizer: adamw_8bit
+        alignment_grpo:
+          grpo:
+            optimizer: {name: adamw}
+        sweep:
+          grid: {reasoning_grpo.grpo.beta: [0, 0.04], reasoning_grpo.grpo.loss.epsilon: [0.2]}
+          variants:
+            mixed: {reasoning_grpo.grpo.packing: true, stages: [reasoning_grpo]}
+        """)
+    assert flat_names(yaml.compose(text), "x.yaml", 10) == [
+        "x.yaml:13: reasoning_grpo.grpo.learning_rate -> reasoning_grpo.grpo.optimizer.learning_rate",
+        "x.yaml:14: reasoning_grpo.grpo.optimizer -> reasoning_grpo.grpo.optimizer.name",
+        "x.yaml:19: reasoning_grpo.grpo.beta -> reasoning_grpo.grpo.loss.beta",
+        "x.yaml:21: reasoning_grpo.grpo.packing -> reasoning_grpo.grpo.memory.packing"]
+    assert [m.group(1) for m in OVERRIDE.finditer(
+        "r1 run --set reasoning_grpo.grpo.beta=0 --grid 'alignment_grpo.grpo.loss.beta=0,1' --set ...")] == \
+        ["reasoning_grpo.grpo.beta", "alignment_grpo.grpo.loss.beta"]
+
+
+def test_a_flat_name_in_a_users_recipe_is_read_into_its_section_with_one_line_naming_where(tmp_path):
+    """A recipe written before the sections, on a shipped base written in them: its flat names override the base's
+    sectioned ones (each file is put in sections before the merge), and one warning names each one's path now."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("base: tiny\nname: mine\nreasoning_grpo:\n  grpo:\n    beta: 0.0\n    optimizer: adamw_8bit\n"
+                    "    learning_rate: 0.001\n")
+    with pytest.warns(FutureWarning) as caught:
+        recipe = load_recipe(mine)
+    assert [str(w.message) for w in caught] == [
+        f"{mine}: GRPO settings named as before their sections: reasoning_grpo.grpo.beta is reasoning_grpo.grpo.loss."
+        f"beta, reasoning_grpo.grpo.optimizer is reasoning_grpo.grpo.optimizer.name, reasoning_grpo.grpo."
+        f"learning_rate is reasoning_grpo.grpo.optimizer.learning_rate (read so; write them by those paths)"]
+    tiny = load_recipe("tiny").reasoning_grpo.grpo
+    grpo = recipe.reasoning_grpo.grpo
+    assert tiny.loss.beta == 0.04 and grpo.loss.beta == 0.0  # the base's sectioned beta, overridden by the flat one
+    assert (grpo.optimizer.name, grpo.optimizer.learning_rate) == ("adamw_8bit", 0.001)
+    assert grpo.model_copy(update={"loss": tiny.loss, "optimizer": tiny.optimizer}) == tiny  # nothing else moved
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("name: twice\nreasoning_grpo:\n  grpo:\n    loss: {beta: 0.1}\n    beta: 0.0\n")
+    with pytest.raises(RecipeError, match=r"twice.yaml: reasoning_grpo\.grpo: .*beta is given twice: flat, and as "
+                                          r"loss\.beta"):
+        load_recipe(twice)
