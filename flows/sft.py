@@ -50,4 +50,5 @@ STAGE = Stage(flow=sft,
               inputs={"dataset_uri": "curated_dataset", "heldout_uri": "heldout",
                       "cold_start_dataset_uri": "cold_start_dataset"},
               outputs={"sft_checkpoint": "checkpoint"},
-              optional=frozenset({"heldout", "cold_start_dataset"}))
+              optional=frozenset({"heldout", "cold_start_dataset"}),
+              needed_when={"cold_start_dataset": "include_cold_start"})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from functools import lru_cache
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from prefect import Flow
@@ -43,14 +43,17 @@ class Stage:
     inputs: dict[str, str]  # flow parameter -> the pipeline URI it is filled from (required ones first)
     outputs: dict[str, str]  # pipeline URI name -> the key of its StageResult.uris that holds it
     optional: frozenset[str] = frozenset()  # pipeline URIs among `inputs` it runs without (no eval, no mixing)
+    # an optional URI -> the field of the stage's config that, when true, makes it needed after all
+    needed_when: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.flow.name
 
-    def needs(self) -> list[str]:
-        """The pipeline URIs it cannot run without."""
-        return [uri for uri in self.inputs.values() if uri not in self.optional]
+    def needs(self, config=None) -> list[str]:
+        """The pipeline URIs it cannot run without (with `config`, its recipe section: those it asks for too)."""
+        return [uri for uri in self.inputs.values() if uri not in self.optional
+                or (config is not None and uri in self.needed_when and getattr(config, self.needed_when[uri]))]
 
 
 @lru_cache(maxsize=1)

@@ -451,6 +451,13 @@ def _deploy(args: argparse.Namespace, recipe) -> int:
     return 0
 
 
+def _input_flag(param: str) -> str:
+    """How `r1 stage` is given an input: its own flag, or --input PARAM=URI."""
+    flag = param.removesuffix("_uri")
+    own = flag in ("checkpoint", "dataset", "heldout")
+    return f"--{flag} runs:/<run id>/..." if own else f"--input {param}=runs:/<run id>/..."
+
+
 def _stage(args: argparse.Namespace, recipe) -> int:
     from flows.checks import UsageError, check_uri
     from flows.stages import declared
@@ -463,10 +470,13 @@ def _stage(args: argparse.Namespace, recipe) -> int:
             raise UsageError(f"--input {item!r}: expected PARAM=URI with PARAM one of {list(stage.inputs)}")
         given[param] = uri
     kwargs = {p: given[p] for p in stage.inputs if given.get(p)}
-    needed = [p for p, uri in stage.inputs.items() if uri not in stage.optional]
+    config = getattr(recipe, args.name)
+    needed = [p for p, uri in stage.inputs.items() if uri in stage.needs(config)]
     if any(p not in kwargs for p in needed):
-        flags = " ".join(f"--{p.removesuffix('_uri')} runs:/<run id>/..." for p in needed)
-        raise UsageError(f"stage {args.name} needs {flags}")
+        flags = " ".join(_input_flag(p) for p in needed)
+        asked = [f"{args.name}.{stage.needed_when[uri]} is set" for p, uri in stage.inputs.items()
+                 if p in needed and p not in kwargs and uri in stage.needed_when]
+        raise UsageError(f"stage {args.name} needs {flags}" + (f" ({'; '.join(asked)})" if asked else ""))
     for param, uri in kwargs.items():
         check_uri(f"--{param.removesuffix('_uri')}", uri)
     stage_flow = stage.flow.with_options(flow_run_name=lambda: f"{args.name}:{recipe.name}")

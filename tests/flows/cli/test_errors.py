@@ -362,6 +362,13 @@ def test_a_stage_without_its_input(ws, capsys):
     fails_cleanly(capsys, ws, ["stage", "reasoning_grpo", "--recipe", ws.recipe()], "needs --checkpoint")
 
 
+def test_sft_alone_that_mixes_in_the_cold_start_rows_needs_them(ws, capsys):
+    """An input the stage declares optional is needed after all when its section asks for it (include_cold_start)."""
+    fails_cleanly(capsys, ws, ["stage", "sft", "--recipe", ws.recipe(sft__include_cold_start=True), "--dataset",
+                               "runs:/0123456789abcdef0123456789abcdef/dataset/curated"],
+                  "needs --input cold_start_dataset_uri=runs:/<run id>/...", "sft.include_cold_start is set")
+
+
 def test_stages_whose_inputs_nothing_makes(ws, capsys):
     fails_cleanly(capsys, ws, ["run", "--recipe", ws.recipe(), "--stages", "sft,alignment_grpo"],
                   "sft needs curated_dataset", "--from-run")
