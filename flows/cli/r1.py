@@ -26,6 +26,7 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 from contextlib import ExitStack
 
 from grpo import startup
@@ -240,8 +241,28 @@ def _fault(e: BaseException):
     return disk_fault(e, [home_path()])
 
 
+def _moved_settings_in_one_line() -> None:
+    """A recipe's settings named by their old paths are said in one line ("note: ..."), not as Python's warning with
+    the source line that raised it; every other warning is shown as Python shows it."""
+    from grpo.configs.checks import MovedSettingsWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "moved_settings", False):  # once a process: main runs again in tests
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, MovedSettingsWarning):
+            print(f"note: {message}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.moved_settings = True
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _moved_settings_in_one_line()
     startup.defer_collection()  # until the libraries are loaded (`until_stopped`, `_serve`): a sixth of their CPU
     try:
         try:
@@ -473,7 +494,7 @@ def _stage(args: argparse.Namespace, recipe) -> int:
     config = getattr(recipe, args.name)
     needed = [p for p, uri in stage.inputs.items() if uri in stage.needs(config)]
     if any(p not in kwargs for p in needed):
-        flags = " ".join(_input_flag(p) for p in needed)
+        flags = " ".join(_input_flag(p) for p in needed if p not in kwargs)
         asked = [f"{args.name}.{stage.needed_when[uri]} is set" for p, uri in stage.inputs.items()
                  if p in needed and p not in kwargs and uri in stage.needed_when]
         raise UsageError(f"stage {args.name} needs {flags}" + (f" ({'; '.join(asked)})" if asked else ""))

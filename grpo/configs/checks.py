@@ -112,13 +112,17 @@ def sectioned(root: type[BaseModel], data: dict, at: tuple = ()) -> tuple[dict, 
     return out, moves
 
 
+class MovedSettingsWarning(FutureWarning):
+    """Settings a recipe or override names by their paths before GRPO's sections (read so, still)."""
+
+
 def warn_flat_names(moves: list[tuple[str, str]], where: str = "") -> None:
     """One FutureWarning (none without `moves`) naming the settings given by their names before GRPO's sections, and
     their paths now: still read (grpo.configs.training.MOVED_KEYS), and a copied recipe can be brought up to date."""
     if moves:
         warnings.warn(f"{where}{': ' if where else ''}GRPO settings named as before their sections: "
                       f"{', '.join(f'{old} is {new}' for old, new in moves)} (read so; write them by those paths)",
-                      FutureWarning, stacklevel=3)
+                      MovedSettingsWarning, stacklevel=3)
 
 
 def also_known(root: type[BaseModel], loc: tuple) -> list[str]:

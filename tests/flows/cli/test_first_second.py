@@ -84,7 +84,7 @@ def test_a_bad_recipe_value_or_data_file_is_told_before_any_heavy_import(ws):
     cases = {  # what is wrong: (the recipe's sections, flags), what the line names
         "an unknown field": ({"cold_start_sft__train__max_stpes": 3}, [],
                              ["cold_start_sft.train.max_stpes", "did you mean 'max_steps'"]),
-        "a bad value": ({}, ["--set", "reasoning_grpo.grpo.learning_rate=fast"],
+        "a bad value": ({}, ["--set", "reasoning_grpo.grpo.optimizer.learning_rate=fast"],
                         ["reasoning_grpo.grpo.optimizer.learning_rate", "'fast'"]),
     }
     for suffix in (".jsonl", ".csv", ".parquet"):
