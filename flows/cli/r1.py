@@ -26,7 +26,6 @@ import argparse
 import os
 import sys
 import traceback
-import warnings
 from contextlib import ExitStack
 
 from grpo import startup
@@ -241,28 +240,8 @@ def _fault(e: BaseException):
     return disk_fault(e, [home_path()])
 
 
-def _moved_settings_in_one_line() -> None:
-    """A recipe's settings named by their old paths are said in one line ("note: ..."), not as Python's warning with
-    the source line that raised it; every other warning is shown as Python shows it."""
-    from grpo.configs.checks import MovedSettingsWarning
-
-    shown = warnings.showwarning
-    if getattr(shown, "moved_settings", False):  # once a process: main runs again in tests
-        return
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, MovedSettingsWarning):
-            print(f"note: {message}", file=sys.stderr, flush=True)
-        else:
-            shown(message, category, filename, lineno, file, line)
-
-    show.moved_settings = True
-    warnings.showwarning = show
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _moved_settings_in_one_line()
     startup.defer_collection()  # until the libraries are loaded (`until_stopped`, `_serve`): a sixth of their CPU
     try:
         try:

@@ -362,17 +362,6 @@ def test_a_stage_without_its_input(ws, capsys):
     fails_cleanly(capsys, ws, ["stage", "reasoning_grpo", "--recipe", ws.recipe()], "needs --checkpoint")
 
 
-def test_a_setting_by_its_old_path_is_one_note_line_then_the_recipe_is_read_so(ws, capsys):
-    """A flat GRPO key (before the sections) is read, and said in one line naming its path now: not Python's
-    warning with a source line; the bad value it holds is then told by that path."""
-    recipe = ws.recipe(reasoning_grpo__grpo={"beta": "fast"})
-    capsys.readouterr()
-    assert main(["run", "--recipe", recipe]) == 2
-    note, error = capsys.readouterr().err.strip().splitlines()
-    assert note.startswith("note: ") and "reasoning_grpo.grpo.beta is reasoning_grpo.grpo.loss.beta" in note
-    assert error.startswith("r1: ") and "reasoning_grpo.grpo.loss.beta" in error and "'fast'" in error
-
-
 def test_sft_alone_that_mixes_in_the_cold_start_rows_needs_them(ws, capsys):
     """An input the stage declares optional is needed after all when its section asks for it (include_cold_start)."""
     fails_cleanly(capsys, ws, ["stage", "sft", "--recipe", ws.recipe(sft__include_cold_start=True), "--dataset",
