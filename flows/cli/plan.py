@@ -82,7 +82,7 @@ def measure(cfg: RejectionSamplingConfig, prompts: list,
     engine = build_engine(cfg.generation, model, tok, who="r1 plan")
     rate, tokens, seconds = measure_tokens_per_s(engine, batch, k, rs.sampling)
     return rate, (f"measured: {tokens:,} tokens in {seconds:.1f} s, {len(batch) * k} sequences of "
-                  f"{model_cfg.source!r} on {_device_name()}, local backend"), (tokens, len(batch) * k)
+                  f"{model_cfg.name_or_path!r} on {_device_name()}, local backend"), (tokens, len(batch) * k)
 
 
 def plan_text(cfg: RejectionSamplingConfig, *, tokens_per_s: float | None = None, mean_fraction: float | None = None,

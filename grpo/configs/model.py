@@ -69,8 +69,3 @@ class ModelConfig(BaseModel):
             raise ValueError(f"model names both name_or_path ({data['name_or_path']!r}) and package ({package!r}): "
                              "give one")
         return {**data, "name_or_path": named}
-
-    @property
-    def source(self) -> str:
-        """The model as a recipe names it: the package's file, or name_or_path."""
-        return f"{self.package}:{self.file}" if self.package else self.name_or_path
