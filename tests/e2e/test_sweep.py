@@ -23,7 +23,7 @@ COLD = {**TINY_STAGE, "data": {"num_train": 32, "num_heldout": 4}, "train": {**T
         "eval": {**TINY_STAGE["eval"], "num_prompts": 4, "num_samples": 1}}
 GRPO = {**TINY_GRPO, "data": {"num_train": 16, "num_heldout": 4},
         "eval": {**TINY_GRPO["eval"], "num_prompts": 4}}
-GRID = ["--grid", "reasoning_grpo.grpo.beta=0,0.04", "--grid", "reasoning_grpo.grpo.learning_rate=1e-5,1e-4"]
+GRID = ["--grid", "reasoning_grpo.grpo.loss.beta=0,0.04", "--grid", "reasoning_grpo.grpo.optimizer.learning_rate=1e-5,1e-4"]
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -107,7 +107,7 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
     folder = Path(mlflow_client.download_artifacts(sweep.info.run_id, "sweep", str(recipe.parent / "got")))
     table = pd.read_csv(folder / "points.csv")
     assert len(table) == 4 and set(table["pipeline_run"]) == set(pipeline_runs)
-    assert sorted(zip(table["reasoning_grpo.grpo.beta"], table["reasoning_grpo.grpo.learning_rate"])) == \
+    assert sorted(zip(table["reasoning_grpo.grpo.loss.beta"], table["reasoning_grpo.grpo.optimizer.learning_rate"])) == \
         [(0.0, 1e-5), (0.0, 1e-4), (0.04, 1e-5), (0.04, 1e-4)]
     for _, row in table.iterrows():  # each row's numbers are its own pipeline run's
         run = mlflow_client.get_run(row["pipeline_run"])
@@ -117,8 +117,8 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
     assert "reasoning_grpo/eval/accuracy mean" in summary
     # the plots: each final held-out number by each setting, and GRPO's curves overlaid (the cold start is shared)
     plots = sorted(p.name for p in (folder / "plots").glob("*.png"))
-    assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.beta.png" in plots
-    assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.learning_rate.png" in plots
+    assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.loss.beta.png" in plots
+    assert "reasoning_grpo_eval_accuracy--reasoning_grpo.grpo.optimizer.learning_rate.png" in plots
     assert "curves--reasoning_grpo.png" in plots and "curves--cold_start_sft.png" not in plots
     assert not [p for p in plots if "num_prompts" in p]  # a shared setting gets no plot of its own
     assert all(png_size(folder / "plots" / p) == (640, 400) for p in plots)
@@ -135,16 +135,16 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--grid", "reasoning_grpo.grpo.betta=0,1"], "--grid reasoning_grpo.grpo.betta=0: override "
-                                                  "'reasoning_grpo.grpo.betta': reasoning_grpo.grpo has no field 'betta'"),
-    (["--grid", "reasoning_grpo.grpo.beta=0,-1"], "--grid reasoning_grpo.grpo.beta=-1: "),
-    (["--grid", "reasoning_grpo.grpo.beta=0,0"], "--grid reasoning_grpo.grpo.beta: 0 given twice"),
-    (["--grid", "reasoning_grpo.grpo.beta"], "--grid 'reasoning_grpo.grpo.beta': expected PATH=V1,V2"),
+    (["--grid", "reasoning_grpo.grpo.loss.betta=0,1"], "--grid reasoning_grpo.grpo.loss.betta=0: override "
+                                                  "'reasoning_grpo.grpo.loss.betta': reasoning_grpo.grpo.loss has no field 'betta'"),
+    (["--grid", "reasoning_grpo.grpo.loss.beta=0,-1"], "--grid reasoning_grpo.grpo.loss.beta=-1: "),
+    (["--grid", "reasoning_grpo.grpo.loss.beta=0,0"], "--grid reasoning_grpo.grpo.loss.beta: 0 given twice"),
+    (["--grid", "reasoning_grpo.grpo.loss.beta"], "--grid 'reasoning_grpo.grpo.loss.beta': expected PATH=V1,V2"),
     ([], "the sweep is empty"),
-    (["--grid", "reasoning_grpo.grpo.beta=0,1", "--seeds", "0"], "--seeds 0: expected 1 or more"),
-    (["--grid", "reasoning_grpo.grpo.beta=0,1", "--stages", "cold_start"], "unknown stage(s) ['cold_start']"),
-    (["--grid", "reasoning_grpo.grpo.beta=0,1", "--set", "reasoning_grpo.grpo.betta=0"],
-     "override 'reasoning_grpo.grpo.betta': reasoning_grpo.grpo has no field 'betta'"),
+    (["--grid", "reasoning_grpo.grpo.loss.beta=0,1", "--seeds", "0"], "--seeds 0: expected 1 or more"),
+    (["--grid", "reasoning_grpo.grpo.loss.beta=0,1", "--stages", "cold_start"], "unknown stage(s) ['cold_start']"),
+    (["--grid", "reasoning_grpo.grpo.loss.beta=0,1", "--set", "reasoning_grpo.grpo.loss.betta=0"],
+     "override 'reasoning_grpo.grpo.loss.betta': reasoning_grpo.grpo.loss has no field 'betta'"),
 ])
 def test_a_sweep_asked_wrongly_is_one_line_before_anything_runs(recipe, flags, said, capsys):
     assert main(["sweep", "--recipe", str(recipe), *flags]) == 2
@@ -159,15 +159,15 @@ def test_seeds_say_which_stages_they_reach(recipe):
     from grpo.sweep import expand, seeds_reach, with_fixed
 
     r = load_recipe(recipe)
-    late = SweepConfig(grid={"reasoning_grpo.grpo.beta": [0, 0.04]}, seeds=2, seed_stages=["reasoning_grpo"],
+    late = SweepConfig(grid={"reasoning_grpo.grpo.loss.beta": [0, 0.04]}, seeds=2, seed_stages=["reasoning_grpo"],
                        stages=["cold_start_sft", "reasoning_grpo"])
     assert seeds_reach(r, late) == ("2 seeds reach reasoning_grpo: each seed trains its own reasoning_grpo and "
                                     "everything after it; cold_start_sft shared by all seeds")
     points = expand(r, late)
-    assert [(p.settings["reasoning_grpo.grpo.beta"], p.seed) for p in points] == [(0, 0), (0, 1), (0.04, 0), (0.04, 1)]
-    assert points[1].overrides == {"reasoning_grpo.grpo.beta": 0, "reasoning_grpo.grpo.seed": 1}  # GRPO's seed only
-    shared = with_fixed(points, {"reasoning_grpo.grpo.beta": 9, "cold_start_sft.train.max_steps": 3})
-    assert shared[1].overrides == {"reasoning_grpo.grpo.beta": 0, "cold_start_sft.train.max_steps": 3,
+    assert [(p.settings["reasoning_grpo.grpo.loss.beta"], p.seed) for p in points] == [(0, 0), (0, 1), (0.04, 0), (0.04, 1)]
+    assert points[1].overrides == {"reasoning_grpo.grpo.loss.beta": 0, "reasoning_grpo.grpo.seed": 1}  # GRPO's seed only
+    shared = with_fixed(points, {"reasoning_grpo.grpo.loss.beta": 9, "cold_start_sft.train.max_steps": 3})
+    assert shared[1].overrides == {"reasoning_grpo.grpo.loss.beta": 0, "cold_start_sft.train.max_steps": 3,
                                    "reasoning_grpo.grpo.seed": 1}  # the point's own setting wins
     every = SweepConfig(seeds=3, stages=["cold_start_sft", "reasoning_grpo"])
     assert "each seed trains its own cold_start_sft" in seeds_reach(r, every)
@@ -188,7 +188,7 @@ def test_a_sweep_killed_mid_point_goes_on_with_that_point_from_its_checkpoint(pr
     recipe = tmp_path / "killed.yaml"
     recipe.write_text(yaml.safe_dump({"name": "sweep-killed", "cold_start_sft": {
         **COLD, "train": {**COLD["train"], "seed": 42}}, "reasoning_grpo": grpo}))
-    flags = ["--recipe", str(recipe), "--grid", "reasoning_grpo.grpo.beta=0,0.04", "--stages",
+    flags = ["--recipe", str(recipe), "--grid", "reasoning_grpo.grpo.loss.beta=0,0.04", "--stages",
              "cold_start_sft,reasoning_grpo"]
     # `r1 sweep` in a process of its own (and process group, as a terminal starts it), on the tests' Prefect API
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
@@ -239,7 +239,7 @@ def test_a_sweep_on_a_deployment_runs_its_points_on_a_pool_side_by_side(deployed
     recipe = pool / "pool.yaml"
     recipe.write_text(yaml.safe_dump({"name": "sweep-pool", "cold_start_sft": COLD, "reasoning_grpo": GRPO}))
     with temporary_settings({PREFECT_API_URL: deployed_server["api"]}):
-        result = r1_sweep(recipe=str(recipe), grid={"reasoning_grpo.grpo.beta": [0, 0.04]},
+        result = r1_sweep(recipe=str(recipe), grid={"reasoning_grpo.grpo.loss.beta": [0, 0.04]},
                           stages=["cold_start_sft", "reasoning_grpo"], deployment="r1_pipeline/local", parallel=2)
     assert sorted(result.ran) == [0, 1]
     c = tracking.client()
@@ -299,7 +299,7 @@ def test_points_side_by_side_on_this_machine_share_their_cold_start(prefect_harn
     """`r1 sweep --parallel 2` without a deployment: each point a process of its own on the sweep's Prefect API and
     MLflow store, the second started once the first has trained the cold start they share, which it reuses."""
     recipe = _sweep_recipe(tmp_path, "sweep-side", 47, 2)
-    assert main(["sweep", "--recipe", str(recipe), "--grid", "reasoning_grpo.grpo.beta=0,0.04", "--stages",
+    assert main(["sweep", "--recipe", str(recipe), "--grid", "reasoning_grpo.grpo.loss.beta=0,0.04", "--stages",
                  "cold_start_sft,reasoning_grpo", "--parallel", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 run now, 0 finished before" in out

@@ -19,7 +19,7 @@ import re
 import pytest
 from mlflow import MlflowClient
 
-from browser import browser_missing, click, console, field, start_browser, wait_for
+from browser import browser_missing, click, console, start_browser, type_into, wait_for
 from flows.cli import stack
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,7 +59,6 @@ def test_a_custom_run_from_the_ui_completes(team_stack, browser):
     import urllib.request
 
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
 
     request = urllib.request.Request(team_stack["api"] + "/deployments/filter", data=b"{}", method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -76,11 +75,7 @@ def test_a_custom_run_from_the_ui_completes(team_stack, browser):
         wait_for("the custom-run form", lambda: "/run" in browser.current_url and browser.find_elements(
             By.XPATH, "//span[starts-with(normalize-space(), 'Max Steps')]"), 60, browser)
         for label, value in CHANGES.items():
-            element = field(browser, label)
-            browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
-            element.send_keys(Keys.CONTROL, "a")
-            element.send_keys(value)
-            assert element.get_attribute("value") == value, label
+            type_into(browser, label, value)
         click(browser, "//button[@type='submit' and normalize-space()='Submit']")
 
     def created() -> bool:

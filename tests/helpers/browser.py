@@ -64,6 +64,38 @@ def field(driver, label: str):
     return element
 
 
+def type_into(driver, label: str, value: str, timeout: float = 30) -> None:
+    """Replace the text of the field labelled `label` with `value` and wait until the field holds it. The form's
+    component re-renders as it validates: a key can land in the node it is replacing and be lost ('64' read back as
+    '6', once in a suite on 2 cores), so the field is found and typed into again until it reads `value`."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.keys import Keys
+
+    def typed() -> bool:
+        try:
+            element = field(driver, label)
+            if element.get_attribute("value") != value:
+                driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+                element.send_keys(Keys.CONTROL, "a")
+                element.send_keys(value)
+            return wait_settled(lambda: field(driver, label).get_attribute("value") == value)
+        except (StaleElementReferenceException, ValueError):  # replaced, or not one field, mid re-render
+            return False
+
+    wait_for(f"the field {label!r} to hold {value!r}", typed, timeout, driver)
+
+
+def wait_settled(condition, seconds: float = 0.5) -> bool:
+    """`condition` still true after `seconds` (a field that reads right now and is re-rendered a moment later is not
+    done)."""
+    import time
+
+    if not condition():
+        return False
+    time.sleep(seconds)
+    return bool(condition())
+
+
 def click(driver, xpath: str) -> bool:
     """Click the first element `xpath` finds; False if there is none yet or it was re-rendered under us."""
     from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
