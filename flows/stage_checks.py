@@ -60,7 +60,7 @@ def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:
         check_sandbox("rejection_sampling.data", rs.code)
     elif has_tests(heldout):
         check_sandbox("rejection_sampling.data.heldout_source")
-    if rs.non_reasoning_rows and cfg.non_reasoning_source != "synthetic":
+    if rs.non_reasoning_rows and cfg.non_reasoning_source not in ("synthetic", "model"):
         with reading("rejection_sampling.non_reasoning_source"):  # the rows the stage takes, a batch at a time
             rows = sum(len(batch) for batch in validated_batches(cfg.non_reasoning_source, SFT_SCHEMA,
                                                                  limit=rs.non_reasoning_rows))

@@ -33,7 +33,7 @@ from grpo.rejection.budget import (
 )
 from grpo.rejection.curate import HeldoutIndex, build_heldout_index
 from grpo.rejection.filters import summary_line
-from grpo.rejection.non_reasoning import write_non_reasoning
+from grpo.rejection.non_reasoning import MODEL, ModelAnswers, write_non_reasoning
 from grpo.sampling.engines import Engine, build_engine, local_generation
 from grpo.sampling.judge import HTTPJudge, build_judge
 from runtime import dataset_refs, tracking
@@ -92,7 +92,7 @@ def plan_rejection_sampling(run_id: str, checkpoint_uri: str, cfg: RejectionSamp
     model_dir = checkpoint_uri if ray_address else resolve_model(cfg.model, checkpoint_uri).name_or_path
     non_reasoning_uri = None
     if rs.non_reasoning_rows:
-        non_reasoning_uri = log_non_reasoning(run_id, cfg.non_reasoning_source, rs.non_reasoning_rows, rs.seed)
+        non_reasoning_uri = log_non_reasoning(run_id, cfg, rs.non_reasoning_rows, rs.seed)
     shards.check_manifest(out, prompts, rs)  # refuses to mix shards made from other prompts or settings
     planned = shards.plan_shards(prompts, rs)
     indices = [s.index for s in planned]
@@ -151,17 +151,28 @@ def stage_budget(cfg: RejectionSamplingConfig, prompts: pd.DataFrame, model_dir:
                        mean_fraction_source=fraction_source)
 
 
-def log_non_reasoning(run_id: str, source: str, n: int, seed: int) -> str:
-    """The `n` non-reasoning rows (generated general requests, or a user file's first rows) written to Parquet part
-    files a batch at a time, each batch checked as it is read, and logged as the run's `dataset/non_reasoning`
-    folder with a record of it by reference and a sample table, as the curated dataset is; the folder's URI."""
+def log_non_reasoning(run_id: str, cfg: RejectionSamplingConfig, n: int, seed: int) -> str:
+    """The `n` non-reasoning rows (generated general requests, the base model's own answers to them, or a user
+    file's first rows) written to Parquet part files a batch at a time, each batch checked as it is read, and logged
+    as the run's `dataset/non_reasoning` folder with a record of it by reference and a sample table, as the curated
+    dataset is; the folder's URI."""
+    source, answers = cfg.non_reasoning_source, None
+    if source == MODEL:  # the stage's base model (its `model`, not the RL checkpoint), sampled here
+        logger = get_run_logger()
+        answers = ModelAnswers(build_engine(local_generation(cfg.generation), *_policy(cfg.model),
+                                            who="non-reasoning answers"),
+                               cfg.rejection.samples_per_prompt,
+                               cfg.non_reasoning_sampling or cfg.rejection.sampling, logger.info)
+        logger.info("non-reasoning rows: %s answers the general requests itself (%d tries each)",
+                              cfg.model.name_or_path, answers.samples)
+    described = {"synthetic": f"synthetic:general_sft_rows(seed={seed})",
+                 MODEL: f"model:{cfg.model.name_or_path}(seed={seed})"}.get(source, source)
     with tempfile.TemporaryDirectory(dir=tracking.r1_home(), prefix="non-reasoning-") as tmp:
         folder = Path(tmp) / "non_reasoning"
-        write_non_reasoning(source, n, seed, folder)
+        with shards.seeded_torch(seed):
+            write_non_reasoning(source, n, seed, folder, answers=answers)
         dataset = describe_row_files(folder)
-        dataset_refs.log_dataset_reference(run_id, dataset, name="non_reasoning", context="input",
-                                           source=f"synthetic:general_sft_rows(seed={seed})"
-                                           if source == "synthetic" else source)
+        dataset_refs.log_dataset_reference(run_id, dataset, name="non_reasoning", context="input", source=described)
         dataset_refs.log_sample_table(run_id, dataset, "samples/non_reasoning_head.json")
         return tracking.log_dir(run_id, folder, "dataset/non_reasoning")
 

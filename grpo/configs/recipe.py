@@ -31,7 +31,7 @@ from grpo.configs.rejection import ClusterConfig, RejectionConfig
 from grpo.configs.reward import HARMLESSNESS, HELPFULNESS, REWARD_MODELS, PreferenceDataConfig, RewardModelConfig
 from grpo.configs.rft import OnlineRFTConfig, check_rft_settings
 from grpo.configs.rollout import check_async_rollout
-from grpo.configs.sampling import EvalConfig, GenerationConfig
+from grpo.configs.sampling import EvalConfig, GenerationConfig, SamplingConfig
 from grpo.configs.sweep import SweepConfig
 from grpo.configs.training import GRPOConfig, SFTConfig
 
@@ -196,7 +196,11 @@ class RejectionSamplingConfig(StageConfig):
     # model "checkpoint" = the checkpoint being sampled, asked in the judge prompt
     judge: JudgeConfig | None = None
     non_reasoning_source: str = "synthetic"  # rows (prompt, response) added as non-reasoning data: "synthetic"
-    #                                          (generated general requests) or a file/dataset read like `data`
+    #                                          (generated general requests), "model" (`model` answers them itself,
+    #                                          its helpful answers kept: grpo.rejection.non_reasoning) or a
+    #                                          file/dataset read like `data`
+    # how the "model" source samples its answers (None: as rejection.sampling samples the RL checkpoint)
+    non_reasoning_sampling: SamplingConfig | None = None
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # threads here, or shard tasks on a Ray cluster
     budget: BudgetConfig = Field(default_factory=BudgetConfig)  # the plan printed first, then logged against the run
 

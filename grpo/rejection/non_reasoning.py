@@ -1,6 +1,14 @@
-"""The non-reasoning rows of the SFT set (R1: 200,000 of its 800k): generated general requests or a user's file, read,
-checked and written to Parquet part files a batch at a time, then read back by the merge a batch at a time to follow
-the reasoning rows. Never held whole: what is in memory is a batch's, whatever the row count.
+"""The non-reasoning rows of the SFT set (R1: 200,000 of its 800k): generated general requests, a model's own answers
+to them, or a user's file, read, checked and written to Parquet part files a batch at a time, then read back by the
+merge a batch at a time to follow the reasoning rows. Never held whole: what is in memory is a batch's, whatever the
+row count.
+
+R1 takes these rows from DeepSeek-V3's own SFT data, in that model's words. `model` does the same here: the base
+model answers the benign and borderline training requests itself (the stage's sampling, `samples_per_prompt` tries
+each), and a request's first answer the helpful rule accepts (`grpo.data.general.is_helpful`), cut to its whole
+sentences, becomes its row. So SFT keeps what the instruct model already says well instead of teaching the
+generator's one-line references (which made a real model refuse or answer in the generator's words everywhere);
+harmful requests get no row: refusing them is the alignment stage's to teach.
 
 Must not depend on Prefect or MLflow.
 """
@@ -8,18 +16,26 @@ Must not depend on Prefect or MLflow.
 from __future__ import annotations
 
 import itertools
+import logging
+import random
+import re
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from grpo.data.general import general_sft_batches
+from grpo.configs.sampling import SamplingConfig
+from grpo.data.general import (FORMS, SFT_PHRASINGS, GeneralPrompt, answer_text, general_sft_batches, is_helpful,
+                               split_prompts)
 from grpo.data.row_files import parquet_files
 from grpo.data.tables import SFT_SCHEMA, DataError, validated_batches
 from grpo.rejection.store import write_parts
 
+log = logging.getLogger(__name__)
+
+MODEL = "model"  # the source that has the base model answer the general requests (ModelAnswers)
 COLUMNS = ["prompt", "response"]  # what the merge appends of each row, with `kind` = "non_reasoning"
 BATCH_ROWS = 4096  # rows read, checked and written at a time
 # the type a frame's text column takes in Arrow (large_string under pandas 3): `kind` as it was when the rows were
@@ -27,13 +43,30 @@ BATCH_ROWS = 4096  # rows read, checked and written at a time
 KIND_TYPE = pa.Schema.from_pandas(pd.DataFrame({"kind": ["non_reasoning"]}), preserve_index=False).field("kind").type
 
 
-def non_reasoning_batches(source: str, n: int, seed: int, batch_rows: int = BATCH_ROWS) -> Iterator[pd.DataFrame]:
+class ModelAnswers(NamedTuple):
+    """What the `model` source samples with: an engine of the base model (`grpo.sampling.rollout.Engine`), the tries
+    per request and the sampling."""
+
+    engine: object
+    samples: int
+    sampling: SamplingConfig
+    say: Callable[[str], None] = log.info  # where a line of progress goes (a stage: its run logger)
+
+
+def non_reasoning_batches(source: str, n: int, seed: int, batch_rows: int = BATCH_ROWS,
+                          answers: ModelAnswers | None = None) -> Iterator[pd.DataFrame]:
     """`n` (prompt, response) rows without a verifiable answer, `batch_rows` at a time: generated general requests
-    (`synthetic`: grpo.data.general, drawn with `seed`), or a user file's first `n` rows (JSONL, JSON, Parquet, CSV,
-    a `datasets` folder or a hub name), each batch checked as it is read: a bad cell fails naming the file, its row
+    (`synthetic`: grpo.data.general, drawn with `seed`), the base model's own answers to them (`model`: see the
+    module's docstring; `answers` says how), or a user file's first `n` rows (JSONL, JSON, Parquet, CSV, a
+    `datasets` folder or a hub name), each batch checked as it is read: a bad cell fails naming the file, its row
     and the column. A file with fewer rows fails once they are read."""
     if source == "synthetic":
         yield from general_sft_batches(n, seed, batch_rows)
+        return
+    if source == MODEL:
+        if answers is None:
+            raise ValueError("the non-reasoning source 'model' needs the base model to answer with (answers=)")
+        yield from model_answer_batches(answers, n, seed)
         return
     got = 0
     for frame in validated_batches(source, SFT_SCHEMA, batch_rows, limit=n):
@@ -43,13 +76,66 @@ def non_reasoning_batches(source: str, n: int, seed: int, batch_rows: int = BATC
         raise DataError(f"{source}: {got} non-reasoning rows, the recipe asks for {n}")
 
 
+def answer_pool(seed: int) -> list[GeneralPrompt]:
+    """The requests the `model` source asks, in the order it asks them: the benign and borderline training prompts
+    under the SFT phrasings, shuffled by `seed`."""
+    pool = [p for p in split_prompts("train") if p.category != "harmful" and p.template < SFT_PHRASINGS]
+    random.Random(f"model-answers-{seed}").shuffle(pool)
+    return pool
+
+
+def model_answer_batches(answers: ModelAnswers, n: int, seed: int, requests_per_batch: int = 32,
+                         max_requests: int | None = None) -> Iterator[pd.DataFrame]:
+    """Up to `n` rows of the base model's own helpful answers (the module's docstring), a batch of requests at a
+    time: `answer_pool(seed)`'s first `max_requests` (None: all), each asked `answers.samples` times. Fewer than `n`
+    where the model answers too few of them helpfully: a line says so, and the rows made are kept; none fails."""
+    pool = answer_pool(seed)[:max_requests]
+    made = asked = 0
+    for a in range(0, len(pool), requests_per_batch):
+        if made >= n:
+            return
+        batch = pool[a:a + requests_per_batch]
+        out = answers.engine.generate([p.text for p in batch], answers.samples, answers.sampling)
+        asked += len(batch)
+        rows = []
+        for i, p in enumerate(batch):
+            tries = out.texts[i * answers.samples:(i + 1) * answers.samples]
+            if (said := next(filter(None, (helpful_answer(t, p) for t in tries)), None)) is not None:
+                rows.append({"prompt": p.text, "response": f"<think>{FORMS[p.form][4].format(p.subject)}</think>"
+                                                           f"<answer>{said}</answer>"})
+        rows = rows[:n - made]
+        made += len(rows)
+        answers.say(f"non-reasoning rows from the model's own answers: {made} of {n} ({asked} of {len(pool)} "
+                    f"requests asked)")
+        if rows:
+            yield pd.DataFrame(rows, columns=COLUMNS)
+    if made < n:
+        log.warning("the model answered %d of the %d general requests helpfully: %d non-reasoning rows of the %d "
+                    "asked for (more tries per request, rejection.samples_per_prompt, find more)", made, len(pool),
+                    made, n)
+    if not made:
+        raise DataError("the model answered none of the general requests helpfully: no non-reasoning rows "
+                        "(non_reasoning_source: model); use 'synthetic' or a file")
+
+
+def helpful_answer(text: str, p: GeneralPrompt) -> str | None:
+    """`text`'s answer cut to its whole sentences, where the cut answer is helpful to `p`; None otherwise (a budget
+    that ran out mid-sentence leaves a fragment that SFT would teach)."""
+    said = answer_text(text).strip()
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", said)]
+    if not ends:
+        return None
+    said = said[:ends[-1]].strip()
+    return said if is_helpful(said, p.reference, p.text) else None
+
+
 def write_non_reasoning(source: str, n: int, seed: int, dest: str | Path, batch_rows: int = BATCH_ROWS,
-                        rows_per_file: int = 1_000_000) -> list[str]:
+                        rows_per_file: int = 1_000_000, answers: ModelAnswers | None = None) -> list[str]:
     """`non_reasoning_batches` written as Parquet files part-00000.parquet, ... in `dest`, a batch at a time; the
     files. Each batch becomes Arrow as the whole frame did (`pa.Table.from_pandas`), so the columns have the types
     they had as one frame; a batch whose column takes another type than the first batch's (text in one, chat
     messages in another) fails naming its rows."""
-    tables = _tables(source, non_reasoning_batches(source, n, seed, batch_rows))
+    tables = _tables(source, non_reasoning_batches(source, n, seed, batch_rows, answers))
     first = next(tables)  # every source has a row: non_reasoning_batches fails on none
     files, _ = write_parts(itertools.chain([first], tables), dest, first.schema, rows_per_file)
     return files
