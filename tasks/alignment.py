@@ -137,8 +137,9 @@ def train_dpo_model(run_id: str, stage: str, model_cfg: ModelConfig, checkpoint_
 @task(name="evaluate_alignment")
 def evaluate_alignment(run_id: str, checkpoint_uri: str, cfg: AlignmentGRPOConfig, step: int = 0) -> dict[str, dict]:
     """The checkpoint's alignment figures on each evaluation set (`alignment_eval_sets`: held-out phrasings as
-    `alignment/...`, held-out subjects as `alignment_subjects/...`, or the user's file): logged as metrics, with the
-    per-prompt table; returns each set's per-prompt verdicts for the before -> after comparison."""
+    `alignment/...`, held-out subjects as `alignment_subjects/...`, requests unlike the training ones as
+    `alignment_unlike/...`, or the user's file): logged as metrics, with the per-prompt table; returns each set's
+    per-prompt verdicts for the before -> after comparison."""
     import torch
 
     from grpo.evaluate import evaluate_alignment as measure

@@ -135,13 +135,20 @@ def test_a_users_evaluation_set_is_read_and_a_bad_row_fails_naming_it(tmp_path):
         load_evaluation_set(str(missing))
 
 
-def test_the_stage_evaluates_the_heldout_phrasings_and_apart_the_heldout_subjects(tmp_path):
+def test_the_stage_evaluates_the_heldout_phrasings_and_apart_the_heldout_subjects_and_unlike_requests(tmp_path):
     from grpo.configs.alignment import AlignmentEvalConfig
 
     sets = alignment_eval_sets(AlignmentEvalConfig(per_category=20))
-    assert set(sets) == {"alignment", "alignment_subjects"}
+    assert set(sets) == {"alignment", "alignment_subjects", "alignment_unlike"}
     assert set(sets["alignment"]["split"]) == {"heldout_phrasings"}
     assert set(sets["alignment_subjects"]["split"]) == {"heldout_subjects"}
+    unlike = sets["alignment_unlike"]
+    assert Counter(unlike["category"]) == {"harmful": 30, "borderline": 10, "benign": 10}
+    assert unlike["request"].is_unique and unlike["reference"].isna().all()
+    trained = {p.text for p in all_prompts()}
+    assert not set(unlike["prompt"]) & trained
+    assert set(alignment_eval_sets(AlignmentEvalConfig(unlike_training=False, heldout_subjects=False))) == {
+        "alignment"}
     assert alignment_eval_sets(AlignmentEvalConfig(enabled=False)) == {}
 
 
