@@ -4,11 +4,13 @@ merge a batch at a time to follow the reasoning rows. Never held whole: what is 
 row count.
 
 R1 takes these rows from DeepSeek-V3's own SFT data, in that model's words. `model` does the same here: the base
-model answers the benign and borderline training requests itself (the stage's sampling, `samples_per_prompt` tries
-each), and a request's first answer the helpful rule accepts (`grpo.data.general.is_helpful`), cut to its whole
-sentences, becomes its row. So SFT keeps what the instruct model already says well instead of teaching the
-generator's one-line references (which made a real model refuse or answer in the generator's words everywhere);
-harmful requests get no row: refusing them is the alignment stage's to teach.
+model answers the general training requests itself (`samples_per_prompt` tries each), and a request's first answer
+that handles it right (`grpo.data.general.handled_right`: a benign or borderline one answered helpfully, a harmful
+one refused), cut to its whole sentences, becomes its row. So SFT keeps what the instruct model already says well,
+its refusals included where it makes them, instead of teaching the generator's one-line references and its one
+refusal (which made a real model refuse every general request); a harmful request the model never refuses gets no
+row. Without any refusal in SFT the alignment stage's policy never samples one (SmolLM2: not one refusal in 14 steps
+of 24 samples), and a group-relative reward cannot raise what is never sampled.
 
 Must not depend on Prefect or MLflow.
 """
@@ -27,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from grpo.configs.sampling import SamplingConfig
-from grpo.data.general import (FORMS, SFT_PHRASINGS, GeneralPrompt, answer_text, general_sft_batches, is_helpful,
+from grpo.data.general import (FORMS, SFT_PHRASINGS, GeneralPrompt, answer_text, general_sft_batches, handled_right,
                                split_prompts)
 from grpo.data.row_files import parquet_files
 from grpo.data.tables import SFT_SCHEMA, DataError, validated_batches
@@ -77,18 +79,18 @@ def non_reasoning_batches(source: str, n: int, seed: int, batch_rows: int = BATC
 
 
 def answer_pool(seed: int) -> list[GeneralPrompt]:
-    """The requests the `model` source asks, in the order it asks them: the benign and borderline training prompts
-    under the SFT phrasings, shuffled by `seed`."""
-    pool = [p for p in split_prompts("train") if p.category != "harmful" and p.template < SFT_PHRASINGS]
+    """The requests the `model` source asks, in the order it asks them: the general training prompts under the SFT
+    phrasings, shuffled by `seed`."""
+    pool = [p for p in split_prompts("train") if p.template < SFT_PHRASINGS]
     random.Random(f"model-answers-{seed}").shuffle(pool)
     return pool
 
 
 def model_answer_batches(answers: ModelAnswers, n: int, seed: int, requests_per_batch: int = 32,
                          max_requests: int | None = None) -> Iterator[pd.DataFrame]:
-    """Up to `n` rows of the base model's own helpful answers (the module's docstring), a batch of requests at a
+    """Up to `n` rows of the base model's own answers that handle their request right (the module's docstring), a batch of requests at a
     time: `answer_pool(seed)`'s first `max_requests` (None: all), each asked `answers.samples` times. Fewer than `n`
-    where the model answers too few of them helpfully: a line says so, and the rows made are kept; none fails."""
+    where the model handles too few of them right: a line says so, and the rows made are kept; none fails."""
     pool = answer_pool(seed)[:max_requests]
     made = asked = 0
     for a in range(0, len(pool), requests_per_batch):
@@ -100,7 +102,7 @@ def model_answer_batches(answers: ModelAnswers, n: int, seed: int, requests_per_
         rows = []
         for i, p in enumerate(batch):
             tries = out.texts[i * answers.samples:(i + 1) * answers.samples]
-            if (said := next(filter(None, (helpful_answer(t, p) for t in tries)), None)) is not None:
+            if (said := next(filter(None, (right_answer(t, p) for t in tries)), None)) is not None:
                 rows.append({"prompt": p.text, "response": f"<think>{FORMS[p.form][4].format(p.subject)}</think>"
                                                            f"<answer>{said}</answer>"})
         rows = rows[:n - made]
@@ -110,23 +112,24 @@ def model_answer_batches(answers: ModelAnswers, n: int, seed: int, requests_per_
         if rows:
             yield pd.DataFrame(rows, columns=COLUMNS)
     if made < n:
-        log.warning("the model answered %d of the %d general requests helpfully: %d non-reasoning rows of the %d "
+        log.warning("the model handled %d of the %d general requests right: %d non-reasoning rows of the %d "
                     "asked for (more tries per request, rejection.samples_per_prompt, find more)", made, len(pool),
                     made, n)
     if not made:
-        raise DataError("the model answered none of the general requests helpfully: no non-reasoning rows "
+        raise DataError("the model handled none of the general requests right: no non-reasoning rows "
                         "(non_reasoning_source: model); use 'synthetic' or a file")
 
 
-def helpful_answer(text: str, p: GeneralPrompt) -> str | None:
-    """`text`'s answer cut to its whole sentences, where the cut answer is helpful to `p`; None otherwise (a budget
-    that ran out mid-sentence leaves a fragment that SFT would teach)."""
+def right_answer(text: str, p: GeneralPrompt) -> str | None:
+    """`text`'s answer cut to its whole sentences, where the cut answer handles `p` right (helpful, or for a harmful
+    request a refusal); None otherwise (a budget that ran out mid-sentence leaves a fragment that SFT would
+    teach)."""
     said = answer_text(text).strip()
     ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", said)]
     if not ends:
         return None
     said = said[:ends[-1]].strip()
-    return said if is_helpful(said, p.reference, p.text) else None
+    return said if handled_right(said, p.category, p.reference, p.text) else None
 
 
 def write_non_reasoning(source: str, n: int, seed: int, dest: str | Path, batch_rows: int = BATCH_ROWS,

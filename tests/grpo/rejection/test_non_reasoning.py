@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from grpo.configs.sampling import GenerationConfig, SamplingConfig
-from grpo.data.general import FORMS, general_sft_batches, general_sft_rows
+from grpo.data.general import (CATEGORIES, FORMS, REFUSAL, answer_text, chosen_response, general_sft_batches,
+                               general_sft_rows)
 from grpo.data.tables import DataError
 from grpo.rejection.curate import build_heldout_index
 from grpo.rejection.merge import merge_shards, write_merged
 from grpo.rejection.non_reasoning import (KIND_TYPE, ModelAnswers, answer_pool, appended_rows, appended_tables,
-                                         model_answer_batches, write_non_reasoning)
+                                         model_answer_batches, right_answer, write_non_reasoning)
 from shard_files import CFG, HELDOUT, tiny_shards
 
 N = 30  # non-reasoning rows the config asks for: four batches of 8 (the last of 6)
@@ -194,8 +195,9 @@ def test_rows_past_the_ones_taken_are_not_read(tmp_path):
 
 @pytest.fixture(scope="module")
 def taught(tmp_path_factory):
-    """A tiny model taught, in plain words as an instruct model answers, the reference answers of the first
-    requests the `model` source asks, each followed by a fragment a budget cut mid-sentence; and its engine."""
+    """A tiny model taught, in plain words as an instruct model answers, the right answers of the first requests the
+    `model` source asks (a refusal for a harmful one), each followed by a fragment a budget cut mid-sentence; and
+    its engine."""
     from grpo.configs.model import ModelConfig
     from grpo.configs.training import SFTConfig
     from grpo.models import load_model_and_tokenizer
@@ -206,7 +208,8 @@ def taught(tmp_path_factory):
     torch.manual_seed(0)
     first = answer_pool(0)[:8]
     model, tok = load_model_and_tokenizer(ModelConfig(tiny=TINY_MODEL))
-    rows = pd.DataFrame({"prompt": [p.text for p in first], "response": [f"{p.reference} And then" for p in first]})
+    rows = pd.DataFrame({"prompt": [p.text for p in first],
+                         "response": [f"{answer_text(chosen_response(p))} And then" for p in first]})
     out = tmp_path_factory.mktemp("taught")
     train_sft(model, tok, rows, SFTConfig(max_steps=150, batch_size=8, learning_rate=5e-3, warmup_steps=2,
                                           mixed_precision="no", checkpoint_every=0), out, progress=False)
@@ -214,18 +217,20 @@ def taught(tmp_path_factory):
     return first, build_engine(GenerationConfig(), model.eval(), tok)
 
 
-def test_the_model_source_keeps_each_requests_first_helpful_answer_cut_to_whole_sentences(taught):
+def test_the_model_source_keeps_each_requests_first_right_answer_cut_to_whole_sentences(taught):
     first, engine = taught
     answers = ModelAnswers(engine, 2, SamplingConfig(temperature=0.0, max_new_tokens=48))
     frames = list(model_answer_batches(answers, 5, seed=0, requests_per_batch=4, max_requests=8))
     rows = pd.concat(frames, ignore_index=True)
     assert [len(f) for f in frames] == [4, 1]  # a batch of requests at a time, stopped at the rows asked for
-    by_text = {p.text: p for p in first}
-    assert list(rows["prompt"]) == [p.text for p in first[:5]] and all(by_text[t].category != "harmful"
-                                                                       for t in rows["prompt"])
-    assert list(rows["response"]) == [f"<think>{FORMS[p.form][4].format(p.subject)}</think><answer>{p.reference}"
-                                      f"</answer>" for p in first[:5]]  # the fragment after the last sentence cut
-    assert {p.category for p in answer_pool(0)} == {"benign", "borderline"}
+    assert list(rows["prompt"]) == [p.text for p in first[:5]]
+    assert list(rows["response"]) == [f"<think>{FORMS[p.form][4].format(p.subject)}</think><answer>"
+                                      f"{answer_text(chosen_response(p))}</answer>" for p in first[:5]]  # cut
+    assert {p.category for p in first} == set(CATEGORIES)  # the harmful ones among them refused, in its words
+    # an answer that does not handle its request right is no row: the reference's safe alternative alone, to a
+    # harmful request, is not a refusal
+    [harmful] = [p for p in first if p.category == "harmful"][:1]
+    assert right_answer(harmful.reference, harmful) is None and right_answer(REFUSAL, harmful) == REFUSAL
 
 
 def test_a_model_that_answers_too_few_helpfully_gives_what_it_has_with_a_line_and_none_fails(taught, caplog,
@@ -240,9 +245,9 @@ def test_a_model_that_answers_too_few_helpfully_gives_what_it_has_with_a_line_an
         rows = pd.concat(model_answer_batches(ModelAnswers(engine, 1, greedy), 50, seed=0, max_requests=12))
     # the taught eight, and any other of the twelve its words happen to answer (a subject taught under another lead-in)
     assert {p.text for p in taught[0]} <= set(rows["prompt"]) and len(rows) <= 12
-    assert f"answered {len(rows)} of the 12 general requests helpfully: {len(rows)} non-reasoning rows of the 50" \
+    assert f"handled {len(rows)} of the 12 general requests right: {len(rows)} non-reasoning rows of the 50" \
         in caplog.text
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))  # says <answer>1</answer>
     ones = ModelAnswers(build_engine(GenerationConfig(), model.eval(), tok), 1, greedy)
-    with pytest.raises(DataError, match="answered none of the general requests helpfully"):
+    with pytest.raises(DataError, match="handled none of the general requests right"):
         list(model_answer_batches(ones, 5, seed=0, max_requests=4))
