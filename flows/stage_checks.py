@@ -43,9 +43,9 @@ def check_reasoning_grpo(cfg: ReasoningGRPOConfig) -> None:
         cfg.check_prompts(len(train), cfg.data.source)
     if cfg.grpo.grading.prm_path is not None:  # the process reward model that checks the steps
         if cfg.grpo.grading.prm_path.startswith("runs:/"):
-            check_uri("reasoning_grpo.grpo.prm_path", cfg.grpo.grading.prm_path)
+            check_uri("reasoning_grpo.grpo.grading.prm_path", cfg.grpo.grading.prm_path)
         else:
-            check_model_folder("reasoning_grpo.grpo.prm_path", cfg.grpo.grading.prm_path)
+            check_model_folder("reasoning_grpo.grpo.grading.prm_path", cfg.grpo.grading.prm_path)
 
 
 def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:

@@ -107,8 +107,8 @@ class PPOTrainingConfig(BaseModel):
             raise ValueError("algorithm ppo has an advantage per token: set grpo.loss.importance_sampling_level to "
                              "'token'")
         if self.grading.supervision != "outcome":
-            raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
-                             "reward at each completion's last token: use supervision 'outcome' with ppo")
+            raise ValueError("grpo.grading.supervision 'process' is GRPO's step advantages; algorithm ppo takes the "
+                             "outcome reward at each completion's last token: use supervision 'outcome' with ppo")
         return self
 
     @classmethod

@@ -157,11 +157,12 @@ class ReasoningGRPOConfig(StageConfig):
     def _check(self) -> "ReasoningGRPOConfig":
         self.grpo.check_rewards(set(RULE_REWARDS))  # no reward model in this stage: rule rewards only
         if self.grpo.grading.step_verifier == "arithmetic" and self.data.source != "synthetic":
-            raise ValueError(f"grpo.step_verifier 'arithmetic' reads the synthetic task's equations; data.source is "
-                             f"{self.data.source!r}: use step_verifier 'gsm8k' for GSM8K-style solutions, or 'prm'")
+            raise ValueError(f"grpo.grading.step_verifier 'arithmetic' reads the synthetic task's equations; "
+                             f"data.source is {self.data.source!r}: use step_verifier 'gsm8k' for GSM8K-style "
+                             f"solutions, or 'prm'")
         if self.algorithm == "ppo" and self.grpo.grading.supervision == "process":
-            raise ValueError("grpo.supervision 'process' is GRPO's step advantages; algorithm ppo takes the outcome "
-                             "reward at each completion's last token: use supervision 'outcome' with ppo")
+            raise ValueError("grpo.grading.supervision 'process' is GRPO's step advantages; algorithm ppo takes the "
+                             "outcome reward at each completion's last token: use supervision 'outcome' with ppo")
         check_fsdp_settings(self.distributed, weights_dtype=self.grpo.memory.weights_dtype,
                             optimizer=self.grpo.optimizer.name)
         check_async_rollout(self.grpo.rollout, engine=self.distributed.engine, algorithm=self.algorithm,
@@ -286,8 +287,8 @@ class AlignmentGRPOConfig(StageConfig):
                 raise ValueError(f"alignment_grpo.{field} names {unknown}; expected reward model names among "
                                  f"{list(REWARD_MODELS)}")
         if self.grpo.grading.supervision != "outcome":  # its general prompts have no steps to check
-            raise ValueError("alignment_grpo.grpo.supervision must be 'outcome': process supervision is offered in "
-                             "reasoning_grpo, whose prompts have checkable steps")
+            raise ValueError("alignment_grpo.grpo.grading.supervision must be 'outcome': process supervision is "
+                             "offered in reasoning_grpo, whose prompts have checkable steps")
         if self.algorithm == "dpo":
             if self.reward_model_uri is not None or self.reward_model.refresh_every:
                 raise ValueError("alignment_grpo.reward_model_uri and reward_model.refresh_every are GRPO's reward "

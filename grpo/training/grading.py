@@ -87,7 +87,7 @@ class GradingWatch:
                     f"{step + 1}): every group's rewards tie, so every advantage is 0 and only the KL term acts. "
                     f"The prompts may be too hard or too easy for the policy, or a reward may score everything alike")
             if self.stop_without_signal:
-                raise GradingStop(line + "; stopped (grpo.stop_without_signal), its checkpoint kept: the same "
+                raise GradingStop(line + "; stopped (grpo.grading.stop_without_signal), its checkpoint kept: the same "
                                          "command resumes")
             logger.warning(line)
             return line
@@ -97,7 +97,7 @@ class GradingWatch:
         reasons = sum((g.reasons for g in self.recent), Counter())
         (name, reason), count = reasons.most_common(1)[0] if reasons else (("a reward", "unknown"), ungraded)
         return (f"{self.stage} stopped before step {step + 1}: {ungraded} of the last {rows} rows ({ungraded / rows:.0%}"
-                f", over {len(self.recent)} steps) could not be graded, past grpo.max_ungraded_share "
+                f", over {len(self.recent)} steps) could not be graded, past grpo.grading.max_ungraded_share "
                 f"{self.max_share:.0%}; the grader {name!r} most often, for {reason} ({count} rows). Ungraded rows "
                 f"train nothing; fix the grader (or raise the share) and the same command resumes at step {step + 1}, "
                 f"the steps before it kept")

@@ -279,7 +279,7 @@ def test_variants_name_their_own_settings_and_stages(recipe, capsys):
 
     data = yaml.safe_load(recipe.read_text())
     for variant, said in [({"reasoning_grpo.algorithm": "pp0"}, "variant bad: recipe 'sweep-test' with overrides: reasoning_grpo.algorithm"),
-                          ({"reasoning_grpo.grpo.supervision": "process"}, "variant bad: "),
+                          ({"reasoning_grpo.grpo.grading.supervision": "process"}, "variant bad: "),
                           ({"stages": ["cold_start"]}, "unknown stage(s) ['cold_start']")]:
         recipe.write_text(yaml.safe_dump({**data, "sweep": {"variants": {"good": {}, "bad": variant}}}))
         assert main(["sweep", "--recipe", str(recipe)]) == 2

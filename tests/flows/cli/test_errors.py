@@ -137,7 +137,7 @@ RECIPE_CASES = {
                                   ["rejection_sampling.budget.tokens_per_s", "greater than 0"]),
     "process supervision in alignment": ({"alignment_grpo__grpo__supervision": "process",
                                           "alignment_grpo__grpo__step_verifier": "arithmetic"},
-                                         ["alignment_grpo.grpo.supervision must be 'outcome'"]),
+                                         ["alignment_grpo.grpo.grading.supervision must be 'outcome'"]),
 }
 
 
@@ -325,7 +325,7 @@ def test_a_gguf_path_that_is_not_there(ws, capsys):
 def test_a_process_reward_model_folder_that_is_not_there(ws, capsys):
     recipe = ws.recipe(reasoning_grpo__grpo__supervision="process", reasoning_grpo__grpo__step_verifier="prm",
                        reasoning_grpo__grpo__prm_path=str(ws.root / "no-prm"))
-    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "reasoning_grpo.grpo.prm_path", "no model folder")
+    fails_cleanly(capsys, ws, ["run", "--recipe", recipe], "reasoning_grpo.grpo.grading.prm_path", "no model folder")
 
 
 def test_a_model_folder_without_config_json(ws, capsys):

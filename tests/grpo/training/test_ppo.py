@@ -317,7 +317,7 @@ def test_past_the_ungraded_limit_ppo_stops_in_grpo_s_line_keeps_its_steps_and_re
         trainer.train()
     line = str(stop.value)
     assert "\n" not in line and line.startswith("PPO stopped before step 4: 8 of the last 16 rows (50%, over 2 steps) "
-                                                "could not be graded, past grpo.max_ungraded_share 5%")
+                                                "could not be graded, past grpo.grading.max_ungraded_share 5%")
     assert "the grader 'grader' most often, for raised (8 rows)" in line and "resumes at step 4" in line
     assert sorted(seen) == [1, 2, 3] and (tmp_path / "checkpoints" / "step-3").is_dir()
 
@@ -332,7 +332,8 @@ def test_a_ppo_run_without_reward_spread_stops_where_asked(tmp_path):
 
     trainer, seen, _ = make_ppo(tmp_path, rewards={"constant": 1.0}, max_steps=3, no_signal_steps=2,
                                 stop_without_signal=True)
-    with pytest.raises(GradingStop, match=r"^PPO: no learning signal for 2 steps .* stopped \(grpo.stop_without_"):
+    with pytest.raises(GradingStop,
+                       match=r"^PPO: no learning signal for 2 steps .* stopped \(grpo.grading.stop_without_"):
         trainer.train()
     assert sorted(seen) == [1]
 

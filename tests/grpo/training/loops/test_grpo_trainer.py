@@ -223,7 +223,8 @@ def test_a_run_without_reward_spread_says_so_and_stops_where_asked(tmp_path, cap
 
     trainer, seen = make_trainer(tmp_path / "stops", {"constant": 1.0}, max_steps=3, no_signal_steps=2,
                                  stop_without_signal=True)
-    with pytest.raises(GradingStop, match=r"no learning signal for 2 steps .* stopped \(grpo.stop_without_signal\)"):
+    with pytest.raises(GradingStop,
+                       match=r"no learning signal for 2 steps .* stopped \(grpo.grading.stop_without_signal\)"):
         trainer.train()
     assert sorted(seen) == [1]
 

@@ -150,8 +150,8 @@ def test_a_step_verifier_that_cannot_check_leaves_its_rows_ungraded_and_the_watc
     with pytest.raises(GradingStop) as stop:
         trainer.train()
     assert str(stop.value).startswith("GRPO stopped before step 1: 2 of the last 2 rows (100%, over 1 steps) could "
-                                      f"not be graded, past grpo.max_ungraded_share 5%; the grader 'step_verifier' "
-                                      f"most often, for {reason} (2 rows)")
+                                      f"not be graded, past grpo.grading.max_ungraded_share 5%; the grader "
+                                      f"'step_verifier' most often, for {reason} (2 rows)")
 
 
 def reaches(completions, answer, **_):
@@ -179,8 +179,8 @@ def test_a_step_whose_rollouts_could_not_be_graded_gets_no_label_and_changes_no_
     assert unsure["step_ends"] == [RIGHT.index("12.") + 3] and unsure["labels"] == [1]  # its first step only
     assert labels.attrs == {"prm/steps": 6.0, "prm/ungraded_steps": 1.0, "reward_ungraded/accuracy/timeout": 1.0}
     with pytest.raises(GradingStop, match=r"^PRM labelling stopped before step 1: 1 of the last 6 rows \(17%, over 1 "
-                                          r"steps\) could not be graded, past grpo.max_ungraded_share 5%; the grader "
-                                          r"'accuracy' most often, for timeout \(1 rows\)"):
+                                          r"steps\) could not be graded, past grpo.grading.max_ungraded_share 5%; the "
+                                          r"grader 'accuracy' most often, for timeout \(1 rows\)"):
         label_steps(backend, rows, completions, 2, sampling, grade=reaches)
 
 
