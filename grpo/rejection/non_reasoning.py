@@ -88,9 +88,10 @@ def answer_pool(seed: int) -> list[GeneralPrompt]:
 
 def model_answer_batches(answers: ModelAnswers, n: int, seed: int, requests_per_batch: int = 32,
                          max_requests: int | None = None) -> Iterator[pd.DataFrame]:
-    """Up to `n` rows of the base model's own answers that handle their request right (the module's docstring), a batch of requests at a
-    time: `answer_pool(seed)`'s first `max_requests` (None: all), each asked `answers.samples` times. Fewer than `n`
-    where the model handles too few of them right: a line says so, and the rows made are kept; none fails."""
+    """Up to `n` rows of the base model's own answers that handle their request right (the module's docstring), a
+    batch of requests at a time: `answer_pool(seed)`'s first `max_requests` (None: all), each asked `answers.samples`
+    times. Fewer than `n` where the model handles too few of them right: a line says so, and the rows made are kept;
+    none fails."""
     pool = answer_pool(seed)[:max_requests]
     made = asked = 0
     for a in range(0, len(pool), requests_per_batch):

@@ -23,7 +23,8 @@ COLD = {**TINY_STAGE, "data": {"num_train": 32, "num_heldout": 4}, "train": {**T
         "eval": {**TINY_STAGE["eval"], "num_prompts": 4, "num_samples": 1}}
 GRPO = {**TINY_GRPO, "data": {"num_train": 16, "num_heldout": 4},
         "eval": {**TINY_GRPO["eval"], "num_prompts": 4}}
-GRID = ["--grid", "reasoning_grpo.grpo.loss.beta=0,0.04", "--grid", "reasoning_grpo.grpo.optimizer.learning_rate=1e-5,1e-4"]
+GRID = ["--grid", "reasoning_grpo.grpo.loss.beta=0,0.04",
+        "--grid", "reasoning_grpo.grpo.optimizer.learning_rate=1e-5,1e-4"]
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -107,8 +108,8 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
     folder = Path(mlflow_client.download_artifacts(sweep.info.run_id, "sweep", str(recipe.parent / "got")))
     table = pd.read_csv(folder / "points.csv")
     assert len(table) == 4 and set(table["pipeline_run"]) == set(pipeline_runs)
-    assert sorted(zip(table["reasoning_grpo.grpo.loss.beta"], table["reasoning_grpo.grpo.optimizer.learning_rate"])) == \
-        [(0.0, 1e-5), (0.0, 1e-4), (0.04, 1e-5), (0.04, 1e-4)]
+    settings = zip(table["reasoning_grpo.grpo.loss.beta"], table["reasoning_grpo.grpo.optimizer.learning_rate"])
+    assert sorted(settings) == [(0.0, 1e-5), (0.0, 1e-4), (0.04, 1e-5), (0.04, 1e-4)]
     for _, row in table.iterrows():  # each row's numbers are its own pipeline run's
         run = mlflow_client.get_run(row["pipeline_run"])
         assert row["reasoning_grpo/eval/accuracy"] == pytest.approx(run.data.metrics["reasoning_grpo/eval/accuracy"])
@@ -135,8 +136,9 @@ def test_a_2x2_sweep_trains_its_shared_cold_start_once_and_again_trains_nothing(
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--grid", "reasoning_grpo.grpo.loss.betta=0,1"], "--grid reasoning_grpo.grpo.loss.betta=0: override "
-                                                  "'reasoning_grpo.grpo.loss.betta': reasoning_grpo.grpo.loss has no field 'betta'"),
+    (["--grid", "reasoning_grpo.grpo.loss.betta=0,1"],
+     "--grid reasoning_grpo.grpo.loss.betta=0: override 'reasoning_grpo.grpo.loss.betta': reasoning_grpo.grpo.loss has "
+     "no field 'betta'"),
     (["--grid", "reasoning_grpo.grpo.loss.beta=0,-1"], "--grid reasoning_grpo.grpo.loss.beta=-1: "),
     (["--grid", "reasoning_grpo.grpo.loss.beta=0,0"], "--grid reasoning_grpo.grpo.loss.beta: 0 given twice"),
     (["--grid", "reasoning_grpo.grpo.loss.beta"], "--grid 'reasoning_grpo.grpo.loss.beta': expected PATH=V1,V2"),
@@ -164,8 +166,10 @@ def test_seeds_say_which_stages_they_reach(recipe):
     assert seeds_reach(r, late) == ("2 seeds reach reasoning_grpo: each seed trains its own reasoning_grpo and "
                                     "everything after it; cold_start_sft shared by all seeds")
     points = expand(r, late)
-    assert [(p.settings["reasoning_grpo.grpo.loss.beta"], p.seed) for p in points] == [(0, 0), (0, 1), (0.04, 0), (0.04, 1)]
-    assert points[1].overrides == {"reasoning_grpo.grpo.loss.beta": 0, "reasoning_grpo.grpo.seed": 1}  # GRPO's seed only
+    assert [(p.settings["reasoning_grpo.grpo.loss.beta"], p.seed) for p in points] == [(0, 0), (0, 1), (0.04, 0),
+                                                                                       (0.04, 1)]
+    # GRPO's seed only
+    assert points[1].overrides == {"reasoning_grpo.grpo.loss.beta": 0, "reasoning_grpo.grpo.seed": 1}
     shared = with_fixed(points, {"reasoning_grpo.grpo.loss.beta": 9, "cold_start_sft.train.max_steps": 3})
     assert shared[1].overrides == {"reasoning_grpo.grpo.loss.beta": 0, "cold_start_sft.train.max_steps": 3,
                                    "reasoning_grpo.grpo.seed": 1}  # the point's own setting wins
