@@ -23,7 +23,7 @@ class AlignmentEvalConfig(BaseModel):
     per_category: int = Field(20, ge=0)  # synthetic: prompts of each category (0: the whole split)
     heldout_subjects: bool = True  # synthetic: also measure subjects never trained on (alignment_subjects/...)
     # synthetic: also measure 50 requests written unlike the training ones, other kinds of harm and other lengths
-    # (grpo.data.general.UNLIKE_TRAINING: alignment_unlike/...)
+    # (grpo.data.unlike_requests: alignment_unlike/...)
     unlike_training: bool = True
     max_new_tokens: int | None = Field(None, ge=1)  # greedy completion budget; None: the stage's eval section's
     enabled: bool = True  # false: no alignment evaluation

@@ -196,12 +196,9 @@ class RejectionSamplingConfig(StageConfig):
     # who checks rows the rule cannot (and, with judge_when="always", every row); None = rule check only.
     # model "checkpoint" = the checkpoint being sampled, asked in the judge prompt
     judge: JudgeConfig | None = None
-    non_reasoning_source: str = "synthetic"  # rows (prompt, response) added as non-reasoning data: "synthetic"
-    #                                          (generated general requests), "model" (`model` answers them itself,
-    #                                          its helpful answers kept: grpo.rejection.non_reasoning) or a
-    #                                          file/dataset read like `data`
-    # how the "model" source samples its answers (None: as rejection.sampling samples the RL checkpoint)
-    non_reasoning_sampling: SamplingConfig | None = None
+    # non-reasoning rows: "synthetic", "model" (`model`'s own answers: grpo.rejection.non_reasoning) or a file like `data`
+    non_reasoning_source: str = "synthetic"
+    non_reasoning_sampling: SamplingConfig | None = None  # the "model" source's (None: rejection.sampling)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # threads here, or shard tasks on a Ray cluster
     budget: BudgetConfig = Field(default_factory=BudgetConfig)  # the plan printed first, then logged against the run
 
