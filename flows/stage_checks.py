@@ -20,6 +20,7 @@ from grpo.configs.checks import check_prompts_per_step
 from grpo.configs.grading import SELF_JUDGE
 from grpo.configs.model import TINY, ModelConfig
 from grpo.configs.recipe import AlignmentGRPOConfig, ColdStartSFTConfig, ReasoningGRPOConfig, RejectionSamplingConfig
+from grpo.rejection.non_reasoning import MODEL
 
 
 def check_cold_start_sft(cfg: ColdStartSFTConfig) -> None:
@@ -60,7 +61,7 @@ def check_rejection_sampling(cfg: RejectionSamplingConfig) -> None:
         check_sandbox("rejection_sampling.data", rs.code)
     elif has_tests(heldout):
         check_sandbox("rejection_sampling.data.heldout_source")
-    if rs.non_reasoning_rows and cfg.non_reasoning_source not in ("synthetic", "model"):
+    if rs.non_reasoning_rows and cfg.non_reasoning_source not in ("synthetic", MODEL):
         with reading("rejection_sampling.non_reasoning_source"):  # the rows the stage takes, a batch at a time
             rows = sum(len(batch) for batch in validated_batches(cfg.non_reasoning_source, SFT_SCHEMA,
                                                                  limit=rs.non_reasoning_rows))

@@ -38,6 +38,7 @@ from grpo.rejection.store import write_parts
 log = logging.getLogger(__name__)
 
 MODEL = "model"  # the source that has the base model answer the general requests (ModelAnswers)
+GIVE_UP_AFTER = 128  # requests asked with no right answer among them: the `model` source fails there
 COLUMNS = ["prompt", "response"]  # what the merge appends of each row, with `kind` = "non_reasoning"
 BATCH_ROWS = 4096  # rows read, checked and written at a time
 # the type a frame's text column takes in Arrow (large_string under pandas 3): `kind` as it was when the rows were
@@ -112,13 +113,15 @@ def model_answer_batches(answers: ModelAnswers, n: int, seed: int, requests_per_
                     f"requests asked)")
         if rows:
             yield pd.DataFrame(rows, columns=COLUMNS)
+        elif not made and asked >= GIVE_UP_AFTER:
+            break  # none right in the first batches: fail now, not after the whole pool's sampling
     if made < n:
         log.warning("the model handled %d of the %d general requests right: %d non-reasoning rows of the %d "
                     "asked for (more tries per request, rejection.samples_per_prompt, find more)", made, len(pool),
                     made, n)
     if not made:
-        raise DataError("the model handled none of the general requests right: no non-reasoning rows "
-                        "(non_reasoning_source: model); use 'synthetic' or a file")
+        raise DataError(f"the model handled none of the first {asked} general requests right: no non-reasoning "
+                        f"rows (non_reasoning_source: model); use 'synthetic' or a file")
 
 
 def right_answer(text: str, p: GeneralPrompt) -> str | None:

@@ -249,5 +249,8 @@ def test_a_model_that_answers_too_few_helpfully_gives_what_it_has_with_a_line_an
         in caplog.text
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=answering_checkpoint))  # says <answer>1</answer>
     ones = ModelAnswers(build_engine(GenerationConfig(), model.eval(), tok), 1, greedy)
-    with pytest.raises(DataError, match="handled none of the general requests right"):
+    with pytest.raises(DataError, match="handled none of the first 4 general requests right"):
         list(model_answer_batches(ones, 5, seed=0, max_requests=4))
+    # a model that gets none right stops after the first batches, not after sampling the whole pool
+    with pytest.raises(DataError, match="handled none of the first 128 general requests right"):
+        list(model_answer_batches(ones, 5, seed=0))
